@@ -1,0 +1,16 @@
+# The two quick-start targets: `make demo` (set up, run the main job) and `make test` (set up, run the tests).
+VENV ?= .venv
+BIN = $(VENV)/bin
+
+$(VENV)/.installed: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh $(VENV)
+
+.PHONY: setup demo test
+setup: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(BIN)/moe-offload selftest
+	$(BIN)/moe-offload backends
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,1 @@
+"""Data planes: the engine contract (base), the mock engine, the offload executor, external engine processes."""

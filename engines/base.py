@@ -1,0 +1,191 @@
+"""The in-process engine contract every backend implements. Pure Python: no torch here.
+
+    prompt ids --Engine.generate(params)--> Generation: iterate token ids ... then .stats
+
+A ``Generation`` yields token ids one at a time; when it is exhausted (or
+closed early: a cancelled request) its ``stats`` hold the measured numbers of
+that request. ``Engine.stats()`` gives the cumulative numbers since start.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_offload.errors import ConfigError
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens: expected an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100 or math.isnan(self.temperature):
+            raise ConfigError(f"temperature: expected a number in 0..100, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k: expected an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed: expected an integer or null, got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerationStats:
+    """Measured numbers of one request. Times in ms; hit rates are fractions 0..1 of routed
+    token-expert pairs served per tier; bytes_moved is host->accelerator copy volume per tier."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = "length"
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    token_ms: list[float] = field(default_factory=list)  # wall time of each decode step after the first token
+    hits: int = 0
+    misses: int = 0
+    hit_rate_by_tier: dict[str, float] = field(default_factory=dict)
+    bytes_moved: dict[str, int] = field(default_factory=dict)
+    host_expert_tokens: int = 0
+    stage_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return self.decode_ms / len(self.token_ms) if self.token_ms else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        routed = self.hits + self.misses
+        return self.hits / routed if routed else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "finish_reason": self.finish_reason,
+            "prefill_ms": round(self.prefill_ms, 3),
+            "decode_ms": round(self.decode_ms, 3),
+            "decode_ms_per_token": round(self.decode_ms_per_token, 3),
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": round(self.hit_rate, 6),
+            "hit_rate_by_tier": {k: round(v, 6) for k, v in self.hit_rate_by_tier.items()},
+            "bytes_moved": dict(self.bytes_moved),
+            "host_expert_tokens": self.host_expert_tokens,
+            "stage_ms": {k: round(v, 3) for k, v in self.stage_ms.items()},
+        }
+
+
+class Generation(Iterator[int]):
+    """Token ids of one request, then ``stats``. ``close()`` aborts it (finish_reason ``abort``)."""
+
+    def __init__(self, tokens: Iterator[int], stats: GenerationStats):
+        self._tokens = tokens
+        self.stats = stats
+        self.done = False
+
+    def __next__(self) -> int:
+        if self.done:
+            raise StopIteration
+        try:
+            return next(self._tokens)
+        except StopIteration:
+            self.done = True
+            raise
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.stats.finish_reason = "abort"
+            close = getattr(self._tokens, "close", None)
+            if close:
+                close()
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a server needs to know about a loaded engine."""
+
+    model: str
+    backend: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    policy: str = ""
+    predicted_hit_rate: Mapping[str, float] = field(default_factory=dict)
+
+
+class Engine(ABC):
+    """One model loaded on one backend. Not thread-safe: one ``generate`` at a time."""
+
+    info: EngineInfo
+    tokenizer: Any  # a transformers-style tokenizer: encode, decode, apply_chat_template, eos_token_id
+
+    @abstractmethod
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """Start decoding ``prompt_ids``; raises ConfigError for ids outside the vocabulary or beyond the context."""
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative numbers since the engine started (same keys as GenerationStats.to_dict, summed)."""
+        return {}
+
+    def close(self) -> None:
+        """Free the engine's memory and threads."""
+
+    def check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Shared input checks, raising ConfigError with a message a client can act on."""
+        if not prompt_ids:
+            raise ConfigError("prompt: expected at least one token, got an empty prompt")
+        vocab = self.info.vocab_size
+        for t in prompt_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ConfigError(f"prompt token id: expected an integer in 0..{vocab - 1}, got {t!r}")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.info.max_model_len:
+            raise ConfigError(
+                f"This model's maximum context length is {self.info.max_model_len} tokens; the request asks for "
+                f"{total} ({len(prompt_ids)} prompt + {params.max_tokens} max_tokens)"
+            )
+
+
+def sample_next(probs_or_logits: Sequence[float], params: SamplingParams, rng: random.Random) -> int:
+    """Pure-Python sampler over a list of logits (used by the mock engine; torch engines sample in torch)."""
+    logits = list(probs_or_logits)
+    if params.greedy:
+        return max(range(len(logits)), key=logits.__getitem__)
+    scaled = [x / params.temperature for x in logits]
+    order = sorted(range(len(scaled)), key=scaled.__getitem__, reverse=True)
+    if params.top_k:
+        order = order[: params.top_k]
+    m = scaled[order[0]]
+    weights = [math.exp(scaled[i] - m) for i in order]
+    total = sum(weights)
+    if params.top_p < 1.0:
+        kept, acc = [], 0.0
+        for i, w in zip(order, weights):
+            kept.append((i, w))
+            acc += w / total
+            if acc >= params.top_p:
+                break
+        order, weights = [i for i, _ in kept], [w for _, w in kept]
+    return rng.choices(order, weights=weights)[0]

@@ -1,0 +1,143 @@
+"""The backend plugin manager: built-in and entry-point backends, the allow-list, lookup.
+
+    plugin --moe_offload_register_backends(register)--> Backend
+    Backend.availability() -> (ok, reason);  .tiers() -> [MemoryTier];  .build_engine(model, placement, **opts) -> Engine
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import import_module
+
+import pluggy
+
+from moe_offload import hooks
+from moe_offload.errors import BackendUnavailable, ConfigError
+from rm_core import MemoryTier
+
+DEFAULT_PLUGINS = (
+    "moe_offload.plugins.mock",
+    "moe_offload.plugins.cpu",
+    "moe_offload.plugins.cuda",
+    "moe_offload.plugins.rngd",
+)
+ENTRY_POINT_GROUP = "moe_offload.backends"
+# Preference order when a caller asks for "the best available".
+PREFERENCE = ("rngd", "cuda", "cpu", "mock")
+
+
+@dataclass(frozen=True)
+class Availability:
+    ok: bool
+    reason: str = ""
+
+    def __str__(self) -> str:
+        return "available" if self.ok else f"not available: {self.reason}"
+
+
+class Backend:
+    """A place engines run. Subclasses override the three methods; construction must be cheap."""
+
+    name: str = ""
+    description: str = ""
+
+    def availability(self) -> Availability:
+        return Availability(True)
+
+    def tiers(self) -> list[MemoryTier]:
+        """Memory tiers read from the real machine (bytes)."""
+        return [host_tier()]
+
+    def build_engine(self, model: str | None, placement=None, **options):
+        raise BackendUnavailable(f"backend {self.name!r} cannot build engines")
+
+    def require(self) -> None:
+        a = self.availability()
+        if not a.ok:
+            raise BackendUnavailable(f"backend {self.name!r} is {a}")
+
+
+def node_name() -> str:
+    """Kubernetes' $NODE_NAME, else the hostname: the <node> of accelerator ids."""
+    return os.environ.get("NODE_NAME") or socket.gethostname().split(".")[0] or "localhost"
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_tier() -> MemoryTier:
+    return MemoryTier(name="host", kind="host-dram", capacity_bytes=host_memory_bytes(), labels={"node": node_name()})
+
+
+def _allow_list() -> set[str] | None:
+    raw = os.environ.get("MOE_OFFLOAD_PLUGINS")
+    if raw is None:
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+@lru_cache(maxsize=1)
+def plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager("moe_offload")
+    pm.add_hookspecs(hooks)
+    allowed = _allow_list()
+    for modname in DEFAULT_PLUGINS:
+        short = modname.rsplit(".", 1)[1]
+        if allowed is None or short in allowed:
+            pm.register(import_module(modname), name=short)
+    if allowed is None:
+        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    else:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in allowed and pm.get_plugin(ep.name) is None:
+                pm.register(ep.load(), name=ep.name)
+    pm.check_pending()
+    return pm
+
+
+@lru_cache(maxsize=1)
+def _backends() -> dict[str, Backend]:
+    found: dict[str, Backend] = {}
+
+    def register(backend: Backend) -> None:
+        if not isinstance(backend, Backend) or not backend.name:
+            raise ConfigError(f"a plugin registered {backend!r}: expected a named moe_offload.backends.Backend")
+        found.setdefault(backend.name, backend)  # first registration wins; loading twice is harmless
+
+    plugin_manager().hook.moe_offload_register_backends(register=register)
+    return found
+
+
+def backends() -> dict[str, Backend]:
+    """Every registered backend by name, in registration order."""
+    return dict(_backends())
+
+
+def reset() -> None:
+    """Forget loaded plugins (tests; after changing MOE_OFFLOAD_PLUGINS)."""
+    plugin_manager.cache_clear()
+    _backends.cache_clear()
+
+
+def get_backend(name: str) -> Backend:
+    found = _backends()
+    if name not in found:
+        raise ConfigError(f"unknown backend {name!r}; known: {', '.join(found) or 'none'}")
+    return found[name]
+
+
+def best_available() -> Backend:
+    found = _backends()
+    for name in PREFERENCE:
+        if name in found and found[name].availability().ok:
+            return found[name]
+    for b in found.values():
+        if b.availability().ok:
+            return b
+    raise BackendUnavailable("no backend is available here")

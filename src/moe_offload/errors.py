@@ -1,0 +1,47 @@
+"""User-facing errors. The CLI prints them as one line; the API maps them to OpenAI error objects."""
+
+from rm_core import ContractError
+
+
+class OffloadError(Exception):
+    """Base of every error a user can cause or fix. ``status`` is the HTTP status at the API."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class ConfigError(OffloadError):
+    """Bad input: a flag, a file, a config value."""
+
+
+class ModelError(OffloadError):
+    """A checkpoint or config that cannot be used (dense model, missing shard, missing key)."""
+
+
+class PlacementError(OffloadError):
+    """A placement or budget that does not fit the model or the memory."""
+
+
+class BackendUnavailable(OffloadError):
+    """The backend cannot run here; the message says why."""
+
+    status = 503
+    type = "service_unavailable"
+
+
+class EngineError(OffloadError):
+    """The engine failed while running a request."""
+
+    status = 500
+    type = "internal_error"
+
+
+__all__ = [
+    "BackendUnavailable",
+    "ConfigError",
+    "ContractError",
+    "EngineError",
+    "ModelError",
+    "OffloadError",
+    "PlacementError",
+]

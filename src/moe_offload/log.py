@@ -1,0 +1,39 @@
+"""structlog set-up: key=value on a terminal, JSON lines otherwise. One event per lifecycle step."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+_configured = False
+
+
+def configure(level: str | None = None, json: bool | None = None) -> None:
+    """Configure once per process. ``MOE_OFFLOAD_LOG`` sets the level, ``MOE_OFFLOAD_LOG_JSON=1|0`` forces the format."""
+    global _configured
+    level = (level or os.environ.get("MOE_OFFLOAD_LOG", "info")).upper()
+    if json is None:
+        env = os.environ.get("MOE_OFFLOAD_LOG_JSON")
+        json = env == "1" if env in ("0", "1") else not sys.stderr.isatty()
+    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level, logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    _configured = True
+
+
+def get_logger(name: str):
+    if not _configured:
+        configure()
+    return structlog.get_logger(name)
