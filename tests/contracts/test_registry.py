@@ -47,3 +47,17 @@ def test_manifest_validation_reports_the_problem(tmp_path):
     garbled.write_text("a: [1,\n")
     with pytest.raises(ContractError, match="YAML"):
         validate_manifest(garbled)
+
+
+def test_project_manifest_is_valid():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    manifest = validate_manifest(root / "ai-rm.yaml")
+    ep = manifest["entry_point"]
+    runner = registry.load(ep["group"], ep["name"])
+    assert f"{runner.__module__}:{runner.__name__}" == ep["object"]
+    assert manifest["protocol"] == PROTOCOL_VERSION
+    declared = {m["name"]: m["unit"] for m in manifest["metrics"]}
+    for name, spec in METRICS.items():
+        assert declared.get(name) == spec.unit, f"{name} missing or with another unit in ai-rm.yaml"
