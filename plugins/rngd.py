@@ -75,7 +75,8 @@ class RngdBackend(Backend):
             raise ConfigError("the rngd backend needs engine=PATH (the external engine binary)")
         from moe_offload.engines.process import EngineProcess
 
-        return EngineProcess([engine], model=model or "", backend=self.name, data=options.pop("data", None), env=options.pop("env", None))
+        argv = [engine] + (["--model", model] if model else []) + (["--data", str(options["data"])] if options.get("data") else [])
+        return EngineProcess(argv, model=model or "", backend=self.name, env=options.get("env"))
 
 
 @hookimpl

@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "moe_offload.commands.engine",
     "moe_offload.commands.serve",
     "moe_offload.commands.airm",
+    "moe_offload.commands.protocol",
 )
 
 

@@ -1,0 +1,71 @@
+"""EngineProcess and the JSON-lines protocol: conformance of the reference engine, crash detection, restart."""
+
+import sys
+import textwrap
+
+import pytest
+
+from moe_offload.engines.base import SamplingParams
+from moe_offload.engines.conformance import CHECKS, run_checks
+from moe_offload.engines.process import EngineProcess
+from moe_offload.errors import EngineError
+
+MOCK_ENGINE = [sys.executable, "-m", "moe_offload.engines.stdio", "--backend", "mock", "--option", "ms_per_token=0"]
+
+
+def test_reference_engine_passes_conformance():
+    lines = []
+    assert run_checks(MOCK_ENGINE, lines.append) == 0, "\n".join(lines)
+    assert len(lines) == len(CHECKS) and all(line.startswith("PASS") for line in lines)
+
+
+def test_process_matches_in_process_engine():
+    from moe_offload.engines.mock import MockConfig, MockEngine
+
+    params = SamplingParams(max_tokens=10, temperature=0.7, seed=5)
+    local = list(MockEngine(MockConfig(ms_per_token=0)).generate([3, 4, 5], params))
+    engine = EngineProcess(MOCK_ENGINE)
+    try:
+        gen = engine.generate([3, 4, 5], params)
+        assert list(gen) == local
+        assert len(gen.stats.token_ms) == len(local) - 1  # measured at arrival
+    finally:
+        engine.close()
+
+
+CRASHY = textwrap.dedent(
+    """
+    import json, sys
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "health":
+            print(json.dumps({"id": req["id"], "event": "health", "vocab_size": 100, "max_model_len": 64,
+                              "tokenizer": "byte", "tiers": []}), flush=True)
+        elif req["op"] == "generate":
+            print(json.dumps({"id": req["id"], "event": "token", "token": 7}), flush=True)
+            sys.stderr.write("simulated NPU fault\\n")
+            sys.exit(3)
+    """
+)
+
+
+def test_dead_engine_is_detected_and_restarted(tmp_path):
+    script = tmp_path / "crashy.py"
+    script.write_text(CRASHY)
+    engine = EngineProcess([sys.executable, str(script)])
+    try:
+        gen = engine.generate([1, 2], SamplingParams(max_tokens=5))
+        assert next(gen) == 7
+        with pytest.raises(EngineError, match=r"exited \(code 3\).*simulated NPU fault"):
+            next(gen)
+        assert not engine.alive
+        # The next request starts the process again.
+        gen = engine.generate([1, 2], SamplingParams(max_tokens=5))
+        assert engine.restarts == 1 and next(gen) == 7
+    finally:
+        engine.close()
+
+
+def test_missing_engine_binary_is_a_clear_error(tmp_path):
+    with pytest.raises(EngineError, match="could not start the engine process"):
+        EngineProcess([str(tmp_path / "no-such-engine")])
