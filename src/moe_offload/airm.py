@@ -1,5 +1,9 @@
 """The ai-rm adapter: the workload runner ``airm.workloads:npu-offload``.
 
+    registry.load("airm.workloads", "npu-offload") -> run
+    run(Workload(kind="decode"), **config) -> [Measurement]       (KPI decode runs)
+    run(Workload(kind="serve"), **config)  -> blocks, or a handle with .url and .stop() (block=False)
+
 Importing this module opens no device, starts no engine and imports no torch.
 """
 
@@ -8,12 +12,25 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from rm_core import ContractError, Measurement, Workload
-
-DECODE_KEYS = {"backend", "model", "placement", "prompt", "max_new", "repeat", "mock", "mock_ms", "mock_hit", "policy", "fraction"}
+from rm_core import ContractError, Measurement, MemoryTier, Workload
 
 
-def _percentile(values: list[float], q: float) -> float:
+def run(workload: Workload, **config: Any):
+    """Run ``workload`` with the runner config (keys: ``moe_offload.runconfig.RunConfig``)."""
+    from moe_offload.runconfig import RunConfig
+
+    if not isinstance(workload, Workload):
+        raise ContractError("workload", "an rm_core.Workload", workload)
+    cfg = RunConfig.parse(config)
+    if workload.kind == "decode":
+        return decode(workload, cfg)
+    from moe_offload.airm_serve import serve
+
+    return serve(workload, cfg)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in 0..1."""
     ordered = sorted(values)
     if not ordered:
         return 0.0
@@ -22,55 +39,92 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def run(workload: Workload, **config: Any) -> list[Measurement]:
-    """Run a Workload. ``decode`` returns Measurements of ``repeat`` decodes of ``prompt``."""
-    if not isinstance(workload, Workload):
-        raise ContractError("workload", "an rm_core.Workload", workload)
-    unknown = sorted(set(config) - DECODE_KEYS)
-    if unknown:
-        raise ContractError(f"config.{unknown[0]}", "one of " + ", ".join(sorted(DECODE_KEYS)), unknown[0])
-    if workload.kind != "decode":
-        raise ContractError("Workload.kind", "decode (serve comes with the serving adapter)", workload.kind)
-    return decode(workload, **config)
+def log_tiers(tiers: list[MemoryTier], log) -> None:
+    """One structured event per tier, at start-up."""
+    for t in tiers:
+        log.info(
+            "memory_tier",
+            tier=t.name,
+            kind=t.kind,
+            accelerator=t.accelerator,
+            capacity_bytes=t.capacity_bytes,
+            reserved_bytes=t.reserved_bytes,
+        )
 
 
-def decode(workload: Workload, **config: Any) -> list[Measurement]:
-    from moe_offload import backends
-    from moe_offload.engines.base import SamplingParams
-
-    mock = config.get("mock") in (True, "1", "true")
-    name = "mock" if mock else config.get("backend") or "mock"
-    backend = backends.get_backend(name)
-    backend.require()
-    options: dict[str, Any] = {}
+def engine_options(cfg) -> dict[str, Any]:
+    """The backend's engine options from the runner config."""
+    name = cfg.backend_name
     if name == "mock":
-        options = {"ms_per_token": float(config.get("mock_ms", 5.0)), "hit_rate": float(config.get("mock_hit", 0.85))}
-    model = config.get("model") or workload.model or "mock"
-    engine = backend.build_engine(model, config.get("placement"), **options)
+        return {"ms_per_token": cfg.mock_ms, "hit_rate": cfg.mock_hit}
+    if name == "rngd":
+        return {k: v for k, v in (("engine", cfg.engine), ("data", cfg.data), ("env", cfg.env)) if v}
+    opts: dict[str, Any] = {}
+    if cfg.policy:
+        opts["policy"] = cfg.policy
+    if cfg.fraction is not None:
+        opts["fraction"] = cfg.fraction
+    return opts
+
+
+def build(cfg, log):
+    """Pick the backend, log its tiers, build the engine. Returns (backend, engine, tiers, model)."""
+    from moe_offload import backends
+    from moe_offload.errors import OffloadError
+
     try:
-        prompt = str(config.get("prompt", "Hello"))
-        max_new, repeat = int(config.get("max_new", 32)), int(config.get("repeat", 1))
-        if max_new < 1 or repeat < 1:
-            raise ContractError("config.max_new/repeat", "integers >= 1", (max_new, repeat))
-        ids = engine.tokenizer.encode(prompt)
-        token_ms: list[float] = []
-        decode_ms = 0.0
-        hits = routed = 0
-        for _ in range(repeat):
-            gen = engine.generate(ids, SamplingParams(max_tokens=max_new, ignore_eos=True))
-            for _tok in gen:
+        backend = backends.get_backend(cfg.backend_name) if cfg.backend_name else backends.best_available()
+        backend.require()
+        tiers = backend.tiers()
+        log_tiers(tiers, log)
+        model = cfg.model
+        if not model and backend.name in ("cpu", "cuda"):
+            from moe_offload.demo import ensure_demo_model
+
+            model = str(ensure_demo_model())
+        placement = None if cfg.placement in (None, "", "auto") else cfg.placement
+        engine = backend.build_engine(model or "mock", placement, **engine_options(cfg))
+    except OffloadError as e:
+        # At the rm-core boundary every bad input is a ContractError.
+        raise ContractError("config", "a configuration this machine can run", str(e)) from None
+    log.info("engine_ready", backend=backend.name, model=engine.info.model, policy=engine.info.policy)
+    return backend, engine, tiers, model or "mock"
+
+
+def decode(workload: Workload, cfg) -> list[Measurement]:
+    from moe_offload import log as logmod
+    from moe_offload.engines.base import SamplingParams
+    from moe_offload.power import card_power_w
+
+    log = logmod.get_logger("moe_offload.airm")
+    if workload.model and not cfg.model:
+        cfg = type(cfg)(**{**cfg.__dict__, "model": workload.model})
+    backend, engine, _tiers, model = build(cfg, log)
+    token_ms: list[float] = []
+    decode_ms = 0.0
+    hits = routed = 0
+    try:
+        ids = engine.tokenizer.encode(cfg.prompt)
+        for i in range(cfg.repeat):
+            gen = engine.generate(ids, SamplingParams(max_tokens=cfg.max_new, ignore_eos=True))
+            for _ in gen:
                 pass
-            token_ms.extend(gen.stats.token_ms)
-            decode_ms += gen.stats.decode_ms
-            hits += gen.stats.hits
-            routed += gen.stats.hits + gen.stats.misses
+            s = gen.stats
+            token_ms.extend(s.token_ms)
+            decode_ms += s.decode_ms
+            hits += s.hits
+            routed += s.hits + s.misses
+            log.info("decode_done", run=i, tokens=s.completion_tokens, decode_ms_per_token=round(s.decode_ms_per_token, 3))
     finally:
         engine.close()
-    labels = {"model": model, "backend": name, "policy": engine.info.policy or "none"}
-    tok_s = 1000 * len(token_ms) / decode_ms if decode_ms else 0.0
-    return [
-        Measurement("airm_tok_s", tok_s, "tok/s", labels),
+    labels = {"model": model, "backend": backend.name, "policy": engine.info.policy or "none"}
+    out = [
+        Measurement("airm_tok_s", 1000 * len(token_ms) / decode_ms if decode_ms else 0.0, "tok/s", labels),
         Measurement("airm_tpot_p50_ms", statistics.median(token_ms) if token_ms else 0.0, "ms", labels),
-        Measurement("airm_tpot_p90_ms", _percentile(token_ms, 0.9), "ms", labels),
+        Measurement("airm_tpot_p90_ms", percentile(token_ms, 0.9), "ms", labels),
         Measurement("moe_offload_expert_hit_rate", hits / routed if routed else 0.0, "ratio", labels),
     ]
+    power = card_power_w(backend.name)
+    if power:
+        out.append(Measurement("airm_power_w", sum(power.values()), "W", {**labels, "scope": "card"}))
+    return out

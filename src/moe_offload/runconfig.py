@@ -1,0 +1,132 @@
+"""The ai-rm runner's configuration: every key, its type and default; values may be JSON strings.
+
+    run(Workload, **config) --RunConfig.parse(config)--> validated, typed config (ContractError otherwise)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from rm_core import ContractError
+
+BACKENDS = ("mock", "cpu", "cuda", "rngd")
+ROLES = ("worker", "gateway")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    backend: str | None = None  # None: the best available
+    model: str = ""
+    placement: str | None = None  # a placement JSON file, or "auto"
+    policy: str | None = None  # static | lru | hybrid (offload engines)
+    fraction: float | None = None  # resident fraction when no placement file is given
+    engine: str | None = None  # external engine binary (rngd)
+    data: str | None = None  # the external engine's input directory
+    role: str = "worker"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    metrics_port: int | None = None
+    gateway: str = field(default_factory=lambda: os.environ.get("LLMD_GATEWAY_URL", ""))
+    wid: str | None = None
+    priors: dict[str, float] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    log: str | None = None
+    api_key: str | None = None
+    kv_transport: str = ""
+    prompt: str = "Hello"
+    max_new: int = 32
+    repeat: int = 1
+    mock: bool = False
+    mock_ms: float = 5.0
+    mock_hit: float = 0.85
+    block: bool = True
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return sorted(f.name for f in fields(cls))
+
+    @classmethod
+    def parse(cls, config: dict[str, Any]) -> "RunConfig":
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(config) - set(known))
+        if unknown:
+            raise ContractError(f"config.{unknown[0]}", "one of " + ", ".join(cls.keys()), unknown[0])
+        values = {k: _coerce(k, v, known[k].type) for k, v in config.items()}
+        return cls(**values)
+
+    def __post_init__(self):
+        if self.kv_transport:
+            # Expert offloading moves weights and activations between tiers, never KV cache.
+            raise ContractError("config.kv_transport", "empty (npu-offload does not transfer KV cache)", self.kv_transport)
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ContractError("config.backend", " | ".join(BACKENDS), self.backend)
+        if self.role not in ROLES:
+            raise ContractError("config.role", " | ".join(ROLES), self.role)
+        for name in ("port", "metrics_port"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= 65535:
+                raise ContractError(f"config.{name}", "a port number 0..65535", v)
+        for name in ("max_new", "repeat"):
+            if getattr(self, name) < 1:
+                raise ContractError(f"config.{name}", "an integer >= 1", getattr(self, name))
+        if not 0 <= self.mock_hit <= 1:
+            raise ContractError("config.mock_hit", "a fraction in 0..1", self.mock_hit)
+        if self.mock_ms < 0:
+            raise ContractError("config.mock_ms", "milliseconds >= 0", self.mock_ms)
+        if self.fraction is not None and not 0 <= self.fraction <= 1:
+            raise ContractError("config.fraction", "a fraction in 0..1", self.fraction)
+        for cls_name, rate in self.priors.items():
+            if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate <= 1:
+                raise ContractError(f"config.priors[{cls_name}]", "a hit rate in 0..1", rate)
+        for k, v in self.env.items():
+            if not isinstance(v, str):
+                raise ContractError(f"config.env[{k}]", "a string", v)
+
+    @property
+    def backend_name(self) -> str | None:
+        return "mock" if self.mock else self.backend
+
+
+def _coerce(key: str, value: Any, annotation: str) -> Any:
+    """Turn ``value`` (possibly a JSON string, as from a command line) into the annotated type."""
+    kind = str(annotation)
+    if isinstance(value, str) and not kind.startswith("str"):
+        text = value.strip()
+        if kind.startswith("bool") and text.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return text.lower() in ("true", "1", "yes")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            if kind.startswith("dict"):
+                raise ContractError(f"config.{key}", "a JSON object", value) from None
+            if "None" in kind and text == "":
+                return None
+            raise ContractError(f"config.{key}", f"a value of type {kind}", value) from None
+    if value is None:
+        if "None" in kind:
+            return None
+        raise ContractError(f"config.{key}", f"a value of type {kind}", value)
+    if kind.startswith("str"):
+        if not isinstance(value, str):
+            raise ContractError(f"config.{key}", "a string", value)
+        return value
+    if kind.startswith("bool"):
+        if not isinstance(value, bool):
+            raise ContractError(f"config.{key}", "true or false", value)
+        return value
+    if kind.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ContractError(f"config.{key}", "an integer", value)
+        return value
+    if kind.startswith("float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ContractError(f"config.{key}", "a number", value)
+        return float(value)
+    if kind.startswith("dict"):
+        if not isinstance(value, dict):
+            raise ContractError(f"config.{key}", "a JSON object", value)
+        return dict(value)
+    return value
