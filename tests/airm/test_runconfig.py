@@ -1,0 +1,47 @@
+"""The runner's config: typed keys, JSON-string values, ContractError for everything else."""
+
+import pytest
+
+from moe_offload.runconfig import RunConfig
+from rm_core import ContractError
+
+
+def test_json_strings_are_coerced():
+    cfg = RunConfig.parse({"port": "8123", "priors": '{"latin": 0.9}', "env": '{"A": "1"}', "mock": "true", "mock_ms": "2.5"})
+    assert cfg.port == 8123 and cfg.priors == {"latin": 0.9} and cfg.env == {"A": "1"}
+    assert cfg.mock is True and cfg.mock_ms == 2.5 and cfg.backend_name == "mock"
+
+
+def test_gateway_defaults_from_environment(monkeypatch):
+    monkeypatch.setenv("LLMD_GATEWAY_URL", "http://gw:8080")
+    assert RunConfig.parse({}).gateway == "http://gw:8080"
+    assert RunConfig.parse({"gateway": ""}).gateway == ""
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"kv_transport": "x"}, "config.kv_transport"),
+        ({"colour": "red"}, "config.colour"),
+        ({"priors": "{bad"}, "config.priors"),
+        ({"priors": '{"latin": 1.5}'}, "config.priors[latin]"),
+        ({"port": "eighty"}, "config.port"),
+        ({"port": 70000}, "config.port"),
+        ({"backend": "tpu"}, "config.backend"),
+        ({"role": "router"}, "config.role"),
+        ({"max_new": 0}, "config.max_new"),
+        ({"env": '{"A": 1}'}, "config.env[A]"),
+        ({"mock_hit": 2}, "config.mock_hit"),
+    ],
+)
+def test_bad_config(config, field):
+    with pytest.raises(ContractError) as err:
+        RunConfig.parse(config)
+    assert err.value.field == field
+
+
+def test_unknown_key_lists_valid_ones():
+    with pytest.raises(ContractError) as err:
+        RunConfig.parse({"bogus": 1})
+    for key in ("backend", "model", "placement", "kv_transport", "block"):
+        assert key in str(err.value)
