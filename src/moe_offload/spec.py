@@ -1,0 +1,511 @@
+"""ModelSpec: the shape of a routed-MoE model, read from a Hugging Face ``config.json``.
+
+From the shape follow the numbers the planner needs: bytes of one expert, of
+each layer's experts, of the dense weights (attention, norms, router, shared
+experts), embeddings and LM head; KV-cache bytes per token; total and active
+parameters. Counts mirror the parameter tensors transformers builds for each
+family (a test checks them against meta-device models), so they also match
+what a checkpoint stores.
+
+H hidden, I expert intermediate, E routed experts, K top-k, V vocab,
+nh query heads, nkv KV heads, hd head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from moe_offload.errors import ConfigError, ModelError
+
+DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "int8": 1,
+}
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention")
+# Keys that name the number of routed experts, in the order families use them.
+EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_k", "num_experts_per_token", "moe_topk")
+# Families whose q/k/v projections take a bias but whose o_proj never does.
+_QKV_ONLY_BIAS = {"glm4_moe", "solar_open", "qwen2_moe"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of a routed-MoE decoder. Sizes in elements; ``*_bytes`` use ``dtype_bytes``."""
+
+    name: str
+    model_type: str
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_intermediate_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dense_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    shared_intermediate_size: int = 0  # total width of the shared-expert MLP (n_shared x its size)
+    shared_expert_gate: bool = False  # qwen2_moe: a sigmoid gate Linear(H, 1) on the shared expert
+    tie_word_embeddings: bool = False
+    dtype: str = "bfloat16"
+    dtype_bytes: int = 2
+    # attention
+    attention: str = "gqa"  # gqa | mla
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    attention_sinks: bool = False
+    qk_norm: str = ""  # "" | head (per-head norms) | full (over all heads)
+    # MLP / router extras
+    expert_bias: bool = False
+    router_bias: bool = False
+    router_correction_bias: bool = False  # DeepSeek-V3-style e_score_correction_bias [E]
+    norm_bias: bool = False
+    lm_head_bias: bool = False
+    quantization: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for f in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_intermediate_size", "vocab_size",
+                  "num_attention_heads", "num_kv_heads", "head_dim", "dtype_bytes"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ModelError(f"{self.name}: {f} must be a positive integer, got {v!r}")
+        if self.top_k > self.num_experts:
+            raise ModelError(f"{self.name}: experts per token ({self.top_k}) exceeds routed experts ({self.num_experts})")
+        if not self.moe_layers:
+            raise ModelError(f"{self.name}: no routed-MoE layers among {self.num_layers} layers")
+        if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+            raise ModelError(f"{self.name}: MoE layer indices {self.moe_layers} outside 0..{self.num_layers - 1}")
+        if self.dense_layers and self.dense_intermediate_size < 1:
+            raise ModelError(f"{self.name}: config has dense layers {self.dense_layers} but no intermediate_size")
+        if self.attention not in ("gqa", "mla"):
+            raise ModelError(f"{self.name}: attention must be gqa or mla, got {self.attention!r}")
+        types = self.layer_types or ("full_attention",) * self.num_layers
+        if len(types) != self.num_layers or any(t not in ATTENTION_KINDS for t in types):
+            raise ModelError(f"{self.name}: layer_types must be {self.num_layers} of {ATTENTION_KINDS}, got {self.layer_types!r}")
+        object.__setattr__(self, "layer_types", tuple(types))
+        object.__setattr__(self, "moe_layers", tuple(sorted(self.moe_layers)))
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, source: str | os.PathLike | Mapping[str, Any], name: str | None = None) -> "ModelSpec":
+        """Spec from a checkpoint directory, a ``config.json`` path, or the parsed dict."""
+        if isinstance(source, Mapping):
+            cfg = dict(source)
+        else:
+            cfg = load_config(source)
+            if name is None:
+                p = os.path.abspath(os.fspath(source))
+                name = os.path.basename(p if os.path.isdir(p) else os.path.dirname(p))
+        return _parse(cfg, name)
+
+    # ---- layers -------------------------------------------------------------------------------
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        moe = set(self.moe_layers)
+        return tuple(i for i in range(self.num_layers) if i not in moe)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    # ---- parameters per component -------------------------------------------------------------
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert: gate, up, down (+ biases where the family has them)."""
+        H, I = self.hidden_size, self.expert_intermediate_size
+        return 3 * H * I + ((2 * I + H) if self.expert_bias else 0)
+
+    @property
+    def shared_expert_params(self) -> int:
+        """All shared experts of one MoE layer (one fused MLP), with the shared gate."""
+        H = self.hidden_size
+        return 3 * H * self.shared_intermediate_size + (H if self.shared_expert_gate else 0)
+
+    @property
+    def router_params(self) -> int:
+        E = self.num_experts
+        return self.hidden_size * E + (E if self.router_bias else 0) + (E if self.router_correction_bias else 0)
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden_size * self.dense_intermediate_size
+
+    def attention_params(self, layer: int) -> int:
+        H, nh, nkv, hd = self.hidden_size, self.num_attention_heads, self.num_kv_heads, self.head_dim
+        if self.layer_types[layer] == "linear_attention":  # MiniMax lightning attention
+            inner = nh * hd
+            return 3 * inner * H + inner * H + H * inner + inner  # qkv, out, output gate, norm
+        if self.attention == "mla":
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            r, kv = self.q_lora_rank, self.kv_lora_rank
+            q = H * r + r + r * nh * qk if r else H * nh * qk
+            kv_a = H * (kv + self.qk_rope_head_dim) + kv
+            kv_b = kv * nh * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv_a + kv_b + nh * self.v_head_dim * H
+        n = 2 * H * nh * hd + 2 * H * nkv * hd
+        if self.qkv_bias:
+            n += nh * hd + 2 * nkv * hd
+        if self.o_bias:
+            n += H
+        if self.attention_sinks:
+            n += nh
+        if self.qk_norm == "head":
+            n += 2 * hd
+        elif self.qk_norm == "full":
+            n += nh * hd + nkv * hd
+        return n
+
+    @property
+    def norm_params(self) -> int:
+        """One RMSNorm/LayerNorm over H."""
+        return self.hidden_size * (2 if self.norm_bias else 1)
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        """0 when tied to the embeddings (the weights are stored once)."""
+        if self.tie_word_embeddings:
+            return self.vocab_size if self.lm_head_bias else 0
+        return self.vocab_size * self.hidden_size + (self.vocab_size if self.lm_head_bias else 0)
+
+    def layer_dense_params(self, layer: int) -> int:
+        """Everything of one decoder layer except its routed experts."""
+        n = self.attention_params(layer) + 2 * self.norm_params
+        if layer in self._moe_set:
+            n += self.router_params + self.shared_expert_params
+        else:
+            n += self.dense_mlp_params
+        return n
+
+    @property
+    def _moe_set(self) -> frozenset[int]:
+        return frozenset(self.moe_layers)
+
+    # ---- totals -------------------------------------------------------------------------------
+
+    @property
+    def routed_expert_params(self) -> int:
+        return self.num_moe_layers * self.num_experts * self.expert_params
+
+    @property
+    def non_expert_params(self) -> int:
+        layers = sum(self.layer_dense_params(i) for i in range(self.num_layers))
+        return layers + self.embedding_params + self.lm_head_params + self.norm_params
+
+    @property
+    def total_params(self) -> int:
+        return self.non_expert_params + self.routed_expert_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: everything but the unrouted experts. Counts the embedding
+        table in full, as the Mixtral, Qwen and OLMoE model cards do (OpenAI's gpt-oss card
+        leaves the embedding out: ``active_params - embedding_params``)."""
+        return self.non_expert_params + self.num_moe_layers * self.top_k * self.expert_params
+
+    # ---- bytes --------------------------------------------------------------------------------
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert."""
+        return self.expert_params * self.dtype_bytes
+
+    @property
+    def layer_expert_bytes(self) -> int:
+        """Bytes of one MoE layer's routed experts."""
+        return self.num_experts * self.expert_bytes
+
+    @property
+    def routed_expert_bytes(self) -> int:
+        return self.routed_expert_params * self.dtype_bytes
+
+    @property
+    def embedding_bytes(self) -> int:
+        return self.embedding_params * self.dtype_bytes
+
+    @property
+    def lm_head_bytes(self) -> int:
+        return (self.lm_head_params + self.norm_params) * self.dtype_bytes  # with the final norm
+
+    def layer_dense_bytes(self, layer: int) -> int:
+        return self.layer_dense_params(layer) * self.dtype_bytes
+
+    @property
+    def dense_bytes(self) -> int:
+        """Attention, norms, routers, shared experts and dense MLPs of all layers."""
+        return sum(self.layer_dense_bytes(i) for i in range(self.num_layers))
+
+    @property
+    def non_expert_bytes(self) -> int:
+        return self.non_expert_params * self.dtype_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total_params * self.dtype_bytes
+
+    # ---- KV cache -----------------------------------------------------------------------------
+
+    def kv_bytes_per_token_layer(self, layer: int) -> int:
+        """KV-cache bytes one token adds in ``layer`` (0 for linear attention: its state is constant)."""
+        kind = self.layer_types[layer]
+        if kind == "linear_attention":
+            return 0
+        if self.attention == "mla":  # the compressed latent + the shared rope key
+            return (self.kv_lora_rank + self.qk_rope_head_dim) * self.dtype_bytes
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token adds over all layers while the context is within every sliding window."""
+        return sum(self.kv_bytes_per_token_layer(i) for i in range(self.num_layers))
+
+    def kv_cache_bytes(self, context: int, batch: int = 1) -> int:
+        """KV cache for ``batch`` sequences of ``context`` tokens: sliding layers keep at most
+        ``sliding_window`` tokens, linear-attention layers a constant [nh, hd, hd] fp32 state."""
+        if context < 0 or batch < 0:
+            raise ConfigError(f"context and batch must be >= 0, got context={context} batch={batch}")
+        total = 0
+        for i, kind in enumerate(self.layer_types):
+            if kind == "linear_attention":
+                total += self.num_attention_heads * self.head_dim * self.head_dim * 4
+            elif kind == "sliding_attention" and self.sliding_window:
+                total += self.kv_bytes_per_token_layer(i) * min(context, self.sliding_window)
+            else:
+                total += self.kv_bytes_per_token_layer(i) * context
+        return total * batch
+
+    # ---- output -------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """Shape and derived numbers, JSON-ready."""
+        d = asdict(self)
+        d["extra"] = dict(self.extra)
+        d.update(
+            dense_layers=list(self.dense_layers),
+            total_params=self.total_params,
+            active_params=self.active_params,
+            expert_params=self.expert_params,
+            expert_bytes=self.expert_bytes,
+            layer_expert_bytes=self.layer_expert_bytes,
+            routed_expert_bytes=self.routed_expert_bytes,
+            dense_bytes=self.dense_bytes,
+            embedding_bytes=self.embedding_bytes,
+            lm_head_bytes=self.lm_head_bytes,
+            non_expert_bytes=self.non_expert_bytes,
+            total_bytes=self.total_bytes,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+        )
+        return d
+
+
+def load_config(source: str | os.PathLike) -> dict[str, Any]:
+    """The parsed ``config.json`` of a checkpoint directory or config path."""
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"no config.json at {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+# ---- parsing --------------------------------------------------------------------------------------
+
+
+def _first(cfg: Mapping[str, Any], keys: tuple[str, ...], default=None):
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def _int(cfg: Mapping[str, Any], key: str, where: str, default: Any = ...) -> int:
+    v = cfg.get(key)
+    if v is None:
+        if default is ...:
+            raise ModelError(f"{where}: config.json lacks {key!r}")
+        return default
+    if isinstance(v, list) and v and all(isinstance(x, int) for x in v):  # some families list a size per layer
+        v = v[0]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ModelError(f"{where}: {key} must be an integer, got {v!r}")
+    return v
+
+
+def _moe_layers(cfg: Mapping[str, Any], n: int, where: str) -> tuple[int, ...]:
+    """Which decoder layers are routed MoE, by each family's rule."""
+    if "mlp_only_layers" in cfg or "decoder_sparse_step" in cfg:  # qwen2_moe, qwen3_moe
+        only = set(cfg.get("mlp_only_layers") or ())
+        step = _int(cfg, "decoder_sparse_step", where, 1) or 1
+        return tuple(i for i in range(n) if i not in only and (i + 1) % step == 0)
+    if "first_k_dense_replace" in cfg:  # deepseek, glm4_moe
+        k = _int(cfg, "first_k_dense_replace", where, 0)
+        freq = _int(cfg, "moe_layer_freq", where, 1) or 1
+        return tuple(i for i in range(n) if i >= k and i % freq == 0)
+    if "moe_layer_start_index" in cfg:  # ernie4_5_moe
+        start = _int(cfg, "moe_layer_start_index", where, 0)
+        end = _int(cfg, "moe_layer_end_index", where, -1)
+        end = n - 1 if end == -1 else end
+        every = _int(cfg, "moe_layer_interval", where, 1) or 1
+        return tuple(i for i in range(n) if (i + 1) % every == 0 and start <= i <= end)
+    if isinstance(cfg.get("moe_layers"), list):  # llama4-style explicit list
+        return tuple(int(i) for i in cfg["moe_layers"])
+    if "interleave_moe_layer_step" in cfg:
+        step = _int(cfg, "interleave_moe_layer_step", where, 1) or 1
+        return tuple(i for i in range(n) if (i + 1) % step == 0)
+    if "expert_layer_period" in cfg:  # jamba
+        period = _int(cfg, "expert_layer_period", where, 1) or 1
+        offset = _int(cfg, "expert_layer_offset", where, 0)
+        return tuple(i for i in range(n) if i % period == offset)
+    return tuple(range(n))
+
+
+def _layer_types(cfg: Mapping[str, Any], model_type: str, n: int, where: str) -> tuple[str, ...]:
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        if len(types) != n:
+            raise ModelError(f"{where}: layer_types has {len(types)} entries, expected num_hidden_layers={n}")
+        return tuple(types)
+    if isinstance(cfg.get("attn_type_list"), list):  # MiniMax-Text-01: 0 = lightning (linear), 1 = softmax
+        return tuple("full_attention" if t else "linear_attention" for t in cfg["attn_type_list"])
+    # The defaults transformers' config classes fill in when the key is absent.
+    if model_type == "minimax":
+        return tuple("full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n))
+    if model_type == "gpt_oss":
+        return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n))
+    if model_type == "qwen2_moe":
+        use, upto = cfg.get("use_sliding_window", False), cfg.get("max_window_layers", n)
+        return tuple("sliding_attention" if use and (i + 1) % 2 and i < upto else "full_attention" for i in range(n))
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):  # mixtral/phimoe: every layer
+        return ("sliding_attention",) * n
+    return ("full_attention",) * n
+
+
+def _dtype(cfg: Mapping[str, Any], where: str) -> tuple[str, int]:
+    raw = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    name = str(raw).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ModelError(f"{where}: unknown dtype {raw!r} (expected one of {', '.join(sorted(DTYPE_BYTES))})")
+    return name, DTYPE_BYTES[name]
+
+
+def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
+    # Multimodal wrappers (qwen3_vl_moe, ...) keep the decoder in text_config.
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+        outer = cfg
+        cfg = {**cfg["text_config"]}
+        cfg.setdefault("torch_dtype", outer.get("torch_dtype") or outer.get("dtype"))
+        cfg.setdefault("_name_or_path", outer.get("_name_or_path"))
+    model_type = str(cfg.get("model_type") or "unknown")
+    name = name or cfg.get("_name_or_path") or model_type
+    where = f"{name} ({model_type})"
+    E = _first(cfg, EXPERT_KEYS)
+    if not E:
+        raise ModelError(f"{where}: not a routed MoE model: no num_experts / n_routed_experts / num_local_experts")
+    if isinstance(E, bool) or not isinstance(E, int) or E < 1:
+        raise ModelError(f"{where}: number of routed experts must be a positive integer, got {E!r}")
+    top_k = _first(cfg, TOP_K_KEYS)
+    if top_k is None:
+        raise ModelError(f"{where}: config.json lacks 'num_experts_per_tok' (experts per token)")
+    n = _int(cfg, "num_hidden_layers", where)
+    H = _int(cfg, "hidden_size", where)
+    nh = _int(cfg, "num_attention_heads", where)
+    nkv = _int(cfg, "num_key_value_heads", where, nh) or nh
+    hd = _int(cfg, "head_dim", where, 0) or H // nh
+    moe_inter_key = "moe_intermediate_size" if cfg.get("moe_intermediate_size") is not None else "intermediate_size"
+    expert_I = _int(cfg, moe_inter_key, where)
+    dense_I = _int(cfg, "intermediate_size", where, 0) if moe_inter_key == "moe_intermediate_size" else 0
+    moe_layers = _moe_layers(cfg, n, where)
+
+    # Shared experts: deepseek/glm/solar/ernie fuse n of them into one MLP; qwen2_moe sizes its one directly.
+    n_shared = _int(cfg, "n_shared_experts", where, 0) or _int(cfg, "moe_num_shared_experts", where, 0) \
+        or _int(cfg, "num_shared_experts", where, 0)
+    shared_I, shared_gate = n_shared * expert_I, False
+    if cfg.get("shared_expert_intermediate_size"):
+        n_shared, shared_I, shared_gate = max(n_shared, 1), _int(cfg, "shared_expert_intermediate_size", where), True
+    elif cfg.get("shared_intermediate_size"):  # granitemoeshared
+        n_shared, shared_I = max(n_shared, 1), _int(cfg, "shared_intermediate_size", where)
+
+    mla = cfg.get("kv_lora_rank") is not None
+    attn_bias = bool(cfg.get("attention_bias", model_type == "gpt_oss")) or bool(cfg.get("use_bias", False))
+    qkv_bias = bool(cfg.get("qkv_bias", model_type == "qwen2_moe")) or attn_bias
+    o_bias = attn_bias and model_type not in _QKV_ONLY_BIAS
+    qk_norm = ""
+    if model_type in ("qwen3_moe", "qwen3_next", "qwen3_vl_moe_text") or cfg.get("use_qk_norm"):
+        qk_norm = "head"
+    elif model_type in ("olmoe", "flex_olmo"):
+        qk_norm = "full"
+    dtype, dtype_bytes = _dtype(cfg, where)
+    quant = cfg.get("quantization_config")
+    sliding = cfg.get("sliding_window")
+
+    return ModelSpec(
+        name=str(name),
+        model_type=model_type,
+        num_layers=n,
+        moe_layers=moe_layers,
+        num_experts=E,
+        top_k=int(top_k[0] if isinstance(top_k, list) else top_k),
+        hidden_size=H,
+        expert_intermediate_size=expert_I,
+        dense_intermediate_size=dense_I,
+        vocab_size=_int(cfg, "vocab_size", where),
+        num_attention_heads=nh,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        num_shared_experts=n_shared,
+        shared_intermediate_size=shared_I,
+        shared_expert_gate=shared_gate,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "ernie4_5_moe")),
+        dtype=dtype,
+        dtype_bytes=dtype_bytes,
+        attention="mla" if mla else "gqa",
+        q_lora_rank=_int(cfg, "q_lora_rank", where, None) if mla else None,
+        kv_lora_rank=_int(cfg, "kv_lora_rank", where, 0) if mla else 0,
+        qk_nope_head_dim=_int(cfg, "qk_nope_head_dim", where) if mla else 0,
+        qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", where) if mla else 0,
+        v_head_dim=_int(cfg, "v_head_dim", where) if mla else 0,
+        layer_types=_layer_types(cfg, model_type, n, where),
+        sliding_window=int(sliding) if isinstance(sliding, int) and sliding > 0 else None,
+        qkv_bias=qkv_bias and not mla,
+        o_bias=o_bias and not mla,
+        attention_sinks=model_type == "gpt_oss",
+        qk_norm=qk_norm,
+        expert_bias=model_type == "gpt_oss",
+        router_bias=model_type == "gpt_oss",
+        # the e_score_correction_bias of noaux_tc routing; ernie keeps the same vector as moe_statics
+        router_correction_bias=cfg.get("topk_method") == "noaux_tc"
+        or model_type in ("deepseek_v3", "glm4_moe", "solar_open", "ernie4_5_moe"),
+        norm_bias=model_type == "phimoe",
+        lm_head_bias=bool(cfg.get("lm_head_bias", False)) or bool(cfg.get("use_bias", False)),
+        quantization=(quant.get("quant_method") if isinstance(quant, dict) else None),
+        extra={k: cfg[k] for k in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob") if k in cfg},
+    )

@@ -1,0 +1,122 @@
+"""ModelSpec against what model publishers state: totals within 1 %, active parameters too.
+
+The configs are the public config.json values of each checkpoint (the keys that matter).
+Publishers round active counts to two significant figures (3.3B, 37B), which alone is up
+to 1.5 %; active counts are therefore checked within 2 %.
+"""
+
+import pytest
+
+from moe_offload.errors import ModelError
+from moe_offload.spec import ModelSpec
+
+MIXTRAL_8X7B = {
+    "model_type": "mixtral", "_name_or_path": "mistralai/Mixtral-8x7B-v0.1", "vocab_size": 32000, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False, "sliding_window": None,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "torch_dtype": "bfloat16",
+}
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "_name_or_path": "deepseek-ai/DeepSeek-V3", "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid", "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+}
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "_name_or_path": "Qwen/Qwen3-30B-A3B", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False, "use_sliding_window": False,
+    "sliding_window": None, "max_window_layers": 48, "torch_dtype": "bfloat16",
+}
+GPT_OSS_120B = {
+    "model_type": "gpt_oss", "_name_or_path": "openai/gpt-oss-120b", "num_hidden_layers": 36, "num_local_experts": 128,
+    "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "sliding_window": 128, "tie_word_embeddings": False, "experts_per_token": 4,
+    "num_experts_per_tok": 4, "attention_bias": True, "swiglu_limit": 7.0, "torch_dtype": "bfloat16",
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+}
+OLMOE_1B_7B = {
+    "model_type": "olmoe", "_name_or_path": "allenai/OLMoE-1B-7B-0924", "vocab_size": 50304, "hidden_size": 2048,
+    "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False, "tie_word_embeddings": False,
+    "clip_qkv": None, "torch_dtype": "bfloat16",
+}
+
+# config, published total, published active, how the publisher counts active parameters
+PUBLISHED = {
+    "mixtral-8x7b": (MIXTRAL_8X7B, 46.7e9, 12.9e9, "with embeddings"),
+    "deepseek-v3": (DEEPSEEK_V3, 671e9, 37e9, "with embeddings"),
+    "qwen3-30b-a3b": (QWEN3_30B_A3B, 30.5e9, 3.3e9, "with embeddings"),
+    # OpenAI's gpt-oss model card counts the unembedding but not the embedding table as active.
+    "gpt-oss-120b": (GPT_OSS_120B, 116.8e9, 5.1e9, "without the embedding table"),
+    "olmoe-1b-7b": (OLMOE_1B_7B, 6.9e9, 1.3e9, "with embeddings"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_total_params_within_one_percent(name):
+    cfg, total, _, _ = PUBLISHED[name]
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.total_params == pytest.approx(total, rel=0.01), f"{name}: {spec.total_params / 1e9:.2f}B"
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_active_params_as_published(name):
+    cfg, _, active, convention = PUBLISHED[name]
+    spec = ModelSpec.from_hf_config(cfg)
+    got = spec.active_params - (spec.embedding_params if convention == "without the embedding table" else 0)
+    assert got == pytest.approx(active, rel=0.02), f"{name}: {got / 1e9:.3f}B"
+
+
+def test_shapes_of_the_published_models():
+    ds = ModelSpec.from_hf_config(DEEPSEEK_V3)
+    assert ds.moe_layers == tuple(range(3, 61)) and ds.num_moe_layers == 58
+    assert (ds.num_experts, ds.top_k, ds.num_shared_experts) == (256, 8, 1)
+    assert ds.expert_bytes == 3 * 7168 * 2048 * 2
+    # MLA caches the 512-wide latent plus the 64-wide rope key: 576 bf16 values per layer and token.
+    assert ds.kv_bytes_per_token == 61 * 576 * 2
+    oss = ModelSpec.from_hf_config(GPT_OSS_120B)
+    assert oss.quantization == "mxfp4" and oss.expert_bias and oss.router_bias
+    assert oss.layer_types.count("sliding_attention") == 18
+    per_layer = 2 * 8 * 64 * 2
+    assert oss.kv_bytes_per_token == 36 * per_layer
+    # at 8192 tokens the 18 sliding layers keep only their 128-token window
+    assert oss.kv_cache_bytes(8192) == 18 * per_layer * 8192 + 18 * per_layer * 128
+    mx = ModelSpec.from_hf_config(MIXTRAL_8X7B)
+    assert mx.expert_bytes == 3 * 4096 * 14336 * 2 and mx.moe_layers == tuple(range(32))
+    q = ModelSpec.from_hf_config(QWEN3_30B_A3B)
+    assert q.name == "Qwen/Qwen3-30B-A3B" and q.kv_bytes_per_token == 48 * 2 * 4 * 128 * 2
+
+
+def test_dense_config_is_a_clear_error():
+    dense = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128, "vocab_size": 100}
+    with pytest.raises(ModelError, match="not a routed MoE model: no num_experts / n_routed_experts / num_local_experts"):
+        ModelSpec.from_hf_config(dense)
+
+
+def test_missing_key_is_named():
+    cfg = dict(MIXTRAL_8X7B)
+    del cfg["hidden_size"]
+    with pytest.raises(ModelError, match="lacks 'hidden_size'"):
+        ModelSpec.from_hf_config(cfg)
+    cfg = dict(MIXTRAL_8X7B)
+    del cfg["num_experts_per_tok"]
+    with pytest.raises(ModelError, match="num_experts_per_tok"):
+        ModelSpec.from_hf_config(cfg)
+
+
+def test_reads_directory_and_file(tmp_path):
+    import json
+
+    d = tmp_path / "Mixtral-8x7B"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({k: v for k, v in MIXTRAL_8X7B.items() if k != "_name_or_path"}))
+    assert ModelSpec.from_hf_config(d).name == "Mixtral-8x7B"
+    assert ModelSpec.from_hf_config(d / "config.json").total_params == ModelSpec.from_hf_config(MIXTRAL_8X7B).total_params
