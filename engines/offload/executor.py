@@ -1,0 +1,252 @@
+"""The offload executor: the experts function every transformers MoE layer calls.
+
+    [router: top_k_index, top_k_weights]  (transformers, unchanged)
+      -> [split: hit (expert in a slot) | miss (home: host store)]
+      -> [hits on the accelerator || misses by policy: host compute | fetch into a slot, then compute]
+      -> [combine in (token, k) order: sum_k w[t,k] * y[t,k]]  (fixed order: deterministic, as transformers)
+
+Legend: T tokens, K top-k, H hidden, E experts, S = T*K routed token-expert pairs.
+On CUDA the device work (hits, fetches) is launched first and runs while the
+host thread computes the misses, so host compute overlaps accelerator compute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_offload.engines.offload import policies
+from moe_offload.engines.offload.kernels import expert_forward
+from moe_offload.engines.offload.slots import SlotCache
+from moe_offload.engines.offload.stats import ExecutorStats
+from moe_offload.engines.offload.store import LayerStore
+
+IMPLEMENTATION = "moe_offload"
+
+
+@dataclass
+class LayerState:
+    """What one experts module needs at run time (hung on the module as ``_moe_offload``)."""
+
+    executor: "Executor"
+    pos: int  # index into executor.layers / stats rows
+    layer: int  # decoder layer index (as in the Placement)
+    store: LayerStore
+    cache: SlotCache
+    expert_bytes: int
+    events: dict = field(default_factory=dict)  # CUDA: slot -> event after its last use
+
+
+def offload_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The function registered as experts implementation ``moe_offload`` (self: the experts module)."""
+    state = getattr(self, "_moe_offload", None)
+    if state is None:
+        raise RuntimeError(
+            "experts_implementation='moe_offload' needs a model loaded by moe_offload.engines.offload.loader.load_model"
+        )
+    return state.executor.forward(state, self, hidden_states, top_k_index, top_k_weights)
+
+
+def register() -> None:
+    """Register the experts implementation with transformers (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(IMPLEMENTATION, offload_experts_forward)
+
+
+class Executor:
+    """State of the registered experts function for one loaded model.
+
+    ``stats``: ExecutorStats (``snapshot()``, ``reset()``); ``tier_names``: (accelerator tier, host tier);
+    ``capture(True)`` records every forward's routes, read back with ``captured()``.
+    """
+
+    def __init__(self, device: torch.device, policy: str, tier_names: tuple[str, str], hybrid_threshold: int | None):
+        self.device = device
+        self.policy = policies.check_policy(policy)
+        self.tier_names = tier_names
+        self.layers: list[LayerState] = []
+        self.hybrid_threshold = hybrid_threshold  # None until layers are known (default from the cost estimate)
+        self.stats = ExecutorStats([], *tier_names)
+        self.timing = True
+        self._capturing = False
+        self._records: list[dict[int, list[list[int]]]] = []
+        self._copier = None
+        self._cuda = device.type == "cuda"
+
+    # ---- set-up (loader) ----
+    def attach(self, module: torch.nn.Module, layer: int, store: LayerStore, cache: SlotCache) -> LayerState:
+        state = LayerState(self, len(self.layers), layer, store, cache, store.expert_bytes)
+        self.layers.append(state)
+        object.__setattr__(module, "_moe_offload", state)
+        return state
+
+    def finish_setup(self) -> None:
+        self.stats = ExecutorStats([s.layer for s in self.layers], *self.tier_names)
+        if self.hybrid_threshold is None and self.layers:
+            s = self.layers[0]
+            params = sum(t[0].numel() for t in s.store.tensors if t is not None)
+            self.hybrid_threshold = policies.default_hybrid_threshold(s.expert_bytes, params, self.device.type)
+        if self._cuda:
+            from moe_offload.engines.offload.cuda import CudaCopier
+
+            self._copier = CudaCopier(self.device)
+
+    # ---- route capture ----
+    def capture(self, enabled: bool) -> None:
+        """Start (clearing earlier records) or stop recording top-k expert ids per forward and layer."""
+        if enabled:
+            self._records = []
+        self._capturing = enabled
+
+    def captured(self) -> list[dict[int, list[list[int]]]]:
+        """One dict per forward call: {decoder layer index: top_k_index as [T, K] int lists}."""
+        return self._records
+
+    def begin_forward(self) -> None:
+        if self._capturing:
+            self._records.append({})
+
+    # ---- the per-layer path ----
+    def forward(self, state: LayerState, module, hidden_states, top_k_index, top_k_weights):
+        t0 = time.perf_counter()
+        T, K = top_k_index.shape
+        cache = state.cache
+        ids = top_k_index.reshape(-1).tolist()  # S ints (the one host sync per layer on CUDA)
+        if self._capturing:
+            if not self._records:
+                self._records.append({})
+            self._records[-1][state.layer] = [ids[i : i + K] for i in range(0, T * K, K)]
+
+        # ---- split: group routed pairs by expert, in ascending expert order (fixed) ----
+        if T == 1:
+            groups = [(e, k, 1) for e, k in sorted(zip(ids, range(K)))]  # top-k ids are distinct
+            perm = None
+        else:
+            sorted_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)  # [S]
+            uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+            groups, start = [], 0
+            for e, c in zip(uniq.tolist(), counts.tolist()):
+                groups.append((e, start, c))
+                start += c
+        slot_of = cache.slot_of
+        hits, fetch, host = [], [], []
+        for g in groups:
+            s = slot_of[g[0]]
+            if s >= 0:
+                hits.append((g, s))
+            elif policies.fetches(self.policy, g[2], cache.dynamic, self.hybrid_threshold):
+                fetch.append(g)
+            else:
+                host.append(g)
+        for _, s in hits:
+            cache.touch(s)
+
+        rows = _Rows(hidden_states, perm, K, T)
+        out: list = [None] * K if T == 1 else None  # T == 1: outputs by k
+        proj = None if T == 1 else torch.empty(T * K, hidden_states.shape[-1], dtype=state.store.tensors[0].dtype, device=hidden_states.device)
+        host_x = rows.to_host_async() if host and self._cuda else None
+
+        # ---- hits on the accelerator ----
+        t1 = time.perf_counter()
+        for g, s in hits:
+            self._compute(state, module, rows, g, cache.weights[s], out, proj, slot=s)
+        t2 = time.perf_counter()
+
+        # ---- misses fetched into dynamic slots (LRU), each computed right after its copy ----
+        fetch_compute_s = 0.0
+        copied = 0
+        for g in fetch:
+            s = cache.fetch(g[0], self._copy_fn(state), state.store.expert(g[0]))
+            copied += 1
+            tc = time.perf_counter()
+            self._compute(state, module, rows, g, cache.weights[s], out, proj, slot=s)
+            fetch_compute_s += time.perf_counter() - tc
+        t3 = time.perf_counter()
+
+        # ---- misses computed on the host from the store (overlaps the device work launched above on CUDA) ----
+        host_tokens = 0
+        if host:
+            hrows = rows if not self._cuda else _Rows(host_x(), rows.perm_host(), K, T)
+            host_out = [] if self._cuda else None
+            for g in host:
+                y = expert_forward(module, hrows.select(g), *state.store.expert(g[0]))
+                host_tokens += g[2]
+                if self._cuda:
+                    host_out.append((g, y))
+                else:
+                    self._place(rows, g, y, out, proj)
+            if self._cuda:
+                for g, y in host_out:
+                    self._place(rows, g, y.to(self.device, non_blocking=True), out, proj)
+        t4 = time.perf_counter()
+
+        # ---- combine: as transformers does, sum over k of w * y in (token, k) order ----
+        if T == 1:
+            proj = torch.cat(out)  # [K, H]
+        weighted = proj * top_k_weights.reshape(-1, 1)  # [S, H]
+        result = weighted.view(T, K, -1).sum(dim=1).to(hidden_states.dtype)  # [T, H]
+
+        hit_pairs = sum(g[2] for g, _ in hits)
+        self.stats.add(state.pos, hit_pairs, T * K - hit_pairs, host_tokens, copied, copied * state.expert_bytes)
+        if self.timing:
+            st = self.stats.stage_s
+            st["device_experts"] += (t2 - t1) + fetch_compute_s
+            st["fetch"] += (t3 - t2) - fetch_compute_s
+            st["host_experts"] += t4 - t3
+        return result
+
+    def _compute(self, state, module, rows, g, weights, out, proj, slot):
+        y = expert_forward(module, rows.select(g), *weights)
+        self._place(rows, g, y, out, proj)
+        if self._cuda and slot >= 0:
+            state.events[slot] = self._copier.record()
+
+    @staticmethod
+    def _place(rows, g, y, out, proj):
+        if proj is None:
+            out[g[1]] = y  # T == 1: g = (expert, k, 1)
+        else:
+            proj.index_copy_(0, rows.positions(g), y.to(proj.dtype))
+
+    def _copy_fn(self, state):
+        if self._cuda:
+            return lambda slot, dst, src: self._copier.copy(dst, src, state.events.get(slot))
+        return _copy_sync
+
+
+def _copy_sync(slot, dst, src):
+    for d, s in zip(dst, src):
+        if d is not None:
+            d.copy_(s)
+
+
+class _Rows:
+    """Which hidden-state rows a group of routed pairs reads and where its outputs go."""
+
+    def __init__(self, x, perm, K, T, tok=None):
+        self.x, self.perm, self.K, self.T = x, perm, K, T
+        self.tok = tok if tok is not None else (perm // K if perm is not None else None)  # [S] token of each sorted pair
+        self._k_index = {}
+
+    def select(self, g):
+        e, start, n = g
+        if self.perm is None:  # T == 1: every group is the one token
+            return self.x
+        return self.x.index_select(0, self.tok[start : start + n])  # [n, H]
+
+    def positions(self, g):
+        e, start, n = g
+        return self.perm[start : start + n]
+
+    def perm_host(self):
+        return self.perm.cpu() if self.perm is not None else None
+
+    def to_host_async(self):
+        """Start copying the hidden states to the host; returns a function that waits and gives them."""
+        from moe_offload.engines.offload.cuda import to_host_async
+
+        return to_host_async(self.x)

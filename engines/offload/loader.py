@@ -1,0 +1,262 @@
+"""Load a local HF MoE checkpoint for the offload executor.
+
+    checkpoint dir --validate (files, MoE layers, placement, memory)--> from_pretrained on the host
+      -> routed experts of each layer moved into the host store (pinned on CUDA), detached from the model
+      -> non-expert weights to the accelerator (model.to(device): the experts are no longer parameters)
+      -> per MoE layer a SlotCache on the accelerator: the Placement's pinned experts + dynamic slots
+
+Why experts never touch the accelerator first: transformers loads the checkpoint on
+the host (its default device); we then take the expert tensors out of the module's
+parameters before anything moves to the accelerator. On a CPU run those loaded
+tensors *are* the host store (no second copy); on CUDA each layer is copied into
+pinned memory and its unpinned original freed, one layer at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_offload.engines.offload import policies
+from moe_offload.engines.offload.executor import IMPLEMENTATION, Executor, register
+from moe_offload.engines.offload.slots import SlotCache
+from moe_offload.engines.offload.store import module_tensor_names, take_from_module
+from moe_offload.errors import ConfigError, ModelError, PlacementError
+from rm_core import Placement
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+_LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+@dataclass
+class OffloadedModel:
+    """A transformers model whose routed experts run through the offload executor."""
+
+    model: Any  # transformers PreTrainedModel, eval mode, non-expert weights on ``device``
+    config: Any
+    executor: Executor
+    placement: Placement | None
+    device: torch.device
+    policy: str
+
+
+@dataclass(frozen=True)
+class ExpertsInfo:
+    """An experts module found on the meta model: where it is and what one of its experts weighs."""
+
+    name: str
+    layer: int
+    num_experts: int
+    expert_bytes: int
+
+
+def load_model(
+    path: str,
+    placement: Placement | None,
+    *,
+    policy: str = "static",
+    device: str = "cpu",
+    dtype: str | None = None,
+    hybrid_threshold: int | None = None,
+) -> OffloadedModel:
+    """Load checkpoint ``path`` with ``placement`` (None: every expert resident) under miss ``policy``.
+
+    ``device``: "cpu" or "cuda[:N]". ``dtype``: "float32" | "bfloat16" | "float16" | None (checkpoint's).
+    ``hybrid_threshold``: tokens per expert and step at which ``hybrid`` fetches instead of computing on the host.
+    Raises ModelError (bad checkpoint, dense model), PlacementError (placement for another model, slots that do
+    not fit), ConfigError (bad option) before any large allocation.
+    """
+    policies.check_policy(policy)
+    if hybrid_threshold is not None and (isinstance(hybrid_threshold, bool) or not isinstance(hybrid_threshold, int) or hybrid_threshold < 1):
+        raise ConfigError(f"hybrid_threshold: expected an integer >= 1, got {hybrid_threshold!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    dev = _device(device)
+    root = check_checkpoint(path)
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(root)
+    except (ValueError, OSError, KeyError) as e:
+        raise ModelError(f"{root}: config.json cannot be read by transformers: {e}") from None
+    torch_dtype = DTYPES[dtype] if dtype else None
+    experts = find_experts(config, torch_dtype)
+    if not experts:
+        raise ModelError(f"{root}: dense model (model_type {config.model_type!r}): no routed experts modules to offload")
+    acc_tier, host_tier, layout = plan_layers(experts, placement, dev)
+    if dev.type == "cuda":
+        _check_cuda_fit(dev, experts, layout)
+
+    register()
+    kwargs = {"experts_implementation": IMPLEMENTATION}
+    if torch_dtype is not None:
+        kwargs["dtype"] = torch_dtype
+    model = AutoModelForCausalLM.from_pretrained(root, **kwargs)
+    model.eval()
+
+    executor = Executor(dev, policy, (acc_tier, host_tier), hybrid_threshold)
+    modules = dict(model.named_modules())
+    stores = []
+    for info in experts:
+        module = modules[info.name]
+        stores.append((info, module, take_from_module(module, pin=dev.type == "cuda")))
+    if dev.type != "cpu":
+        model.to(dev)  # non-expert weights only: the experts were detached above
+    for info, module, store in stores:
+        pinned, dynamic = layout[info.layer]
+        cache = SlotCache(store, pinned, dynamic, dev, alias_pinned=dev.type == "cpu")
+        executor.attach(module, info.layer, store, cache)
+    executor.finish_setup()
+    _install_hooks(model, executor, [m for _, m, _ in stores], modules)
+    return OffloadedModel(model, model.config, executor, placement, dev, policy)
+
+
+def _device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda":
+        from moe_offload.engines.offload.cuda import check_device
+
+        check_device(dev)
+        dev = torch.device("cuda", dev.index or 0)
+    return dev
+
+
+def check_checkpoint(path: str) -> Path:
+    """A directory with config.json and every safetensors shard its index names; else ModelError."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelError(f"model: expected a checkpoint directory, got {path!r} (not a directory)")
+    if not (root / "config.json").is_file():
+        raise ModelError(f"{root}: expected config.json in the checkpoint directory, found none")
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ModelError(f"{index}: expected a JSON object with a weight_map, got an unreadable file ({e})") from None
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (root / s).is_file()]
+        if missing:
+            raise ModelError(f"{root}: missing {len(missing)} of {len(shards)} safetensors shards named by the index: {', '.join(missing[:3])}")
+    elif not any(root.glob("*.safetensors")):
+        raise ModelError(f"{root}: expected model.safetensors or a sharded index, found no safetensors files")
+    return root
+
+
+def find_experts(config, dtype: torch.dtype | None = None) -> list[ExpertsInfo]:
+    """Experts modules of the model ``config`` describes, found on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype else AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        raise ModelError(f"model_type {config.model_type!r}: transformers cannot build it as a causal LM: {e}") from None
+    found = []
+    for name, m in meta.named_modules():
+        if not is_experts_module(m):
+            continue
+        match = _LAYER_RE.search(name)
+        if match is None:
+            raise ModelError(f"experts module {name!r}: expected a layer index in its name")
+        tensors = [getattr(m, n) for n in module_tensor_names(m) if n is not None]
+        nbytes = sum(t[0].numel() * t.element_size() for t in tensors)
+        found.append(ExpertsInfo(name, int(match.group(1)), int(tensors[0].shape[0]), nbytes))
+    return found
+
+
+def is_experts_module(m: torch.nn.Module) -> bool:
+    """A module decorated by transformers' ``use_experts_implementation`` (fused [E, ...] expert tensors)."""
+    return hasattr(m, "is_transposed") and hasattr(m, "has_gate") and hasattr(m, "_is_expert_parallel")
+
+
+def plan_layers(experts: list[ExpertsInfo], placement: Placement | None, dev: torch.device):
+    """(accelerator tier, host tier, {layer: (pinned expert ids, dynamic slots)}); PlacementError if it does not fit the model."""
+    device_name = f"{dev.type}:{dev.index or 0}"
+    if placement is None:
+        return device_name, "host", {i.layer: (list(range(i.num_experts)), 0) for i in experts}
+    layers = {i.layer: i for i in experts}
+    placed = {lp.layer for lp in placement.layers}
+    if placed != set(layers):
+        raise PlacementError(
+            f"placement for model {placement.model!r} covers MoE layers {sorted(placed)}, "
+            f"expected this model's MoE layers {sorted(layers)}"
+        )
+    used = {t for lp in placement.layers for t in lp.slots if lp.slots[t] > 0}
+    candidates = [t.name for t in placement.tiers if t.kind == "device-hbm" or t.labels.get("emulates") == "device-hbm"]
+    if len(used) > 1:
+        raise PlacementError(f"placement uses slots on {len(used)} accelerator tiers {sorted(used)}, expected one per executor")
+    acc = next(iter(used)) if used else (candidates[0] if candidates else device_name)
+    host = next((t.name for t in placement.tiers if t.kind == "host-dram" and t.name != acc), "host")
+    layout = {}
+    for lp in placement.layers:
+        info = layers[lp.layer]
+        if lp.num_experts != info.num_experts:
+            raise PlacementError(
+                f"placement layer {lp.layer}: {lp.num_experts} experts, expected this model's {info.num_experts}"
+            )
+        pinned = lp.pinned(acc)
+        slots = lp.slots.get(acc, len(pinned))
+        layout[lp.layer] = (pinned, slots - len(pinned))
+    return acc, host, layout
+
+
+def _check_cuda_fit(dev: torch.device, experts: list[ExpertsInfo], layout) -> None:
+    from moe_offload.engines.offload.cuda import free_bytes
+
+    need = sum(i.expert_bytes * (len(layout[i.layer][0]) + layout[i.layer][1]) for i in experts)
+    free = free_bytes(dev)
+    if need > free:
+        raise PlacementError(
+            f"expert slots need {need / 2**30:.2f} GiB on {dev}, but only {free / 2**30:.2f} GiB is free "
+            "(before non-expert weights); lower the fraction or the slots"
+        )
+
+
+def _install_hooks(model, executor: Executor, experts_modules, modules) -> None:
+    """Forward boundaries (capture records, total time) and router timing, via module hooks."""
+    import time
+
+    stats_ref = executor
+    state = {"t0": 0.0, "r0": 0.0}
+
+    def pre(_m, _args):
+        stats_ref.begin_forward()
+        state["t0"] = time.perf_counter()
+
+    def post(_m, _args, _out):
+        st = stats_ref.stats
+        st.forwards += 1
+        st.forward_s += time.perf_counter() - state["t0"]
+
+    model.register_forward_pre_hook(pre)
+    model.register_forward_hook(post)
+
+    def rpre(_m, _args):
+        state["r0"] = time.perf_counter()
+
+    def rpost(_m, _args, _out):
+        if stats_ref.timing:
+            stats_ref.stats.stage_s["router"] += time.perf_counter() - state["r0"]
+
+    names = {id(m): n for n, m in modules.items()}
+    for m in experts_modules:
+        parent_name = names[id(m)].rsplit(".", 1)[0]
+        for child in ("gate", "router"):
+            router = modules.get(f"{parent_name}.{child}")
+            if router is not None and router is not m:
+                router.register_forward_pre_hook(rpre)
+                router.register_forward_hook(rpost)
+                break

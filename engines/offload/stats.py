@@ -1,0 +1,76 @@
+"""Executor statistics: per MoE layer and tier counts, bytes moved, time per stage.
+
+Counts are of routed token-expert pairs: ``hits`` were served from an accelerator
+slot that held the expert when the step began, ``misses`` were not (their home is
+the host tier) and were either computed on the host (``host_tokens``) or fetched
+(``fetches`` expert copies, ``bytes_copied`` host->accelerator). So
+hits + misses = routed pairs, and misses = host_tokens + pairs served by fetches.
+Times are wall-clock ms measured on the host thread (on CUDA, launch-to-launch
+unless the stage synchronises).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STAGES = ("router", "device_experts", "host_experts", "fetch", "other")
+COUNTERS = ("hits", "misses", "host_tokens", "fetches", "bytes_copied")
+
+
+class ExecutorStats:
+    """Cumulative numbers since the last ``reset()``; ``snapshot()`` is JSON-able."""
+
+    def __init__(self, layers: list[int], accelerator_tier: str, host_tier: str):
+        self.layers = list(layers)
+        self.accelerator_tier = accelerator_tier
+        self.host_tier = host_tier
+        self.reset()
+
+    def reset(self) -> None:
+        # one row of counters per MoE layer, indexed by position in self.layers (lists: cheap to bump per step)
+        self.counts = [[0] * len(COUNTERS) for _ in self.layers]
+        self.stage_s = dict.fromkeys(STAGES, 0.0)
+        self.forwards = 0
+        self.forward_s = 0.0
+
+    def add(self, pos: int, hits: int, misses: int, host_tokens: int, fetches: int, bytes_copied: int) -> None:
+        row = self.counts[pos]
+        row[0] += hits
+        row[1] += misses
+        row[2] += host_tokens
+        row[3] += fetches
+        row[4] += bytes_copied
+
+    def totals(self) -> dict[str, int]:
+        return {name: sum(row[i] for row in self.counts) for i, name in enumerate(COUNTERS)}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Cumulative stats. Keys: hits, misses, hit_rate, host_expert_tokens, fetches, bytes_copied,
+        hit_rate_by_tier {tier: fraction}, bytes_moved {tier: bytes}, stage_ms {stage: ms},
+        forwards, layers {layer: {hits, misses, host_tokens, fetches, bytes_copied, by_tier {tier: pairs}}}."""
+        t = self.totals()
+        routed = t["hits"] + t["misses"]
+        known = sum(v for k, v in self.stage_s.items() if k != "other")
+        stage_ms = {k: v * 1000 for k, v in self.stage_s.items()}
+        stage_ms["other"] = max(0.0, self.forward_s - known) * 1000
+        layers = {}
+        for layer, row in zip(self.layers, self.counts):
+            d = dict(zip(COUNTERS, row))
+            d["by_tier"] = {self.accelerator_tier: row[0], self.host_tier: row[1]}
+            layers[str(layer)] = d
+        return {
+            "hits": t["hits"],
+            "misses": t["misses"],
+            "hit_rate": t["hits"] / routed if routed else 0.0,
+            "host_expert_tokens": t["host_tokens"],
+            "fetches": t["fetches"],
+            "bytes_copied": t["bytes_copied"],
+            "hit_rate_by_tier": {
+                self.accelerator_tier: t["hits"] / routed if routed else 0.0,
+                self.host_tier: t["misses"] / routed if routed else 0.0,
+            },
+            "bytes_moved": {self.accelerator_tier: t["bytes_copied"]},
+            "stage_ms": stage_ms,
+            "forwards": self.forwards,
+            "layers": layers,
+        }
