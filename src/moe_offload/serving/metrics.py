@@ -1,0 +1,147 @@
+"""The worker's /metrics: vLLM's names (read by llm-d's endpoint picker) plus ours. One registry per app.
+
+Every family is typed (an untyped metric reads as 0 in the endpoint picker).
+Hit rates are measured by the engine per request; ``..._predicted`` gauges
+hold what the placement predicted and say so in their name.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from moe_offload.serving.classify import CLASSES
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+# vLLM's /metrics has no *_created series; scrapers and the endpoint picker do not expect them.
+disable_created_metrics()
+WINDOW = 256  # requests behind airm_tok_s / airm_tpot_*
+
+
+def predicted_overall(predicted: Mapping[str, float], host_tiers: Iterable[str] = ("host",)) -> float:
+    """Predicted fraction served from accelerator memory: the sum over non-host tiers."""
+    hosts = set(host_tiers)
+    return min(sum(v for k, v in predicted.items() if k not in hosts), 1.0)
+
+
+class WorkerMetrics:
+    def __init__(self, model_name: str, *, max_model_len: int, tiers=(), predicted: Mapping[str, float] | None = None,
+                 predicted_by_class: Mapping[str, float] | None = None, state: Callable[[], dict] | None = None):
+        self.model = model_name
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        m = {"model_name": model_name}
+        state = state or (lambda: {"running": 0, "waiting": 0, "kv": 0.0})
+        g = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", ["model_name"], registry=r)
+        g.labels(**m).set_function(lambda: state()["running"])
+        g = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", ["model_name"], registry=r)
+        g.labels(**m).set_function(lambda: state()["waiting"])
+        g = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", ["model_name"], registry=r)
+        g.labels(**m).set_function(lambda: state()["kv"])
+        info = Gauge("vllm:cache_config_info", "Information of the KV cache config (value 1).",
+                     ["model_name", "block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"], registry=r)
+        # One request at a time with a static cache of max_model_len tokens: blocks of one token.
+        info.labels(model_name=model_name, block_size="1", num_gpu_blocks=str(max_model_len), cache_dtype="auto",
+                    enable_prefix_caching="False").set(1)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", ["model_name"], registry=r).labels(**m)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", ["model_name"], registry=r).labels(**m)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.", ["model_name", "finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ["model_name"],
+                              buckets=TTFT_BUCKETS, registry=r).labels(**m)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ["model_name"],
+                             buckets=ITL_BUCKETS, registry=r).labels(**m)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", ["model_name"],
+                             buckets=E2E_BUCKETS, registry=r).labels(**m)
+        self.hit_rate = Gauge("moe_offload_expert_hit_rate",
+                              "Measured fraction 0..1 of routed token-expert pairs served from accelerator memory "
+                              "(tier=all: overall; class=all: every request class).", ["model_name", "tier", "class"], registry=r)
+        pred = Gauge("moe_offload_expert_hit_rate_predicted", "Hit rate 0..1 per tier that the placement predicts (not measured).",
+                     ["model_name", "tier"], registry=r)
+        for tier, v in (predicted or {}).items():
+            pred.labels(model_name=model_name, tier=tier).set(v)
+        self.affinity = Gauge("moe_offload_expert_affinity",
+                              "Routing signal for gateways: measured hit rate per request class, seeded with the predicted one "
+                              "until the class has been measured (class=all: every class).", ["model_name", "class"], registry=r)
+        self.bytes_moved = Counter("moe_offload_expert_bytes_moved", "Expert bytes copied host -> accelerator, per tier.",
+                                   ["model_name", "tier"], registry=r)
+        self.host_tokens = Counter("moe_offload_host_expert_tokens", "Token-expert pairs computed on the host CPU.",
+                                   ["model_name"], registry=r).labels(**m)
+        cap = Gauge("moe_offload_memory_tier_capacity_bytes", "Capacity of each memory tier, bytes.", ["tier", "kind", "accelerator"], registry=r)
+        for t in tiers:
+            cap.labels(tier=t.name, kind=t.kind, accelerator=t.accelerator or "").set(t.capacity_bytes)
+        self.tok_s = Gauge("airm_tok_s", f"Decode throughput over the last {WINDOW} requests, tokens per second.", ["model_name"], registry=r).labels(**m)
+        self.tpot50 = Gauge("airm_tpot_p50_ms", f"Median time per output token over the last {WINDOW} requests, ms.", ["model_name"], registry=r).labels(**m)
+        self.tpot90 = Gauge("airm_tpot_p90_ms", f"90th percentile time per output token over the last {WINDOW} requests, ms.", ["model_name"], registry=r).labels(**m)
+
+        host_names = [t.name for t in tiers if t.kind != "device-hbm" and not t.accelerator] or ["host"]
+        self.predicted = predicted_overall(predicted or {}, host_names)
+        self.predicted_by_class = {c: float((predicted_by_class or {}).get(c, self.predicted)) for c in CLASSES}
+        self._class_counts = {c: [0, 0] for c in CLASSES}  # hits, routed
+        self._class_requests = {c: 0 for c in CLASSES}
+        self._tier_sums: dict[str, list[float]] = {}  # tier -> [hit_rate x routed, routed]
+        self._window: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (decode steps, decode ms)
+        for c in CLASSES:
+            self.affinity.labels(model_name=model_name, **{"class": c}).set(self.predicted_by_class[c])
+        self.affinity.labels(model_name=model_name, **{"class": "all"}).set(self.predicted)
+
+    def class_hit_rate(self, cls: str) -> float | None:
+        hits, routed = self._class_counts.get(cls, (0, 0))
+        return hits / routed if routed else None
+
+    def affinity_of(self, cls: str) -> float:
+        measured = self.class_hit_rate(cls)
+        return measured if measured is not None else self.predicted_by_class.get(cls, self.predicted)
+
+    def observe(self, cls: str, stats, *, finish_reason: str, ttft_s: float | None, itl_s: list[float], e2e_s: float) -> None:
+        """Record one finished request (``stats``: the engine's GenerationStats)."""
+        m = self.model
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(stats.completion_tokens)
+        self.success.labels(model_name=m, finished_reason=finish_reason).inc()
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        for x in itl_s:
+            self.itl.observe(x)
+        self.e2e.observe(e2e_s)
+        for tier, b in stats.bytes_moved.items():
+            self.bytes_moved.labels(model_name=m, tier=tier).inc(b)
+        self.host_tokens.inc(stats.host_expert_tokens)
+        routed = stats.hits + stats.misses
+        if routed:
+            cc = self._class_counts.setdefault(cls, [0, 0])
+            cc[0] += stats.hits
+            cc[1] += routed
+            self._class_requests[cls] = self._class_requests.get(cls, 0) + 1
+            for tier, rate in stats.hit_rate_by_tier.items():
+                s = self._tier_sums.setdefault(tier, [0.0, 0])
+                s[0] += rate * routed
+                s[1] += routed
+                self.hit_rate.labels(model_name=m, tier=tier, **{"class": "all"}).set(s[0] / s[1])
+            self.hit_rate.labels(model_name=m, tier="all", **{"class": cls}).set(cc[0] / cc[1])
+            self.affinity.labels(model_name=m, **{"class": cls}).set(cc[0] / cc[1])
+            hits = sum(h for h, _ in self._class_counts.values())
+            total = sum(r for _, r in self._class_counts.values())
+            self.hit_rate.labels(model_name=m, tier="all", **{"class": "all"}).set(hits / total)
+            self.affinity.labels(model_name=m, **{"class": "all"}).set(hits / total)
+        if stats.token_ms:
+            self._window.append((len(stats.token_ms), stats.decode_ms))
+            steps = sum(n for n, _ in self._window)
+            ms = sum(d for _, d in self._window)
+            self.tok_s.set(1000 * steps / ms if ms else 0.0)
+            tpots = sorted(d / n for n, d in self._window)
+            self.tpot50.set(statistics.median(tpots))
+            self.tpot90.set(tpots[min(int(0.9 * len(tpots)), len(tpots) - 1)] if len(tpots) > 1 else tpots[0])
+
+    def affinity_report(self) -> dict:
+        return {
+            "predicted": self.predicted,
+            "classes": {c: {"predicted": self.predicted_by_class[c], "measured": self.class_hit_rate(c),
+                            "requests": self._class_requests.get(c, 0), "affinity": self.affinity_of(c)} for c in CLASSES},
+        }
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
