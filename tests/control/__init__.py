@@ -1,0 +1,1 @@
+"""Control-plane tests (a package, so test module names cannot collide with other areas)."""
