@@ -292,27 +292,21 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     app.state.worker = w
     errors.install(app)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if request.url.path.startswith("/v1"):
-            try:
-                check_api_key(request, w.api_key)
-            except APIError as e:
-                return e.response()
-        return await call_next(request)
-
     @app.post("/v1/completions")
     async def completions(request: Request):
+        check_api_key(request, w.api_key)
         body = parse_json(await read_body(request, w.max_body_bytes))
         return await w.handle(request, parse_completion(body, w.tok, w.info.max_model_len), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        check_api_key(request, w.api_key)
         body = parse_json(await read_body(request, w.max_body_bytes))
         return await w.handle(request, parse_chat(body, w.tok, w.info.max_model_len), chat=True)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        check_api_key(request, w.api_key)
         card = {"id": w.model_name, "object": "model", "created": w.created, "owned_by": "moe-offload", "root": w.root,
                 "parent": None, "max_model_len": w.info.max_model_len, "permission": []}
         return {"object": "list", "data": [card]}

@@ -1,0 +1,105 @@
+"""The gateway's view of its workers: health, load, and an EWMA of measured hit rate per (worker, class).
+
+    score(worker, class) = affinity(worker, class) - lam x load(worker)
+
+affinity starts at what the worker's placement predicts (its /affinity) and
+moves toward each measured hit rate the worker reports: ``a <- a + alpha (x - a)``.
+load is the requests the gateway has in flight there (queued + running).
+Ties are broken at random so equal workers share the traffic.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from moe_offload.serving.classify import CLASSES
+
+DEFAULT_AFFINITY = 0.5  # before anything is known about a worker
+
+
+@dataclass
+class WorkerEntry:
+    url: str
+    model: str | None = None
+    healthy: bool = True
+    failures: int = 0
+    inflight: int = 0
+    seed: dict[str, float] = field(default_factory=dict)
+    ewma: dict[str, float] = field(default_factory=dict)
+    routed: dict[str, int] = field(default_factory=dict)
+    registered: bool = False  # registered itself (vs. given on the command line)
+    last_error: str = ""
+    last_seen: float = 0.0
+
+    def affinity(self, cls: str) -> float:
+        if cls in self.ewma:
+            return self.ewma[cls]
+        return self.seed.get(cls, self.seed.get("all", DEFAULT_AFFINITY))
+
+
+class WorkerPool:
+    def __init__(self, *, lam: float = 0.05, alpha: float = 0.2, fail_threshold: int = 3, rng: random.Random | None = None):
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha: expected a fraction in (0, 1], got {alpha}")
+        if lam < 0:
+            raise ValueError(f"lam: expected >= 0, got {lam}")
+        if fail_threshold < 1:
+            raise ValueError(f"fail_threshold: expected >= 1, got {fail_threshold}")
+        self.lam, self.alpha, self.fail_threshold = lam, alpha, fail_threshold
+        self.rng = rng or random.Random()
+        self.workers: dict[str, WorkerEntry] = {}
+
+    def add(self, url: str, *, model: str | None = None, seed: dict[str, float] | None = None, registered: bool = False) -> WorkerEntry:
+        url = url.rstrip("/")
+        w = self.workers.get(url)
+        if w is None:
+            w = self.workers[url] = WorkerEntry(url, model=model, registered=registered)
+        w.model = model or w.model
+        if seed:
+            w.seed = {k: float(v) for k, v in seed.items()}
+        w.last_seen = time.time()
+        return w
+
+    def remove(self, url: str) -> bool:
+        return self.workers.pop(url.rstrip("/"), None) is not None
+
+    def score(self, w: WorkerEntry, cls: str) -> float:
+        return w.affinity(cls) - self.lam * w.inflight
+
+    def rank(self, cls: str) -> list[WorkerEntry]:
+        """Healthy workers, best score first (ties in random order); unhealthy ones last, as a last resort."""
+        ws = list(self.workers.values())
+        self.rng.shuffle(ws)  # sort is stable: equal scores keep this random order
+        healthy = sorted((w for w in ws if w.healthy), key=lambda w: self.score(w, cls), reverse=True)
+        return healthy + [w for w in ws if not w.healthy]
+
+    def feedback(self, w: WorkerEntry, cls: str, hit_rate: float) -> None:
+        if not 0 <= hit_rate <= 1:
+            return
+        a = w.affinity(cls)
+        w.ewma[cls] = a + self.alpha * (hit_rate - a)
+
+    def failed(self, w: WorkerEntry, why: str) -> None:
+        w.failures += 1
+        w.last_error = why
+        if w.failures >= self.fail_threshold:
+            w.healthy = False
+
+    def succeeded(self, w: WorkerEntry) -> None:
+        w.failures = 0
+        w.healthy = True
+        w.last_seen = time.time()
+
+    def describe(self) -> list[dict]:
+        return [
+            {
+                "url": w.url, "model": w.model, "healthy": w.healthy, "failures": w.failures, "inflight": w.inflight,
+                "registered": w.registered, "last_error": w.last_error,
+                "affinity": {c: round(w.affinity(c), 6) for c in CLASSES},
+                "score": {c: round(self.score(w, c), 6) for c in CLASSES},
+                "measured": sorted(w.ewma), "routed": dict(w.routed),
+            }
+            for w in self.workers.values()
+        ]
