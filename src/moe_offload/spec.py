@@ -279,13 +279,14 @@ class ModelSpec:
         """KV bytes one token adds over all layers while the context is within every sliding window."""
         return sum(self.kv_bytes_per_token_layer(i) for i in range(self.num_layers))
 
-    def kv_cache_bytes(self, context: int, batch: int = 1) -> int:
-        """KV cache for ``batch`` sequences of ``context`` tokens: sliding layers keep at most
-        ``sliding_window`` tokens, linear-attention layers a constant [nh, hd, hd] fp32 state."""
+    def kv_cache_bytes(self, context: int, batch: int = 1, layers=None) -> int:
+        """KV cache for ``batch`` sequences of ``context`` tokens (of ``layers``, default all): sliding
+        layers keep at most ``sliding_window`` tokens, linear-attention layers a constant [nh, hd, hd] fp32 state."""
         if context < 0 or batch < 0:
             raise ConfigError(f"context and batch must be >= 0, got context={context} batch={batch}")
         total = 0
-        for i, kind in enumerate(self.layer_types):
+        for i in range(self.num_layers) if layers is None else layers:
+            kind = self.layer_types[i]
             if kind == "linear_attention":
                 total += self.num_attention_heads * self.head_dim * self.head_dim * 4
             elif kind == "sliding_attention" and self.sliding_window:

@@ -1,0 +1,189 @@
+"""`moe-offload spec | budget | plan`: the planning half, no torch."""
+
+from __future__ import annotations
+
+import click
+
+from moe_offload.errors import ConfigError
+
+MODEL_HELP = "Checkpoint directory or config.json."
+
+
+def _spec(model: str):
+    from moe_offload.spec import ModelSpec
+
+    return ModelSpec.from_hf_config(model)
+
+
+def _backend_tiers(name: str):
+    """Accelerator tiers and the host tier a backend reports here."""
+    from moe_offload import backends
+
+    b = backends.get_backend(name)
+    b.require()
+    return list(b.tiers())
+
+
+def _budget_options(fn):
+    fn = click.option("--layout", type=click.Choice(["first", "split"]), default="first", show_default=True,
+                      help="first: non-expert weights and KV cache on the first accelerator; split: layers split over accelerators.")(fn)
+    fn = click.option("--reserve", default="0", show_default=True, help="Kept free on every accelerator (e.g. 2GiB).")(fn)
+    fn = click.option("--batch", type=click.IntRange(min=0), default=1, show_default=True, help="Sequences in the KV cache.")(fn)
+    fn = click.option("--context", type=click.IntRange(min=0), default=4096, show_default=True, help="Tokens per sequence in the KV cache.")(fn)
+    return fn
+
+
+@click.command("spec")
+@click.option("--model", required=True, help=MODEL_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def spec_cmd(model: str, as_json: bool) -> None:
+    """Model shape: layers, experts, parameters (total/active) and bytes per component."""
+    from moe_offload.cli import emit
+    from moe_offload.units import format_count, format_size
+
+    s = _spec(model)
+    rows = [
+        ("model", f"{s.name} ({s.model_type}, {s.dtype})"),
+        ("layers", f"{s.num_layers} ({s.num_moe_layers} MoE; dense: {list(s.dense_layers) or 'none'})"),
+        ("experts", f"{s.num_experts} routed, top-{s.top_k}, {s.num_shared_experts} shared"),
+        ("attention", f"{s.attention}, {s.num_attention_heads} heads, "
+                      + (f"kv_lora_rank {s.kv_lora_rank}, q_lora_rank {s.q_lora_rank}, qk head dim "
+                         f"{s.qk_nope_head_dim}+{s.qk_rope_head_dim}, v head dim {s.v_head_dim}" if s.attention == "mla"
+                         else f"{s.num_kv_heads} KV heads, head dim {s.head_dim}")
+                      + (f", sliding window {s.sliding_window} on {s.layer_types.count('sliding_attention')} layers"
+                         if "sliding_attention" in s.layer_types else "")),
+        ("parameters", f"{format_count(s.total_params)} total, {format_count(s.active_params)} active"),
+        ("one expert", format_size(s.expert_bytes)),
+        ("experts per layer", format_size(s.layer_expert_bytes)),
+        ("all routed experts", format_size(s.routed_expert_bytes)),
+        ("dense weights", f"{format_size(s.dense_bytes)} (attention, norms, routers, shared experts, dense MLPs)"),
+        ("embeddings", format_size(s.embedding_bytes)),
+        ("lm head", format_size(s.lm_head_bytes) + (" (tied: final norm only)" if s.tie_word_embeddings else "")),
+        ("total", format_size(s.total_bytes)),
+        ("kv cache / token", format_size(s.kv_bytes_per_token)),
+    ]
+    emit(s.summary(), as_json, "\n".join(f"{k:20} {v}" for k, v in rows))
+
+
+@click.command("budget")
+@click.option("--model", required=True, help=MODEL_HELP)
+@click.option("--accelerator", "accelerators", multiple=True, help="Accelerator memory, repeatable (47.5GiB, 80GB, bytes).")
+@click.option("--backend", default=None, help="Take the accelerators from this backend's tiers instead.")
+@_budget_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def budget_cmd(model, accelerators, backend, context, batch, reserve, layout, as_json) -> None:
+    """Per accelerator: what it holds, expert slots per layer, what stays on the host."""
+    from moe_offload.cli import emit
+
+    b = _budget(_spec(model), accelerators, backend, context, batch, reserve, layout)
+    emit(b.to_dict(), as_json, b.text())
+
+
+def _budget(spec, accelerators, backend, context, batch, reserve, layout):
+    from moe_offload.budget import plan_budget
+    from moe_offload.placement import accelerator_tiers, host_tier_name
+
+    host = None
+    if backend:
+        tiers = _backend_tiers(backend)
+        host_name = host_tier_name(tiers)
+        host = next((t for t in tiers if t.name == host_name), None)
+        accelerators = list(accelerators) + accelerator_tiers(tiers)
+    if not accelerators:
+        raise ConfigError("give --accelerator SIZE (repeatable) or --backend NAME")
+    return plan_budget(spec, list(accelerators), context=context, batch=batch, reserve=reserve, layout=layout, host=host)
+
+
+def _parse_slots(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v < 0 for v in vals):
+        raise ConfigError(f"--slots: expected comma-separated integers >= 0 (one per accelerator), got {text!r}")
+    return vals
+
+
+def _slot_tiers(spec, slots: list[int]):
+    from rm_core import MemoryTier
+
+    per_slot = spec.expert_bytes * spec.num_moe_layers
+    tiers = []
+    for i, n in enumerate(slots):
+        size = n * per_slot + (spec.non_expert_bytes if i == 0 else 0)
+        tiers.append(MemoryTier(f"accel:{i}", "device-hbm", size, accelerator=f"local/accel:{i}", labels={"sized": "from slots"}))
+    tiers.append(MemoryTier("host", "host-dram", spec.routed_expert_bytes, labels={"sized": "routed experts"}))
+    return tiers
+
+
+@click.command("plan")
+@click.option("--model", required=True, help=MODEL_HELP)
+@click.option("--profile", "profile_path", default=None, help="Routes file (.safetensors/.json) or profile counts JSON.")
+@click.option("--class", "klass", default=None, help="Plan for one request class of the profile.")
+@click.option("--slots", default=None, help="Expert slots per layer, one per accelerator: 24,32.")
+@click.option("--fraction", type=float, default=None, help="Fraction of each layer's experts on the accelerator (GPU-style).")
+@click.option("--budget", "budgets", multiple=True, help="Size slots from accelerator memory, repeatable (47.5GiB).")
+@click.option("--backend", default=None, help="Use this backend's memory tiers; without --slots/--fraction/--budget, size slots from their free memory.")
+@_budget_options
+@click.option("--policy", default="top", show_default=True, help="top | mix:H | global | lru | uniform | random")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random policy.")
+@click.option("--out", default=None, help="Write the rm-core Placement JSON here.")
+@click.option("--simulate", "replay", is_flag=True, help="Also replay the routes file through the placement (LRU slots).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, context, batch, reserve, layout, policy, seed,
+             out, replay, as_json) -> None:
+    """Place experts on accelerators and print the predicted hit rate per tier."""
+    from moe_offload import placement as P
+    from moe_offload.cli import emit
+    from moe_offload.profile import Profile, load_routes
+
+    spec = _spec(model)
+    P.parse_policy(policy)  # a bad policy fails before any file is read
+    sizings = sum(x is not None and x != () for x in (slots, fraction, budgets or None))
+    if sizings > 1:
+        raise ConfigError("give one of --slots, --fraction, --budget")
+    if sizings == 0 and not backend:
+        raise ConfigError("size the placement with --slots 24,32, --fraction 0.2 or --budget 47.5GiB")
+    profile = None
+    if profile_path:
+        profile = Profile.load(profile_path)
+        if klass:
+            profile = profile.for_class(klass)
+        profile.check(spec)
+    elif klass or replay:
+        raise ConfigError("--class and --simulate need --profile")
+    if slots is not None:
+        vals = _parse_slots(slots)
+        tiers = _backend_tiers(backend) if backend else _slot_tiers(spec, vals)
+        acc = P.accelerator_tiers(tiers)
+        if len(vals) > len(acc):
+            raise ConfigError(f"--slots gives {len(vals)} accelerators, the tiers have {len(acc)}")
+        placement = P.plan(spec, tiers, {t.name: v for t, v in zip(acc, vals)}, policy, profile, seed)
+    elif fraction is not None:
+        tiers = _backend_tiers(backend) if backend else _slot_tiers(spec, [spec.num_experts])
+        placement = P.from_fraction(spec, tiers, fraction, policy, profile, seed)
+    else:
+        b = _budget(spec, budgets, backend, context, batch, reserve, layout)
+        placement = b.placement(spec, policy, profile, seed)
+    result = {"placement": placement.to_dict(), "predicted_hit_rate": dict(placement.predicted_hit_rate)}
+    lines = [f"{spec.name}: policy {policy}, profile {placement.profile or 'none (expert-id order)'}"]
+    for t in P.accelerator_tiers(placement.tiers):
+        per_layer = [lp.slots.get(t.name, 0) for lp in placement.layers]
+        pinned = sum(len(lp.pinned(t.name)) for lp in placement.layers)
+        lines.append(f"  {t.name}: slots per layer {min(per_layer)}..{max(per_layer)} (total {sum(per_layer)}, {pinned} pinned)")
+    if placement.predicted_hit_rate:
+        lines.append("  predicted hit rate: " + ", ".join(f"{k} {v:.1%}" for k, v in placement.predicted_hit_rate.items()))
+    else:
+        lines.append("  predicted hit rate: none (no profile)")
+    if replay:
+        sim = P.simulate(load_routes(profile_path), placement)
+        result["simulated"] = {k: v for k, v in sim.items() if k != "per_layer"}
+        lines.append("  replayed hit rate: " + ", ".join(f"{k} {v:.1%}" for k, v in sim["hit_rate"].items()))
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(placement.to_json(indent=1))
+        lines.append(f"  wrote {out}")
+    emit(result, as_json, "\n".join(lines))
+
+
+commands = [spec_cmd, budget_cmd, plan_cmd]
