@@ -87,7 +87,8 @@ def load_model(
     except (ValueError, OSError, KeyError) as e:
         raise ModelError(f"{root}: config.json cannot be read by transformers: {e}") from None
     torch_dtype = DTYPES[dtype] if dtype else None
-    experts = find_experts(config, torch_dtype)
+    cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
+    experts = find_experts(config, torch_dtype or (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None))
     if not experts:
         raise ModelError(f"{root}: dense model (model_type {config.model_type!r}): no routed experts modules to offload")
     acc_tier, host_tier, layout = plan_layers(experts, placement, dev)

@@ -55,6 +55,13 @@ def _mock() -> str:
     return "deterministic"
 
 
+@check("executor")
+def _executor() -> str:
+    from moe_offload.engines.offload.selfcheck import exactness
+
+    return exactness("cpu", tokens=4, fractions=(0.0, 0.5))
+
+
 def run_all(echo: Callable[[str], None]) -> int:
     """Run every check; returns the number that failed."""
     failed = 0
