@@ -62,6 +62,28 @@ def _executor() -> str:
     return exactness("cpu", tokens=4, fractions=(0.0, 0.5))
 
 
+@check("control plane")
+def _control_plane() -> str:
+    from moe_offload.budget import plan_budget
+    from moe_offload.placement import plan, simulate
+    from moe_offload.profile import Profile, synthetic_routes
+    from moe_offload.spec import ModelSpec
+
+    mixtral = {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+               "num_experts_per_tok": 2, "tie_word_embeddings": False}
+    spec = ModelSpec.from_hf_config(mixtral)
+    assert abs(spec.total_params / 46.7e9 - 1) < 0.01, f"Mixtral-8x7B counts {spec.total_params / 1e9:.2f}B, published 46.7B"
+    budget = plan_budget(spec, ["47.5GiB"], context=4096, reserve="2GiB")
+    routes = synthetic_routes(500, spec.moe_layers, spec.num_experts, spec.top_k, skew=1.0, seed=0)
+    prof = Profile.from_routes(routes)
+    p = plan(spec, budget.tiers, budget.slots, "global", prof)
+    predicted = 1 - p.predicted_hit_rate[p.host_tier]
+    replayed = simulate(routes, p)["accelerator_hit_rate"]
+    assert abs(predicted - replayed) < 1e-9, "static placement: prediction and replay disagree"
+    return f"Mixtral 46.70B ok, 47.5GiB -> slots {budget.slots}, predicted hit {predicted:.2f}"
+
+
 def run_all(echo: Callable[[str], None]) -> int:
     """Run every check; returns the number that failed."""
     failed = 0

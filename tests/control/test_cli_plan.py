@@ -1,0 +1,99 @@
+"""`moe-offload spec | budget | plan` through cli.main: output, files, and one-line errors."""
+
+import json
+
+import pytest
+
+from moe_offload.cli import main
+from moe_offload.profile import Profile, save_routes, synthetic_routes
+
+from .conftest import moe_config
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "tiny-moe"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(moe_config()))
+    return d
+
+
+@pytest.fixture
+def routes_file(tmp_path, model_dir):
+    r = synthetic_routes(300, tuple(range(8)), 32, 4, skew=1.2, seed=0, model="tiny-moe")
+    path = tmp_path / "routes.safetensors"
+    save_routes(path, r)
+    return path
+
+
+def _one_error_line(capsys, argv, match):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc != 0
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert match in err, err
+    return err
+
+
+def test_spec_text_and_json(capsys, model_dir):
+    assert main(["spec", "--model", str(model_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "32 routed, top-4" in out and "parameters" in out
+    assert main(["spec", "--model", str(model_dir / "config.json"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["num_experts"] == 32 and data["moe_layers"] == list(range(8)) and data["total_params"] > 0
+
+
+def test_budget_json(capsys, model_dir):
+    assert main(["budget", "--model", str(model_dir), "--accelerator", "64MiB", "--accelerator", "64MiB",
+                 "--context", "128", "--reserve", "1MiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [a["tier"] for a in data["accelerators"]] == ["accel:0", "accel:1"]
+    assert data["accelerators"][0]["slots_per_layer"] >= 4
+
+
+def test_plan_writes_placement(capsys, tmp_path, model_dir, routes_file):
+    out = tmp_path / "placement.json"
+    assert main(["plan", "--model", str(model_dir), "--profile", str(routes_file), "--slots", "8,4", "--policy", "global",
+                 "--out", str(out), "--simulate"]) == 0
+    text = capsys.readouterr().out
+    assert "predicted hit rate: accel:0" in text and "replayed hit rate" in text
+    from rm_core import Placement
+
+    p = Placement.from_json(out.read_text())
+    assert p.policy == "global" and p.profile == str(routes_file)
+    assert sum(lp.slots["accel:0"] for lp in p.layers) == 64
+    assert main(["plan", "--model", str(model_dir), "--profile", str(routes_file), "--fraction", "0.25", "--policy", "mix:4",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["placement"]["layers"][0]["slots"] == {"accel:0": 8}
+    assert main(["plan", "--model", str(model_dir), "--budget", "64MiB", "--policy", "lru"]) == 0
+
+
+def test_bad_inputs_exit_with_one_line(capsys, tmp_path, model_dir, routes_file):
+    dense = tmp_path / "dense.json"
+    dense.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}))
+    _one_error_line(capsys, ["spec", "--model", str(dense)], "not a routed MoE model")
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text('{"model_type": "mixtral", "hidden_size": ')
+    _one_error_line(capsys, ["spec", "--model", str(garbled)], "not valid JSON")
+    _one_error_line(capsys, ["plan", "--model", str(model_dir), "--slots", "40"], "slots=40 exceeds experts per layer (32)")
+    _one_error_line(capsys, ["budget", "--model", str(model_dir), "--accelerator", "-4GiB"], "expected a size >= 0")
+    other = tmp_path / "other.safetensors"
+    save_routes(other, synthetic_routes(20, tuple(range(8)), 64, 4, model="big-moe"))
+    _one_error_line(capsys, ["plan", "--model", str(model_dir), "--profile", str(other), "--slots", "4"],
+                    "profile of big-moe (8 MoE layers x 64 experts) does not fit tiny-moe")
+    _one_error_line(capsys, ["plan", "--model", str(model_dir), "--slots", "4", "--policy", "best"], "policy")
+    _one_error_line(capsys, ["plan", "--model", str(model_dir)], "--slots")
+    _one_error_line(capsys, ["spec", "--model", str(tmp_path / "missing")], "no config.json")
+
+
+def test_control_plane_imports_neither_torch_nor_numpy():
+    import subprocess
+    import sys
+
+    code = ("import sys, moe_offload.spec, moe_offload.profile, moe_offload.placement, moe_offload.budget, "
+            "moe_offload.commands.plan; print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
