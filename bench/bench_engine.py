@@ -1,0 +1,212 @@
+"""Engine benchmark (issue 4): decode ms/token and prefill tok/s of the offload engine against stock transformers.
+
+    python bench/bench_engine.py            # full run: 64 decode tokens, 128-token prompt, 3 repeats
+    python bench/bench_engine.py --quick    # proves it works: 8 tokens, 16-token prompt, 1 repeat
+
+Model: Qwen3-MoE-shaped, random bf16 weights (16 layers x 64 experts, hidden 1024, expert
+intermediate 512, top-8, 16 heads, 4 KV heads, vocab 32000: 1.7B parameters, 3.4 GB), built into a
+temp dir (or --model-dir, reused if it holds a config.json). For fractions 0/0.1/0.25/0.5/1.0 x
+policies static/lru/hybrid, stock `generate()` on the same model, and the memory-bandwidth bound:
+bytes one decode token must read / read bandwidth measured here (a large fp32 tensor sum).
+Prints a markdown table. Run on an idle machine; two cores are easily disturbed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=2048,
+    moe_intermediate_size=512,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=64,
+    num_experts_per_tok=8,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)
+FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
+POLICIES = ("static", "lru", "hybrid")
+
+
+def build_model(out: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    if (out / "config.json").is_file():
+        return out
+    config = Qwen3MoeConfig(**SHAPE, norm_topk_prob=True, tie_word_embeddings=False, dtype="bfloat16")
+    t0 = time.perf_counter()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    gc.collect()
+    print(f"built the benchmark model in {time.perf_counter() - t0:.1f} s at {out}", file=sys.stderr)
+    return out
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
+    """Best-of read bandwidth in bytes/s: sum over a large fp32 tensor (streams it once from DRAM)."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    x.sum()  # touch every page first
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    n = x.numel() * 4
+    del x
+    return n / best
+
+
+def decode_bytes(model) -> int:
+    """Bytes one decode token must read: every non-expert weight except the embedding table
+    (one row is read), plus top-k experts per MoE layer."""
+    cfg = model.config
+    total = 0
+    expert_bytes = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            total += p.shape[1] * p.element_size()
+        elif ".experts." in name:
+            expert_bytes += p[0].numel() * p.element_size()  # one expert of this tensor, summed over layers
+        else:
+            total += p.numel() * p.element_size()
+    return total + expert_bytes * cfg.num_experts_per_tok
+
+
+def prompt_ids(n: int, vocab: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def bench_stock(path: Path, prompt: list[int], tokens: int, repeats: int) -> dict:
+    """transformers' own generate() (greedy, its default experts implementation) on the same checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([prompt])
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def run(n):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    best1, bestn = min(run(1) for _ in range(repeats)), min(run(tokens + 1) for _ in range(repeats))
+    nbytes = decode_bytes(model)
+    impl = model.config._experts_implementation
+    del model
+    gc.collect()
+    return {
+        "prefill_tok_s": len(prompt) / best1,
+        "decode_ms": (bestn - best1) / tokens * 1000,
+        "impl": impl,
+        "decode_bytes": nbytes,
+    }
+
+
+def bench_engine(path: Path, prompt: list[int], tokens: int, repeats: int, policy: str, fraction: float) -> dict:
+    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.offload.engine import build_offload_engine
+
+    engine = build_offload_engine(path, policy=policy, fraction=fraction, dtype="bfloat16")
+    params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True)
+    try:
+        gen = engine.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        list(gen)
+        best = None
+        for _ in range(repeats):
+            gen = engine.generate(prompt, params)
+            list(gen)
+            s = gen.stats
+            if best is None or s.decode_ms_per_token < best.decode_ms_per_token:
+                best = s
+        return {
+            "prefill_tok_s": len(prompt) / (best.prefill_ms / 1000),
+            "decode_ms": best.decode_ms_per_token,
+            "hit_rate": best.hit_rate,
+            "host_tokens": best.host_expert_tokens,
+            "bytes_moved": sum(best.bytes_moved.values()),
+        }
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="8 decode tokens, 16-token prompt, 1 repeat")
+    ap.add_argument("--tokens", type=int, help="decode tokens per run (default 64; quick 8)")
+    ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 128; quick 16)")
+    ap.add_argument("--repeats", type=int, help="runs per configuration, best kept (default 3; quick 1)")
+    ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--model-dir", type=Path, help="build (or reuse) the model here instead of a temp dir")
+    ap.add_argument("--no-stock", action="store_true", help="skip stock transformers")
+    args = ap.parse_args(argv)
+    tokens = args.tokens or (8 if args.quick else 64)
+    plen = args.prompt_len or (16 if args.quick else 128)
+    repeats = args.repeats or (1 if args.quick else 3)
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    policies = [p for p in args.policies.split(",") if p]
+
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        path = build_model(args.model_dir or Path(tmp))
+        prompt = prompt_ids(plen, SHAPE["vocab_size"])
+        bw = read_bandwidth()
+        stock = None if args.no_stock else bench_stock(path, prompt, tokens, repeats)
+        if stock is None:
+            from transformers import AutoModelForCausalLM
+
+            m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+            nbytes = decode_bytes(m)
+            del m
+        else:
+            nbytes = stock["decode_bytes"]
+        bound_ms = nbytes / bw * 1000
+        rows = []
+        for policy in policies:
+            for fraction in fractions:
+                r = bench_engine(path, prompt, tokens, repeats, policy, fraction)
+                rows.append((policy, fraction, r))
+                print(f"  {policy:6} {fraction:4}: {r['decode_ms']:.1f} ms/token", file=sys.stderr)
+
+    cmd = "python bench/bench_engine.py" + (" " + " ".join(sys.argv[1:]) if argv is None and sys.argv[1:] else "")
+    print(f"Command: `{cmd}`  ")
+    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads  ")
+    print(f"Prompt {plen} tokens, {tokens} decode tokens, best of {repeats}.  ")
+    print(f"Bandwidth bound: {nbytes / 1e6:.0f} MB read per decode token / {bw / 1e9:.1f} GB/s measured "
+          f"= **{bound_ms:.1f} ms/token**\n")
+    print("| configuration | decode ms/token | prefill tok/s | of bound | vs stock | hit rate | host expert tokens | bytes copied |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    if stock:
+        print(f"| stock transformers generate() ({stock['impl']}) | {stock['decode_ms']:.1f} | {stock['prefill_tok_s']:.0f} | "
+              f"{bound_ms / stock['decode_ms']:.0%} | 1.00 | | | |")
+    for policy, fraction, r in rows:
+        vs = f"{stock['decode_ms'] / r['decode_ms']:.2f}" if stock else ""
+        print(f"| {policy}, fraction {fraction:g} | {r['decode_ms']:.1f} | {r['prefill_tok_s']:.0f} | "
+              f"{bound_ms / r['decode_ms']:.0%} | {vs} | {r['hit_rate']:.2f} | {r['host_tokens']} | {r['bytes_moved'] / 1e6:.0f} MB |")
+    print("\n\"of bound\" = bandwidth-bound ms/token / measured ms/token; \"vs stock\" = stock ms/token / ours (>= 1.0 is as fast or faster).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

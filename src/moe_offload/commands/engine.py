@@ -1,0 +1,204 @@
+"""`moe-offload demo-model | generate | profile`: the engine from the command line (torch loads inside)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from moe_offload.errors import ConfigError, ModelError
+
+POLICY_HELP = "Miss policy: static (misses computed on the host), lru (misses copied into slots), hybrid (by tokens per expert)."
+
+
+def _model_dir(model: str | None) -> Path:
+    """The checkpoint directory; the demo model (built on first use) when none is given."""
+    if model:
+        return Path(model).expanduser()
+    from moe_offload import demo
+
+    if not (demo.default_dir() / "config.json").is_file():
+        click.echo(f"building the demo model (random weights) in {demo.default_dir()} ...", err=True)
+    return demo.ensure_demo_model()
+
+
+def _engine_options(fn):
+    fn = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype (default: the checkpoint's).")(fn)
+    fn = click.option("--placement", "placement", help="Placement JSON (from `moe-offload plan`); excludes --fraction.")(fn)
+    fn = click.option("--fraction", type=float, help="Fraction 0..1 of each layer's experts resident on the accelerator (default 1.0).")(fn)
+    fn = click.option("--policy", type=click.Choice(["static", "lru", "hybrid"]), default="static", show_default=True, help=POLICY_HELP)(fn)
+    fn = click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True, help="Where the engine runs.")(fn)
+    return fn
+
+
+def _build(model: Path, backend: str, policy: str, fraction: float | None, placement: str | None, dtype: str | None):
+    from moe_offload.backends import get_backend
+
+    if fraction is not None and not 0.0 <= fraction <= 1.0:
+        raise ConfigError(f"--fraction: expected a number in 0..1, got {fraction}")
+    if fraction is not None and placement:
+        raise ConfigError("give either --fraction or --placement, not both")
+    options = {"policy": policy, "fraction": fraction, "dtype": dtype}
+    return get_backend(backend).build_engine(str(model), placement, **options)
+
+
+def _encode(engine, prompt: str, chat: bool) -> list[int]:
+    tok = engine.tokenizer
+    if tok is None:
+        raise ModelError(f"{engine.info.model}: no tokenizer in the checkpoint directory; a text prompt needs one")
+    if chat:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return [int(i) for i in ids]
+    return [int(i) for i in tok(prompt)["input_ids"]]
+
+
+@click.command("demo-model")
+@click.option("--out", type=click.Path(file_okay=False), help="Directory to write (default: ~/.cache/moe-offload/demo-model).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Weights seed.")
+def demo_model(out: str | None, seed: int) -> None:
+    """Write the demo checkpoint: a small Qwen3-MoE with RANDOM weights and a locally trained tokenizer."""
+    from moe_offload.demo import build_demo_model
+
+    click.echo(str(build_demo_model(out, seed=seed)))
+
+
+@click.command("generate")
+@click.option("--model", help="Checkpoint directory (default: the demo model, built on first use).")
+@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--chat", is_flag=True, help="Send the prompt as a user message through the tokenizer's chat template.")
+@click.option("--max-tokens", type=int, default=32, show_default=True, help="Tokens to generate at most.")
+@_engine_options
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--seed", type=int, help="Sampling seed (same seed, same tokens).")
+@click.option("--ignore-eos", is_flag=True, help="Keep going after an end-of-sequence token.")
+@click.option("--json", "as_json", is_flag=True, help="Print the token ids, text and stats as JSON.")
+def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placement, dtype, temperature, top_p, top_k,
+             seed, ignore_eos, as_json) -> None:
+    """Generate text with the offload engine; stats go to stderr (or into --json)."""
+    from moe_offload.engines.base import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            ignore_eos=ignore_eos)
+    engine = _build(_model_dir(model), backend, policy, fraction, placement, dtype)
+    try:
+        ids = _encode(engine, prompt, chat)
+        gen = engine.generate(ids, params)
+        tokens = list(gen)
+        s = gen.stats
+        text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        if as_json:
+            out = {"model": engine.info.model, "backend": engine.info.backend, "policy": engine.info.policy,
+                   "prompt_ids": ids, "token_ids": tokens, "text": text, "stats": s.to_dict()}
+            click.echo(json.dumps(out, indent=2))
+            return
+        click.echo(text)
+        click.echo(f"[{s.completion_tokens} tokens ({s.finish_reason}), prefill {s.prefill_ms:.0f} ms, "
+                   f"decode {s.decode_ms_per_token:.1f} ms/token, hit rate {s.hit_rate:.0%}, "
+                   f"host expert tokens {s.host_expert_tokens}, copied {sum(s.bytes_moved.values()) / 1e6:.1f} MB]", err=True)
+    finally:
+        engine.close()
+
+
+def read_prompts(path: str) -> list[tuple[str, str | None]]:
+    """(prompt, class or None) per line of a JSONL file: {"prompt": "...", "class": "..."}."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--prompts: expected a JSONL file, got {path!r} (not found)")
+    rows = []
+    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"{path}:{n}: not JSON ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            raise ConfigError(f'{path}:{n}: expected {{"prompt": "non-empty text", "class": optional}}, got {line[:80]!r}')
+        cls = obj.get("class")
+        if cls is not None and not isinstance(cls, str):
+            raise ConfigError(f"{path}:{n}: class must be a string, got {cls!r}")
+        rows.append((obj["prompt"], cls))
+    if not rows:
+        raise ConfigError(f"{path}: no prompts")
+    return rows
+
+
+def capture_routes(engine, prompts: list[list[int]], max_tokens: int = 1) -> tuple[list[int], list[list[list[list[int]]]]]:
+    """Run each prompt (greedy, ``max_tokens``) with route capture on.
+
+    Returns (MoE layer indices, per prompt: rows [T][L][K] of expert ids, one row per token the model read).
+    """
+    from moe_offload.engines.base import SamplingParams
+
+    executor = engine.executor
+    if executor is None or not hasattr(executor, "capture"):
+        raise ConfigError(f"backend {engine.info.backend!r}: its engine cannot capture routes")
+    layers = sorted(state.layer for state in executor.layers)
+    out = []
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for ids in prompts:
+        executor.capture(True)
+        try:
+            list(engine.generate(ids, params))
+            records = executor.captured()
+        finally:
+            executor.capture(False)
+        rows = []
+        for rec in records:  # one forward: {layer: [T][K]}
+            if not rec:
+                continue
+            T = len(rec[layers[0]])
+            rows.extend([rec[layer][t] for layer in layers] for t in range(T))
+        out.append(rows)
+    return layers, out
+
+
+@click.command("profile")
+@click.option("--model", help="Checkpoint directory (default: the demo model).")
+@click.option("--prompts", required=True, help='JSONL file, one {"prompt": "...", "class": "optional"} per line.')
+@click.option("--out", required=True, help="Routes file to write (.safetensors or .json).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Tokens generated per prompt; 1 records the prompt tokens only.")
+@click.option("--chat", is_flag=True, help="Send each prompt through the chat template.")
+@_engine_options
+@click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
+def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction, placement, dtype, as_json) -> None:
+    """Record the top-k expert ids per MoE layer per token over a prompt set (a routes file for `plan`)."""
+    from moe_offload.cli import emit
+    from moe_offload.profile import Routes, save_routes
+    from moe_offload.spec import ModelSpec
+
+    if not (out.endswith(".safetensors") or out.endswith(".json")):
+        raise ConfigError(f"--out: expected a .safetensors or .json path, got {out!r}")
+    rows = read_prompts(prompts)
+    path = _model_dir(model)
+    engine = _build(path, backend, policy, fraction, placement, dtype)
+    try:
+        spec = ModelSpec.from_hf_config(str(path))
+        layers, per_prompt = capture_routes(engine, [_encode(engine, p, chat) for p, _ in rows], max_tokens)
+    finally:
+        engine.close()
+    classes: list[str] = []
+    ids, class_ids = [], []
+    labelled = any(c is not None for _, c in rows)
+    for (_, cls), routes in zip(rows, per_prompt):
+        ids.extend(routes)
+        if labelled:
+            name = cls if cls is not None else "unlabelled"
+            if name not in classes:
+                classes.append(name)
+            class_ids.extend([classes.index(name)] * len(routes))
+    result = Routes(model=spec.name, num_experts=spec.num_experts, layers=tuple(layers), ids=ids,
+                    class_ids=class_ids if labelled else None, classes=tuple(classes))
+    save_routes(out, result)
+    summary = {"out": out, "model": spec.name, "prompts": len(rows), "tokens": result.num_tokens,
+               "layers": len(layers), "top_k": result.top_k, "classes": list(classes)}
+    emit(summary, as_json, f"wrote {out}: {result.num_tokens} tokens x {len(layers)} MoE layers x top-{result.top_k} "
+                           f"from {len(rows)} prompts" + (f", classes {', '.join(classes)}" if classes else ""))
+
+
+commands = [demo_model, generate, profile_cmd]

@@ -1,0 +1,143 @@
+"""The demo model: a small Qwen3-MoE checkpoint with RANDOM weights and a locally trained tokenizer.
+
+    data/demo_corpus.txt --tokenizers BPE--> tokenizer.json (+ chat template)
+    Qwen3MoeConfig + seed --torch init--> model.safetensors, config.json, README.md
+
+It exists so that `moe-offload generate` works with nothing downloaded: it
+speaks nonsense, deterministically. Same seed -> byte-identical files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from moe_offload.errors import ConfigError
+
+DEFAULT_DIR = Path("~/.cache/moe-offload/demo-model")
+NOTE = "RANDOM WEIGHTS: a moe-offload demo/test model; its output is deterministic nonsense"
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Small enough to build in seconds and decode in a few ms/token on a laptop CPU.
+SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=16,
+    num_experts_per_tok=4,
+    max_position_embeddings=2048,
+)
+VOCAB = 1024
+README = """# moe-offload demo model ({note})
+
+A Qwen3-MoE-architecture checkpoint built by `moe-offload demo-model` (seed {seed}):
+{layers} layers, {experts} routed experts per layer, top-{top_k}, hidden size {hidden}.
+The weights were drawn at random; nothing was trained. The tokenizer is a byte-level
+BPE trained locally on the text shipped in `moe_offload/data/demo_corpus.txt`.
+Use it to try the CLI and the engine, and in tests; never to judge output quality.
+"""
+
+
+def default_dir() -> Path:
+    return DEFAULT_DIR.expanduser()
+
+
+def _corpus() -> list[str]:
+    text = resources.files("moe_offload").joinpath("data/demo_corpus.txt").read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def build_tokenizer(vocab_size: int = VOCAB):
+    """A transformers PreTrainedTokenizerFast trained on the shipped corpus (byte-level BPE, ChatML template)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=SHAPE["max_position_embeddings"],
+    )
+
+
+def build_demo_model(out_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:
+    """Write the demo checkpoint to ``out_dir`` (default ~/.cache/moe-offload/demo-model); returns the directory.
+
+    Deterministic: the same seed gives byte-identical files. Existing files in ``out_dir`` are replaced.
+    """
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"demo model seed: expected an integer >= 0, got {seed!r}")
+    out = Path(out_dir).expanduser() if out_dir is not None else default_dir()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out: expected a directory, got the file {out}")
+    tokenizer = build_tokenizer()
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        **SHAPE,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+        moe_offload_note=NOTE,
+    )
+    # fork_rng: building the demo must not change the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config).eval()
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build next to the target, then move files in: an interrupted build never leaves a half model.
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".demo-build-") as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        Path(tmp, "README.md").write_text(
+            README.format(
+                note=NOTE, seed=seed, layers=SHAPE["num_hidden_layers"], experts=SHAPE["num_experts"],
+                top_k=SHAPE["num_experts_per_tok"], hidden=SHAPE["hidden_size"],
+            ),
+            encoding="utf-8",
+        )
+        out.mkdir(exist_ok=True)
+        for f in sorted(Path(tmp).iterdir()):
+            target = out / f.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(f, target)
+    return out
+
+
+def ensure_demo_model(out_dir: str | os.PathLike | None = None) -> Path:
+    """The demo model directory, built on first use."""
+    out = Path(out_dir).expanduser() if out_dir is not None else default_dir()
+    if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file() or not (out / "tokenizer.json").is_file():
+        return build_demo_model(out)
+    return out
