@@ -39,6 +39,7 @@ from moe_offload.serving.worker import AFFINITY_HEADER, CLASS_HEADER, DEFAULT_MA
 
 log = get_logger("serving.gateway")
 TOKEN_ENV = "MOE_OFFLOAD_GATEWAY_TOKEN"
+WORKER_HEADER = "x-moe-offload-worker"
 _STREAM_STATS = re.compile(rb": x-moe-offload-hit-rate=([0-9.]+) class=([a-z-]+)")
 # Hop-by-hop and length headers are the proxy's own business.
 _DROP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server"}
@@ -121,8 +122,11 @@ class Gateway:
         return h
 
     @staticmethod
-    def _passthrough(headers: httpx.Headers) -> dict:
-        return {k: v for k, v in headers.items() if k.lower() not in _DROP}
+    def _passthrough(headers: httpx.Headers, w: WorkerEntry | None = None) -> dict:
+        out = {k: v for k, v in headers.items() if k.lower() not in _DROP}
+        if w is not None:
+            out[WORKER_HEADER] = w.url  # which worker answered: for clients' logs and the tests
+        return out
 
     def _feedback(self, w: WorkerEntry, cls: str, headers: httpx.Headers | None = None, tail: bytes = b"") -> None:
         rate, wcls = None, cls
@@ -171,11 +175,11 @@ class Gateway:
                     self.pool.succeeded(w)
                     self._feedback(w, cls, resp.headers)
                     self._count(w, cls, resp.status_code, t0)
-                    return Response(content, status_code=resp.status_code, headers=self._passthrough(resp.headers))
+                    return Response(content, status_code=resp.status_code, headers=self._passthrough(resp.headers, w))
                 self.pool.succeeded(w)
                 released = True  # the stream releases the worker when it ends
                 return StreamingResponse(self._relay(w, cls, resp, t0), status_code=resp.status_code,
-                                         headers=self._passthrough(resp.headers))
+                                         headers=self._passthrough(resp.headers, w))
             except httpx.TransportError as e:
                 # Unreachable, or died before answering in full: nothing reached the client yet, so retry elsewhere.
                 last_error = f"{w.url}: {type(e).__name__}: {e}"

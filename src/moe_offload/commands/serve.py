@@ -1,0 +1,153 @@
+"""`moe-offload worker | serve | gateway`: the OpenAI-compatible worker and the expert-affinity gateway."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import click
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _worker_options(fn):
+    opts = [
+        click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless told otherwise)."),
+        click.option("--port", default=8000, show_default=True, type=int, help="Port to bind (0: any free port)."),
+        click.option("--placement", type=click.Path(exists=True, dir_okay=False), help="rm-core Placement JSON."),
+        click.option("--policy", help="Miss policy for cpu/cuda: static | lru | hybrid."),
+        click.option("--fraction", type=float, help="Resident fraction of each layer's experts (cpu/cuda, without --placement)."),
+        click.option("--mock-ms-per-token", type=float, default=5.0, show_default=True, help="mock backend: decode time per token."),
+        click.option("--mock-hit-rate", type=float, default=0.85, show_default=True, help="mock backend: simulated hit rate."),
+        click.option("--served-model-name", help="Model name clients send (default: the model directory's name)."),
+        click.option("--api-key", envvar="MOE_OFFLOAD_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* [env MOE_OFFLOAD_API_KEY]."),
+        click.option("--max-queue", default=64, show_default=True, type=int, help="Waiting requests beyond which new ones get 429."),
+        click.option("--request-timeout", default=600.0, show_default=True, type=float, help="Seconds from arrival to the last token (504 after)."),
+        click.option("--max-body-bytes", default=4 * 1024 * 1024, show_default=True, type=int, help="Larger request bodies get 413."),
+        click.option("--gateway", "gateway_url", help="Register with this gateway (needs --gateway-token)."),
+        click.option("--gateway-token", envvar="MOE_OFFLOAD_GATEWAY_TOKEN", help="The gateway's shared token [env MOE_OFFLOAD_GATEWAY_TOKEN]."),
+        click.option("--advertise-url", help="URL the gateway should use for this worker (default: http://HOST:PORT)."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def _engine_options(backend: str, policy, fraction, mock_ms, mock_hit) -> dict:
+    if backend == "mock":
+        return {"ms_per_token": mock_ms, "hit_rate": mock_hit}
+    opts = {}
+    if policy:
+        opts["policy"] = policy
+    if fraction is not None:
+        opts["fraction"] = fraction
+    return opts
+
+
+def _run_worker(backend_name: str, model: str | None, *, host, port, placement, policy, fraction, mock_ms_per_token,
+                mock_hit_rate, served_model_name, api_key, max_queue, request_timeout, max_body_bytes, gateway_url,
+                gateway_token, advertise_url, banner: bool) -> None:
+    from moe_offload import backends
+    from moe_offload.errors import ConfigError
+    from moe_offload.serving import server, worker
+
+    if gateway_url and not gateway_token:
+        raise ConfigError("--gateway needs --gateway-token (or $MOE_OFFLOAD_GATEWAY_TOKEN): the gateway refuses unauthenticated workers")
+    backend = backends.get_backend(backend_name)
+    backend.require()
+    placement_obj = None
+    if placement:
+        from rm_core import Placement
+
+        placement_obj = Placement.from_json(Path(placement).read_text())
+    options = _engine_options(backend_name, policy, fraction, mock_ms_per_token, mock_hit_rate)
+    sock = server.bind(host, port)  # before loading the model: a taken port fails fast
+    url = server.url_of(sock)
+    name = served_model_name or (Path(model).name if model else ("mock" if backend_name == "mock" else "moe-offload-demo"))
+    click.echo(f"loading {model or 'the demo model'} on backend {backend_name} ...", err=True)
+    app = worker.create_app(lambda: backend.build_engine(model, placement_obj, **options), model_name=name, api_key=api_key or None,
+                            max_queue=max_queue, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
+                            placement=placement_obj, tiers=backend.tiers())
+    if host not in LOOPBACK and not api_key:
+        click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
+    if gateway_url:
+        from moe_offload.serving.gateway import register
+
+        me = advertise_url or url
+        threading.Thread(target=_register, args=(register, gateway_url, gateway_token, me, name), daemon=True).start()
+    if banner:
+        auth = ' -H "Authorization: Bearer $MOE_OFFLOAD_API_KEY"' if api_key else ""
+        body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+        click.echo(f"moe-offload worker: {name} ({backend_name}) at {url}  (OpenAI API under {url}/v1, metrics at {url}/metrics)")
+        click.echo(f"try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+    server.run_server(app, sock)
+
+
+def _register(register, gateway_url, token, me, name) -> None:
+    from moe_offload.log import get_logger
+
+    try:
+        ok = register(gateway_url, token, me, model=name)
+        get_logger("serving").info("registered with gateway" if ok else "gateway unreachable; not registered", gateway=gateway_url)
+    except Exception as e:  # noqa: BLE001 - a refused registration must not stop the worker serving directly
+        get_logger("serving").error("registration failed", gateway=gateway_url, error=str(e))
+
+
+@click.command("worker")
+@click.option("--backend", default="cpu", show_default=True, help="Backend: mock | cpu | cuda | rngd (see `moe-offload backends`).")
+@click.option("--model", help="Checkpoint directory (default: the demo model).")
+@_worker_options
+def worker_cmd(backend, model, **kw) -> None:
+    """Serve one model over an OpenAI-compatible API (vLLM-style /metrics)."""
+    _run_worker(backend, model, banner=True, **kw)
+
+
+def _default_backend() -> str:
+    """cpu when the offload engine can load here (torch + transformers), else mock."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
+        return "cpu"
+    return "mock"
+
+
+@click.command("serve")
+@click.option("--backend", default=None, help="cpu (default when torch is installed) or mock; cuda/rngd with --model.")
+@click.option("--model", help="Checkpoint directory (default: the demo model, built on first use).")
+@_worker_options
+def serve_cmd(backend, model, **kw) -> None:
+    """Serve the demo model (or --model) with sensible defaults; prints the URL and a curl line."""
+    backend = backend or _default_backend()
+    if backend != "mock" and not model:
+        from moe_offload.demo import ensure_demo_model
+
+        click.echo("preparing the demo model (random weights: its output is nonsense) ...", err=True)
+        model = str(ensure_demo_model())
+        kw["served_model_name"] = kw.get("served_model_name") or "moe-offload-demo"
+    _run_worker(backend, model, banner=True, **kw)
+
+
+@click.command("gateway")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8080, show_default=True, type=int, help="Port to bind.")
+@click.option("--worker", "workers", multiple=True, help="A worker's base URL (repeatable).")
+@click.option("--token", envvar="MOE_OFFLOAD_GATEWAY_TOKEN", help="Shared token workers register with [env MOE_OFFLOAD_GATEWAY_TOKEN]; without it registration is refused.")
+@click.option("--api-key", envvar="MOE_OFFLOAD_API_KEY", help="Require 'Authorization: Bearer KEY' from clients (passed on to workers).")
+@click.option("--lambda", "lam", default=0.05, show_default=True, type=float, help="Load penalty per in-flight request (affinity units).")
+@click.option("--alpha", default=0.2, show_default=True, type=float, help="EWMA weight of each measured hit rate.")
+@click.option("--health-interval", default=2.0, show_default=True, type=float, help="Seconds between worker /health probes.")
+def gateway_cmd(host, port, workers, token, api_key, lam, alpha, health_interval) -> None:
+    """Route OpenAI requests to the worker whose resident experts fit them best."""
+    from moe_offload.serving import gateway, server
+
+    sock = server.bind(host, port)
+    app = gateway.create_app(list(workers), token=token, api_key=api_key, lam=lam, alpha=alpha, health_interval=health_interval)
+    url = server.url_of(sock)
+    click.echo(f"moe-offload gateway at {url}: {len(workers)} worker(s); registration {'open with the token' if token else 'disabled (no --token)'}")
+    click.echo(f"workers and scores: curl {url}/gateway/workers")
+    server.run_server(app, sock)
+
+
+commands = [worker_cmd, serve_cmd, gateway_cmd]

@@ -1,0 +1,92 @@
+"""Pure pieces: classification, reasoning split, detokenisation with stop strings, pool scoring."""
+
+import random
+
+import pytest
+
+from moe_offload.engines.mock import ByteTokenizer
+from moe_offload.serving.classify import CLASSES, classify, request_text
+from moe_offload.serving.detok import TextStream
+from moe_offload.serving.pool import WorkerPool
+from moe_offload.serving.reasoning import ReasoningSplitter, split
+
+
+@pytest.mark.parametrize(
+    "text, cls",
+    [
+        ("안녕하세요, 오늘 날씨가 좋네요.", "hangul-prose"),
+        ("今日はいい天気ですね。", "cjk-prose"),
+        ("我们今天去公园散步吧", "cjk-prose"),
+        ("The quick brown fox jumps over the lazy dog.", "latin-prose"),
+        ("def add(a, b):\n    return a + b\n", "latin-code"),
+        ("```\nx = 1\n```", "latin-code"),
+        ("이 코드를 한국어로 자세히 설명해 주세요: x = f(y); z = g(x);", "hangul-code"),
+        ("", "latin-prose"),
+    ],
+)
+def test_classify(text, cls):
+    assert classify(text) == cls
+    assert cls in CLASSES
+
+
+def test_request_text_reads_prompts_and_messages():
+    assert request_text({"prompt": ["a", "b"]}) == "a\nb"
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "user", "content": "there"}]}
+    assert request_text(body) == "hi\nthere"
+    assert request_text({"prompt": [1, 2, 3]}) == "" and request_text("junk") == ""
+
+
+@pytest.mark.parametrize("prompt", ["", "<|im_start|>assistant\n<think>\n"])
+def test_reasoning_stream_matches_whole(prompt):
+    reply = "<think>step one, then two</think>\n\nThe answer." if not prompt else "step one</think>\n\nThe answer."
+    whole = split(reply, prompt)
+    assert whole == ("step one, then two" if not prompt else "step one", "The answer.")
+    # Any split into pieces (tags cut in the middle) gives the same result.
+    for cut in range(1, 6):
+        s = ReasoningSplitter(prompt)
+        r = c = ""
+        for i in range(0, len(reply), cut):
+            dr, dc = s.push(reply[i:i + cut])
+            r, c = r + dr, c + dc
+        dr, dc = s.finish()
+        assert (r + dr, c + dc) == whole
+
+
+def test_reasoning_absent_is_all_content():
+    assert split("plain answer") == ("", "plain answer")
+    assert split("<thin") == ("", "<thin")  # not a tag after all
+
+
+def test_textstream_holds_multibyte_and_cuts_stop():
+    tok = ByteTokenizer()
+    ts = TextStream(tok)
+    out = "".join(ts.push(b) for b in "한글".encode()) + ts.finish()
+    assert out == "한글"
+    ts = TextStream(tok, stop=["END"])
+    pieces = [ts.push(b) for b in b"abc EN"]
+    assert "".join(pieces) == "abc "  # "EN" is held: it may start the stop string
+    ts.push(ord("D"))
+    assert ts.stopped and ts.finish() == "" and ts.text == "abc "
+
+
+def test_pool_prefers_affinity_minus_load_and_learns():
+    pool = WorkerPool(lam=0.1, alpha=0.5, rng=random.Random(0))
+    a, b = pool.add("http://a", seed={"all": 0.9}), pool.add("http://b", seed={"all": 0.5})
+    assert pool.rank("latin-prose")[0] is a
+    a.inflight = 5  # 0.9 - 0.5 < 0.5
+    assert pool.rank("latin-prose")[0] is b
+    a.inflight = 0
+    for _ in range(10):
+        pool.feedback(a, "latin-prose", 0.2)
+    assert pool.rank("latin-prose")[0] is b and pool.rank("cjk-prose")[0] is a
+    for _ in range(3):
+        pool.failed(b, "down")
+    assert not b.healthy and pool.rank("latin-prose")[-1] is b
+
+
+def test_pool_breaks_ties_at_random():
+    pool = WorkerPool(rng=random.Random(1))
+    for u in "abc":
+        pool.add(f"http://{u}", seed={"all": 0.7})
+    firsts = {pool.rank("latin-prose")[0].url for _ in range(60)}
+    assert len(firsts) == 3

@@ -1,0 +1,233 @@
+"""The worker on the mock engine, through the openai client and raw HTTP, on a real loopback server."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from moe_offload.serving.worker import create_app
+
+
+def _sse(text: str) -> list[dict]:
+    lines = [l[6:] for l in text.splitlines() if l.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(l) for l in lines[:-1]]
+
+
+def test_openai_client_completions_and_chat(mock_worker):
+    h = mock_worker()
+    client = openai.OpenAI(base_url=h.url + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["mock"]
+    c = client.completions.create(model="mock", prompt="Hello", max_tokens=6, temperature=0)
+    assert c.choices[0].finish_reason == "length"
+    assert c.usage.prompt_tokens == 5 and c.usage.completion_tokens == 6 and c.usage.total_tokens == 11
+    # Streaming gives the same greedy text, and an exact usage chunk.
+    chunks = list(client.completions.create(model="mock", prompt="Hello", max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 6
+    chat = client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, seed=7)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(model="mock", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                                 seed=7, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == chat.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_raw_http_prompt_forms_stop_and_headers(mock_worker):
+    h = mock_worker(hit_rate=0.75)
+    with httpx.Client(base_url=h.url) as c:
+        r = c.post("/v1/completions", json={"prompt": [[72, 105], [72, 111]], "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [ch["index"] for ch in body["choices"]] == [0, 1] and body["usage"]["prompt_tokens"] == 4
+        assert r.headers["x-moe-offload-request-class"] == "latin-prose"
+        assert abs(float(r.headers["x-moe-offload-hit-rate"]) - 0.75) < 0.01  # the mock routes exactly at its hit rate
+        full = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 12, "temperature": 0}).json()["choices"][0]["text"]
+        stop = full[3:5]
+        cut = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 12, "temperature": 0, "stop": [stop]}).json()
+        assert cut["choices"][0]["text"] == full[: full.index(stop)] and cut["choices"][0]["finish_reason"] == "stop"
+        r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "stream": True})
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert re.search(r"^: x-moe-offload-hit-rate=0\.7\d+ class=latin-prose$", r.text, re.M)
+        chunks = _sse(r.text)  # at most one chunk per token (a split character waits for its last byte) + the finish chunk
+        assert 2 <= len(chunks) <= 5 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert c.get("/version").json()["backend"] == "mock"
+        assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 4096
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "stop": 3}, 400, "stop"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD)
+def test_bad_input_gets_openai_error(mock_worker, path, body, status, param):
+    h = mock_worker()
+    with httpx.Client(base_url=h.url) as c:
+        r = c.post(path, content=body if isinstance(body, bytes) else json.dumps(body))
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert err["param"] == param
+        if body == {"prompt": "x", "max_tokens": 100000}:
+            assert "maximum context length" in err["message"]
+        assert c.get("/health").status_code == 200  # still alive
+
+
+def test_body_limit_unknown_route_and_api_key(mock_worker):
+    h = mock_worker(api_key="s3cret", max_body_bytes=1000)
+    auth = {"authorization": "Bearer s3cret"}
+    with httpx.Client(base_url=h.url) as c:
+        r = c.post("/v1/completions", json={"prompt": "x" * 2000}, headers=auth)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/v1/models", headers={"authorization": "Bearer wrong"}).status_code == 401
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=auth).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200  # not under /v1
+        assert c.get("/v2/nothing").json()["error"]["type"] == "not_found_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=h.url + "/v1", api_key="nope").models.list()
+
+
+def test_queue_full_429_and_waiting_metric(mock_worker):
+    h = mock_worker(ms_per_token=20, max_queue=1)
+    statuses, waiting_seen = [], []
+
+    def post():
+        with httpx.Client(base_url=h.url, timeout=30) as c:
+            statuses.append(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 15}).status_code)
+
+    threads = [threading.Thread(target=post) for _ in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    with httpx.Client(base_url=h.url) as c:
+        for _ in range(20):
+            m = re.search(r'^vllm:num_requests_waiting\{model_name="mock"\} (\S+)', c.get("/metrics").text, re.M)
+            waiting_seen.append(float(m.group(1)))
+            time.sleep(0.02)
+    for t in threads:
+        t.join()
+    # One running + one waiting fit; the rest are refused while both are busy.
+    assert statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
+    assert max(waiting_seen) >= 1
+
+
+def test_client_disconnect_cancels_and_timeout(mock_worker):
+    h = mock_worker(ms_per_token=20, request_timeout=0.5)
+    with httpx.Client(base_url=h.url, timeout=10) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 500, "stream": True}) as r:
+            next(r.iter_lines())
+        # The generation (10 s if left alone) is aborted: the engine is free again at once.
+        t0 = time.monotonic()
+        while "vllm:num_requests_running{model_name=\"mock\"} 0.0" not in c.get("/metrics").text:
+            assert time.monotonic() - t0 < 2, "the disconnected stream kept the engine busy"
+            time.sleep(0.05)
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 500})
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code == 200
+
+
+def test_engine_crash_gives_503_and_restarts(serve):
+    from serving_engines import CrashingMock
+
+    built = []
+
+    def factory():
+        built.append(1)
+        return CrashingMock()
+
+    h = serve(create_app(factory, model_name="mock"))
+    with httpx.Client(base_url=h.url) as c:
+        r = c.post("/v1/completions", json={"prompt": "please CRASH", "max_tokens": 3})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+        r = c.post("/v1/completions", json={"prompt": "please CRASH", "max_tokens": 3, "stream": True})
+        assert r.status_code == 503
+        for _ in range(50):
+            if c.get("/health").status_code == 200:
+                break
+            time.sleep(0.05)
+        assert c.post("/v1/completions", json={"prompt": "fine", "max_tokens": 3}).status_code == 200
+    assert len(built) == 3  # the first engine and one rebuild per crash
+
+
+def test_reasoning_split_stream_and_not(serve):
+    from serving_engines import ThinkingMock
+
+    h = serve(create_app(ThinkingMock(), model_name="thinker"))
+    client = openai.OpenAI(base_url=h.url + "/v1", api_key="x")
+    msg = client.chat.completions.create(model="thinker", messages=[{"role": "user", "content": "2+2?"}], max_tokens=100)
+    m = msg.model_dump()["choices"][0]["message"]
+    assert m["reasoning"] == "Let me think." and m["content"] == "The answer is 4."
+    with httpx.Client(base_url=h.url) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 100, "stream": True})
+        deltas = [ch["choices"][0]["delta"] for ch in _sse(r.text) if ch["choices"]]
+    assert "".join(d.get("reasoning", "") for d in deltas) == "Let me think."
+    assert "".join(d.get("content") or "" for d in deltas) == "The answer is 4."
+
+
+def test_metrics_are_typed_and_filled(mock_worker):
+    h = mock_worker(hit_rate=0.8)
+    with httpx.Client(base_url=h.url) as c:
+        for prompt in ("Hello there", "안녕하세요 여러분"):
+            assert c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4}).status_code == 200
+        text = c.get("/metrics").text
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    for name, kind in {
+        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:cache_config_info": "gauge", "vllm:prompt_tokens_total": "counter", "vllm:generation_tokens_total": "counter",
+        "vllm:request_success_total": "counter", "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+        "moe_offload_expert_hit_rate": "gauge", "moe_offload_expert_bytes_moved_total": "counter",
+        "moe_offload_host_expert_tokens_total": "counter", "moe_offload_memory_tier_capacity_bytes": "gauge",
+        "moe_offload_expert_affinity": "gauge", "airm_tok_s": "gauge", "airm_tpot_p50_ms": "gauge", "airm_tpot_p90_ms": "gauge",
+    }.items():
+        assert types.get(name) == kind, name
+    # Every sample line belongs to a typed family.
+    families = set(types)
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split(" ")[0]
+            assert any(name == f or name.startswith(f + "_") for f in families), line
+    assert 'vllm:request_success_total{finished_reason="length",model_name="mock"} 2.0' in text
+    assert 'vllm:generation_tokens_total{model_name="mock"} 8.0' in text
+    def value(pattern):
+        return float(re.search("^" + re.escape(pattern) + r" (\S+)$", text, re.M).group(1))
+
+    # The mock hands out hits at 0.8 of routed pairs, rounded per step.
+    assert abs(value('moe_offload_expert_hit_rate{class="hangul-prose",model_name="mock",tier="all"}') - 0.8) < 0.01
+    assert abs(value('moe_offload_expert_hit_rate{class="all",model_name="mock",tier="mock:0"}') - 0.8) < 0.01
+    assert re.search(r'moe_offload_memory_tier_capacity_bytes\{accelerator="[^"]+/mock:0",kind="device-hbm",tier="mock:0"\} 1\.7', text)
+    assert float(re.search(r"^airm_tok_s\{[^}]*\} (\S+)", text, re.M).group(1)) > 0
+
+
+def test_port_in_use_is_a_clear_error(mock_worker):
+    from moe_offload.errors import ConfigError
+    from moe_offload.serving.server import start_server
+
+    h = mock_worker()
+    with pytest.raises(ConfigError, match="in use"):
+        start_server(create_app(__import__("moe_offload.engines.mock", fromlist=["x"]).MockEngine()), "127.0.0.1", h.port)
