@@ -268,8 +268,8 @@ class Placement(_Contract):
 
     @property
     def host_tier(self) -> str | None:
-        """Name of the first host-dram tier, where unpinned experts live."""
-        return next((t.name for t in self.tiers if t.kind == "host-dram"), None)
+        """Name of the host tier, where unpinned experts live: host DRAM that belongs to no accelerator."""
+        return next((t.name for t in self.tiers if t.kind == "host-dram" and t.accelerator is None), None)
 
     def layer(self, index: int) -> LayerPlacement:
         for lp in self.layers:

@@ -113,6 +113,9 @@ def test_placement_helpers():
     p = placement()
     assert [lp.layer for lp in p.layers] == [0, 1]  # sorted by layer
     assert p.host_tier == "host"
+    # An emulated accelerator in host DRAM (the cpu backend's tier) is not the host tier.
+    emulated = MemoryTier("cpu:0", "host-dram", 2**30, accelerator="n/cpu:0")
+    assert Placement("m", (emulated, HOST), (), "top").host_tier == "host"
     lp = p.layer(1)
     assert lp.pinned("npu0") == [0, 2] and lp.dynamic("npu0") == 1
     with pytest.raises(ContractError):
