@@ -1,0 +1,149 @@
+"""GPU check for the offload executor: exactness with device=cuda, then a short speed check. One line per check.
+
+    python bench/gpu_check.py                 # on a machine with a CUDA GPU
+    python bench/gpu_check.py --device cpu --layers 2 --tokens 8   # dry run of the same script on the CPU
+
+Exactness: the tiny-model policy x fraction runs and the family tests of tests/engines/test_exactness.py
+(pytest -k cuda). Speed: a Qwen3-MoE-shaped random bf16 model (64 experts, hidden 1024, I 512, top-8; 16 layers
+by default) decoded greedily by stock transformers and by the executor at several fractions and policies.
+Exit status 1 if any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def line(status: str, name: str, detail: str) -> None:
+    print(f"{status} {name:28} {detail}", flush=True)
+
+
+def check_device(device: str) -> str:
+    if device.startswith("cuda"):
+        assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return f"{torch.cuda.get_device_name(torch.device(device))}, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+    return f"cpu, {torch.get_num_threads()} threads"
+
+
+def check_tiny_exactness(device: str) -> str:
+    from moe_offload.engines.offload.selfcheck import exactness
+
+    return exactness(device, tokens=16, fractions=(0.0, 0.25, 0.5, 1.0))
+
+
+def check_family_tests(device: str) -> str:
+    select = "cuda" if device.startswith("cuda") else "cpu"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-k", select, os.path.join(ROOT, "tests/engines/test_exactness.py")]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    tail = (r.stdout.strip().splitlines() or ["no output"])[-1]
+    assert r.returncode == 0, tail + "\n" + r.stdout[-3000:]
+    return tail
+
+
+def bench_checkpoint(root: str, layers: int) -> str:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
+                         num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                         num_experts=64, num_experts_per_tok=8, dtype="bfloat16", max_position_embeddings=4096)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(root)
+    return root
+
+
+@torch.no_grad()
+def decode_ms(model, device: str, tokens: int) -> float:
+    from transformers import DynamicCache
+
+    # warm-up: a 256-token prefill touches (pages in, caches) nearly every expert before anything is timed
+    model(torch.arange(1, 257, device=device).unsqueeze(0))
+    cache = DynamicCache(config=model.config)
+    x = torch.arange(1, 33, device=device).unsqueeze(0)
+    x = model(x, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+    times = []
+    for i in range(tokens + 8):  # the first 8 steps warm kernels and allocators up and are not counted
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        x = model(x, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        int(x)  # sync
+        if i >= 8:
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2] * 1000
+
+
+def speed_checks(device: str, layers: int, tokens: int, failures: list) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from moe_offload.engines.offload.loader import load_model
+    from moe_offload.engines.offload.selfcheck import fraction_placement
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = bench_checkpoint(tmp, layers)
+        stock = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+        stock_ms = decode_ms(stock, device, tokens)
+        line("PASS", "speed stock transformers", f"{stock_ms:.2f} ms/token ({layers} layers, bf16)")
+        del stock
+        for policy, fraction in (("static", 1.0), ("static", 0.5), ("lru", 0.5), ("hybrid", 0.5), ("static", 0.0)):
+            name = f"speed {policy} fraction={fraction}"
+            try:
+                om = load_model(path, fraction_placement(path, fraction, policy), policy=policy, device=device)
+                ms = decode_ms(om.model, device, tokens)
+                s = om.executor.stats.snapshot()
+                detail = (f"{ms:.2f} ms/token, x{stock_ms / ms:.2f} of stock, hit rate {s['hit_rate']:.2f}, "
+                          f"host tokens {s['host_expert_tokens']}, copied {s['bytes_copied'] / 2**20:.0f} MiB")
+                ok = not (policy == "static" and fraction == 1.0 and ms > stock_ms * 1.05)
+                line("PASS" if ok else "FAIL", name, detail + ("" if ok else " (all-resident slower than stock)"))
+                if not ok:
+                    failures.append(name)
+                del om
+            except Exception as e:  # noqa: BLE001 - one line per check
+                failures.append(name)
+                line("FAIL", name, f"{type(e).__name__}: {e}")
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--skip-family-tests", action="store_true")
+    args = ap.parse_args()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    failures: list[str] = []
+    checks = [("device", check_device), ("exactness tiny x policies", check_tiny_exactness)]
+    if not args.skip_family_tests:
+        checks.append(("exactness families (pytest)", check_family_tests))
+    for name, fn in checks:
+        try:
+            line("PASS", name, fn(args.device))
+        except Exception as e:  # noqa: BLE001
+            failures.append(name)
+            line("FAIL", name, f"{type(e).__name__}: {e}".splitlines()[0])
+            traceback.print_exc(limit=3, file=sys.stderr)
+            if name == "device":
+                return 1
+    speed_checks(args.device, args.layers, args.tokens, failures)
+    print(f"{'FAILED' if failures else 'OK'}: {len(failures)} failed" + (f" ({', '.join(failures)})" if failures else ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
