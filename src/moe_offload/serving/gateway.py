@@ -100,7 +100,8 @@ class Gateway:
             if not w.seed:
                 try:
                     a = (await self.client.get(w.url + "/affinity", timeout=2.0)).json()
-                    w.seed = {"all": float(a["predicted"]), **{c: float(v["affinity"]) for c, v in a["classes"].items()}}
+                    seed = {"all": a.get("predicted"), **{c: v.get("affinity") for c, v in a["classes"].items()}}
+                    w.seed = {k: float(v) for k, v in seed.items() if v is not None}
                     w.model = w.model or a.get("model")
                 except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
                     log.warning("worker has no usable /affinity", worker=w.url, error=str(e))

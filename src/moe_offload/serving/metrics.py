@@ -78,21 +78,25 @@ class WorkerMetrics:
         self.tpot90 = Gauge("airm_tpot_p90_ms", f"90th percentile time per output token over the last {WINDOW} requests, ms.", ["model_name"], registry=r).labels(**m)
 
         host_names = [t.name for t in tiers if t.kind != "device-hbm" and not t.accelerator] or ["host"]
-        self.predicted = predicted_overall(predicted or {}, host_names)
-        self.predicted_by_class = {c: float((predicted_by_class or {}).get(c, self.predicted)) for c in CLASSES}
+        # None when nothing was predicted (no profile): the affinity then waits for a measurement.
+        self.predicted = predicted_overall(predicted, host_names) if predicted else None
+        by_class = dict(predicted_by_class or {})
+        self.predicted_by_class = {c: by_class.get(c, self.predicted) for c in CLASSES}
         self._class_counts = {c: [0, 0] for c in CLASSES}  # hits, routed
         self._class_requests = {c: 0 for c in CLASSES}
         self._tier_sums: dict[str, list[float]] = {}  # tier -> [hit_rate x routed, routed]
         self._window: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (decode steps, decode ms)
         for c in CLASSES:
-            self.affinity.labels(model_name=model_name, **{"class": c}).set(self.predicted_by_class[c])
-        self.affinity.labels(model_name=model_name, **{"class": "all"}).set(self.predicted)
+            if self.predicted_by_class[c] is not None:
+                self.affinity.labels(model_name=model_name, **{"class": c}).set(self.predicted_by_class[c])
+        if self.predicted is not None:
+            self.affinity.labels(model_name=model_name, **{"class": "all"}).set(self.predicted)
 
     def class_hit_rate(self, cls: str) -> float | None:
         hits, routed = self._class_counts.get(cls, (0, 0))
         return hits / routed if routed else None
 
-    def affinity_of(self, cls: str) -> float:
+    def affinity_of(self, cls: str) -> float | None:
         measured = self.class_hit_rate(cls)
         return measured if measured is not None else self.predicted_by_class.get(cls, self.predicted)
 

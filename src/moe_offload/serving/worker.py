@@ -168,10 +168,17 @@ class Worker:
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
-        headers = {CLASS_HEADER: cls, AFFINITY_HEADER: f"{self.metrics.affinity_of(cls):.6f}"}
+        headers = self._headers(cls)
         if routed:
             headers[HIT_HEADER] = f"{hits / routed:.6f}"
         return JSONResponse(body, headers=headers)
+
+    def _headers(self, cls: str) -> dict:
+        h = {CLASS_HEADER: cls}
+        a = self.metrics.affinity_of(cls)
+        if a is not None:
+            h[AFFINITY_HEADER] = f"{a:.6f}"
+        return h
 
     def _choice(self, i: int, text: str, finish: str, chat: bool, req: GenRequest) -> dict:
         if not chat:
@@ -251,7 +258,7 @@ class Worker:
                 yield "data: " + json.dumps(e.body()) + "\n\n"
             yield "data: [DONE]\n\n"
 
-        headers = {CLASS_HEADER: cls, AFFINITY_HEADER: f"{self.metrics.affinity_of(cls):.6f}", "cache-control": "no-cache"}
+        headers = {**self._headers(cls), "cache-control": "no-cache"}
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
