@@ -88,12 +88,12 @@ def load_model(
         raise ModelError(f"{root}: config.json cannot be read by transformers: {e}") from None
     torch_dtype = DTYPES[dtype] if dtype else None
     cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
-    experts = find_experts(config, torch_dtype or (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None))
+    experts, dense_bytes = inspect_model(config, torch_dtype or (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None))
     if not experts:
         raise ModelError(f"{root}: dense model (model_type {config.model_type!r}): no routed experts modules to offload")
     acc_tier, host_tier, layout = plan_layers(experts, placement, dev)
     if dev.type == "cuda":
-        _check_cuda_fit(dev, experts, layout)
+        _check_cuda_fit(dev, experts, layout, dense_bytes)
 
     register()
     kwargs = {"experts_implementation": IMPLEMENTATION}
@@ -158,6 +158,11 @@ def check_checkpoint(path: str) -> Path:
 
 def find_experts(config, dtype: torch.dtype | None = None) -> list[ExpertsInfo]:
     """Experts modules of the model ``config`` describes, found on the meta device (no memory)."""
+    return inspect_model(config, dtype)[0]
+
+
+def inspect_model(config, dtype: torch.dtype | None = None) -> tuple[list[ExpertsInfo], int]:
+    """(experts modules, bytes of all non-expert parameters) of the model ``config`` describes, on the meta device."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -175,7 +180,9 @@ def find_experts(config, dtype: torch.dtype | None = None) -> list[ExpertsInfo]:
         tensors = [getattr(m, n) for n in module_tensor_names(m) if n is not None]
         nbytes = sum(t[0].numel() * t.element_size() for t in tensors)
         found.append(ExpertsInfo(name, int(match.group(1)), int(tensors[0].shape[0]), nbytes))
-    return found
+    total = sum(p.numel() * p.element_size() for p in meta.parameters())
+    routed = sum(i.expert_bytes * i.num_experts for i in found)
+    return found, total - routed
 
 
 def is_experts_module(m: torch.nn.Module) -> bool:
@@ -214,15 +221,17 @@ def plan_layers(experts: list[ExpertsInfo], placement: Placement | None, dev: to
     return acc, host, layout
 
 
-def _check_cuda_fit(dev: torch.device, experts: list[ExpertsInfo], layout) -> None:
+def _check_cuda_fit(dev: torch.device, experts: list[ExpertsInfo], layout, dense_bytes: int) -> None:
+    """Slots + non-expert weights must fit the device's free memory (activations and KV cache come on top)."""
     from moe_offload.engines.offload.cuda import free_bytes
 
-    need = sum(i.expert_bytes * (len(layout[i.layer][0]) + layout[i.layer][1]) for i in experts)
+    slots = sum(i.expert_bytes * (len(layout[i.layer][0]) + layout[i.layer][1]) for i in experts)
     free = free_bytes(dev)
-    if need > free:
+    if slots + dense_bytes > free:
         raise PlacementError(
-            f"expert slots need {need / 2**30:.2f} GiB on {dev}, but only {free / 2**30:.2f} GiB is free "
-            "(before non-expert weights); lower the fraction or the slots"
+            f"expert slots ({slots / 2**30:.2f} GiB) + non-expert weights ({dense_bytes / 2**30:.2f} GiB) need "
+            f"{(slots + dense_bytes) / 2**30:.2f} GiB on {dev}, but only {free / 2**30:.2f} GiB is free; "
+            "lower the fraction or the slots"
         )
 
 

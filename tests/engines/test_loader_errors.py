@@ -54,3 +54,21 @@ def test_bad_options(checkpoints):
         load_model(path, None, policy="hybrid", hybrid_threshold=0)
     with pytest.raises(ConfigError, match="device"):
         load_model(path, None, device="tpu")
+
+
+def test_slots_that_do_not_fit_the_gpu(checkpoints, monkeypatch):
+    # The CUDA fit check itself, with the driver's free memory replaced: runs without a GPU.
+    import torch
+    from transformers import AutoConfig
+
+    from moe_offload.engines.offload import cuda, loader
+
+    path = checkpoints("qwen3_moe")
+    experts, dense = loader.inspect_model(AutoConfig.from_pretrained(path))
+    _, _, layout = loader.plan_layers(experts, None, torch.device("cpu"))
+    need = sum(i.expert_bytes * i.num_experts for i in experts) + dense
+    monkeypatch.setattr(cuda, "free_bytes", lambda dev: need - 1)
+    with pytest.raises(PlacementError, match="GiB is free"):
+        loader._check_cuda_fit(torch.device("cuda", 0), experts, layout, dense)
+    monkeypatch.setattr(cuda, "free_bytes", lambda dev: need)
+    loader._check_cuda_fit(torch.device("cuda", 0), experts, layout, dense)
