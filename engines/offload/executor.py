@@ -173,7 +173,7 @@ class Executor:
             hrows = rows if not self._cuda else _Rows(host_x(), rows.perm_host(), K, T)
             host_out = [] if self._cuda else None
             for g in host:
-                y = expert_forward(module, hrows.select(g), *state.store.expert(g[0]))
+                y = expert_forward(module, hrows.select(g), *state.store.expert(g[0]), post_norm=not self._cuda)
                 host_tokens += g[2]
                 if self._cuda:
                     host_out.append((g, y))
@@ -181,7 +181,10 @@ class Executor:
                     self._place(rows, g, y, out, proj)
             if self._cuda:
                 for g, y in host_out:
-                    self._place(rows, g, y.to(self.device, non_blocking=True), out, proj)
+                    y = y.to(self.device, non_blocking=True)
+                    if module.has_post_expert_norm:  # its weights are on the accelerator
+                        y = module.post_expert_norm(y)
+                    self._place(rows, g, y, out, proj)
         t4 = time.perf_counter()
 
         # ---- combine: as transformers does, sum over k of w * y in (token, k) order ----

@@ -23,8 +23,10 @@ def expert_forward(
     down: torch.Tensor,  # [H, I] ([I, H] when transposed)
     up_bias: torch.Tensor | None = None,  # [2I]
     down_bias: torch.Tensor | None = None,  # [H]
+    post_norm: bool = True,
 ) -> torch.Tensor:
-    """Unweighted output [N, H] of one expert; the routing weight is applied by the caller's combine."""
+    """Unweighted output [N, H] of one expert; the routing weight is applied by the caller's combine.
+    ``post_norm=False`` leaves the module's post-expert norm (whose weights live on the accelerator) to the caller."""
     x = x.to(up.dtype)
     if module.is_transposed:
         h = x @ up  # [N, 2I]
@@ -36,6 +38,6 @@ def expert_forward(
     y = h @ down if module.is_transposed else F.linear(h, down)  # [N, H]
     if down_bias is not None:
         y = y + down_bias
-    if module.has_post_expert_norm:
+    if post_norm and module.has_post_expert_norm:
         y = module.post_expert_norm(y)
     return y
