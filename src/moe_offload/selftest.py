@@ -84,6 +84,29 @@ def _control_plane() -> str:
     return f"Mixtral 46.70B ok, 47.5GiB -> slots {budget.slots}, predicted hit {predicted:.2f}"
 
 
+@check("demo model")
+def _demo_model() -> str:
+    import tempfile
+
+    from moe_offload.demo import build_demo_model
+    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.offload.engine import build_offload_engine
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_demo_model(tmp)
+        out = {}
+        for policy, fraction in (("static", 1.0), ("static", 0.25), ("lru", 0.25)):
+            engine = build_offload_engine(path, policy=policy, fraction=fraction)
+            gen = engine.generate(engine.tokenizer("The river runs")["input_ids"], SamplingParams(max_tokens=6, ignore_eos=True))
+            out[(policy, fraction)] = (list(gen), gen.stats)
+            engine.close()
+    tokens = {k: v[0] for k, v in out.items()}
+    assert len(set(map(tuple, tokens.values()))) == 1, f"greedy tokens depend on the placement: {tokens}"
+    s = out[("static", 0.25)][1]
+    assert s.hits + s.misses > 0 and s.host_expert_tokens == s.misses, "static: misses must be computed on the host"
+    return f"built, greedy identical at 3 placements, static 0.25 hit rate {s.hit_rate:.2f}"
+
+
 def run_all(echo: Callable[[str], None]) -> int:
     """Run every check; returns the number that failed."""
     failed = 0

@@ -12,6 +12,13 @@ from moe_offload.errors import ConfigError, ModelError
 POLICY_HELP = "Miss policy: static (misses computed on the host), lru (misses copied into slots), hybrid (by tokens per expert)."
 
 
+def _quiet() -> None:
+    """No transformers progress bars on the terminal: the commands print their own one-line summaries."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def _model_dir(model: str | None) -> Path:
     """The checkpoint directory; the demo model (built on first use) when none is given."""
     if model:
@@ -21,6 +28,12 @@ def _model_dir(model: str | None) -> Path:
     if not (demo.default_dir() / "config.json").is_file():
         click.echo(f"building the demo model (random weights) in {demo.default_dir()} ...", err=True)
     return demo.ensure_demo_model()
+
+
+def _require_tokenizer(path: Path) -> None:
+    """Fail before loading weights when a text prompt cannot be tokenized."""
+    if path.is_dir() and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ModelError(f"{path}: no tokenizer in the checkpoint directory; a text prompt needs one")
 
 
 def _engine_options(fn):
@@ -61,6 +74,7 @@ def demo_model(out: str | None, seed: int) -> None:
     """Write the demo checkpoint: a small Qwen3-MoE with RANDOM weights and a locally trained tokenizer."""
     from moe_offload.demo import build_demo_model
 
+    _quiet()
     click.echo(str(build_demo_model(out, seed=seed)))
 
 
@@ -83,7 +97,10 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             ignore_eos=ignore_eos)
-    engine = _build(_model_dir(model), backend, policy, fraction, placement, dtype)
+    _quiet()
+    path = _model_dir(model)
+    _require_tokenizer(path)
+    engine = _build(path, backend, policy, fraction, placement, dtype)
     try:
         ids = _encode(engine, prompt, chat)
         gen = engine.generate(ids, params)
@@ -175,7 +192,9 @@ def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction
     if not (out.endswith(".safetensors") or out.endswith(".json")):
         raise ConfigError(f"--out: expected a .safetensors or .json path, got {out!r}")
     rows = read_prompts(prompts)
+    _quiet()
     path = _model_dir(model)
+    _require_tokenizer(path)
     engine = _build(path, backend, policy, fraction, placement, dtype)
     try:
         spec = ModelSpec.from_hf_config(str(path))
