@@ -107,6 +107,28 @@ def _demo_model() -> str:
     return f"built, greedy identical at 3 placements, static 0.25 hit rate {s.hit_rate:.2f}"
 
 
+@check("serving")
+def _serving() -> str:
+    import httpx
+
+    from moe_offload.backends import get_backend
+    from moe_offload.serving import gateway, worker
+
+    w = worker.start_server(worker.create_app(get_backend("mock").build_engine("mock", ms_per_token=0), model_name="mock"))
+    g = worker.start_server(gateway.create_app([w.url], health_interval=5.0))
+    try:
+        body = {"model": "mock", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        r = httpx.post(g.url + "/v1/chat/completions", json=body, timeout=10)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        bad = httpx.post(w.url + "/v1/completions", content=b"{", timeout=10)
+        assert bad.status_code == 400 and "error" in bad.json(), bad.text
+        assert "# TYPE vllm:num_requests_waiting gauge" in httpx.get(w.url + "/metrics").text
+    finally:
+        g.stop()
+        w.stop()
+    return "worker + gateway on loopback: chat 200, bad JSON 400, metrics typed"
+
+
 def run_all(echo: Callable[[str], None]) -> int:
     """Run every check; returns the number that failed."""
     failed = 0
