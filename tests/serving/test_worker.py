@@ -161,15 +161,22 @@ def test_engine_crash_gives_503_and_restarts(serve):
         return CrashingMock()
 
     h = serve(create_app(factory, model_name="mock"))
+
+    def wait_healthy(c):
+        # The 503 is sent before the rebuild starts: a request in between is refused (503 engine_restarting).
+        for _ in range(100):
+            if c.get("/health").status_code == 200:
+                return
+            time.sleep(0.05)
+        raise AssertionError("the engine was not restarted")
+
     with httpx.Client(base_url=h.url) as c:
         r = c.post("/v1/completions", json={"prompt": "please CRASH", "max_tokens": 3})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+        wait_healthy(c)
         r = c.post("/v1/completions", json={"prompt": "please CRASH", "max_tokens": 3, "stream": True})
-        assert r.status_code == 503
-        for _ in range(50):
-            if c.get("/health").status_code == 200:
-                break
-            time.sleep(0.05)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+        wait_healthy(c)
         assert c.post("/v1/completions", json={"prompt": "fine", "max_tokens": 3}).status_code == 200
     assert len(built) == 3  # the first engine and one rebuild per crash
 
