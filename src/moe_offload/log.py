@@ -11,6 +11,16 @@ import structlog
 _configured = False
 
 
+class _Stderr:
+    """Whatever sys.stderr is at write time (test runners and daemons swap it after configuration)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(level: str | None = None, json: bool | None = None) -> None:
     """Configure once per process. ``MOE_OFFLOAD_LOG`` sets the level, ``MOE_OFFLOAD_LOG_JSON=1|0`` forces the format."""
     global _configured
@@ -27,7 +37,7 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=False,
     )
     _configured = True
