@@ -9,8 +9,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(BIN)/moe-offload selftest
-	$(BIN)/moe-offload backends
+	$(BIN)/moe-offload serve
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
