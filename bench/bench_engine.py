@@ -17,6 +17,7 @@ import argparse
 import gc
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -93,6 +94,19 @@ def prompt_ids(n: int, vocab: int, seed: int = 1) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
+class _Clock:
+    """A generate() streamer that timestamps every token (the first put() is the prompt)."""
+
+    def __init__(self):
+        self.t: list[float] = []
+
+    def put(self, value):
+        self.t.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
 def bench_stock(path: Path, prompt: list[int], tokens: int, repeats: int) -> dict:
     """transformers' own generate() (greedy, its default experts implementation) on the same checkpoint."""
     from transformers import AutoModelForCausalLM
@@ -100,25 +114,21 @@ def bench_stock(path: Path, prompt: list[int], tokens: int, repeats: int) -> dic
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     ids = torch.tensor([prompt])
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-
-    def run(n):
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-        return time.perf_counter() - t0
-
-    run(2)  # warm-up
-    best1, bestn = min(run(1) for _ in range(repeats)), min(run(tokens + 1) for _ in range(repeats))
+    steps, prefill = [], []
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, **kw)  # warm-up
+        for _ in range(repeats):
+            clock = _Clock()
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, streamer=clock, **kw)
+            prefill.append(clock.t[1] - t0)
+            steps += [(b - a) * 1000 for a, b in zip(clock.t[1:], clock.t[2:])]
     nbytes = decode_bytes(model)
     impl = model.config._experts_implementation
     del model
     gc.collect()
-    return {
-        "prefill_tok_s": len(prompt) / best1,
-        "decode_ms": (bestn - best1) / tokens * 1000,
-        "impl": impl,
-        "decode_bytes": nbytes,
-    }
+    return {"prefill_tok_s": len(prompt) / min(prefill), "decode_ms": statistics.median(steps),
+            "decode_mean_ms": statistics.fmean(steps), "impl": impl, "decode_bytes": nbytes}
 
 
 def bench_engine(path: Path, prompt: list[int], tokens: int, repeats: int, policy: str, fraction: float) -> dict:
@@ -126,23 +136,22 @@ def bench_engine(path: Path, prompt: list[int], tokens: int, repeats: int, polic
     from moe_offload.engines.offload.engine import build_offload_engine
 
     engine = build_offload_engine(path, policy=policy, fraction=fraction, dtype="bfloat16")
-    params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True)
     try:
-        gen = engine.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-        list(gen)
-        best = None
+        list(engine.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True)))  # warm-up
+        runs = []
         for _ in range(repeats):
-            gen = engine.generate(prompt, params)
+            gen = engine.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
             list(gen)
-            s = gen.stats
-            if best is None or s.decode_ms_per_token < best.decode_ms_per_token:
-                best = s
+            runs.append(gen.stats)
+        steps = [t for s in runs for t in s.token_ms]
+        last = runs[-1]
         return {
-            "prefill_tok_s": len(prompt) / (best.prefill_ms / 1000),
-            "decode_ms": best.decode_ms_per_token,
-            "hit_rate": best.hit_rate,
-            "host_tokens": best.host_expert_tokens,
-            "bytes_moved": sum(best.bytes_moved.values()),
+            "prefill_tok_s": len(prompt) / (min(s.prefill_ms for s in runs) / 1000),
+            "decode_ms": statistics.median(steps),
+            "decode_mean_ms": statistics.fmean(steps),
+            "hit_rate": last.hit_rate,
+            "host_tokens": last.host_expert_tokens,
+            "bytes_moved": sum(last.bytes_moved.values()),
         }
     finally:
         engine.close()
@@ -150,17 +159,30 @@ def bench_engine(path: Path, prompt: list[int], tokens: int, repeats: int, polic
         gc.collect()
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 decode tokens, 16-token prompt, 1 repeat")
     ap.add_argument("--tokens", type=int, help="decode tokens per run (default 64; quick 8)")
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 128; quick 16)")
-    ap.add_argument("--repeats", type=int, help="runs per configuration, best kept (default 3; quick 1)")
+    ap.add_argument("--repeats", type=int, help="runs per configuration (default 3; quick 1)")
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--model-dir", type=Path, help="build (or reuse) the model here instead of a temp dir")
     ap.add_argument("--no-stock", action="store_true", help="skip stock transformers")
     args = ap.parse_args(argv)
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
     tokens = args.tokens or (8 if args.quick else 64)
     plen = args.prompt_len or (16 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 3)
@@ -184,25 +206,30 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for policy in policies:
             for fraction in fractions:
-                r = bench_engine(path, prompt, tokens, repeats, policy, fraction)
+                try:
+                    r = bench_engine(path, prompt, tokens, repeats, policy, fraction)
+                except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
+                    print(f"  {policy:6} {fraction:4}: FAILED {type(e).__name__}: {e}", file=sys.stderr)
+                    continue
                 rows.append((policy, fraction, r))
                 print(f"  {policy:6} {fraction:4}: {r['decode_ms']:.1f} ms/token", file=sys.stderr)
 
     cmd = "python bench/bench_engine.py" + (" " + " ".join(sys.argv[1:]) if argv is None and sys.argv[1:] else "")
     print(f"Command: `{cmd}`  ")
-    print(f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+    print(f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads  ")
-    print(f"Prompt {plen} tokens, {tokens} decode tokens, best of {repeats}.  ")
+    print(f"Prompt {plen} tokens, {tokens} decode tokens x {repeats} runs per configuration; decode = median ms/token "
+          f"(mean in brackets), prefill = best run.  ")
     print(f"Bandwidth bound: {nbytes / 1e6:.0f} MB read per decode token / {bw / 1e9:.1f} GB/s measured "
           f"= **{bound_ms:.1f} ms/token**\n")
     print("| configuration | decode ms/token | prefill tok/s | of bound | vs stock | hit rate | host expert tokens | bytes copied |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     if stock:
-        print(f"| stock transformers generate() ({stock['impl']}) | {stock['decode_ms']:.1f} | {stock['prefill_tok_s']:.0f} | "
+        print(f"| stock transformers generate() ({stock['impl']}) | {stock['decode_ms']:.1f} ({stock['decode_mean_ms']:.1f}) | {stock['prefill_tok_s']:.0f} | "
               f"{bound_ms / stock['decode_ms']:.0%} | 1.00 | | | |")
     for policy, fraction, r in rows:
         vs = f"{stock['decode_ms'] / r['decode_ms']:.2f}" if stock else ""
-        print(f"| {policy}, fraction {fraction:g} | {r['decode_ms']:.1f} | {r['prefill_tok_s']:.0f} | "
+        print(f"| {policy}, fraction {fraction:g} | {r['decode_ms']:.1f} ({r['decode_mean_ms']:.1f}) | {r['prefill_tok_s']:.0f} | "
               f"{bound_ms / r['decode_ms']:.0%} | {vs} | {r['hit_rate']:.2f} | {r['host_tokens']} | {r['bytes_moved'] / 1e6:.0f} MB |")
     print("\n\"of bound\" = bandwidth-bound ms/token / measured ms/token; \"vs stock\" = stock ms/token / ours (>= 1.0 is as fast or faster).")
     return 0
