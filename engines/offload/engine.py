@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats, SamplingParams
-from moe_offload.errors import ConfigError, ModelError
+from moe_offload.errors import ConfigError, EngineError
 
 POLICIES = ("static", "lru", "hybrid")
 BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "hybrid_threshold", "cache")
@@ -200,6 +200,8 @@ class OffloadEngine(Engine):
                     step_pos.fill_(n + i)
                     yield token
                 stats.finish_reason = "length"
+        except RuntimeError as e:  # torch failures (out of memory, a kernel error): the request fails, not the server
+            raise EngineError(f"generation failed after {stats.completion_tokens} tokens: {e}") from e
         finally:
             self._accumulate(stats, _fill_stats(stats, before, _snapshot(self.executor)))
 

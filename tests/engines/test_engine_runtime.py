@@ -59,6 +59,8 @@ PROMPT = [5, 17, 42, 9, 100, 3, 77, 21]
         ("qwen3_moe", "static", 0.0),
         ("qwen3_moe", "lru", 0.25),
         ("mixtral", "hybrid", 0.5),
+        ("gpt_oss", "static", 0.5),  # sliding-window layers in the static KV cache
+        ("deepseek_v3", "lru", 0.5),  # MLA attention, a dense first layer
     ],
 )
 def test_greedy_equals_stock_generate(model, policy, fraction, demo_dir, checkpoints):
