@@ -216,3 +216,26 @@ def test_placement_of_another_model_is_refused(demo_dir, checkpoints, tmp_path):
     file.write_text(other.to_json())
     with pytest.raises(PlacementError):
         build_offload_engine(demo_dir, str(file))
+
+
+def test_a_torch_failure_fails_the_request_not_the_engine(checkpoints):
+    from moe_offload.errors import EngineError
+
+    engine = build_offload_engine(checkpoints("qwen3_moe"))
+    try:
+        real = engine._forward
+
+        def broken(ids, positions, cache):
+            if ids.shape[1] == 1:
+                raise RuntimeError("simulated kernel failure")
+            return real(ids, positions, cache)
+
+        engine._forward = broken
+        gen = engine.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+        assert next(gen) >= 0
+        with pytest.raises(EngineError, match="after 1 tokens: simulated kernel failure"):
+            next(gen)
+        engine._forward = real
+        assert len(run(engine, PROMPT, max_tokens=3, ignore_eos=True)[0]) == 3
+    finally:
+        engine.close()

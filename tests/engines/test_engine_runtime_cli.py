@@ -154,3 +154,18 @@ def test_bad_input_is_one_line_and_nonzero(demo_dir, tmp_path, capsys, checkpoin
         assert rc != 0, name
         assert len(lines) == 1 and lines[0].startswith("error: "), (name, err)
         assert "Traceback" not in err, name
+
+
+def test_profile_plan_generate_round_trip(demo_dir, tmp_path, capsys):
+    """The profile this command writes feeds `plan`, whose placement feeds `generate --placement`."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "The river runs past the mill and turns the wheel."}\n')
+    routes, placement = tmp_path / "routes.json", tmp_path / "placement.json"
+    assert cli(capsys, "profile", "--model", str(demo_dir), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(routes))[0] == 0
+    rc, _, err = cli(capsys, "plan", "--model", str(demo_dir), "--profile", str(routes), "--fraction", "0.25",
+                     "--backend", "cpu", "--out", str(placement))
+    assert rc == 0, err
+    rc, out, err = cli(capsys, "generate", "--model", str(demo_dir), "--placement", str(placement), "--prompt",
+                       "The river runs past the mill", "--max-tokens", "4", "--ignore-eos", "--json")
+    assert rc == 0, err
+    s = json.loads(out)["stats"]
+    assert 0 < s["hits"] and 0 < s["misses"] and s["host_expert_tokens"] == s["misses"]

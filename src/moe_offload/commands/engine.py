@@ -104,7 +104,17 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
     try:
         ids = _encode(engine, prompt, chat)
         gen = engine.generate(ids, params)
-        tokens = list(gen)
+        tokens: list[int] = []
+        shown = ""
+        for token in gen:
+            tokens.append(token)
+            if as_json:
+                continue
+            # Stream: print what the text grew by; hold back a trailing partial UTF-8 character.
+            text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+            if text.startswith(shown) and not text.endswith("\ufffd"):
+                click.echo(text[len(shown):], nl=False)
+                shown = text
         s = gen.stats
         text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
         if as_json:
@@ -112,10 +122,13 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
                    "prompt_ids": ids, "token_ids": tokens, "text": text, "stats": s.to_dict()}
             click.echo(json.dumps(out, indent=2))
             return
-        click.echo(text)
+        click.echo(text[len(shown):] if text.startswith(shown) else "\n" + text)
+        host = getattr(getattr(engine.offloaded, "placement", None), "host_tier", None)
+        predicted = [f"{t} {r:.0%}" for t, r in engine.info.predicted_hit_rate.items() if t != host]
         click.echo(f"[{s.completion_tokens} tokens ({s.finish_reason}), prefill {s.prefill_ms:.0f} ms, "
-                   f"decode {s.decode_ms_per_token:.1f} ms/token, hit rate {s.hit_rate:.0%}, "
-                   f"host expert tokens {s.host_expert_tokens}, copied {sum(s.bytes_moved.values()) / 1e6:.1f} MB]", err=True)
+                   f"decode {s.decode_ms_per_token:.1f} ms/token, hit rate {s.hit_rate:.0%}"
+                   + (f" (predicted {', '.join(predicted)})" if predicted else "")
+                   + f", host expert tokens {s.host_expert_tokens}, copied {sum(s.bytes_moved.values()) / 1e6:.1f} MB]", err=True)
     finally:
         engine.close()
 
