@@ -10,13 +10,15 @@ A layer without dynamic slots cannot fetch, so ``lru``/``hybrid`` compute its mi
 from __future__ import annotations
 
 import math
+import os
 
 from moe_offload.errors import ConfigError
 
 POLICIES = ("static", "lru", "hybrid")
 
-# Simple cost model for the hybrid default (both are defaults, not measurements):
-# a fetch moves one expert over the bus; host compute costs ~2 flops per weight per token.
+# Fallback for the hybrid default when no calibration is given (ASSUMED, not measured; a measured
+# moe_offload.costmodel.Calibration replaces them): a fetch moves one expert over the bus; host
+# compute costs ~2 flops per weight per token.
 BUS_BYTES_PER_S = {"cuda": 25e9, "cpu": 10e9}  # PCIe 4.0 x16 effective; a host memcpy for the cpu "bus"
 HOST_FLOPS_PER_S = 1e11  # a few cores of AVX2/AVX-512 GEMM
 
@@ -27,9 +29,22 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def default_hybrid_threshold(expert_bytes: int, expert_params: int, device_type: str) -> int:
-    """Tokens at which fetching one expert costs as much as computing them on the host:
-    (expert_bytes / bus bandwidth) / (2 * params / host flops per token), at least 1."""
+CALIBRATION_ENV = "MOE_OFFLOAD_CALIBRATION"  # path of a calibration JSON (`moe-offload calibrate --out`)
+
+
+def default_hybrid_threshold(expert_bytes: int, expert_params: int, device_type: str, calibration=None) -> int:
+    """Tokens at which fetching one expert costs as much as computing them on the host.
+
+    With a calibration (a costmodel.Calibration or a JSON path; default: the file $MOE_OFFLOAD_CALIBRATION
+    names) for this device type: costmodel.hybrid_threshold, from its measured rates. Otherwise the
+    assumed constants above: (expert_bytes / bus bandwidth) / (2 * params / host flops per token), at least 1."""
+    cal = calibration if calibration is not None else os.environ.get(CALIBRATION_ENV) or None
+    if cal is not None:
+        from moe_offload.costmodel import hybrid_threshold, load_calibration
+
+        cal = load_calibration(cal)
+        if cal.device_type == device_type:
+            return hybrid_threshold(cal, expert_bytes, expert_params)
     fetch_s = expert_bytes / BUS_BYTES_PER_S.get(device_type, BUS_BYTES_PER_S["cuda"])
     host_token_s = 2 * expert_params / HOST_FLOPS_PER_S
     return max(1, math.ceil(fetch_s / host_token_s))

@@ -125,20 +125,25 @@ def _slot_tiers(spec, slots: list[int]):
 @click.option("--budget", "budgets", multiple=True, help="Size slots from accelerator memory, repeatable (47.5GiB).")
 @click.option("--backend", default=None, help="Use this backend's memory tiers; without --slots/--fraction/--budget, size slots from their free memory.")
 @_budget_options
-@click.option("--policy", default="top", show_default=True, help="top | mix:H | global | lru | uniform | random")
+@click.option("--policy", default="top", show_default=True,
+              help="top | mix:H | global | lru | uniform | random | auto (fastest predicted miss + placement policy)")
+@click.option("--calibration", "calibration_path", default=None,
+              help="Calibration JSON (`moe-offload calibrate`) for auto and the predicted ms/token (default: assumed numbers).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random policy.")
 @click.option("--out", default=None, help="Write the rm-core Placement JSON here.")
 @click.option("--simulate", "replay", is_flag=True, help="Also replay the routes file through the placement (LRU slots).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, context, batch, reserve, layout, policy, seed,
-             out, replay, as_json) -> None:
+def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, context, batch, reserve, layout, policy,
+             calibration_path, seed, out, replay, as_json) -> None:
     """Place experts on accelerators and print the predicted hit rate per tier."""
     from moe_offload import placement as P
     from moe_offload.cli import emit
     from moe_offload.profile import Profile, load_routes
 
     spec = _spec(model)
-    P.parse_policy(policy)  # a bad policy fails before any file is read
+    auto = policy == "auto"
+    if not auto:
+        P.parse_policy(policy)  # a bad policy fails before any file is read
     sizings = sum(x is not None and x != () for x in (slots, fraction, budgets or None))
     if sizings > 1:
         raise ConfigError("give one of --slots, --fraction, --budget")
@@ -158,15 +163,29 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
         acc = P.accelerator_tiers(tiers)
         if len(vals) > len(acc):
             raise ConfigError(f"--slots gives {len(vals)} accelerators, the tiers have {len(acc)}")
-        placement = P.plan(spec, tiers, {t.name: v for t, v in zip(acc, vals)}, policy, profile, seed)
+        slot_map = {t.name: v for t, v in zip(acc, vals)}
     elif fraction is not None:
         tiers = _backend_tiers(backend) if backend else _slot_tiers(spec, [spec.num_experts])
-        placement = P.from_fraction(spec, tiers, fraction, policy, profile, seed)
+        acc = P.accelerator_tiers(tiers)
+        slot_map = {acc[0].name: P.fraction_slots(spec, fraction)} if acc else {}  # as placement.from_fraction
     else:
         b = _budget(spec, budgets, backend, context, batch, reserve, layout)
-        placement = b.placement(spec, policy, profile, seed)
+        tiers, slot_map = list(b.tiers), b.slots
+    cal, ranked = None, []
+    if auto or calibration_path:
+        from moe_offload.costmodel import Calibration
+
+        cal = Calibration.load(calibration_path) if calibration_path else Calibration.assumed("cpu" if backend == "cpu" else "cuda")
+    if auto:
+        from moe_offload.costmodel import rank
+
+        ranked = rank(spec, tiers, profile, cal, slots=slot_map, seed=seed)
+        placement = ranked[0][1]
+    else:
+        placement = P.plan(spec, tiers, slot_map, policy, profile, seed)
     result = {"placement": placement.to_dict(), "predicted_hit_rate": dict(placement.predicted_hit_rate)}
-    lines = [f"{spec.name}: policy {policy}, profile {placement.profile or 'none (expert-id order)'}"]
+    lines = [f"{spec.name}: policy {placement.policy if not auto else f'auto -> {placement.policy}'}, "
+             f"profile {placement.profile or 'none (expert-id order)'}"]
     for t in P.accelerator_tiers(placement.tiers):
         per_layer = [lp.slots.get(t.name, 0) for lp in placement.layers]
         pinned = sum(len(lp.pinned(t.name)) for lp in placement.layers)
@@ -175,6 +194,8 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
         lines.append("  predicted hit rate: " + ", ".join(f"{k} {v:.1%}" for k, v in placement.predicted_hit_rate.items()))
     else:
         lines.append("  predicted hit rate: none (no profile)")
+    if cal is not None:
+        lines += _predicted(spec, placement, profile, cal, ranked, result)
     if replay:
         sim = P.simulate(load_routes(profile_path), placement)
         result["simulated"] = {k: v for k, v in sim.items() if k != "per_layer"}
@@ -184,6 +205,23 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
             f.write(placement.to_json(indent=1))
         lines.append(f"  wrote {out}")
     emit(result, as_json, "\n".join(lines))
+
+
+def _predicted(spec, placement, profile, cal, ranked, result) -> list[str]:
+    """Cost-model lines (labelled predicted): the ranking for auto, else each miss policy on this placement."""
+    from moe_offload.commands.costmodel import prediction_rows
+    from moe_offload.costmodel import MISS_POLICIES, predict
+
+    preds = [p for _, _, p in ranked] or [predict(spec, placement, m, cal, profile=profile) for m in MISS_POLICIES]
+    result["calibration"] = cal.label()
+    result["predictions"] = [p.to_dict() for p in preds]
+    lines = [f"  PREDICTED decode ms/token (calibration {cal.label()}):"] + ["  " + r for r in prediction_rows(preds)]
+    if ranked:
+        best = ranked[0][2]
+        result["chosen"] = {"policy": best.policy, "placement_policy": best.placement_policy, "ms_per_token": best.ms_per_token}
+        lines.append(f"  auto chose {best.policy} misses on placement {best.placement_policy} "
+                     f"(predicted {best.ms_per_token:.3f} ms/token): run the engine with --policy {best.policy}")
+    return lines
 
 
 commands = [spec_cmd, budget_cmd, plan_cmd]
