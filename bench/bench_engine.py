@@ -7,8 +7,8 @@ Model: Qwen3-MoE-shaped, random bf16 weights (16 layers x 64 experts, hidden 102
 intermediate 512, top-8, 16 heads, 4 KV heads, vocab 32000: 1.7B parameters, 3.4 GB), built into a
 temp dir (or --model-dir, reused if it holds a config.json). For fractions 0/0.1/0.25/0.5/1.0 x
 policies static/lru/hybrid, stock `generate()` on the same model, and the memory-bandwidth bound:
-bytes one decode token must read / read bandwidth measured here (a large fp32 tensor sum).
-Prints a markdown table. Run on an idle machine; two cores are easily disturbed.
+bytes one decode token must read / read bandwidth measured here (a large fp32 tensor sum), and an
+interleaved A/B of stock against the all-resident engine (fair on a busy machine). Prints markdown tables. Run on an idle machine; two cores are easily disturbed.
 """
 
 from __future__ import annotations
@@ -159,6 +159,45 @@ def bench_engine(path: Path, prompt: list[int], tokens: int, repeats: int, polic
         gc.collect()
 
 
+def ab_compare(path: Path, prompt: list[int], rounds: int, block: int = 8) -> dict:
+    """Stock generate() and the all-resident engine, alternating in blocks of ``block`` decode tokens in one
+    process, so both see the same background load: the fair ratio on a busy machine."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.offload.engine import build_offload_engine
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    engine = build_offload_engine(path, policy="static", fraction=1.0, dtype="bfloat16")
+    ids = torch.tensor([prompt])
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def stock(n):
+        clock = _Clock()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, streamer=clock, **kw)
+        return [(b - a) * 1000 for a, b in zip(clock.t[1:], clock.t[2:])]
+
+    def ours(n):
+        gen = engine.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+        list(gen)
+        return gen.stats.token_ms
+
+    try:
+        stock(3), ours(3)  # warm-up
+        s, o = [], []
+        for _ in range(rounds):
+            s += stock(block + 1)
+            o += ours(block + 1)
+    finally:
+        engine.close()
+        del model, engine
+        gc.collect()
+    q = lambda d, f: sorted(d)[int(f * (len(d) - 1))]  # noqa: E731
+    return {"n": len(s), "stock": {k: q(s, f) for k, f in (("min", 0), ("p25", .25), ("median", .5))},
+            "ours": {k: q(o, f) for k, f in (("min", 0), ("p25", .25), ("median", .5))}}
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -178,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--model-dir", type=Path, help="build (or reuse) the model here instead of a temp dir")
-    ap.add_argument("--no-stock", action="store_true", help="skip stock transformers")
+    ap.add_argument("--no-stock", action="store_true", help="skip stock transformers (and the A/B)")
+    ap.add_argument("--ab-rounds", type=int, help="interleaved stock/ours rounds of 8 tokens (default 8; quick 2; 0 = skip)")
     args = ap.parse_args(argv)
     from transformers.utils import logging
 
@@ -186,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.tokens or (8 if args.quick else 64)
     plen = args.prompt_len or (16 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 3)
+    ab_rounds = args.ab_rounds if args.ab_rounds is not None else (2 if args.quick else 8)
     fractions = [float(f) for f in args.fractions.split(",") if f]
     policies = [p for p in args.policies.split(",") if p]
 
@@ -203,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             nbytes = stock["decode_bytes"]
         bound_ms = nbytes / bw * 1000
+        ab = ab_compare(path, prompt, ab_rounds) if ab_rounds and not args.no_stock else None
         rows = []
         for policy in policies:
             for fraction in fractions:
@@ -232,6 +274,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {policy}, fraction {fraction:g} | {r['decode_ms']:.1f} ({r['decode_mean_ms']:.1f}) | {r['prefill_tok_s']:.0f} | "
               f"{bound_ms / r['decode_ms']:.0%} | {vs} | {r['hit_rate']:.2f} | {r['host_tokens']} | {r['bytes_moved'] / 1e6:.0f} MB |")
     print("\n\"of bound\" = bandwidth-bound ms/token / measured ms/token; \"vs stock\" = stock ms/token / ours (>= 1.0 is as fast or faster).")
+    if ab:
+        print(f"\nInterleaved A/B, all resident (static, fraction 1) against stock generate(), {ab['n']} decode steps each, "
+              "alternating blocks of 8 tokens:\n")
+        print("| ms/token | stock | ours | stock / ours |")
+        print("|---|---:|---:|---:|")
+        for k in ("min", "p25", "median"):
+            a, b = ab["stock"][k], ab["ours"][k]
+            print(f"| {k} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
     return 0
 
 
