@@ -19,10 +19,8 @@ N = 16  # greedy tokens compared against stock generate()
 
 
 @pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory):
-    from moe_offload.demo import build_demo_model
-
-    return str(build_demo_model(tmp_path_factory.mktemp("demo") / "demo-model"))
+def demo_dir(demo_model_dir):
+    return str(demo_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,9 @@ import pytest
 from moe_offload.cli import main
 
 
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    from moe_offload.demo import build_demo_model
-
-    return build_demo_model(tmp_path_factory.mktemp("demo-cli") / "demo")
+@pytest.fixture(scope="session")
+def demo_dir(demo_model_dir):
+    return Path(demo_model_dir)
 
 
 def cli(capsys, *args):
