@@ -1,7 +1,7 @@
 """Measure a Calibration for the cost model on one device, in a few seconds.
 
     read bandwidth      sum over a large fp32 tensor (best of N)
-    dense GEMV          one token through [R, H] weights in the model's dtype, cycling over > LLC of them
+    dense GEMV          one token through [R, H] weights (R >= 4096) in the model's dtype, cycling over > LLC of them
     expert kernel       kernels.expert_forward at 1 and 128 tokens for the model's expert shape, cycling
                         over many experts (a decode step reads experts that are not in cache)
     bus                 cpu: copy one expert into a preallocated slot buffer (what a CPU fetch does);
@@ -92,13 +92,14 @@ def read_bandwidth(dev: torch.device, nbytes: int, repeats: int = 5) -> float:
 
 
 def _cycling(timer, calls: list, rounds: int) -> float:
-    """Median seconds per call over ``rounds`` passes through ``calls`` (each pass one timing)."""
+    """Best seconds per call over ``rounds`` passes through ``calls`` (each pass one timing; best-of resists
+    interference from other processes, as bandwidth benchmarks do)."""
     def one_pass():
         for c in calls:
             c()
 
     one_pass()  # warm-up (allocator, kernels)
-    return statistics.median(timer(one_pass, rounds)) / len(calls)
+    return min(timer(one_pass, rounds)) / len(calls)
 
 
 def gemv_bandwidth(dev: torch.device, hidden: int, rows: int, dtype: torch.dtype, buffer_bytes: int) -> float:
@@ -225,7 +226,8 @@ def calibrate(device: str = "cpu", spec=None, *, quick: bool = False, overhead: 
     dtype = DTYPES.get(dtype_name, torch.bfloat16)
     if dev.type == "cpu" and dtype == torch.float16:
         dtype = torch.bfloat16  # the CPU engine computes half checkpoints as loaded; bf16 is the closer kernel
-    rows = spec.num_attention_heads * spec.head_dim if spec is not None else H
+    # Large enough that one call streams memory: per-call dispatch belongs to the layer overhead term
+    rows = max(4096, spec.num_attention_heads * spec.head_dim if spec is not None else H)
     cache_bytes = 48 << 20 if quick else (384 << 20 if dev.type == "cpu" else 2 << 30)
     read_bytes = 64 << 20 if quick else (512 << 20 if dev.type == "cpu" else 4 << 30)
     k = spec.top_k if spec is not None else 8

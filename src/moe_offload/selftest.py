@@ -129,6 +129,26 @@ def _serving() -> str:
     return "worker + gateway on loopback: chat 200, bad JSON 400, metrics typed"
 
 
+@check("cost model")
+def _cost_model() -> str:
+    from moe_offload import placement as P
+    from moe_offload.costmodel import predict
+    from moe_offload.engines.offload.calibrate import calibrate
+    from moe_offload.spec import ModelSpec
+    from rm_core import MemoryTier
+
+    spec = ModelSpec.from_hf_config(dict(model_type="qwen3_moe", hidden_size=256, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
+                                         moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4))
+    cal = calibrate("cpu", spec, quick=True, overhead=False)
+    tiers = [MemoryTier("acc", "device-hbm", 2**34, accelerator="selftest/acc:0"), MemoryTier("host", "host-dram", 2**34)]
+    ms = [predict(spec, P.from_fraction(spec, tiers, f), "static", cal.with_values(bus_bytes_per_s=1e9)).ms_per_token
+          for f in (0.25, 1.0)]
+    assert all(v > 0 for v in ms), ms
+    return (f"calibrated cpu (expert {cal.device_expert_bytes_per_s.value / 1e9:.1f} GB/s, "
+            f"copy {cal.bus_bytes_per_s.value / 1e9:.1f} GB/s); predicted static 0.25/1.0: {ms[0]:.2f}/{ms[1]:.2f} ms/token")
+
+
 def run_all(echo: Callable[[str], None]) -> int:
     """Run every check; returns the number that failed."""
     failed = 0
