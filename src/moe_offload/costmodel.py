@@ -14,7 +14,7 @@ n = T*K/u tokens per expert, h = accelerator hit rate under the policy):
                                 hybrid: lru's cost when n >= threshold, else static's
     CUDA overlaps the host's misses with the device's work (max); on a CPU "device" they add up.
     + dense weights (attention, norms, routers, shared experts, LM head) / device GEMV bandwidth
-    + KV cache read / device read bandwidth  + per-layer fixed overhead x layers
+    + KV cache read / device read bandwidth  + per-layer fixed overhead x layers + per-step fixed overhead
 
 Every number a Prediction carries is labelled predicted; every Calibration field says whether it was
 measured (where, when, how) or assumed. Pure Python: no torch, no numpy at import.
@@ -46,6 +46,7 @@ FIELD_HELP = {
     "host_expert_flops_per_s": "one expert, 128 tokens, on the host CPU, flop/s",
     "bus_bytes_per_s": "host -> accelerator copy of one expert into a slot, bytes/s",
     "layer_overhead_ms": "fixed time per decoder layer and step (dispatch, router, norms, executor), ms",
+    "step_overhead_ms": "fixed time per step outside the layers (embedding, LM head dispatch, sampling, loop), ms",
 }
 QUANTITIES = tuple(FIELD_HELP)
 
@@ -76,10 +77,10 @@ def _q(value, source="assumed", how="") -> Quantity:
 _ASSUMED = {
     "cuda": dict(device_read_bytes_per_s=2.0e12, device_gemv_bytes_per_s=1.2e12, device_expert_bytes_per_s=6e11,
                  device_expert_flops_per_s=2e14, host_expert_bytes_per_s=2e10, host_expert_flops_per_s=1e11,
-                 bus_bytes_per_s=25e9, layer_overhead_ms=0.15),
+                 bus_bytes_per_s=25e9, layer_overhead_ms=0.15, step_overhead_ms=0.5),
     "cpu": dict(device_read_bytes_per_s=2e10, device_gemv_bytes_per_s=1e10, device_expert_bytes_per_s=1e10,
                 device_expert_flops_per_s=1e11, host_expert_bytes_per_s=1e10, host_expert_flops_per_s=1e11,
-                bus_bytes_per_s=10e9, layer_overhead_ms=0.3),
+                bus_bytes_per_s=10e9, layer_overhead_ms=0.3, step_overhead_ms=0.5),
 }
 
 
@@ -100,6 +101,7 @@ class Calibration:
     host_expert_flops_per_s: Quantity
     bus_bytes_per_s: Quantity
     layer_overhead_ms: Quantity
+    step_overhead_ms: Quantity = Quantity(0.0, "assumed", "not given")
     machine: str = ""
     when: str = ""
     expert_shape: Mapping[str, Any] = field(default_factory=dict)
@@ -110,7 +112,7 @@ class Calibration:
             raise ConfigError(f"calibration device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in QUANTITIES:
             q = _q(getattr(self, name))
-            if name != "layer_overhead_ms" and q.value <= 0:
+            if not name.endswith("_ms") and q.value <= 0:
                 raise ConfigError(f"calibration {name}: expected a rate > 0, got {q.value!r}")
             object.__setattr__(self, name, q)
         object.__setattr__(self, "expert_shape", dict(self.expert_shape or {}))
@@ -179,12 +181,12 @@ class Calibration:
             raise ConfigError(f"calibration: expected a JSON object, got {type(data).__name__}")
         if data.get("format", FORMAT) != FORMAT:
             raise ConfigError(f"calibration: expected format {FORMAT!r}, got {data.get('format')!r}")
-        missing = [n for n in ("device", *QUANTITIES) if n not in data]
+        missing = [n for n in ("device", *QUANTITIES) if n not in data and n != "step_overhead_ms"]
         if missing:
             raise ConfigError(f"calibration lacks {missing[0]!r}")
         kw: dict[str, Any] = {"device": data["device"]}
         for name in QUANTITIES:
-            v = data[name]
+            v = data.get(name, {"value": 0.0, "source": "assumed", "how": "absent from the file"})
             if isinstance(v, Mapping):
                 unknown = set(v) - {"value", "source", "how"}
                 if unknown or "value" not in v:
@@ -466,7 +468,7 @@ def predict(spec, placement, policy: str, calibration: Calibration, *, hit_rates
         dense += 1000 * spec.kv_cache_bytes(context) / cal.value("device_read_bytes_per_s")
     if T > 1:
         assumptions.append(f"dense weights memory-bound at {T} tokens per step")
-    overhead = cal.value("layer_overhead_ms") * spec.num_layers
+    overhead = cal.value("layer_overhead_ms") * spec.num_layers + cal.value("step_overhead_ms")
     if source.startswith("uniform"):
         assumptions.append("routing uniform over experts (no profile)")
     total = dev_t + host_t + fetch_t + dense + overhead - overlap
