@@ -3,17 +3,26 @@
 Every path (accelerator slots, host store, fetched slots) calls ``expert_forward``,
 so where host and accelerator share device type and precision the results are
 bit-identical and greedy output does not depend on the resident fraction.
-This is the seam for a memory-bandwidth GEMV kernel later (registered as an
-opaque torch custom op); today it is two ``F.linear`` calls around the module's
-own gate, which is what transformers' experts implementations compute.
+
+    one bf16 token on the CPU --> moe_offload::expert_mlp_bf16 (silu gate, concatenated gate|up)
+                              |   moe_offload::gemv_bf16 x2 around the module's own gate (other gates)
+    anything else (prefill, fp32, CUDA, transposed layout) --> two F.linear calls around the module's gate
+
+The custom ops (cpu_kernels.py) stream each weight once at memory bandwidth; F.linear is what
+transformers' experts implementations compute. ``patch_linears`` sends the model's one-token bf16
+nn.Linear calls (attention projections, LM head) to the same GEMV. MOE_OFFLOAD_KERNELS=0 turns both off.
 
 Legend: N tokens routed to this expert, H hidden, I intermediate (2I gate+up).
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
+
+from moe_offload.engines.offload import cpu_kernels
 
 
 def expert_forward(
@@ -28,6 +37,11 @@ def expert_forward(
     """Unweighted output [N, H] of one expert; the routing weight is applied by the caller's combine.
     ``post_norm=False`` leaves the module's post-expert norm (whose weights live on the accelerator) to the caller."""
     x = x.to(up.dtype)
+    if x.shape[0] == 1 and _gemv_ok(up, module.is_transposed) and _gemv_ok(down, False):
+        y = _one_token(module, x, up, down, up_bias, down_bias)  # [1, H]
+        if post_norm and module.has_post_expert_norm:
+            y = module.post_expert_norm(y)
+        return y
     if module.is_transposed:
         h = x @ up  # [N, 2I]
     else:
@@ -41,3 +55,98 @@ def expert_forward(
     if post_norm and module.has_post_expert_norm:
         y = module.post_expert_norm(y)
     return y
+
+
+def kernels_active() -> bool:
+    """True when the bf16 CPU kernels are built and enabled (MOE_OFFLOAD_KERNELS not 0)."""
+    return cpu_kernels.load()
+
+
+def _gemv_ok(w: torch.Tensor, transposed: bool) -> bool:
+    # The kernels read [out, in] rows; gpt-oss style [in, out] (transposed) weights keep the F.linear path,
+    # and so does anything autograd would have to differentiate (the ops have no backward).
+    return (
+        w.dtype == torch.bfloat16
+        and w.device.type == "cpu"
+        and not transposed
+        and w.stride(-1) == 1
+        and not (torch.is_grad_enabled() and w.requires_grad)
+        and cpu_kernels.load()
+    )
+
+
+def _one_token(module, x, up, down, up_bias, down_bias) -> torch.Tensor:
+    """One token [1, H] through one expert with the bf16 GEMV kernels: [1, H]."""
+    ops = torch.ops.moe_offload
+    if _is_silu_concat(module) and _bias_ok(up_bias) and _bias_ok(down_bias):
+        return ops.expert_mlp_bf16(x, up, down, up_bias, down_bias)
+    h = ops.gemv_bf16(x, up, up_bias if _bias_ok(up_bias) else None)  # [1, 2I]
+    if up_bias is not None and not _bias_ok(up_bias):
+        h = h + up_bias
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [1, I]
+    y = ops.gemv_bf16(h.to(down.dtype), down, down_bias if _bias_ok(down_bias) else None)  # [1, H]
+    if down_bias is not None and not _bias_ok(down_bias):
+        y = y + down_bias
+    return y
+
+
+def _bias_ok(b: torch.Tensor | None) -> bool:
+    return b is None or (b.dtype == torch.bfloat16 and b.device.type == "cpu" and b.is_contiguous())
+
+
+def _is_silu_concat(module) -> bool:
+    """The module's gate is transformers' default (silu(gate) * up, gate rows first), which the fused op computes."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    if not module.has_gate or not getattr(module, "is_concatenated", True):
+        return False
+    if getattr(module._apply_gate, "__func__", None) is not _default_apply_gate:  # a family's own gate (or an instance's)
+        return False
+    act = getattr(module, "act_fn", None)
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+# -- the model's own one-token linear layers ----------------------------------------------------------------
+def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # x [.., in] -> [.., out]; one token goes to the GEMV kernel, everything else (prefill) to F.linear.
+    if x.numel() == self.in_features and x.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and x.requires_grad):
+        return torch.ops.moe_offload.gemv_bf16(x, self.weight, self.bias)
+    return F.linear(x, self.weight, self.bias)
+
+
+def patch_linears(model: torch.nn.Module) -> int:
+    """Route one-token calls of ``model``'s bf16 CPU nn.Linear layers to ``moe_offload::gemv_bf16``.
+
+    Returns how many layers were patched (0 when the kernels are off or unavailable). The swap is an
+    instance-level ``forward``, so state dicts, hooks and prefill are unchanged; ``unpatch_linears`` undoes it.
+    """
+    if not cpu_kernels.enabled_by_env():
+        return 0
+    found = [m for m in model.modules() if type(m) is torch.nn.Linear and _linear_ok(m)]
+    if not found or not cpu_kernels.load():
+        return 0
+    for m in found:
+        m.forward = types.MethodType(_linear_forward, m)
+    return len(found)
+
+
+def unpatch_linears(model: torch.nn.Module) -> int:
+    n = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and getattr(m.forward, "__func__", None) is _linear_forward:
+            del m.forward
+            n += 1
+    return n
+
+
+def _linear_ok(m: torch.nn.Linear) -> bool:
+    w, b = m.weight, m.bias
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.stride(-1) == 1 and _bias_ok(b)
+
+
+def prepare(model: torch.nn.Module, expert_dtype: torch.dtype | None) -> int:
+    """At load time: build the kernels now (not inside the first decode step) when the experts are bf16,
+    and patch the model's one-token bf16 CPU linears. Returns how many linears were patched."""
+    if expert_dtype == torch.bfloat16:
+        cpu_kernels.load()
+    return patch_linears(model)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from moe_offload.engines.offload import policies
+from moe_offload.engines.offload import kernels, policies
 from moe_offload.engines.offload.executor import IMPLEMENTATION, Executor, register
 from moe_offload.engines.offload.slots import SlotCache
 from moe_offload.engines.offload.store import module_tensor_names, take_from_module
@@ -116,6 +116,7 @@ def load_model(
         executor.attach(module, info.layer, store, cache)
     executor.finish_setup()
     _install_hooks(model, executor, [m for _, m, _ in stores], modules)
+    kernels.prepare(model, stores[0][2].tensors[0].dtype if stores else None)  # bf16 CPU GEMV kernels (MOE_OFFLOAD_KERNELS=0: off)
     return OffloadedModel(model, model.config, executor, placement, dev, policy)
 
 

@@ -1,0 +1,130 @@
+"""Kernel microbenchmark: GB/s of the bf16 decode GEMV kernels against torch's F.linear at the benchmark model's shapes.
+
+    python bench/bench_kernels.py            # ~1 minute
+    python bench/bench_kernels.py --quick    # fewer repeats
+
+Every measurement cycles through enough distinct weight copies (>= 256 MiB) that each call streams its
+weights from DRAM, as a decode step does; GB/s = weight bytes read / time per call. The reference is the
+read bandwidth of a large fp32 sum (as bench/bench_engine.py measures it). Prints a markdown table.
+Legend: H hidden 1024, I expert intermediate 512, V vocab 32000, K = 8 experts per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+H, I, V, K = 1024, 512, 32000, 8
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    x.sum()
+    best = min(_time(x.sum) for _ in range(repeats))
+    return x.numel() * 4 / best
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(fn, weights: list, nbytes: int, repeats: int) -> tuple[float, float]:
+    """(best, median) GB/s of ``fn(w)`` over passes through ``weights`` (each pass: every copy once)."""
+    for w in weights:  # warm-up: page in, build caches
+        fn(w)
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for w in weights:
+            fn(w)
+        dt = (time.perf_counter() - t0) / len(weights)
+        rates.append(nbytes / dt / 1e9)
+    return max(rates), statistics.median(rates)
+
+
+def copies(make, nbytes: int, total: int = 256 << 20) -> list:
+    return [make() for _ in range(max(2, -(-total // nbytes)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    repeats = 3 if args.quick else 9
+    from moe_offload.engines.offload import cpu_kernels
+
+    if not cpu_kernels.load():
+        print(f"kernels unavailable: {cpu_kernels.info()}", file=sys.stderr)
+        return 1
+    ops = torch.ops.moe_offload
+    torch.manual_seed(0)
+    bw = read_bandwidth()
+    x = torch.randn(1, H, dtype=torch.bfloat16)
+    rows = []
+
+    def gemv_row(label, n, h):
+        xh = torch.randn(1, h, dtype=torch.bfloat16)
+        ws = copies(lambda: torch.randn(n, h, dtype=torch.bfloat16), n * h * 2)
+        k = measure(lambda w: ops.gemv_bf16(xh, w), ws, n * h * 2, repeats)
+        t = measure(lambda w: F.linear(xh, w), ws, n * h * 2, repeats)
+        rows.append((label, f"[{n}, {h}]", n * h * 2, k, t))
+
+    gemv_row("expert gate_up", 2 * I, H)
+    gemv_row("expert down", H, I)
+    gemv_row("attention q/o", H, H)
+    gemv_row("attention k/v", 256, H)
+    gemv_row("LM head", V, H)
+
+    # One expert, fused (up GEMV, silu * up, down GEMV in one op) against the F.linear chain transformers runs.
+    nb = 3 * I * H * 2
+    ex = copies(lambda: (torch.randn(2 * I, H, dtype=torch.bfloat16), torch.randn(H, I, dtype=torch.bfloat16)), nb)
+
+    def chain(w):
+        g, u = F.linear(x, w[0]).chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, w[1])
+
+    k = measure(lambda w: ops.expert_mlp_bf16(x, w[0], w[1]), ex, nb, repeats)
+    t = measure(chain, ex, nb, repeats)
+    rows.append(("one expert, fused", f"[{2 * I}, {H}] + [{H}, {I}]", nb, k, t))
+
+    # K experts of one token in one call against K fused calls (the second is what expert_forward does per expert).
+    groups = [ex[i : i + K] for i in range(0, len(ex) - K + 1, K)]
+    k = measure(lambda g: ops.experts_mlp_bf16(x[0], [w[0] for w in g], [w[1] for w in g]), groups, K * nb, repeats)
+    t = measure(lambda g: [ops.expert_mlp_bf16(x, w[0], w[1]) for w in g], groups, K * nb, repeats)
+    rows.append((f"{K} experts, one call (vs {K} fused calls)", f"{K} x expert", K * nb, k, t))
+
+    info = cpu_kernels.info()
+    print(f"Command: `python bench/bench_kernels.py{' --quick' if args.quick else ''}`  ")
+    print(f"Machine: {_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"kernel variant {info.get('variant')}  ")
+    print(f"Read bandwidth (1 GiB fp32 sum, best of 7): **{bw / 1e9:.1f} GB/s**; {repeats} passes per row over >= 256 MiB "
+          "of weight copies; GB/s best (median)\n")
+    print("| op | weights | MB | kernel GB/s | torch GB/s | kernel / torch | kernel of read bw |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for label, shape, n, kk, tt in rows:
+        print(f"| {label} | {shape} | {n / 1e6:.2f} | {kk[0]:.1f} ({kk[1]:.1f}) | {tt[0]:.1f} ({tt[1]:.1f}) | "
+              f"{kk[1] / tt[1]:.2f} | {kk[0] * 1e9 / bw:.0%} |")
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
