@@ -79,6 +79,13 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    # json.loads raises RecursionError (not a ValueError) on deep nesting well inside the body limit
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, None),
+    # an escaped lone surrogate parses, then fails to UTF-8-encode in the tokenizer and in any echoing response
+    ("/v1/completions", b'{"prompt": "\\ud800x"}', 400, None),
+    ("/v1/completions", b'{"model": "\\udfff", "prompt": "x"}', 400, None),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
+     "stream_options.include_usage"),
 ]
 
 

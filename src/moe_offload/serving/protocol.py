@@ -33,11 +33,22 @@ class GenRequest:
 
 def parse_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+        text = raw.decode("utf-8")  # JSON on the wire is UTF-8 (RFC 8259); json.loads would also guess UTF-16/32
+        body = json.loads(text)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise APIError(400, f"invalid JSON body: {e}"[:500], code="invalid_json") from None
+    except RecursionError:  # a body of nested brackets within the size limit: a client error, not a 500
+        raise APIError(400, "invalid JSON body: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body: expected a JSON object, got {type(body).__name__}")
+    # JSON may escape a lone UTF-16 surrogate ("\ud800"), which no UTF-8 text can hold: the tokenizer and every
+    # response that echoes the string would fail on it. Raw bytes cannot carry one, so only an escape needs the check.
+    if "\\ud" in text.lower():
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "invalid JSON body: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff)",
+                           code="invalid_json") from None
     return body
 
 
@@ -120,8 +131,10 @@ def _common(body: dict, max_tokens_default: int | None, key_max: tuple[str, ...]
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise _bad("stream_options", "an object", opts)
-    include_usage = bool(opts and _bool(opts, "include_usage"))
-    return params, _stop(body), stream, include_usage
+    include_usage = (opts or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise _bad("stream_options.include_usage", "true or false", include_usage)
+    return params, _stop(body), stream, bool(include_usage)
 
 
 def sampling(params: dict, prompt_len: int, max_model_len: int) -> SamplingParams:
