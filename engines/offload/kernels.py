@@ -96,14 +96,42 @@ def _bias_ok(b: torch.Tensor | None) -> bool:
 
 def _is_silu_concat(module) -> bool:
     """The module's gate is transformers' default (silu(gate) * up, gate rows first), which the fused op computes."""
-    from transformers.integrations.moe import _default_apply_gate
-
     if not module.has_gate or not getattr(module, "is_concatenated", True):
         return False
-    if getattr(module._apply_gate, "__func__", None) is not _default_apply_gate:  # a family's own gate (or an instance's)
+    if getattr(module._apply_gate, "__func__", None) is not _default_gate():  # a family's own gate (or an instance's)
         return False
     act = getattr(module, "act_fn", None)
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _default_gate():
+    global _DEFAULT_GATE
+    if _DEFAULT_GATE is None:
+        from transformers.integrations.moe import _default_apply_gate
+
+        _DEFAULT_GATE = _default_apply_gate
+    return _DEFAULT_GATE
+
+
+_DEFAULT_GATE = None
+
+
+def experts_one_token(module, x: torch.Tensor, weights: list[tuple], post_norm: bool = True) -> torch.Tensor | None:
+    """Several experts of one token in one call: ``weights`` = [(up, down, up_bias, down_bias)] (slot or store views).
+
+    Returns [K, H] whose row k is bit-identical to ``expert_forward(module, x, *weights[k])`` (so callers may
+    mix both freely without breaking exactness), or None where only ``expert_forward`` applies (biases,
+    another gate, several tokens, not bf16 on the CPU, kernels off).
+    """
+    if x.shape[0] != 1 or not weights or not _is_silu_concat(module):
+        return None
+    for up, down, ub, db in weights:
+        if ub is not None or db is not None or not (_gemv_ok(up, module.is_transposed) and _gemv_ok(down, False)):
+            return None
+    y = torch.ops.moe_offload.experts_mlp_bf16(x.to(torch.bfloat16).reshape(-1), [w[0] for w in weights], [w[1] for w in weights])
+    if post_norm and module.has_post_expert_norm:
+        y = module.post_expert_norm(y)
+    return y  # [K, H]
 
 
 # -- the model's own one-token linear layers ----------------------------------------------------------------

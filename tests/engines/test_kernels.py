@@ -152,6 +152,20 @@ def test_expert_forward_custom_gate_uses_gemv_around_it(ops):
     assert torch.equal(y, ops.gemv_bf16(m._apply_gate(ops.gemv_bf16(x, m.gate_up_proj[0])), m.down_proj[0]))
 
 
+def test_experts_one_token_rows_equal_expert_forward(ops):
+    m = _experts_module()
+    x = torch.randn(1, 48).to(BF)
+    weights = [(m.gate_up_proj[e], m.down_proj[e], None, None) for e in (3, 0, 2)]
+    y = kernels.experts_one_token(m, x, weights)
+    assert y.shape == (3, 48)
+    for k, w in enumerate(weights):  # bit for bit: a caller may group some experts and not others
+        assert torch.equal(y[k : k + 1], kernels.expert_forward(m, x, *w)), k
+    # not applicable: several tokens, fp32, biases -> None (the caller loops over expert_forward)
+    assert kernels.experts_one_token(m, torch.randn(2, 48).to(BF), weights) is None
+    assert kernels.experts_one_token(m, x.float(), [tuple(t.float() if t is not None else None for t in w) for w in weights]) is None
+    assert kernels.experts_one_token(m, x, [(*weights[0][:2], torch.zeros(48, dtype=BF), None)]) is None
+
+
 def test_disabled_kernels_fall_back_to_f_linear(ops, monkeypatch):
     m = _experts_module()
     x = torch.randn(1, 48).to(BF)
