@@ -19,11 +19,14 @@ from typing import Any
 from moe_offload.errors import ConfigError
 
 FINISH_REASONS = ("stop", "length", "abort")
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM): logits / T would overflow to inf -> NaN
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+    """How to pick tokens. ``temperature`` below 1e-5 (0 included) is greedy; ``top_k == 0`` and ``top_p == 1``
+    disable those filters."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -42,13 +45,14 @@ class SamplingParams:
             raise ConfigError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ConfigError(f"top_k: expected an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ConfigError(f"seed: expected an integer or null, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ConfigError(f"seed: expected an integer in {SEED_MIN}..{SEED_MAX} or null, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass

@@ -109,6 +109,14 @@ def test_sample_token_filters():
     kept = {sample_token(probs, SamplingParams(temperature=1.0, top_p=0.6), g) for _ in range(300)}
     assert kept == {0, 1}
     assert sample_token(logits, SamplingParams(), None) == 1
+    # a temperature that passes the API (0..2) but overflows float32 logits / T: greedy, not a NaN multinomial
+    assert sample_token(logits.bfloat16() * 10, SamplingParams(temperature=1e-40), g) == 1
+
+
+def test_extreme_seeds_sample(demo_engine):
+    # torch.Generator.manual_seed takes -2**63..2**64-1; SamplingParams refuses what lies outside
+    for seed in (2**64 - 1, -(2**63)):
+        assert len(run(demo_engine, PROMPT, max_tokens=2, temperature=1.0, seed=seed, ignore_eos=True)[0]) == 2
 
 
 def test_stop_token_ids_end_the_request_without_the_stop_token(demo_engine):

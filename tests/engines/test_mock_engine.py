@@ -68,10 +68,24 @@ def test_bad_requests(prompt, kw, match):
         MockEngine().generate(prompt, SamplingParams(**kw))
 
 
-@pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"seed": "x"}])
+# seed beyond 64 bits: torch.Generator.manual_seed raises ValueError inside the engine thread (an engine "crash")
+@pytest.mark.parametrize("kw", [{"max_tokens": 0}, {"temperature": -1}, {"top_p": 0}, {"top_k": -2}, {"seed": "x"},
+                                {"seed": 2**64}, {"seed": -(2**63) - 1}])
 def test_bad_sampling_params(kw):
     with pytest.raises(ConfigError):
         SamplingParams(**kw)
+
+
+def test_seed_range_edges_are_accepted():
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_tiny_temperature_is_greedy():
+    # 1e-30 passes the API's 0..2 range; dividing logits by it overflows to inf and softmax gives NaN
+    assert SamplingParams(temperature=1e-30).greedy and not SamplingParams(temperature=0.01).greedy
+    e = MockEngine(MockConfig(ms_per_token=0))
+    greedy = list(e.generate([1, 2, 3], SamplingParams(max_tokens=5, seed=3)))  # the mock's logits depend on the seed
+    assert list(e.generate([1, 2, 3], SamplingParams(max_tokens=5, temperature=1e-300, seed=3))) == greedy
 
 
 def test_stats_defaults_are_zero():

@@ -84,6 +84,7 @@ BAD = [
     # an escaped lone surrogate parses, then fails to UTF-8-encode in the tokenizer and in any echoing response
     ("/v1/completions", b'{"prompt": "\\ud800x"}', 400, None),
     ("/v1/completions", b'{"model": "\\udfff", "prompt": "x"}', 400, None),
+    ("/v1/completions", {"prompt": "x", "temperature": 1, "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
      "stream_options.include_usage"),
 ]
