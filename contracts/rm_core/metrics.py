@@ -19,8 +19,8 @@ METRICS: dict[str, MetricSpec] = {
     m.name: m
     for m in (
         MetricSpec("airm_tok_s", "tok/s", "decode throughput of one request, tokens per second"),
-        MetricSpec("airm_tpot_p50_ms", "ms", "median time per output token"),
-        MetricSpec("airm_tpot_p90_ms", "ms", "90th percentile time per output token"),
+        MetricSpec("airm_tpot_p50_ms", "ms", "median time per output token (over decode steps: percentile())"),
+        MetricSpec("airm_tpot_p90_ms", "ms", "90th percentile time per output token (over decode steps: percentile())"),
         MetricSpec("airm_power_w", "W", "accelerator card power draw"),
         MetricSpec(
             "moe_offload_expert_hit_rate",
@@ -29,3 +29,18 @@ METRICS: dict[str, MetricSpec] = {
         ),
     )
 }
+
+
+def percentile(values, q: float) -> float:
+    """The q-quantile (q in 0..1) of ``values``, linearly interpolated between closest ranks; 0.0 when empty.
+
+    The estimator behind ``airm_tpot_p50_ms`` / ``airm_tpot_p90_ms``, over the wall times of the decode steps
+    (one per output token after the first), so that every workload reports the same quantity.
+    """
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    k = (len(ordered) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)

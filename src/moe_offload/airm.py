@@ -9,10 +9,10 @@ Importing this module opens no device, starts no engine and imports no torch.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from rm_core import ContractError, Measurement, MemoryTier, Workload
+from rm_core.metrics import percentile
 
 
 def run(workload: Workload, **config: Any):
@@ -27,16 +27,6 @@ def run(workload: Workload, **config: Any):
     from moe_offload.airm_serve import serve
 
     return serve(workload, cfg)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, q in 0..1."""
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def log_tiers(tiers: list[MemoryTier], log) -> None:
@@ -120,7 +110,7 @@ def decode(workload: Workload, cfg) -> list[Measurement]:
     labels = {"model": model, "backend": backend.name, "policy": engine.info.policy or "none"}
     out = [
         Measurement("airm_tok_s", 1000 * len(token_ms) / decode_ms if decode_ms else 0.0, "tok/s", labels),
-        Measurement("airm_tpot_p50_ms", statistics.median(token_ms) if token_ms else 0.0, "ms", labels),
+        Measurement("airm_tpot_p50_ms", percentile(token_ms, 0.5), "ms", labels),
         Measurement("airm_tpot_p90_ms", percentile(token_ms, 0.9), "ms", labels),
         Measurement("moe_offload_expert_hit_rate", hits / routed if routed else 0.0, "ratio", labels),
     ]

@@ -90,3 +90,37 @@ def test_pool_breaks_ties_at_random():
         pool.add(f"http://{u}", seed={"all": 0.7})
     firsts = {pool.rank("latin-prose")[0].url for _ in range(60)}
     assert len(firsts) == 3
+
+
+def _gauge(text: str, name: str) -> float:
+    return float(next(l for l in text.splitlines() if l.startswith(name + "{")).rsplit(" ", 1)[1])
+
+
+def test_tpot_gauges_are_per_token_percentiles_as_in_the_airm_decode_run():
+    # airm_tpot_* means "time per output token" (rm_core METRICS): percentiles over decode steps, the same
+    # estimator as the ai-rm decode run -- not over per-request averages, which weigh a 2-token request
+    # like a 1000-token one.
+    from rm_core.metrics import percentile
+
+    from moe_offload.engines.base import GenerationStats
+    from moe_offload.serving.metrics import WorkerMetrics
+
+    m = WorkerMetrics("m", max_model_len=4096)
+    long = GenerationStats(token_ms=[10.0] * 98, decode_ms=980.0, hits=1, misses=1)
+    short = GenerationStats(token_ms=[100.0, 100.0], decode_ms=200.0, hits=1, misses=1)
+    for s in (long, short, short):
+        m.observe("latin-prose", s, finish_reason="length", ttft_s=0.01, itl_s=[], e2e_s=1.0)
+    steps = long.token_ms + short.token_ms * 2
+    text = m.render().decode()
+    assert _gauge(text, "airm_tpot_p50_ms") == pytest.approx(percentile(steps, 0.5)) == pytest.approx(10.0)
+    assert _gauge(text, "airm_tpot_p90_ms") == pytest.approx(percentile(steps, 0.9))
+    assert _gauge(text, "airm_tok_s") == pytest.approx(1000 * len(steps) / sum(steps))
+
+
+def test_percentile_interpolates():
+    from rm_core.metrics import percentile
+
+    assert percentile([], 0.5) == 0.0
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert percentile([float(i) for i in range(1, 11)], 0.9) == pytest.approx(9.1)

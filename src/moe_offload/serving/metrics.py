@@ -7,11 +7,11 @@ hold what the placement predicted and say so in their name.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from rm_core.metrics import percentile
 
 from moe_offload.serving.classify import CLASSES
 
@@ -21,6 +21,7 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 # vLLM's /metrics has no *_created series; scrapers and the endpoint picker do not expect them.
 disable_created_metrics()
 WINDOW = 256  # requests behind airm_tok_s / airm_tpot_*
+WINDOW_STEPS = 65536  # ... and at most this many decode steps of them (bounds memory and the sort per scrape)
 
 
 def predicted_overall(predicted: Mapping[str, float], host_tiers: Iterable[str] = ("host",)) -> float:
@@ -73,9 +74,13 @@ class WorkerMetrics:
         cap = Gauge("moe_offload_memory_tier_capacity_bytes", "Capacity of each memory tier, bytes.", ["tier", "kind", "accelerator"], registry=r)
         for t in tiers:
             cap.labels(tier=t.name, kind=t.kind, accelerator=t.accelerator or "").set(t.capacity_bytes)
-        self.tok_s = Gauge("airm_tok_s", f"Decode throughput over the last {WINDOW} requests, tokens per second.", ["model_name"], registry=r).labels(**m)
-        self.tpot50 = Gauge("airm_tpot_p50_ms", f"Median time per output token over the last {WINDOW} requests, ms.", ["model_name"], registry=r).labels(**m)
-        self.tpot90 = Gauge("airm_tpot_p90_ms", f"90th percentile time per output token over the last {WINDOW} requests, ms.", ["model_name"], registry=r).labels(**m)
+        over = f"over the decode steps of the last {WINDOW} requests (at most {WINDOW_STEPS} steps)"
+        Gauge("airm_tok_s", f"Decode throughput {over}, tokens per second.", ["model_name"],
+              registry=r).labels(**m).set_function(lambda: self._decode_window()[0])
+        Gauge("airm_tpot_p50_ms", f"Median time per output token {over}, ms.", ["model_name"],
+              registry=r).labels(**m).set_function(lambda: self._decode_window()[1])
+        Gauge("airm_tpot_p90_ms", f"90th percentile time per output token {over}, ms.", ["model_name"],
+              registry=r).labels(**m).set_function(lambda: self._decode_window()[2])
 
         host_names = [t.name for t in tiers if t.kind != "device-hbm" and not t.accelerator] or ["host"]
         # None when nothing was predicted (no profile): the affinity then waits for a measurement.
@@ -85,7 +90,9 @@ class WorkerMetrics:
         self._class_counts = {c: [0, 0] for c in CLASSES}  # hits, routed
         self._class_requests = {c: 0 for c in CLASSES}
         self._tier_sums: dict[str, list[float]] = {}  # tier -> [hit_rate x routed, routed]
-        self._window: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (decode steps, decode ms)
+        self._window: deque[list[float]] = deque(maxlen=WINDOW)  # per request: ms of each decode step
+        self._window_steps = 0
+        self._window_stats: tuple[float, float, float] | None = (0.0, 0.0, 0.0)  # None: recompute at the next scrape
         for c in CLASSES:
             if self.predicted_by_class[c] is not None:
                 self.affinity.labels(model_name=model_name, **{"class": c}).set(self.predicted_by_class[c])
@@ -132,13 +139,21 @@ class WorkerMetrics:
             self.hit_rate.labels(model_name=m, tier="all", **{"class": "all"}).set(hits / total)
             self.affinity.labels(model_name=m, **{"class": "all"}).set(hits / total)
         if stats.token_ms:
-            self._window.append((len(stats.token_ms), stats.decode_ms))
-            steps = sum(n for n, _ in self._window)
-            ms = sum(d for _, d in self._window)
-            self.tok_s.set(1000 * steps / ms if ms else 0.0)
-            tpots = sorted(d / n for n, d in self._window)
-            self.tpot50.set(statistics.median(tpots))
-            self.tpot90.set(tpots[min(int(0.9 * len(tpots)), len(tpots) - 1)] if len(tpots) > 1 else tpots[0])
+            if len(self._window) == WINDOW:
+                self._window_steps -= len(self._window[0])
+            self._window.append(list(stats.token_ms))
+            self._window_steps += len(stats.token_ms)
+            while self._window_steps > WINDOW_STEPS and len(self._window) > 1:
+                self._window_steps -= len(self._window.popleft())
+            self._window_stats = None
+
+    def _decode_window(self) -> tuple[float, float, float]:
+        """(tok/s, p50 ms, p90 ms) over the window's decode steps: the estimator of the ai-rm decode run."""
+        if self._window_stats is None:
+            steps = [ms for request in self._window for ms in request]
+            total = sum(steps)
+            self._window_stats = (1000 * len(steps) / total if total else 0.0, percentile(steps, 0.5), percentile(steps, 0.9))
+        return self._window_stats
 
     def affinity_report(self) -> dict:
         return {
