@@ -104,6 +104,25 @@ def test_bad_input_gets_openai_error(mock_worker, path, body, status, param):
         assert c.get("/health").status_code == 200  # still alive
 
 
+def test_usage_of_a_stop_string_counts_tokens_up_to_the_stop(mock_worker):
+    # The stop string is found on the event loop while the engine thread runs ahead (ms_per_token=0): the
+    # tokens it makes after the stop are not the completion's, in usage or in vllm:generation_tokens_total.
+    h = mock_worker(ms_per_token=0)
+    with httpx.Client(base_url=h.url, timeout=30) as c:
+        full = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 200, "temperature": 0}).json()
+        text = full["choices"][0]["text"]
+        assert text.isascii()  # the byte tokenizer: one token per character
+        stop = text[3:5]
+        want = text.index(stop) + len(stop)  # the tokens up to the one that completes the stop string
+        body = {"prompt": "abc", "max_tokens": 200, "temperature": 0, "stop": [stop]}
+        cut = c.post("/v1/completions", json=body).json()
+        assert cut["choices"][0]["finish_reason"] == "stop" and cut["usage"]["completion_tokens"] == want
+        r = c.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        assert _sse(r.text)[-1]["usage"]["completion_tokens"] == want
+        m = re.search(r'^vllm:generation_tokens_total\{model_name="mock"\} (\S+)', c.get("/metrics").text, re.M)
+        assert float(m.group(1)) == 200 + 2 * want
+
+
 def test_body_limit_unknown_route_and_api_key(mock_worker):
     h = mock_worker(api_key="s3cret", max_body_bytes=1000)
     auth = {"authorization": "Bearer s3cret"}

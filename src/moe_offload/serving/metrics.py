@@ -107,11 +107,13 @@ class WorkerMetrics:
         measured = self.class_hit_rate(cls)
         return measured if measured is not None else self.predicted_by_class.get(cls, self.predicted)
 
-    def observe(self, cls: str, stats, *, finish_reason: str, ttft_s: float | None, itl_s: list[float], e2e_s: float) -> None:
-        """Record one finished request (``stats``: the engine's GenerationStats)."""
+    def observe(self, cls: str, stats, *, finish_reason: str, ttft_s: float | None, itl_s: list[float], e2e_s: float,
+                completion_tokens: int | None = None) -> None:
+        """Record one finished request (``stats``: the engine's GenerationStats). ``completion_tokens``: the tokens
+        the client got, when fewer than the engine made (a stop string ends the completion before the engine stops)."""
         m = self.model
         self.prompt_tokens.inc(stats.prompt_tokens)
-        self.generation_tokens.inc(stats.completion_tokens)
+        self.generation_tokens.inc(stats.completion_tokens if completion_tokens is None else completion_tokens)
         self.success.labels(model_name=m, finished_reason=finish_reason).inc()
         if ttft_s is not None:
             self.ttft.observe(ttft_s)

@@ -107,20 +107,23 @@ class Worker:
             while True:
                 ev = await job.next(deadline)
                 if ev[0] == "token":
+                    if ts.stopped:  # made by the engine thread before it saw the cancel: not part of the completion
+                        continue
                     now = ev[2]
                     if first is None:
                         first = now
                     else:
                         itl.append(now - last)
                     last, n = now, n + 1
-                    if not ts.stopped:
-                        text = ts.push(ev[1])
-                        if ts.stopped:
-                            job.cancel()
-                        if text:
-                            yield ("text", text)
+                    text = ts.push(ev[1])
+                    if ts.stopped:
+                        job.cancel()
+                    if text:
+                        yield ("text", text)
                 elif ev[0] == "done":
                     stats = ev[1]
+                    if stats is None:  # cancelled before it started: the client is gone
+                        raise APIError(499, "the client closed the request", code="client_closed")
                     break
                 elif ev[0] == "error":
                     raise ev[1]
@@ -129,7 +132,7 @@ class Worker:
                 yield ("text", text)
             finish = "stop" if ts.stopped else stats.finish_reason
             self.metrics.observe(cls, stats, finish_reason=finish, ttft_s=(first - t0) if first else None,
-                                 itl_s=itl, e2e_s=time.perf_counter() - t0)
+                                 itl_s=itl, e2e_s=time.perf_counter() - t0, completion_tokens=n)
             yield ("end", finish, stats, n)
         finally:
             job.cancel()  # a no-op when finished; aborts the generation when the consumer left early
