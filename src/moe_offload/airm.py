@@ -84,6 +84,7 @@ def build(cfg, log):
 def decode(workload: Workload, cfg) -> list[Measurement]:
     from moe_offload import log as logmod
     from moe_offload.engines.base import SamplingParams
+    from moe_offload.errors import OffloadError
     from moe_offload.power import card_power_w
 
     log = logmod.get_logger("moe_offload.airm")
@@ -95,8 +96,14 @@ def decode(workload: Workload, cfg) -> list[Measurement]:
     hits = routed = 0
     try:
         ids = engine.tokenizer.encode(cfg.prompt)
+        params = SamplingParams(max_tokens=cfg.max_new, ignore_eos=True)
+        try:
+            engine.check_prompt(ids, params)
+        except OffloadError as e:  # at the rm-core boundary every bad input is a ContractError
+            field = "config.max_new" if "context length" in str(e) else "config.prompt"
+            raise ContractError(field, "a decode that fits the engine", str(e)) from None
         for i in range(cfg.repeat):
-            gen = engine.generate(ids, SamplingParams(max_tokens=cfg.max_new, ignore_eos=True))
+            gen = engine.generate(ids, params)
             for _ in gen:
                 pass
             s = gen.stats

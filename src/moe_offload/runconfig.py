@@ -14,6 +14,7 @@ from rm_core import ContractError
 
 BACKENDS = ("mock", "cpu", "cuda", "rngd")
 ROLES = ("worker", "gateway")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,15 @@ class RunConfig:
             raise ContractError("config.backend", " | ".join(BACKENDS), self.backend)
         if self.role not in ROLES:
             raise ContractError("config.role", " | ".join(ROLES), self.role)
+        if not self.host:  # an empty host binds every interface: exposure must be asked for ("0.0.0.0")
+            raise ContractError("config.host", "an address to listen on (127.0.0.1; 0.0.0.0 for every interface)", self.host)
+        if self.role == "gateway" and self.metrics_port is not None:
+            raise ContractError("config.metrics_port", "unset for role=gateway (the gateway serves /metrics on its port)",
+                                self.metrics_port)
+        if self.log is not None and self.log.lower() not in LOG_LEVELS:
+            raise ContractError("config.log", " | ".join(LOG_LEVELS), self.log)
+        if not self.prompt:
+            raise ContractError("config.prompt", "a non-empty text", self.prompt)
         for name in ("port", "metrics_port"):
             v = getattr(self, name)
             if v is not None and not 0 <= v <= 65535:
@@ -78,7 +88,11 @@ class RunConfig:
             raise ContractError("config.mock_ms", "milliseconds >= 0", self.mock_ms)
         if self.fraction is not None and not 0 <= self.fraction <= 1:
             raise ContractError("config.fraction", "a fraction in 0..1", self.fraction)
+        from moe_offload.serving.classify import CLASSES
+
         for cls_name, rate in self.priors.items():
+            if cls_name not in CLASSES and cls_name != "all":
+                raise ContractError(f"config.priors[{cls_name}]", "a request class: all, " + ", ".join(CLASSES), cls_name)
             if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate <= 1:
                 raise ContractError(f"config.priors[{cls_name}]", "a hit rate in 0..1", rate)
         for k, v in self.env.items():

@@ -25,6 +25,14 @@ def test_decode_on_mock_measures_the_engine(runner):
     assert "airm_power_w" not in by  # the mock has no card to read power from: absent, not zero
 
 
+@pytest.mark.parametrize("config, field", [({"prompt": ""}, "config.prompt"), ({"max_new": 5000}, "config.max_new")])
+def test_a_decode_the_engine_refuses_is_a_contract_error(runner, config, field):
+    # The engine's own check (empty prompt, beyond the context) used to leave as moe_offload's ConfigError.
+    with pytest.raises(ContractError) as err:
+        runner(Workload("decode"), mock=True, mock_ms=0, **config)
+    assert err.value.field == field
+
+
 def test_workload_must_be_a_workload(runner):
     with pytest.raises(ContractError, match="workload"):
         runner({"kind": "decode"})

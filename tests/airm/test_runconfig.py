@@ -7,8 +7,8 @@ from rm_core import ContractError
 
 
 def test_json_strings_are_coerced():
-    cfg = RunConfig.parse({"port": "8123", "priors": '{"latin": 0.9}', "env": '{"A": "1"}', "mock": "true", "mock_ms": "2.5"})
-    assert cfg.port == 8123 and cfg.priors == {"latin": 0.9} and cfg.env == {"A": "1"}
+    cfg = RunConfig.parse({"port": "8123", "priors": '{"latin-prose": 0.9}', "env": '{"A": "1"}', "mock": "true", "mock_ms": "2.5"})
+    assert cfg.port == 8123 and cfg.priors == {"latin-prose": 0.9} and cfg.env == {"A": "1"}
     assert cfg.mock is True and cfg.mock_ms == 2.5 and cfg.backend_name == "mock"
 
 
@@ -24,7 +24,11 @@ def test_gateway_defaults_from_environment(monkeypatch):
         ({"kv_transport": "x"}, "config.kv_transport"),
         ({"colour": "red"}, "config.colour"),
         ({"priors": "{bad"}, "config.priors"),
-        ({"priors": '{"latin": 1.5}'}, "config.priors[latin]"),
+        ({"priors": '{"latin-prose": 1.5}'}, "config.priors[latin-prose]"),
+        ({"priors": '{"latin": 0.9}'}, "config.priors[latin]"),  # not a class: it would seed nothing, silently
+        ({"host": ""}, "config.host"),  # uvicorn would bind every interface, not the documented 127.0.0.1
+        ({"log": "verbose"}, "config.log"),
+        ({"role": "gateway", "metrics_port": 9090}, "config.metrics_port"),  # the gateway serves /metrics itself
         ({"port": "eighty"}, "config.port"),
         ({"port": 70000}, "config.port"),
         ({"backend": "tpu"}, "config.backend"),
