@@ -10,6 +10,7 @@ detected (EngineError: the API answers 503) and started again on the next reques
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -26,6 +27,7 @@ from moe_offload.errors import ConfigError, EngineError
 from rm_core import MemoryTier
 
 _EOF = object()
+STDERR_TAIL_LINES = 50  # the engine's last stderr lines, quoted when it dies
 
 
 class EngineProcess(Engine):
@@ -63,20 +65,30 @@ class EngineProcess(Engine):
             raise EngineError(f"could not start the engine process {self.argv[0]!r}: {e}") from None
         self.restarts += 1
         self._lines = queue.Queue()
+        self._stderr = collections.deque(maxlen=STDERR_TAIL_LINES)
         threading.Thread(target=self._pump, args=(self._proc, self._lines), daemon=True).start()
-        health = self._request({"op": "health"}, timeout=self.start_timeout)
-        self.tiers = [MemoryTier.from_dict(t) for t in health.get("tiers", [])]
-        self.info = EngineInfo(
-            model=health.get("model") or self.model_hint,
-            backend=self.backend,
-            vocab_size=int(health["vocab_size"]),
-            max_model_len=int(health["max_model_len"]),
-            eos_token_ids=tuple(health.get("eos_token_ids", ())),
-            policy=health.get("policy", ""),
-            predicted_hit_rate=health.get("predicted_hit_rate", {}),
-        )
-        if not hasattr(self, "tokenizer"):
-            self.tokenizer = self._tokenizer(health.get("tokenizer", "hf"))
+        # stderr is read all the time: an engine that logs more than a pipe holds (64 KiB) would block in write().
+        self._drainer = threading.Thread(target=self._drain, args=(self._proc, self._stderr), daemon=True)
+        self._drainer.start()
+        try:
+            health = self._request({"op": "health"}, timeout=self.start_timeout)
+            self.tiers = [MemoryTier.from_dict(t) for t in health.get("tiers", [])]
+            self.info = EngineInfo(
+                model=health.get("model") or self.model_hint,
+                backend=self.backend,
+                vocab_size=int(health["vocab_size"]),
+                max_model_len=int(health["max_model_len"]),
+                eos_token_ids=tuple(health.get("eos_token_ids", ())),
+                policy=health.get("policy", ""),
+                predicted_hit_rate=health.get("predicted_hit_rate", {}),
+            )
+            if not hasattr(self, "tokenizer"):
+                self.tokenizer = self._tokenizer(health.get("tokenizer", "hf"))
+        except BaseException as e:
+            self._kill()  # a process that failed its start must not be left running
+            if isinstance(e, (KeyError, TypeError, ValueError)):
+                raise EngineError(f"engine process: a health event without a valid vocab_size / max_model_len ({e})") from None
+            raise
 
     def _tokenizer(self, kind: str):
         if kind == "byte":
@@ -93,6 +105,23 @@ class EngineProcess(Engine):
             lines.put(line)
         lines.put(_EOF)
 
+    @staticmethod
+    def _drain(proc: subprocess.Popen, tail: collections.deque) -> None:
+        for line in proc.stderr:
+            tail.append(line[-1000:])
+
+    def _kill(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        for stream in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -100,8 +129,9 @@ class EngineProcess(Engine):
     def _died(self) -> EngineError:
         code = self._proc.poll() if self._proc else None
         tail = ""
-        if self._proc and code is not None and self._proc.stderr:
-            tail = self._proc.stderr.read()[-300:].strip().replace("\n", " | ")
+        if self._proc and code is not None:
+            self._drainer.join(1.0)  # the last lines the process wrote
+            tail = "".join(self._stderr)[-300:].strip().replace("\n", " | ")
         return EngineError(f"engine process exited (code {code}){': ' + tail if tail else ''}")
 
     def _send(self, obj: dict[str, Any]) -> None:
@@ -117,7 +147,10 @@ class EngineProcess(Engine):
         except queue.Empty:
             raise EngineError(f"engine process did not answer within {timeout:.0f} s") from None
         if line is _EOF:
-            self._proc.wait(timeout=5)
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # closed its stdout but lives on: of no more use
+                self._kill()
             raise self._died()
         try:
             return json.loads(line)
@@ -197,13 +230,8 @@ class EngineProcess(Engine):
                 self._send({"op": "shutdown"})
                 self._proc.wait(timeout=10)
             except (EngineError, subprocess.TimeoutExpired):
-                self._proc.kill()
-                self._proc.wait()
-        for stream in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
-            try:
-                stream.close()
-            except OSError:
                 pass
+        self._kill()
         self._proc = None
 
 

@@ -69,3 +69,52 @@ def test_dead_engine_is_detected_and_restarted(tmp_path):
 def test_missing_engine_binary_is_a_clear_error(tmp_path):
     with pytest.raises(EngineError, match="could not start the engine process"):
         EngineProcess([str(tmp_path / "no-such-engine")])
+
+
+CHATTY = textwrap.dedent(
+    """
+    import json, sys
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "health":
+            sys.stderr.write("x" * 1_000_000)  # logs far beyond a pipe's 64 KiB buffer
+            sys.stderr.flush()
+            print(json.dumps({"id": req["id"], "event": "health", "vocab_size": 100, "max_model_len": 64,
+                              "tokenizer": "byte", "tiers": []}), flush=True)
+        elif req["op"] == "shutdown":
+            sys.exit(0)
+    """
+)
+
+
+def test_an_engine_that_logs_a_lot_on_stderr_does_not_block(tmp_path):
+    # An unread stderr pipe fills at 64 KiB and the engine blocks in write(): it would never answer.
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    engine = EngineProcess([sys.executable, str(script)], start_timeout=20)
+    try:
+        assert engine.info.vocab_size == 100
+    finally:
+        engine.close()
+
+
+SILENT = textwrap.dedent(
+    """
+    import os, sys, time
+    open(sys.argv[1], "w").write(str(os.getpid()))
+    time.sleep(60)  # never answers health
+    """
+)
+
+
+def test_an_engine_that_fails_its_start_is_not_left_running(tmp_path):
+    import os
+    import time
+
+    script, pid_file = tmp_path / "silent.py", tmp_path / "pid"
+    script.write_text(SILENT)
+    with pytest.raises(EngineError, match="did not answer"):
+        EngineProcess([sys.executable, str(script), str(pid_file)], start_timeout=2)
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left sleeping for a minute
+        os.kill(pid, 0)
