@@ -248,7 +248,7 @@ VARIANTS = (
 )
 
 _lock = threading.Lock()
-_state: dict = {}  # "ok": bool, "variant": str, "error": str
+_state: dict = {}  # "ok": usable now, "built": library loaded, "variant": ISA, "error": why not
 
 
 def cpu_flags() -> set[str]:
@@ -280,23 +280,34 @@ def build_dir(name: str) -> Path:
 
 
 def load() -> bool:
-    """Build (first use on this machine, ~20-60 s) or load the kernels; True when ``torch.ops.moe_offload`` has them.
+    """Build (first use on this machine, ~10-30 s) or load the kernels; True when ``torch.ops.moe_offload`` has them
+    and they are on. Cheap after the first call (the hot path calls it per expert).
 
-    Never raises: a missing compiler, a failed build or MOE_OFFLOAD_KERNELS=0 give False (one warning for a
-    failure), and callers keep the ``F.linear`` path.
+    Never raises: a missing compiler, a failed build or MOE_OFFLOAD_KERNELS=0 (read once, at the first call) give
+    False (one warning for a failure), and callers keep the ``F.linear`` path.
     """
-    if not enabled_by_env():
-        return False
-    if "ok" in _state:
-        return _state["ok"]
+    ok = _state.get("ok")
+    if ok is None:
+        with _lock:
+            if "ok" not in _state:
+                _state.update(_build() if enabled_by_env() else {"ok": False, "built": False, "variant": "",
+                                                                  "error": f"disabled by {ENV}"})
+            ok = _state["ok"]
+    return ok
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the kernels on (building them if needed) or off for this process, e.g. for an A/B in one process.
+    Returns whether they are on."""
     with _lock:
-        if "ok" not in _state:
+        if on and not _state.get("built"):
             _state.update(_build())
-    return _state["ok"]
+        _state["ok"] = bool(on and _state.get("built"))
+        return _state["ok"]
 
 
 def info() -> dict:
-    """{"ok": bool, "variant": str, "error": str} once ``load()`` ran; {} before."""
+    """{"ok": bool, "built": bool, "variant": str, "error": str} once ``load()`` ran; {} before."""
     return dict(_state)
 
 
@@ -323,7 +334,7 @@ def _build() -> dict:
             verbose=False,
         )
         _register_fakes()
-        return {"ok": True, "variant": variant, "error": ""}
+        return {"ok": True, "built": True, "variant": variant, "error": ""}
     except Exception as e:  # noqa: BLE001 - any build or load failure means: keep the F.linear path
         msg = " ".join(str(e).split())[-400:]
         from moe_offload.log import get_logger
@@ -332,7 +343,7 @@ def _build() -> dict:
             "cpu_kernels_unavailable", variant=variant, error=f"{type(e).__name__}: {msg}",
             fallback="F.linear", hint=f"set {ENV}=0 to skip the build",
         )
-        return {"ok": False, "variant": variant, "error": f"{type(e).__name__}: {msg}"}
+        return {"ok": False, "built": False, "variant": variant, "error": f"{type(e).__name__}: {msg}"}
 
 
 def _register_fakes() -> None:

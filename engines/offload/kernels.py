@@ -37,7 +37,7 @@ def expert_forward(
     """Unweighted output [N, H] of one expert; the routing weight is applied by the caller's combine.
     ``post_norm=False`` leaves the module's post-expert norm (whose weights live on the accelerator) to the caller."""
     x = x.to(up.dtype)
-    if x.shape[0] == 1 and _gemv_ok(up, module.is_transposed) and _gemv_ok(down, False):
+    if x.shape[0] == 1 and _fast(x, up, module.is_transposed):
         y = _one_token(module, x, up, down, up_bias, down_bias)  # [1, H]
         if post_norm and module.has_post_expert_norm:
             y = module.post_expert_norm(y)
@@ -58,20 +58,20 @@ def expert_forward(
 
 
 def kernels_active() -> bool:
-    """True when the bf16 CPU kernels are built and enabled (MOE_OFFLOAD_KERNELS not 0)."""
+    """True when the bf16 CPU kernels are built and on (MOE_OFFLOAD_KERNELS not 0, ``cpu_kernels.set_enabled``)."""
     return cpu_kernels.load()
 
 
-def _gemv_ok(w: torch.Tensor, transposed: bool) -> bool:
-    # The kernels read [out, in] rows; gpt-oss style [in, out] (transposed) weights keep the F.linear path,
-    # and so does anything autograd would have to differentiate (the ops have no backward).
+def _fast(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> bool:
+    # Checked per expert on the hot path, so only what decides the path (the op validates shapes and strides):
+    # bf16 CPU weights in [out, in] rows (gpt-oss style [in, out] weights keep F.linear), nothing autograd
+    # would have to differentiate (the ops have no backward), kernels built and on.
     return (
         w.dtype == torch.bfloat16
-        and w.device.type == "cpu"
         and not transposed
-        and w.stride(-1) == 1
-        and not (torch.is_grad_enabled() and w.requires_grad)
+        and w.is_cpu
         and cpu_kernels.load()
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
     )
 
 
@@ -123,11 +123,10 @@ def experts_one_token(module, x: torch.Tensor, weights: list[tuple], post_norm: 
     mix both freely without breaking exactness), or None where only ``expert_forward`` applies (biases,
     another gate, several tokens, not bf16 on the CPU, kernels off).
     """
-    if x.shape[0] != 1 or not weights or not _is_silu_concat(module):
+    if x.shape[0] != 1 or not weights or not _fast(x, weights[0][0], module.is_transposed) or not _is_silu_concat(module):
         return None
-    for up, down, ub, db in weights:
-        if ub is not None or db is not None or not (_gemv_ok(up, module.is_transposed) and _gemv_ok(down, False)):
-            return None
+    if any(w[2] is not None or w[3] is not None for w in weights):
+        return None
     y = torch.ops.moe_offload.experts_mlp_bf16(x.to(torch.bfloat16).reshape(-1), [w[0] for w in weights], [w[1] for w in weights])
     if post_norm and module.has_post_expert_norm:
         y = module.post_expert_norm(y)
@@ -137,7 +136,7 @@ def experts_one_token(module, x: torch.Tensor, weights: list[tuple], post_norm: 
 # -- the model's own one-token linear layers ----------------------------------------------------------------
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # x [.., in] -> [.., out]; one token goes to the GEMV kernel, everything else (prefill) to F.linear.
-    if x.numel() == self.in_features and x.dtype == torch.bfloat16 and not (torch.is_grad_enabled() and x.requires_grad):
+    if x.numel() == self.in_features and x.dtype == torch.bfloat16 and _fast(x, self.weight, False):
         return torch.ops.moe_offload.gemv_bf16(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
 
@@ -148,8 +147,6 @@ def patch_linears(model: torch.nn.Module) -> int:
     Returns how many layers were patched (0 when the kernels are off or unavailable). The swap is an
     instance-level ``forward``, so state dicts, hooks and prefill are unchanged; ``unpatch_linears`` undoes it.
     """
-    if not cpu_kernels.enabled_by_env():
-        return 0
     found = [m for m in model.modules() if type(m) is torch.nn.Linear and _linear_ok(m)]
     if not found or not cpu_kernels.load():
         return 0

@@ -166,14 +166,29 @@ def test_experts_one_token_rows_equal_expert_forward(ops):
     assert kernels.experts_one_token(m, x, [(*weights[0][:2], torch.zeros(48, dtype=BF), None)]) is None
 
 
-def test_disabled_kernels_fall_back_to_f_linear(ops, monkeypatch):
+def test_disabled_kernels_fall_back_to_f_linear(ops):
     m = _experts_module()
     x = torch.randn(1, 48).to(BF)
-    monkeypatch.setenv(cpu_kernels.ENV, "0")
-    assert not kernels.kernels_active()
-    assert torch.equal(kernels.expert_forward(m, x, m.gate_up_proj[2], m.down_proj[2]), _linear_chain(m, x, 2))
-    lin = torch.nn.Linear(48, 16, dtype=BF)
-    assert kernels.patch_linears(lin) == 0 and "forward" not in lin.__dict__
+    lin = torch.nn.Linear(48, 16, dtype=BF).requires_grad_(False)
+    assert kernels.patch_linears(lin) == 1
+    try:
+        assert cpu_kernels.set_enabled(False) is False and not kernels.kernels_active()  # as MOE_OFFLOAD_KERNELS=0
+        assert torch.equal(kernels.expert_forward(m, x, m.gate_up_proj[2], m.down_proj[2]), _linear_chain(m, x, 2))
+        assert kernels.experts_one_token(m, x, [(m.gate_up_proj[2], m.down_proj[2], None, None)]) is None
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))  # a patched layer follows the switch
+        assert kernels.patch_linears(torch.nn.Linear(48, 16, dtype=BF)) == 0
+    finally:
+        assert cpu_kernels.set_enabled(True)
+    assert torch.equal(lin(x), ops.gemv_bf16(x, lin.weight, lin.bias))
+
+
+def test_env_zero_disables_in_a_fresh_process():
+    code = ("from moe_offload.engines.offload import cpu_kernels, kernels; import torch\n"
+            "assert not cpu_kernels.load() and not cpu_kernels.info()['built'], cpu_kernels.info()\n"
+            "assert kernels.patch_linears(torch.nn.Linear(8, 8, dtype=torch.bfloat16)) == 0\n")
+    env = {**__import__("os").environ, cpu_kernels.ENV: "0"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch, capsys):
