@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from moe_offload.errors import ConfigError, PlacementError
+from moe_offload.spec import read_json
 
 
 def _np():
@@ -122,7 +123,7 @@ def load_routes(path: str | os.PathLike) -> Routes:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"{path}: bad routes metadata ({e})") from None
     if path.endswith(".json"):
-        data = _read_json(path)
+        data = read_json(path)
         missing = [k for k in ("num_experts", "layers", "routes") if k not in data]
         if missing:
             raise ConfigError(f"{path}: routes JSON lacks {missing[0]!r}")
@@ -138,19 +139,6 @@ def _k(routes: list) -> int:
         return len(routes[0][0])
     except (IndexError, TypeError):
         return 1
-
-
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 @dataclass(frozen=True)
@@ -211,7 +199,7 @@ class Profile:
         """Profile of a routes file (``.safetensors``/``.json``), or of a counts JSON written by :meth:`save`."""
         path = os.fspath(path)
         if path.endswith(".json"):
-            data = _read_json(path)
+            data = read_json(path)
             if "counts" in data and "routes" not in data:
                 try:
                     return cls(model=str(data.get("model", "")), layers=tuple(data["layers"]), counts=data["counts"],

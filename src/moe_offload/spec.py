@@ -324,15 +324,22 @@ def load_config(source: str | os.PathLike) -> dict[str, Any]:
     path = os.fspath(source)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise ConfigError(f"no config.json at {path}")
+    return read_json(path)
+
+
+def read_json(path: str) -> dict[str, Any]:
+    """A JSON object from ``path``; ConfigError (one line: path and what is wrong) for anything else."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"no config.json at {path}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
