@@ -72,15 +72,36 @@ class GenerationStats:
     bytes_moved: dict[str, int] = field(default_factory=dict)
     host_expert_tokens: int = 0
     stage_ms: dict[str, float] = field(default_factory=dict)
+    token_ms_dropped: int = field(default=0, repr=False)  # cumulative stats: step times no longer in token_ms
 
     @property
     def decode_ms_per_token(self) -> float:
-        return self.decode_ms / len(self.token_ms) if self.token_ms else 0.0
+        steps = len(self.token_ms) + self.token_ms_dropped
+        return self.decode_ms / steps if steps else 0.0
 
     @property
     def hit_rate(self) -> float:
         routed = self.hits + self.misses
         return self.hits / routed if routed else 0.0
+
+    def add(self, s: "GenerationStats", keep_token_ms: int = 1024) -> None:
+        """Sum one request's ``s`` into these cumulative stats (hit_rate_by_tier is left to the engine: it
+        needs the pairs per tier). Only the last ``keep_token_ms`` step times are kept: a server runs for long."""
+        self.prompt_tokens += s.prompt_tokens
+        self.completion_tokens += s.completion_tokens
+        self.prefill_ms += s.prefill_ms
+        self.decode_ms += s.decode_ms
+        steps = self.token_ms + s.token_ms
+        self.token_ms_dropped += max(len(steps) - keep_token_ms, 0)
+        self.token_ms = steps[-keep_token_ms:]
+        self.hits += s.hits
+        self.misses += s.misses
+        self.host_expert_tokens += s.host_expert_tokens
+        for k, v in s.bytes_moved.items():
+            self.bytes_moved[k] = self.bytes_moved.get(k, 0) + v
+        for k, v in s.stage_ms.items():
+            self.stage_ms[k] = self.stage_ms.get(k, 0.0) + v
+        self.finish_reason = s.finish_reason
 
     def to_dict(self) -> dict[str, Any]:
         return {

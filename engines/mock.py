@@ -145,16 +145,7 @@ class MockEngine(Engine):
 
     def _accumulate(self, s: GenerationStats) -> None:
         t = self._total
-        t.prompt_tokens += s.prompt_tokens
-        t.completion_tokens += s.completion_tokens
-        t.prefill_ms += s.prefill_ms
-        t.decode_ms += s.decode_ms
-        t.token_ms.extend(s.token_ms[-256:])
-        t.hits += s.hits
-        t.misses += s.misses
-        t.host_expert_tokens += s.host_expert_tokens
-        for k, v in s.bytes_moved.items():
-            t.bytes_moved[k] = t.bytes_moved.get(k, 0) + v
+        t.add(s)
         routed = t.hits + t.misses
         t.hit_rate_by_tier = {self.tier: t.hits / routed if routed else 0.0}
 

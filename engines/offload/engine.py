@@ -207,19 +207,7 @@ class OffloadEngine(Engine):
 
     def _accumulate(self, s: GenerationStats, tier_pairs: dict[str, int]) -> None:
         t = self._total
-        t.prompt_tokens += s.prompt_tokens
-        t.completion_tokens += s.completion_tokens
-        t.prefill_ms += s.prefill_ms
-        t.decode_ms += s.decode_ms
-        t.token_ms = (t.token_ms + s.token_ms)[-1024:]  # bounded: a long-running server keeps a window
-        t.hits += s.hits
-        t.misses += s.misses
-        t.host_expert_tokens += s.host_expert_tokens
-        for k, v in s.bytes_moved.items():
-            t.bytes_moved[k] = t.bytes_moved.get(k, 0) + v
-        for k, v in s.stage_ms.items():
-            t.stage_ms[k] = t.stage_ms.get(k, 0.0) + v
-        t.finish_reason = s.finish_reason
+        t.add(s)
         for tier, n in tier_pairs.items():
             self._tier_pairs[tier] = self._tier_pairs.get(tier, 0) + n
         total = t.hits + t.misses

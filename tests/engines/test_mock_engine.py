@@ -91,3 +91,21 @@ def test_tiny_temperature_is_greedy():
 def test_stats_defaults_are_zero():
     s = GenerationStats()
     assert s.hit_rate == 0.0 and s.decode_ms_per_token == 0.0
+
+
+def test_cumulative_stats_sum_every_key_and_stay_bounded():
+    # Engine.stats() is "the same keys as GenerationStats.to_dict, summed"; a long-running server must not
+    # keep every step time it ever measured.
+    e = MockEngine(MockConfig(ms_per_token=0))
+    runs = []
+    for i in range(12):
+        gen = e.generate([1, 2, 3, i], SamplingParams(max_tokens=200, ignore_eos=True))
+        list(gen)
+        runs.append(gen.stats)
+    total = e.stats()
+    assert total["completion_tokens"] == sum(s.completion_tokens for s in runs)
+    assert total["stage_ms"]["experts"] == pytest.approx(sum(s.stage_ms["experts"] for s in runs), abs=1e-2)
+    assert len(e._total.token_ms) <= 1024
+    steps = sum(len(s.token_ms) for s in runs)
+    assert steps > 1024  # so the window has dropped some, and the mean below must still count them
+    assert total["decode_ms_per_token"] == pytest.approx(sum(s.decode_ms for s in runs) / steps, abs=1e-3)
