@@ -11,19 +11,12 @@ import pytest
 from moe_offload.serving.worker import create_app
 
 
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    from moe_offload.demo import build_demo_model
-
-    return build_demo_model(tmp_path_factory.mktemp("demo"))
-
-
 @pytest.fixture
-def real_worker(serve, demo_dir):
+def real_worker(serve, demo_model_dir):
     from moe_offload.backends import get_backend
 
     backend = get_backend("cpu")
-    engine = backend.build_engine(str(demo_dir), fraction=0.5, policy="lru")
+    engine = backend.build_engine(str(demo_model_dir), fraction=0.5, policy="lru")
     return serve(create_app(engine, model_name="demo", tiers=backend.tiers())), engine.tokenizer
 
 
