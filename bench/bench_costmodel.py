@@ -89,6 +89,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--calibration", default=None, help="Use this calibration JSON instead of measuring one now.")
+    ap.add_argument("--save-calibration", default=None, help="Write the calibration measured now here (JSON).")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
@@ -114,6 +115,8 @@ def main() -> int:
         t0 = time.perf_counter()
         cal = calibrate(args.device, spec)
         print(f"calibrated in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        if args.save_calibration:
+            cal.save(args.save_calibration)
     print(calibration_text(cal, spec))
     print(f"\nload: {os.getloadavg()[0]:.2f} (1-min load average before the engine runs, {os.cpu_count()} cpus)\n")
     g = torch.Generator().manual_seed(1)
@@ -121,8 +124,8 @@ def main() -> int:
 
     print("| fraction | policy | measured ms/token | hit rate | predicted (uniform routing) | error | "
           "predicted (measured hit rate) | error | measured stages ms/token (device / host / fetch) | "
-          "predicted (device / host / fetch) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "predicted (device / host / fetch) | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     errs_u, errs_m = [], []
     for fraction in [float(f) for f in args.fractions.split(",")]:
         for policy in args.policies.split(","):
@@ -136,7 +139,8 @@ def main() -> int:
             print(f"| {fraction:g} | {policy} | {m['ms']:.2f} | {m['hit_rate']:.0%} | {pu.ms_per_token:.2f} "
                   f"(hit {pu.accelerator_hit_rate:.0%}) | {eu:+.0%} | {pm.ms_per_token:.2f} | {em:+.0%} | "
                   f"{st.get('device_experts', 0):.2f} / {st.get('host_experts', 0):.2f} / {st.get('fetch', 0):.2f} | "
-                  f"{pm.device_experts_ms:.2f} / {pm.host_experts_ms:.2f} / {pm.fetch_ms:.2f} |", flush=True)
+                  f"{pm.device_experts_ms:.2f} / {pm.host_experts_ms:.2f} / {pm.fetch_ms:.2f} | {os.getloadavg()[0]:.1f} |",
+                  flush=True)
     print(f"\nmean |error|: {statistics.fmean(errs_u):.0%} with uniform routing, {statistics.fmean(errs_m):.0%} with the "
           f"measured hit rate; max {max(errs_u):.0%} / {max(errs_m):.0%} (n={len(errs_u)})")
     if tmp is not None:

@@ -84,7 +84,7 @@ def _machine(dev: torch.device) -> str:
     return f"{platform.node()} {cpu} ({os.cpu_count()} cpus, {torch.get_num_threads()} torch threads)"
 
 
-def read_bandwidth(dev: torch.device, nbytes: int, repeats: int = 5) -> float:
+def read_bandwidth(dev: torch.device, nbytes: int, repeats: int = 9) -> float:
     """Best-of read bandwidth, bytes/s: a sum streams the tensor from memory once."""
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
     x.sum()  # touch every page
@@ -109,7 +109,7 @@ def gemv_bandwidth(dev: torch.device, hidden: int, rows: int, dtype: torch.dtype
     n = max(4, buffer_bytes // per)
     w = torch.full((n, rows, hidden), 0.01, dtype=dtype, device=dev)  # [n, R, H]
     x = torch.full((1, hidden), 0.5, dtype=dtype, device=dev)  # [1, H]
-    t = _cycling(_Timer(dev), [lambda i=i: torch.nn.functional.linear(x, w[i]) for i in range(n)], 5)
+    t = _cycling(_Timer(dev), [lambda i=i: torch.nn.functional.linear(x, w[i]) for i in range(n)], 9)
     return per / t
 
 
@@ -132,7 +132,7 @@ def expert_rates(dev: torch.device, hidden: int, intermediate: int, dtype: torch
     module, up, down = _experts_module(hidden, intermediate, count, dtype, dev)
     timer = _Timer(dev)
     x1 = torch.full((1, hidden), 0.5, dtype=dtype, device=dev)  # [1, H]
-    t1 = _cycling(timer, [lambda e=e: expert_forward(module, x1, up[e], down[e]) for e in range(count)], 5)
+    t1 = _cycling(timer, [lambda e=e: expert_forward(module, x1, up[e], down[e]) for e in range(count)], 9)
     xn = torch.full((FLOPS_TOKENS, hidden), 0.5, dtype=dtype, device=dev)  # [N, H]
     few = list(range(min(count, 16)))
     tn = _cycling(timer, [lambda e=e: expert_forward(module, xn, up[e], down[e]) for e in few], 3)
@@ -264,7 +264,7 @@ def calibrate(device: str = "cpu", spec=None, *, quick: bool = False, overhead: 
     m = "measured"
     return Calibration(
         device=str(dev),
-        device_read_bytes_per_s=Quantity(read, m, f"sum of {read_bytes >> 20} MiB fp32 on {dev}, best of 5"),
+        device_read_bytes_per_s=Quantity(read, m, f"sum of {read_bytes >> 20} MiB fp32 on {dev}, best of 9"),
         device_gemv_bytes_per_s=Quantity(gemv, m, f"1 token x [{rows}, {H}] linear, {where}, cycling {cache_bytes >> 20} MiB"),
         device_expert_bytes_per_s=Quantity(dev_bw, m, f"expert_forward 1 token, H {H} I {I}, {where}, cycling {cache_bytes >> 20} MiB"),
         device_expert_flops_per_s=Quantity(dev_flops, m, f"expert_forward {FLOPS_TOKENS} tokens, H {H} I {I}, {where}"),
