@@ -215,15 +215,6 @@ class OffloadEngine(Engine):
 
 
 # -- building -----------------------------------------------------------------------------------------------
-# Miss policy -> the placement policy that gives it slots to work with: static pins the lowest-id experts
-# (no profile here); lru makes every slot dynamic; hybrid pins half and keeps half dynamic for prefill
-# fetches. With every expert in a slot nothing can miss, so all of them are pinned whatever the policy.
-def _placement_policy(policy: str, slots: int, num_experts: int) -> str:
-    if slots >= num_experts:
-        return "top"
-    return {"static": "top", "lru": "lru"}.get(policy) or f"mix:{slots // 2}"
-
-
 def _resolve_placement(path: Path, placement, fraction, policy: str, backend: str):
     from rm_core import Placement
 
@@ -250,7 +241,7 @@ def _resolve_placement(path: Path, placement, fraction, policy: str, backend: st
 
     spec = ModelSpec.from_hf_config(str(path))
     slots = plan.fraction_slots(spec, float(fraction))
-    return plan.from_fraction(spec, get_backend(backend).tiers(), float(fraction), _placement_policy(policy, slots, spec.num_experts))
+    return plan.from_fraction(spec, get_backend(backend).tiers(), float(fraction), plan.for_miss_policy(policy, slots, spec.num_experts))
 
 
 def load_tokenizer(path: Path):

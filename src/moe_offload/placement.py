@@ -184,6 +184,15 @@ def fraction_slots(spec, fraction: float) -> int:
     return min(spec.num_experts, max(spec.top_k, round(fraction * spec.num_experts)))
 
 
+def for_miss_policy(miss_policy: str, slots: int, num_experts: int) -> str:
+    """The placement policy that gives an engine miss policy (static | lru | hybrid) slots to work with, when
+    no profile says which experts are hot: static pins its slots, lru keeps them all dynamic, hybrid pins half
+    (the rest stay dynamic for prefill fetches). With every expert in a slot nothing can miss: all pinned."""
+    if slots >= num_experts:
+        return "top"
+    return {"static": "top", "lru": "lru"}.get(miss_policy) or f"mix:{slots // 2}"
+
+
 def from_fraction(spec, tiers: Sequence[MemoryTier], fraction: float, policy: str = "top", profile=None,
                   seed: int = 0) -> Placement:
     """Placement with ``fraction`` of every layer's experts on the first accelerator tier."""

@@ -138,3 +138,12 @@ def test_lru_prediction_close_to_replay_on_independent_routes(spec, one_tier):
     p = P.plan(spec, one_tier, {"gpu0": 10}, "lru", prof)
     # Che's approximation is for independent requests, which this trace is; cold-start misses are few.
     assert P.simulate(routes, p)["accelerator_hit_rate"] == pytest.approx(_accel(p), abs=0.03)
+
+
+def test_for_miss_policy_gives_each_engine_policy_slots_to_work_with():
+    from moe_offload.placement import for_miss_policy
+
+    assert for_miss_policy("static", 4, 16) == "top"
+    assert for_miss_policy("lru", 4, 16) == "lru"
+    assert for_miss_policy("hybrid", 4, 16) == "mix:2"
+    assert for_miss_policy("lru", 16, 16) == "top"  # every expert resident: nothing can miss, pin them all
