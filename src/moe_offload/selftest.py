@@ -149,6 +149,20 @@ def _cost_model() -> str:
             f"copy {cal.bus_bytes_per_s.value / 1e9:.1f} GB/s); predicted static 0.25/1.0: {ms[0]:.2f}/{ms[1]:.2f} ms/token")
 
 
+@check("kernels")
+def _kernels() -> str:
+    import torch
+
+    from moe_offload.engines.offload import cpu_kernels
+
+    if not cpu_kernels.load():
+        return f"bf16 CPU kernels off ({cpu_kernels.info().get('error') or 'disabled'}); F.linear fallback"
+    w = (torch.randn(257, 1031) / 32).to(torch.bfloat16)  # odd sizes: masked tails, uneven thread split
+    x = torch.randn(1031).to(torch.bfloat16)
+    torch.testing.assert_close(torch.ops.moe_offload.gemv_bf16(x, w).float(), w.float() @ x.float(), rtol=8e-3, atol=1e-2)
+    return f"bf16 CPU GEMV ({cpu_kernels.info()['variant']}) matches the fp32 reference"
+
+
 def run_all(echo: Callable[[str], None]) -> int:
     """Run every check; returns the number that failed."""
     failed = 0
