@@ -138,3 +138,21 @@ def test_registration_needs_the_token(serve):
 def test_gateway_imports_no_torch():
     code = "import sys, moe_offload.serving.gateway, moe_offload.commands.serve; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_gateway_bad_bodies_are_4xx_not_500(serve, mock_worker):
+    # The gateway reads each body to classify it: a body json.loads cannot take (nested too deeply raises
+    # RecursionError, not ValueError) must reach the worker for its 400; a bad registration body is a 400.
+    w = mock_worker()
+    gw = serve(gateway.create_app([w.url], token="tok", health_interval=0.3))
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        r = c.post("/v1/completions", content=b"[" * 100_000 + b"]" * 100_000)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+        auth = {"authorization": "Bearer tok"}
+        for body in (b"{not json", b"[" * 100_000):
+            for path in ("/gateway/register", "/gateway/deregister"):
+                r = c.post(path, content=body, headers=auth)
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", (path, r.text)
+        r = c.post("/gateway/register", json={"url": w.url, "model": 5}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        assert c.get("/health").status_code == 200

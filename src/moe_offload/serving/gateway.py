@@ -35,6 +35,7 @@ from moe_offload.serving import errors
 from moe_offload.serving.classify import CLASSES, classify, request_text
 from moe_offload.serving.errors import APIError
 from moe_offload.serving.pool import WorkerEntry, WorkerPool
+from moe_offload.serving.protocol import parse_json
 from moe_offload.serving.worker import AFFINITY_HEADER, CLASS_HEADER, DEFAULT_MAX_BODY, HIT_HEADER, read_body
 
 log = get_logger("serving.gateway")
@@ -151,8 +152,8 @@ class Gateway:
             check_api_key(request, self.api_key)
         raw = await read_body(request, self.max_body_bytes)
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = parse_json(raw)
+        except APIError:
             body = None  # the worker answers with the proper 400
         cls = classify(request_text(body))
         stream = isinstance(body, dict) and body.get("stream") is True
@@ -271,10 +272,10 @@ def create_app(workers: Sequence[str] = (), *, token: str | None = None, api_key
         auth = request.headers.get("authorization", "")
         if not hmac.compare_digest(auth.encode(), f"Bearer {gw.token}".encode()):
             raise APIError(401, "registration needs the gateway's shared token as 'Authorization: Bearer <token>'", code="invalid_token")
-        body = await request.json()
-        if not isinstance(body, dict):
-            raise APIError(400, "body: expected {\"url\": ..., \"model\": ..., \"predicted\": {class: fraction}}")
+        body = parse_json(await read_body(request, gw.max_body_bytes))
         url = _check_url(body.get("url"))
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise APIError(400, f"model: expected a string, got {body['model']!r}"[:300], param="model")
         predicted = body.get("predicted") or {}
         if not isinstance(predicted, dict) or not all(isinstance(v, (int, float)) and 0 <= v <= 1 for v in predicted.values()):
             raise APIError(400, "predicted: expected {class: fraction 0..1}", param="predicted")
@@ -287,8 +288,8 @@ def create_app(workers: Sequence[str] = (), *, token: str | None = None, api_key
     async def deregister(request: Request):
         if not gw.token or not hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {gw.token}".encode()):
             raise APIError(401, "deregistration needs the gateway's shared token", code="invalid_token")
-        body = await request.json()
-        url = _check_url(body.get("url") if isinstance(body, dict) else None)
+        body = parse_json(await read_body(request, gw.max_body_bytes))
+        url = _check_url(body.get("url"))
         return {"removed": pool.remove(url)}
 
     @app.get("/gateway/workers")
