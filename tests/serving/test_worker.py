@@ -85,6 +85,16 @@ BAD = [
     ("/v1/completions", b'{"prompt": "\\ud800x"}', 400, None),
     ("/v1/completions", b'{"model": "\\udfff", "prompt": "x"}', 400, None),
     ("/v1/completions", {"prompt": "x", "temperature": 1, "seed": 2**64}, 400, "seed"),
+    # options that change the answer and cannot be honoured were silently ignored (a 200 without them)
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []}, 400,
+     "chat_template_kwargs"),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
      "stream_options.include_usage"),
 ]

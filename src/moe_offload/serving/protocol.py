@@ -1,7 +1,8 @@
 """Parse and validate OpenAI request bodies into engine inputs. Every bad field is a 400 naming the field.
 
 Unknown fields are ignored (as vLLM does), so newer clients keep working;
-fields we cannot honour (``n`` > 1, ``logprobs``) are refused, not ignored.
+fields we cannot honour (``n`` > 1, ``logprobs``, ``echo``, ``best_of`` > 1, ``suffix``, a non-text
+``response_format``, tool calling) are refused, not ignored.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ def _common(body: dict, max_tokens_default: int | None, key_max: tuple[str, ...]
         raise _bad("n", "1 (one choice per request; send several requests)", n)
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
         raise APIError(400, "logprobs: not supported by this server", param="logprobs")
+    _refuse_unhonoured(body)
     max_tokens = max_tokens_default
     for key in key_max:
         if body.get(key) is not None:
@@ -135,6 +137,21 @@ def _common(body: dict, max_tokens_default: int | None, key_max: tuple[str, ...]
     if include_usage is not None and not isinstance(include_usage, bool):
         raise _bad("stream_options.include_usage", "true or false", include_usage)
     return params, _stop(body), stream, bool(include_usage)
+
+
+def _refuse_unhonoured(body: dict) -> None:
+    """Options that change what a client gets back, which this server cannot do: a 400, not a silent ignore."""
+    if body.get("echo") not in (None, False):
+        raise _bad("echo", "false (echoing the prompt is not supported)", body["echo"])
+    if body.get("best_of") not in (None, 1):
+        raise _bad("best_of", "1 (one candidate per request)", body["best_of"])
+    if body.get("suffix") not in (None, ""):
+        raise _bad("suffix", "none (insertion is not supported)", body["suffix"])
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise _bad("response_format", "{'type': 'text'} (structured output is not supported)", fmt)
+    if body.get("tools") and body.get("tool_choice", "auto") != "none":
+        raise _bad("tool_choice", "'none' when tools are given (tool calling is not supported)", body.get("tool_choice", "auto"))
 
 
 def sampling(params: dict, prompt_len: int, max_model_len: int) -> SamplingParams:
@@ -202,7 +219,8 @@ def _messages(body: dict) -> list[dict]:
 def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenRequest:
     params, stop, stream, include_usage = _common(body, None, ("max_completion_tokens", "max_tokens"))
     messages = _messages(body)
-    kwargs = body.get("chat_template_kwargs") or {}
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise _bad("chat_template_kwargs", "an object", kwargs)
     try:
