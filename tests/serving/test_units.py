@@ -124,3 +124,21 @@ def test_percentile_interpolates():
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
     assert percentile([float(i) for i in range(1, 11)], 0.9) == pytest.approx(9.1)
+
+
+def test_hit_rate_gauge_has_no_host_tier_series():
+    # The engine reports the share of routed pairs per tier, the host's included; on a gauge named hit rate,
+    # "host 0.41" reads as a 41 % hit rate when it is the miss share.
+    from rm_core import MemoryTier
+
+    from moe_offload.engines.base import GenerationStats
+    from moe_offload.serving.metrics import WorkerMetrics
+
+    tiers = [MemoryTier("cpu:0", "host-dram", 2**30, accelerator="vm/cpu:0"), MemoryTier("host", "host-dram", 2**30)]
+    m = WorkerMetrics("m", max_model_len=64, tiers=tiers, predicted={"cpu:0": 0.7, "host": 0.3})
+    stats = GenerationStats(hits=6, misses=4, hit_rate_by_tier={"cpu:0": 0.6, "host": 0.4})
+    m.observe("latin-prose", stats, finish_reason="length", ttft_s=None, itl_s=[], e2e_s=0.1)
+    text = m.render().decode()
+    assert 'moe_offload_expert_hit_rate{class="all",model_name="m",tier="cpu:0"} 0.6' in text
+    assert 'moe_offload_expert_hit_rate_predicted{model_name="m",tier="cpu:0"} 0.7' in text
+    assert 'tier="host"' not in "\n".join(l for l in text.splitlines() if l.startswith("moe_offload_expert_hit_rate"))

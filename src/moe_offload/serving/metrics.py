@@ -59,11 +59,11 @@ class WorkerMetrics:
                              buckets=E2E_BUCKETS, registry=r).labels(**m)
         self.hit_rate = Gauge("moe_offload_expert_hit_rate",
                               "Measured fraction 0..1 of routed token-expert pairs served from accelerator memory "
-                              "(tier=all: overall; class=all: every request class).", ["model_name", "tier", "class"], registry=r)
+                              "(tier=<accelerator tier>: from that tier; tier=all: from any; class=all: every request "
+                              "class). The host's share is the miss rate, 1 - tier=all.", ["model_name", "tier", "class"],
+                              registry=r)
         pred = Gauge("moe_offload_expert_hit_rate_predicted", "Hit rate 0..1 per tier that the placement predicts (not measured).",
                      ["model_name", "tier"], registry=r)
-        for tier, v in (predicted or {}).items():
-            pred.labels(model_name=model_name, tier=tier).set(v)
         self.affinity = Gauge("moe_offload_expert_affinity",
                               "Routing signal for gateways: measured hit rate per request class, seeded with the predicted one "
                               "until the class has been measured (class=all: every class).", ["model_name", "class"], registry=r)
@@ -84,6 +84,10 @@ class WorkerMetrics:
 
         host_names = [t.name for t in tiers if t.kind != "device-hbm" and not t.accelerator] or ["host"]
         # None when nothing was predicted (no profile): the affinity then waits for a measurement.
+        self.host_tiers = frozenset(host_names)
+        for tier, v in (predicted or {}).items():
+            if tier not in self.host_tiers:
+                pred.labels(model_name=model_name, tier=tier).set(v)
         self.predicted = predicted_overall(predicted, host_names) if predicted else None
         by_class = dict(predicted_by_class or {})
         self.predicted_by_class = {c: by_class.get(c, self.predicted) for c in CLASSES}
@@ -130,6 +134,8 @@ class WorkerMetrics:
             cc[1] += routed
             self._class_requests[cls] = self._class_requests.get(cls, 0) + 1
             for tier, rate in stats.hit_rate_by_tier.items():
+                if tier in self.host_tiers:  # its share is the misses: not a hit rate
+                    continue
                 s = self._tier_sums.setdefault(tier, [0.0, 0])
                 s[0] += rate * routed
                 s[1] += routed
