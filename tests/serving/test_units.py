@@ -142,3 +142,23 @@ def test_hit_rate_gauge_has_no_host_tier_series():
     assert 'moe_offload_expert_hit_rate{class="all",model_name="m",tier="cpu:0"} 0.6' in text
     assert 'moe_offload_expert_hit_rate_predicted{model_name="m",tier="cpu:0"} 0.7' in text
     assert 'tier="host"' not in "\n".join(l for l in text.splitlines() if l.startswith("moe_offload_expert_hit_rate"))
+
+
+def test_closing_the_runner_aborts_the_running_generation():
+    # Shutdown waits for the engine thread; a long generation must not hold it for its whole length.
+    import asyncio
+    import time
+
+    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.mock import MockConfig, MockEngine
+    from moe_offload.serving.queue import EngineRunner
+
+    async def main():
+        runner = EngineRunner(MockEngine(MockConfig(ms_per_token=20)))
+        job = runner.submit([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True))  # 20 s if left alone
+        assert (await job.next(asyncio.get_running_loop().time() + 10))[0] == "started"
+        t0 = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, runner.close)
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 5

@@ -73,6 +73,7 @@ class EngineRunner:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moe-offload-engine")
         self._closed = False
+        self._current: Job | None = None  # the job on the engine thread
 
     @property
     def kv_usage(self) -> float:
@@ -111,6 +112,9 @@ class EngineRunner:
             return
         with self._lock:
             self.running += 1
+            self._current = job
+        if self._closed:  # close() began between the checks above and here
+            job.cancel()
         gen = None
         try:
             gen = self.engine.generate(job.ids, job.params)
@@ -137,6 +141,7 @@ class EngineRunner:
             self.context_tokens = 0
             with self._lock:
                 self.running -= 1
+                self._current = None
 
     def _crashed(self, job: Job, e: BaseException) -> None:  # engine thread
         log.error("engine failed; restarting it", error=f"{type(e).__name__}: {e}")
@@ -166,6 +171,9 @@ class EngineRunner:
 
     def close(self) -> None:
         self._closed = True
+        with self._lock:
+            if self._current is not None:  # abort it: shutdown would otherwise wait for all its tokens
+                self._current.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         try:
             self.engine.close()
