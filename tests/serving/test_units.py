@@ -162,3 +162,23 @@ def test_closing_the_runner_aborts_the_running_generation():
         return time.monotonic() - t0
 
     assert asyncio.run(main()) < 5
+
+
+@pytest.mark.parametrize("kw", [{"request_timeout": 0}, {"max_queue": -1}, {"max_body_bytes": 0}])
+def test_worker_settings_are_config_errors(kw):
+    # The CLI prints a ConfigError as one clean line; these used to be ValueErrors ("error: ValueError: ...").
+    from moe_offload.engines.mock import MockEngine
+    from moe_offload.errors import ConfigError
+    from moe_offload.serving.worker import create_app
+
+    with pytest.raises(ConfigError, match=next(iter(kw))):
+        create_app(MockEngine(), **kw)
+
+
+@pytest.mark.parametrize("kw", [{"health_interval": 0}, {"alpha": 5}, {"lam": -1}, {"request_timeout": -1}])
+def test_gateway_settings_are_config_errors(kw):
+    from moe_offload.errors import ConfigError
+    from moe_offload.serving.gateway import create_app
+
+    with pytest.raises(ConfigError):
+        create_app([], **kw)

@@ -66,7 +66,8 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
     sock = server.bind(host, port)  # before loading the model: a taken port fails fast
     url = server.url_of(sock)
     name = served_model_name or (Path(model).name if model else ("mock" if backend_name == "mock" else "moe-offload-demo"))
-    click.echo(f"loading {model or 'the demo model'} on backend {backend_name} ...", err=True)
+    what = model or ("the mock engine" if backend_name == "mock" else "the demo model")
+    click.echo(f"loading {what} on backend {backend_name} ...", err=True)
     app = worker.create_app(lambda: backend.build_engine(model, placement_obj, **options), model_name=name, api_key=api_key or None,
                             max_queue=max_queue, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
                             placement=placement_obj, tiers=backend.tiers())

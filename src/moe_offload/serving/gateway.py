@@ -226,6 +226,14 @@ def create_app(workers: Sequence[str] = (), *, token: str | None = None, api_key
     """
     import random
 
+    from moe_offload.errors import ConfigError
+
+    if not health_interval > 0:
+        raise ConfigError(f"health_interval: expected seconds > 0 (0 probes the workers in a busy loop), got {health_interval}")
+    if not request_timeout > 0 or not connect_timeout > 0:
+        raise ConfigError(f"timeouts: expected seconds > 0, got request {request_timeout}, connect {connect_timeout}")
+    if max_body_bytes < 1:
+        raise ConfigError(f"max_body_bytes: expected >= 1, got {max_body_bytes}")
     pool = WorkerPool(lam=lam, alpha=alpha, fail_threshold=fail_threshold, rng=random.Random(seed))
     for url in workers:
         pool.add(_check_url_cli(url))

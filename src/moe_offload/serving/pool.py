@@ -14,6 +14,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from moe_offload.errors import ConfigError
 from moe_offload.serving.classify import CLASSES
 
 DEFAULT_AFFINITY = 0.5  # before anything is known about a worker
@@ -42,11 +43,11 @@ class WorkerEntry:
 class WorkerPool:
     def __init__(self, *, lam: float = 0.05, alpha: float = 0.2, fail_threshold: int = 3, rng: random.Random | None = None):
         if not 0 < alpha <= 1:
-            raise ValueError(f"alpha: expected a fraction in (0, 1], got {alpha}")
+            raise ConfigError(f"alpha: expected a fraction in (0, 1], got {alpha}")
         if lam < 0:
-            raise ValueError(f"lam: expected >= 0, got {lam}")
+            raise ConfigError(f"lambda: expected a load penalty >= 0, got {lam}")
         if fail_threshold < 1:
-            raise ValueError(f"fail_threshold: expected >= 1, got {fail_threshold}")
+            raise ConfigError(f"fail_threshold: expected >= 1, got {fail_threshold}")
         self.lam, self.alpha, self.fail_threshold = lam, alpha, fail_threshold
         self.rng = rng or random.Random()
         self.workers: dict[str, WorkerEntry] = {}

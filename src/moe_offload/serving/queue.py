@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from moe_offload.engines.base import Engine, SamplingParams
-from moe_offload.errors import OffloadError
+from moe_offload.errors import ConfigError, OffloadError
 from moe_offload.log import get_logger
 from moe_offload.serving.errors import APIError
 
@@ -59,7 +59,7 @@ class EngineRunner:
 
     def __init__(self, engine: Engine | Callable[[], Engine], *, max_queue: int = 64):
         if max_queue < 0:
-            raise ValueError(f"max_queue: expected >= 0, got {max_queue}")
+            raise ConfigError(f"max_queue: expected >= 0, got {max_queue}")
         self.factory = None if isinstance(engine, Engine) else engine
         self.engine: Engine = engine if isinstance(engine, Engine) else engine()
         self.info = self.engine.info

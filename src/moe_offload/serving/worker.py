@@ -279,8 +279,12 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     ``tiers``: rm_core.MemoryTier list for moe_offload_memory_tier_capacity_bytes. ``predicted_by_class``: per
     request class predicted hit rates (fractions), where a profile provides them.
     """
-    if request_timeout <= 0:
-        raise ValueError(f"request_timeout: expected seconds > 0, got {request_timeout}")
+    from moe_offload.errors import ConfigError
+
+    if not request_timeout > 0:
+        raise ConfigError(f"request_timeout: expected seconds > 0, got {request_timeout}")
+    if max_body_bytes < 1:
+        raise ConfigError(f"max_body_bytes: expected >= 1 (every request would get 413), got {max_body_bytes}")
     runner = EngineRunner(engine, max_queue=max_queue)
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
