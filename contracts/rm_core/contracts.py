@@ -40,6 +40,13 @@ def _fraction(cls: str, name: str, value: Any) -> None:
         raise ContractError(f"{cls}.{name}", "a number in 0..1", value)
 
 
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond the float range: not a finite number as JSON readers see it
+        return False
+
+
 def _choice(cls: str, name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ContractError(f"{cls}.{name}", "one of " + " | ".join(choices), value)
@@ -94,6 +101,8 @@ class _Contract:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ContractError(cls.__name__, "valid JSON", f"{e.msg} at line {e.lineno} column {e.colno}") from None
+        except RecursionError:
+            raise ContractError(cls.__name__, "valid JSON", "nesting too deep") from None
         return cls.from_dict(data)
 
 
@@ -290,7 +299,7 @@ class Measurement(_Contract):
 
     def __post_init__(self):
         _str("Measurement", "name", self.name)
-        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not math.isfinite(self.value):
+        if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not _finite(self.value):
             raise ContractError("Measurement.value", "a finite number", self.value)
         _str("Measurement", "unit", self.unit)
         object.__setattr__(self, "labels", _labels("Measurement", self.labels))

@@ -80,6 +80,7 @@ def test_schema_enums_match_code():
         (lambda: Workload("train"), "Workload.kind"),
         (lambda: Workload("serve", options=[1]), "Workload.options"),
         (lambda: Measurement("x", float("nan"), "ms"), "Measurement.value"),
+        (lambda: Measurement("x", 10**400, "ms"), "Measurement.value"),  # math.isfinite raised OverflowError
         (lambda: Measurement("x", 1.0, ""), "Measurement.unit"),
         (lambda: LayerPlacement(0, ("a", "a"), {"a": 1}), "LayerPlacement.slots[a]"),
         (lambda: LayerPlacement(0, ("a",), {"a": 2}), "LayerPlacement.slots[a]"),
@@ -101,6 +102,8 @@ def test_from_dict_rejects_unknown_and_missing_fields():
         MemoryTier.from_dict({"name": "x"})
     with pytest.raises(ContractError, match="valid JSON"):
         Placement.from_json("{not json")
+    with pytest.raises(ContractError, match="valid JSON"):  # json.loads raises RecursionError, not a ValueError
+        Placement.from_json("[" * 100_000)
 
 
 def test_schema_rejects_what_the_code_rejects():
