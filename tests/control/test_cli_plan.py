@@ -58,6 +58,7 @@ def test_plan_writes_placement(capsys, tmp_path, model_dir, routes_file):
                  "--out", str(out), "--simulate"]) == 0
     text = capsys.readouterr().out
     assert "predicted hit rate: accel:0" in text and "replayed hit rate" in text
+    assert "(misses, on host:" in text  # the host's share is not shown as a hit rate
     from rm_core import Placement
 
     p = Placement.from_json(out.read_text())

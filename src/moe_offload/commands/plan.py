@@ -191,7 +191,7 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
         pinned = sum(len(lp.pinned(t.name)) for lp in placement.layers)
         lines.append(f"  {t.name}: slots per layer {min(per_layer)}..{max(per_layer)} (total {sum(per_layer)}, {pinned} pinned)")
     if placement.predicted_hit_rate:
-        lines.append("  predicted hit rate: " + ", ".join(f"{k} {v:.1%}" for k, v in placement.predicted_hit_rate.items()))
+        lines.append("  predicted hit rate: " + _rates(placement.predicted_hit_rate, P.host_tier_name(placement.tiers)))
     else:
         lines.append("  predicted hit rate: none (no profile)")
     if cal is not None:
@@ -199,12 +199,18 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
     if replay:
         sim = P.simulate(load_routes(profile_path), placement)
         result["simulated"] = {k: v for k, v in sim.items() if k != "per_layer"}
-        lines.append("  replayed hit rate: " + ", ".join(f"{k} {v:.1%}" for k, v in sim["hit_rate"].items()))
+        lines.append("  replayed hit rate: " + _rates(sim["hit_rate"], P.host_tier_name(placement.tiers)))
     if out:
         with open(out, "w", encoding="utf-8") as f:
             f.write(placement.to_json(indent=1))
         lines.append(f"  wrote {out}")
     emit(result, as_json, "\n".join(lines))
+
+
+def _rates(rates, host: str | None) -> str:
+    """Share of routed pairs per tier; the host's share is where the misses go, so it is not shown as a hit rate."""
+    text = ", ".join(f"{k} {v:.1%}" for k, v in rates.items() if k != host)
+    return text + (f" (misses, on {host}: {rates[host]:.1%})" if host in rates else "")
 
 
 def _predicted(spec, placement, profile, cal, ranked, result) -> list[str]:
