@@ -94,6 +94,10 @@ def build_demo_model(out_dir: str | os.PathLike | None = None, seed: int = 0) ->
     out = Path(out_dir).expanduser() if out_dir is not None else default_dir()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out: expected a directory, got the file {out}")
+    try:  # before the build: an unwritable place fails at once
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot create its parent directory ({e.strerror or e})") from None
     tokenizer = build_tokenizer()
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     config = Qwen3MoeConfig(
@@ -114,7 +118,14 @@ def build_demo_model(out_dir: str | os.PathLike | None = None, seed: int = 0) ->
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _write(out, model, tokenizer, seed)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write the demo model ({e.strerror or e})") from None
+    return out
+
+
+def _write(out: Path, model, tokenizer, seed: int) -> None:
     # Build next to the target, then move files in: an interrupted build never leaves a half model.
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".demo-build-") as tmp:
         model.save_pretrained(tmp)
@@ -132,7 +143,6 @@ def build_demo_model(out_dir: str | os.PathLike | None = None, seed: int = 0) ->
             if target.is_dir():
                 shutil.rmtree(target)
             os.replace(f, target)
-    return out
 
 
 def ensure_demo_model(out_dir: str | os.PathLike | None = None) -> Path:

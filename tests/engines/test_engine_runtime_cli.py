@@ -36,6 +36,13 @@ def test_demo_model_is_deterministic_and_labelled(demo_dir, tmp_path, capsys):
     assert "random" in (demo_dir / "README.md").read_text().lower()
 
 
+def test_demo_model_into_an_unwritable_place_is_one_clear_line(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("x")
+    rc, _, err = cli(capsys, "demo-model", "--out", str(tmp_path / "a-file" / "demo"))
+    # was "error: FileNotFoundError: ..." after building the whole model
+    assert rc == 1 and err.startswith("error: --out") and "Error:" not in err and err.count("\n") == 1
+
+
 def test_demo_tokenizer_round_trips_and_chats(demo_dir):
     from transformers import AutoTokenizer
 
