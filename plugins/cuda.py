@@ -35,18 +35,42 @@ class _NvmlMemory(ctypes.Structure):
     _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
 
 
-def device_memory(index: int) -> tuple[int, int]:
-    """(free, total) bytes of GPU ``index`` from NVML (no CUDA context is created)."""
-    nvml = ctypes.CDLL("libnvidia-ml.so.1")
+def _nvml():
+    return ctypes.CDLL("libnvidia-ml.so.1")
+
+
+def _pci_bus_id(lib, index: int) -> bytes:
+    """The PCI bus id of CUDA device ``index`` (CUDA's numbering: after CUDA_VISIBLE_DEVICES)."""
+    dev = ctypes.c_int(0)
+    buf = ctypes.create_string_buffer(32)
+    if lib.cuInit(0) != 0 or lib.cuDeviceGet(ctypes.byref(dev), index) != 0 or lib.cuDeviceGetPCIBusId(buf, 32, dev) != 0:
+        raise OSError(f"no PCI bus id for CUDA device {index}")
+    return buf.value
+
+
+def device_memory(index: int) -> tuple[int, int, int]:
+    """(free bytes, total bytes, NVML index) of CUDA device ``index``, from NVML (no CUDA context is created).
+
+    NVML numbers every GPU of the machine and ignores CUDA_VISIBLE_DEVICES, so the device is found by its PCI
+    bus id: NVML's index ``index`` may be another card (with CUDA_VISIBLE_DEVICES=1, CUDA's 0 is NVML's 1).
+    """
+    lib = _driver()
+    if lib is None:
+        raise OSError("no CUDA driver")
+    bus = _pci_bus_id(lib, index)
+    nvml = _nvml()
     if nvml.nvmlInit_v2() != 0:
         raise OSError("nvmlInit failed")
     handle = ctypes.c_void_p()
-    if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
-        raise OSError(f"no NVML handle for GPU {index}")
+    if nvml.nvmlDeviceGetHandleByPciBusId_v2(ctypes.c_char_p(bus), ctypes.byref(handle)) != 0:
+        raise OSError(f"no NVML handle for the GPU at PCI {bus.decode(errors='replace')}")
     mem = _NvmlMemory()
     if nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) != 0:
         raise OSError(f"NVML could not read the memory of GPU {index}")
-    return mem.free, mem.total
+    physical = ctypes.c_uint(index)
+    if nvml.nvmlDeviceGetIndex(handle, ctypes.byref(physical)) != 0:
+        physical = ctypes.c_uint(index)
+    return mem.free, mem.total, physical.value
 
 
 class CudaBackend(Backend):
@@ -62,16 +86,16 @@ class CudaBackend(Backend):
         tiers = []
         for i in range(n):
             try:
-                free, total = device_memory(i)
+                free, total, physical = device_memory(i)
             except OSError:
                 continue
             tiers.append(
                 MemoryTier(
-                    name=f"cuda:{i}",
+                    name=f"cuda:{i}",  # the torch device the engine uses
                     kind="device-hbm",
                     capacity_bytes=total,
                     reserved_bytes=total - free,
-                    accelerator=f"{node_name()}/nvidia:{i}",
+                    accelerator=f"{node_name()}/nvidia:{physical}",  # the card, as nvidia-smi numbers it
                 )
             )
         return tiers + [host_tier()]

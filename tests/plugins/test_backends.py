@@ -96,3 +96,60 @@ def test_every_hook_is_documented():
     assert specs
     for name in specs:
         assert (getattr(hooks, name).__doc__ or "").strip(), f"{name} has no docstring"
+
+
+class _FakeCuda:
+    """libcuda with CUDA_VISIBLE_DEVICES=1 on a two-GPU machine: CUDA's device 0 is the card at PCI 02."""
+
+    def cuInit(self, flags):
+        return 0
+
+    def cuDeviceGetCount(self, count):
+        count._obj.value = 1
+        return 0
+
+    def cuDeviceGet(self, dev, ordinal):
+        dev._obj.value = ordinal
+        return 0
+
+    def cuDeviceGetPCIBusId(self, buf, length, dev):
+        buf.value = {0: b"0000:02:00.0"}[dev.value]
+        return 0
+
+
+class _FakeNvml:
+    """NVML sees both cards, by its own index: 0 at PCI 01 (8 GiB free), 1 at PCI 02 (70 GiB free)."""
+
+    CARDS = {b"0000:01:00.0": (0, 8 * 2**30), b"0000:02:00.0": (1, 70 * 2**30)}
+
+    def nvmlInit_v2(self):
+        return 0
+
+    def nvmlDeviceGetHandleByPciBusId_v2(self, bus, handle):
+        handle._obj.value = self.CARDS[bus.value][0] + 100
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        handle._obj.value = index + 100
+        return 0
+
+    def nvmlDeviceGetMemoryInfo(self, handle, mem):
+        index = handle.value - 100
+        free = next(f for i, f in self.CARDS.values() if i == index)
+        mem._obj.total, mem._obj.free, mem._obj.used = 80 * 2**30, free, 80 * 2**30 - free
+        return 0
+
+    def nvmlDeviceGetIndex(self, handle, index):
+        index._obj.value = handle.value - 100
+        return 0
+
+
+def test_cuda_tiers_read_the_card_cuda_means(monkeypatch):
+    # NVML ignores CUDA_VISIBLE_DEVICES: asking it for index 0 read the memory of another card (8 GiB free
+    # instead of 70) and the accelerator id named it.
+    monkeypatch.setattr(cuda_plugin, "_driver", lambda: _FakeCuda())
+    monkeypatch.setattr(cuda_plugin, "_nvml", lambda: _FakeNvml(), raising=False)
+    monkeypatch.setattr(cuda_plugin.ctypes, "CDLL", lambda name: _FakeNvml())  # the code before _nvml() existed
+    gpu = backends.get_backend("cuda").tiers()[0]
+    assert gpu.name == "cuda:0" and gpu.capacity_bytes - gpu.reserved_bytes == 70 * 2**30
+    assert gpu.accelerator.endswith("/nvidia:1")
