@@ -243,7 +243,7 @@ def calibrate(device: str = "cpu", spec=None, *, quick: bool = False, overhead: 
     # Large enough that one call streams memory: per-call dispatch belongs to the layer overhead term
     rows = max(4096, spec.num_attention_heads * spec.head_dim if spec is not None else H)
     cache_bytes = 48 << 20 if quick else (384 << 20 if dev.type == "cpu" else 2 << 30)
-    read_bytes = 64 << 20 if quick else (512 << 20 if dev.type == "cpu" else 4 << 30)
+    read_bytes = 128 << 20 if quick else (512 << 20 if dev.type == "cpu" else 4 << 30)
     k = spec.top_k if spec is not None else 8
     ebytes = 3 * H * I * torch.finfo(dtype).bits // 8
     where = f"{dev}, {str(dtype).removeprefix('torch.')}"
