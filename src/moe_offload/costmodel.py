@@ -524,8 +524,8 @@ def rank(spec, tiers: Sequence, profile, calibration, candidates=None, *, slots:
         host = next((t for t in tiers if t.name == host_name), None)
         slots = plan_budget(spec, P.accelerator_tiers(tiers), context=context, batch=batch, reserve=reserve,
                             host=host).slots
-    first = next(iter(slots.values()), 0) if slots else 0
-    per_layer = sum(v if isinstance(v, int) else max(v) for v in slots.values()) if slots else first
+    # slots per layer over all accelerators (a per-layer list counts its largest layer)
+    per_layer = sum(v if isinstance(v, int) else max(v, default=0) for v in slots.values())
     if candidates is None:
         # with every expert in a slot nothing misses: the policies cannot differ
         candidates = default_candidates(per_layer, profile) if per_layer < spec.num_experts else [("static", "top")]
