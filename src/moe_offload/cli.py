@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "moe_offload.commands.serve",
     "moe_offload.commands.airm",
     "moe_offload.commands.protocol",
+    "moe_offload.commands.costmodel",
 )
 
 

@@ -59,7 +59,7 @@ def _mock() -> str:
 def _executor() -> str:
     from moe_offload.engines.offload.selfcheck import exactness
 
-    return exactness("cpu", tokens=4, fractions=(0.0, 0.5))
+    return exactness("cpu", tokens=4, fractions=(0.5,))
 
 
 @check("control plane")
@@ -95,7 +95,7 @@ def _demo_model() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         path = build_demo_model(tmp)
         out = {}
-        for policy, fraction in (("static", 1.0), ("static", 0.25), ("lru", 0.25)):
+        for policy, fraction in (("static", 0.25), ("lru", 0.25)):
             engine = build_offload_engine(path, policy=policy, fraction=fraction)
             gen = engine.generate(engine.tokenizer("The river runs")["input_ids"], SamplingParams(max_tokens=6, ignore_eos=True))
             out[(policy, fraction)] = (list(gen), gen.stats)
@@ -104,7 +104,7 @@ def _demo_model() -> str:
     assert len(set(map(tuple, tokens.values()))) == 1, f"greedy tokens depend on the placement: {tokens}"
     s = out[("static", 0.25)][1]
     assert s.hits + s.misses > 0 and s.host_expert_tokens == s.misses, "static: misses must be computed on the host"
-    return f"built, greedy identical at 3 placements, static 0.25 hit rate {s.hit_rate:.2f}"
+    return f"built, greedy identical under static and lru, static 0.25 hit rate {s.hit_rate:.2f}"
 
 
 @check("serving")
@@ -131,22 +131,20 @@ def _serving() -> str:
 
 @check("cost model")
 def _cost_model() -> str:
+    # Assumed GPU-like numbers (no measurement: `moe-offload calibrate` measures); checks the model, in milliseconds.
     from moe_offload import placement as P
-    from moe_offload.costmodel import predict
-    from moe_offload.engines.offload.calibrate import calibrate
+    from moe_offload.costmodel import Calibration, predict
     from moe_offload.spec import ModelSpec
     from rm_core import MemoryTier
 
     spec = ModelSpec.from_hf_config(dict(model_type="qwen3_moe", hidden_size=256, num_hidden_layers=4,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024,
                                          moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4))
-    cal = calibrate("cpu", spec, quick=True, overhead=False)
+    cal = Calibration.assumed("cuda:0")
     tiers = [MemoryTier("acc", "device-hbm", 2**34, accelerator="selftest/acc:0"), MemoryTier("host", "host-dram", 2**34)]
-    ms = [predict(spec, P.from_fraction(spec, tiers, f), "static", cal.with_values(bus_bytes_per_s=1e9)).ms_per_token
-          for f in (0.25, 1.0)]
-    assert all(v > 0 for v in ms), ms
-    return (f"calibrated cpu (expert {cal.device_expert_bytes_per_s.value / 1e9:.1f} GB/s, "
-            f"copy {cal.bus_bytes_per_s.value / 1e9:.1f} GB/s); predicted static 0.25/1.0: {ms[0]:.2f}/{ms[1]:.2f} ms/token")
+    ms = [predict(spec, P.from_fraction(spec, tiers, f), "static", cal).ms_per_token for f in (0.25, 1.0)]
+    assert ms[0] > ms[1] > 0, f"more resident experts must predict faster decode: {ms}"
+    return f"predicted (assumed calibration) static 0.25/1.0: {ms[0]:.2f}/{ms[1]:.2f} ms/token"
 
 
 @check("kernels")

@@ -114,7 +114,7 @@ def predict_cmd(model, placement_path, fraction, policy, calibration_path, devic
                 raise ConfigError(f"--placement {placement_path}: cannot read ({e})") from None
         else:
             placement = P.from_fraction(spec, _fraction_tiers(spec), fraction,
-                                        engine_placement_policy(pol, P.fraction_slots(spec, fraction), spec.num_experts),
+                                        P.for_miss_policy(pol, P.fraction_slots(spec, fraction), spec.num_experts),
                                         profile)
         preds.append(predict(spec, placement, pol, cal, hit_rates=hit_rate, profile=profile, tokens=tokens, context=context))
     lines = [f"{spec.name}: PREDICTED ms/token ({tokens} token{'s' if tokens > 1 else ''} per step, context {context}); "
@@ -124,14 +124,6 @@ def predict_cmd(model, placement_path, fraction, policy, calibration_path, devic
     lines += [f"  assumed: {a}" for a in notes]
     emit({"label": "predicted", "calibration": cal.to_dict(), "predictions": [p.to_dict() for p in preds]}, as_json,
          "\n".join(lines))
-
-
-def engine_placement_policy(policy: str, slots: int, num_experts: int) -> str:
-    """The placement policy `generate --fraction` uses for a miss policy (engines/offload/engine.py):
-    static pins its slots, lru keeps them all dynamic, hybrid pins half."""
-    if slots >= num_experts:
-        return "top"
-    return {"static": "top", "lru": "lru"}.get(policy) or f"mix:{slots // 2}"
 
 
 def _fraction_tiers(spec):
