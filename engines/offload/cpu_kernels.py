@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -321,8 +324,13 @@ def _build() -> dict:
     try:
         from torch.utils.cpp_extension import load_inline
 
+        _find_ninja()
         directory = build_dir(name)
-        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError:  # read-only home (some CI runners, containers): build in the temp dir instead
+            directory = Path(tempfile.gettempdir()) / f"moe-offload-kernels-{os.getuid()}" / name
+            directory.mkdir(parents=True, exist_ok=True)
         load_inline(
             name=name,
             cpp_sources=[SOURCE],
@@ -344,6 +352,24 @@ def _build() -> dict:
             fallback="F.linear", hint=f"set {ENV}=0 to skip the build",
         )
         return {"ok": False, "built": False, "variant": variant, "error": f"{type(e).__name__}: {msg}"}
+
+
+def _find_ninja() -> None:
+    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) puts it next to the
+    interpreter, which is not on PATH when the venv's python is run without activating the venv."""
+    if shutil.which("ninja"):
+        return
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    for d in dirs:
+        if shutil.which("ninja", path=d):
+            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
+            return
 
 
 def _register_fakes() -> None:
