@@ -109,7 +109,13 @@ def gemv_bandwidth(dev: torch.device, hidden: int, rows: int, dtype: torch.dtype
     n = max(4, buffer_bytes // per)
     w = torch.full((n, rows, hidden), 0.01, dtype=dtype, device=dev)  # [n, R, H]
     x = torch.full((1, hidden), 0.5, dtype=dtype, device=dev)  # [1, H]
-    t = _cycling(_Timer(dev), [lambda i=i: torch.nn.functional.linear(x, w[i]) for i in range(n)], 9)
+    linear = torch.nn.functional.linear
+    if dev.type == "cpu" and dtype == torch.bfloat16:
+        from moe_offload.engines.offload import kernels
+
+        if kernels.kernels_active():  # the engine's one-token linears run through the GEMV kernel: measure that
+            linear = torch.ops.moe_offload.gemv_bf16
+    t = _cycling(_Timer(dev), [lambda i=i: linear(x, w[i]) for i in range(n)], 9)
     return per / t
 
 
