@@ -34,18 +34,9 @@ SHAPE = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
 
 
 def build_model(out: Path, seed: int = 0) -> Path:
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from bench_engine import build_model as build  # the same builder at this script's smaller shape
 
-    if (out / "config.json").is_file():
-        return out
-    config = Qwen3MoeConfig(**SHAPE, norm_topk_prob=True, tie_word_embeddings=False, dtype="bfloat16")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    del model
-    gc.collect()
-    return out
+    return build(out, seed, SHAPE)
 
 
 def measure(path: Path, policy: str, fraction: float, prompt: list[int], tokens: int, repeats: int, device: str):

@@ -42,12 +42,13 @@ FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
 POLICIES = ("static", "lru", "hybrid")
 
 
-def build_model(out: Path, seed: int = 0) -> Path:
+def build_model(out: Path, seed: int = 0, shape: dict | None = None) -> Path:
+    """A random-weight bf16 Qwen3-MoE checkpoint of ``shape`` (default: the benchmark model) in ``out``, once."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     if (out / "config.json").is_file():
         return out
-    config = Qwen3MoeConfig(**SHAPE, norm_topk_prob=True, tie_word_embeddings=False, dtype="bfloat16")
+    config = Qwen3MoeConfig(**(shape or SHAPE), norm_topk_prob=True, tie_word_embeddings=False, dtype="bfloat16")
     t0 = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -74,6 +74,14 @@ class GenerationStats:
     stage_ms: dict[str, float] = field(default_factory=dict)
     token_ms_dropped: int = field(default=0, repr=False)  # cumulative stats: step times no longer in token_ms
 
+    def record_step(self, step: int, request_start: float, step_start: float, now: float) -> None:
+        """Book one step's wall time (perf_counter seconds): step 0 ends the prefill, later steps are decode steps."""
+        if step == 0:
+            self.prefill_ms = (now - request_start) * 1000
+        else:
+            self.token_ms.append((now - step_start) * 1000)
+            self.decode_ms += (now - step_start) * 1000
+
     @property
     def decode_ms_per_token(self) -> float:
         steps = len(self.token_ms) + self.token_ms_dropped

@@ -124,12 +124,7 @@ class MockEngine(Engine):
                 history.append(token)
                 if i > 0:
                     self._route(stats, 1)
-                now = time.perf_counter()
-                if i == 0:
-                    stats.prefill_ms = (now - t0) * 1000
-                else:
-                    stats.token_ms.append((now - step0) * 1000)
-                    stats.decode_ms += (now - step0) * 1000
+                stats.record_step(i, t0, step0, time.perf_counter())
                 stop = token in params.stop_token_ids or (not params.ignore_eos and token in self.info.eos_token_ids)
                 if stop:
                     stats.finish_reason = "stop"

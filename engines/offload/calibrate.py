@@ -27,7 +27,6 @@ import torch
 
 from moe_offload.costmodel import Calibration, Quantity
 from moe_offload.engines.offload.kernels import expert_forward
-from moe_offload.errors import BackendUnavailable, ConfigError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_SHAPE = dict(hidden=1024, intermediate=512, dtype="bfloat16")  # the engine benchmark's expert
@@ -56,20 +55,6 @@ class _Timer:
                 fn()
                 out.append(time.perf_counter() - t0)
         return out
-
-
-def _device(device: str) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise BackendUnavailable(f"device {device}: CUDA is not available here (torch {torch.__version__})")
-        dev = torch.device("cuda", dev.index or 0)
-    return dev
 
 
 def _machine(dev: torch.device) -> str:
@@ -239,7 +224,9 @@ def calibrate(device: str = "cpu", spec=None, *, quick: bool = False, overhead: 
     """Measure a Calibration on ``device`` ("cpu" | "cuda[:N]") for ``spec``'s expert shape (a ModelSpec,
     or None: hidden 1024, intermediate 512, bf16). ``quick`` uses small buffers (tests);
     ``overhead=False`` skips the tiny-model run (the per-layer overhead is then assumed)."""
-    dev = _device(device)
+    from moe_offload.engines.offload.loader import resolve_device
+
+    dev = resolve_device(device)
     H = spec.hidden_size if spec is not None else DEFAULT_SHAPE["hidden"]
     I = spec.expert_intermediate_size if spec is not None else DEFAULT_SHAPE["intermediate"]
     dtype_name = spec.dtype if spec is not None else DEFAULT_SHAPE["dtype"]

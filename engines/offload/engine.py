@@ -186,12 +186,7 @@ class OffloadEngine(Engine):
                     if i > 0:
                         logits = self._forward(step_ids, step_pos, cache)
                     token = sample_token(logits, params, generator)
-                    now = time.perf_counter()
-                    if i == 0:
-                        stats.prefill_ms = (now - t0) * 1000
-                    else:
-                        stats.token_ms.append((now - step0) * 1000)
-                        stats.decode_ms += (now - step0) * 1000
+                    stats.record_step(i, t0, step0, time.perf_counter())
                     if token in stops:
                         stats.finish_reason = "stop"
                         return

@@ -77,7 +77,7 @@ def load_model(
         raise ConfigError(f"hybrid_threshold: expected an integer >= 1, got {hybrid_threshold!r}")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
-    dev = _device(device)
+    dev = resolve_device(device)
     root = check_checkpoint(path)
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -120,7 +120,8 @@ def load_model(
     return OffloadedModel(model, model.config, executor, placement, dev, policy)
 
 
-def _device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """torch.device of "cpu" or "cuda[:N]"; ConfigError for anything else, BackendUnavailable without the GPU."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
