@@ -115,8 +115,18 @@ class Calibration:
             if not name.endswith("_ms") and q.value <= 0:
                 raise ConfigError(f"calibration {name}: expected a rate > 0, got {q.value!r}")
             object.__setattr__(self, name, q)
-        object.__setattr__(self, "expert_shape", dict(self.expert_shape or {}))
-        object.__setattr__(self, "notes", tuple(str(n) for n in self.notes))
+        shape = self.expert_shape or {}
+        if not isinstance(shape, Mapping):
+            raise ConfigError(f"calibration expert_shape: expected an object, got {type(shape).__name__}")
+        for key in ("hidden", "intermediate", "expert_bytes", "expert_params"):  # predict() computes with these
+            v = shape.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ConfigError(f"calibration expert_shape.{key}: expected an integer >= 0, got {v!r}")
+        object.__setattr__(self, "expert_shape", dict(shape))
+        notes = self.notes
+        if isinstance(notes, str) or not isinstance(notes, (list, tuple)):  # tuple("abc") would be 3 notes
+            raise ConfigError(f"calibration notes: expected a list of strings, got {notes!r}")
+        object.__setattr__(self, "notes", tuple(str(n) for n in notes))
 
     @property
     def device_type(self) -> str:
@@ -197,7 +207,7 @@ class Calibration:
         for key in ("machine", "when"):
             kw[key] = str(data.get(key) or "")
         kw["expert_shape"] = data.get("expert_shape") or {}
-        kw["notes"] = tuple(data.get("notes") or ())
+        kw["notes"] = data.get("notes") or ()
         return cls(**kw)
 
     @classmethod

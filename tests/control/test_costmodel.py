@@ -44,6 +44,13 @@ def test_calibration_json_round_trip(tmp_path):
     ({"bus_bytes_per_s": {"value": 0, "source": "measured"}}, "rate > 0"),
     ({"bus_bytes_per_s": {"value": 1e9, "source": "guessed"}}, "source"),
     ({"format": "other/9"}, "format"),
+    # wrong JSON types in the descriptive fields were TypeErrors/ValueErrors (a traceback-style CLI line),
+    # or silently wrong: "notes": "abc" became three notes
+    ({"notes": 5}, "notes"),
+    ({"notes": "abc"}, "notes"),
+    ({"expert_shape": "x"}, "expert_shape"),
+    ({"expert_shape": [1, 2]}, "expert_shape"),
+    ({"expert_shape": {"expert_bytes": "abc"}}, "expert_shape.expert_bytes"),
 ])
 def test_calibration_rejects_bad_values(bad, match):
     d = Calibration.assumed("cpu").to_dict() | bad
