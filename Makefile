@@ -9,7 +9,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 setup: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(BIN)/moe-offload serve
+	$(BIN)/moe-offload serve --policy static --fraction 0.5
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
