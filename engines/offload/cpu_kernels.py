@@ -23,6 +23,7 @@ False, after one warning, when the kernels are disabled (MOE_OFFLOAD_KERNELS=0) 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -32,6 +33,11 @@ import threading
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: torch's own lock file only
+    fcntl = None
 
 ENV = "MOE_OFFLOAD_KERNELS"
 
@@ -314,13 +320,39 @@ def info() -> dict:
     return dict(_state)
 
 
-def _build() -> dict:
+def build_spec() -> tuple[str, list[str], str]:
+    """(variant, compiler flags, library name) of this CPU's build. The name carries the variant and a hash of
+    source, flags and torch version, so a cache shared by machines never hands one a library for another ISA."""
     variant, isa = pick_variant(cpu_flags())
     # -fopenmp: at::parallel_for is an inline OpenMP region; without it the kernel would run on one thread.
     # The library then needs libgomp.so.1, which resolves to the copy torch already loaded (one thread pool).
     cflags = ["-O3", "-fopenmp", *isa]
     key = hashlib.sha256("\0".join((SOURCE, *cflags, torch.__version__)).encode()).hexdigest()[:12]
-    name = f"moe_offload_cpu_{variant}_{key}"
+    return variant, cflags, f"moe_offload_cpu_{variant}_{key}"
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """One builder per build directory, across processes, and no hang on a dead builder's lock.
+
+    torch's builder guards the directory with a ``lock`` file it deletes when done; a builder killed mid-build
+    (SIGKILL, OOM, a CI timeout) leaves it behind and every later process waits on it forever. An flock is
+    dropped by the kernel when its holder dies: holding it, no live process of ours is building here, so a
+    leftover ``lock`` is stale and removed."""
+    if fcntl is None:
+        yield
+        return
+    with open(directory / "build.flock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build() -> dict:
+    variant, cflags, name = build_spec()
     try:
         from torch.utils.cpp_extension import load_inline
 
@@ -331,16 +363,17 @@ def _build() -> dict:
         except OSError:  # read-only home (some CI runners, containers): build in the temp dir instead
             directory = Path(tempfile.gettempdir()) / f"moe-offload-kernels-{os.getuid()}" / name
             directory.mkdir(parents=True, exist_ok=True)
-        load_inline(
-            name=name,
-            cpp_sources=[SOURCE],
-            extra_cflags=cflags,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            no_implicit_headers=True,
-            verbose=False,
-        )
+        with _build_lock(directory):
+            load_inline(
+                name=name,
+                cpp_sources=[SOURCE],
+                extra_cflags=cflags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                no_implicit_headers=True,
+                verbose=False,
+            )
         _register_fakes()
         return {"ok": True, "built": True, "variant": variant, "error": ""}
     except Exception as e:  # noqa: BLE001 - any build or load failure means: keep the F.linear path
