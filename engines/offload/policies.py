@@ -36,8 +36,8 @@ def default_hybrid_threshold(expert_bytes: int, expert_params: int, device_type:
     """Tokens at which fetching one expert costs as much as computing them on the host.
 
     With a calibration (a costmodel.Calibration or a JSON path; default: the file $MOE_OFFLOAD_CALIBRATION
-    names) for this device type: costmodel.hybrid_threshold, from its measured rates. Otherwise the
-    assumed constants above: (expert_bytes / bus bandwidth) / (2 * params / host flops per token), at least 1."""
+    names) for this device type: costmodel.hybrid_threshold, from its measured rates. Otherwise (with a
+    warning when the calibration is for another device type) the assumed constants above: (expert_bytes / bus bandwidth) / (2 * params / host flops per token), at least 1."""
     cal = calibration if calibration is not None else os.environ.get(CALIBRATION_ENV) or None
     if cal is not None:
         from moe_offload.costmodel import hybrid_threshold, load_calibration
@@ -45,6 +45,13 @@ def default_hybrid_threshold(expert_bytes: int, expert_params: int, device_type:
         cal = load_calibration(cal)
         if cal.device_type == device_type:
             return hybrid_threshold(cal, expert_bytes, expert_params)
+        # the user gave a calibration, so falling back to assumed constants must not be silent
+        from moe_offload.log import get_logger
+
+        get_logger("moe_offload.policies").warning(
+            "calibration_not_used", calibration_device=cal.device, engine_device=device_type,
+            using="assumed constants for the hybrid threshold",
+            hint=f"run `moe-offload calibrate --device {device_type}` on this machine")
     fetch_s = expert_bytes / BUS_BYTES_PER_S.get(device_type, BUS_BYTES_PER_S["cuda"])
     host_token_s = 2 * expert_params / HOST_FLOPS_PER_S
     return max(1, math.ceil(fetch_s / host_token_s))

@@ -160,7 +160,7 @@ def test_rank_is_sorted_and_full_residency_has_one_candidate(spec, one_tier):
     assert policy == "static" and placement.layers[0].slots["gpu0"] == spec.num_experts
 
 
-def test_policies_threshold_from_calibration(spec, tmp_path, monkeypatch):
+def test_policies_threshold_from_calibration(spec, tmp_path, monkeypatch, capsys):
     from moe_offload.engines.offload import policies
 
     monkeypatch.delenv(policies.CALIBRATION_ENV, raising=False)
@@ -172,9 +172,13 @@ def test_policies_threshold_from_calibration(spec, tmp_path, monkeypatch):
     cal.save(path)
     monkeypatch.setenv(policies.CALIBRATION_ENV, str(path))
     assert policies.default_hybrid_threshold(spec.expert_bytes, spec.expert_params, "cuda") == want
-    # a calibration of another device type is not used: the assumed constants are
+    # a calibration of another device type is not used: the assumed constants are, and a warning says so
+    # (the user gave a calibration: a silent fallback would hide that it had no effect)
+    capsys.readouterr()
     assert policies.default_hybrid_threshold(spec.expert_bytes, spec.expert_params, "cpu") == \
         policies.default_hybrid_threshold(spec.expert_bytes, spec.expert_params, "cpu", Calibration.assumed("cuda"))
+    err = capsys.readouterr().err
+    assert err.count("calibration_not_used") == 2 and "cuda" in err
 
 
 def _write_config(tmp_path):
