@@ -289,3 +289,24 @@ def test_stale_build_lock_does_not_hang(ops):
         assert not lock.exists()
     finally:
         lock.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("H", [1, 31, 33, 77, 1025])
+def test_results_do_not_depend_on_thread_count(ops, H):
+    # Rows are split over threads by at::parallel_for; each row's sum must not depend on the split, and tails
+    # (H not a multiple of the vector width) read from an odd storage offset must stay inside the row.
+    g = torch.Generator().manual_seed(H)
+    flat = torch.randn(3 + 96 * H, generator=g).to(BF)
+    w = flat[3:].view(96, H)  # [96, H], storage offset 3: not vector-aligned
+    x = torch.randn(H + 1, generator=g).to(BF)[1:]  # [H], offset 1
+    gu, dn = _w(4, 2 * 40, H, seed=H), _w(4, H, 40, seed=H + 1)  # [E, 2I, H], [E, H, I] with I = 40
+    saved = torch.get_num_threads()
+    out = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out[n] = (ops.gemv_bf16(x, w), ops.experts_mlp_bf16(x, list(gu), list(dn)))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(out[1][0], out[2][0]) and torch.equal(out[1][1], out[2][1])
+    torch.testing.assert_close(out[1][0].float(), ref_gemv(x, w), rtol=8e-3, atol=2e-2)
