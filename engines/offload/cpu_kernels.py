@@ -206,6 +206,7 @@ void check_expert(const at::Tensor& up, const at::Tensor& dn, int64_t H, int64_t
 
 at::Tensor expert_mlp_bf16(const at::Tensor& x, const at::Tensor& up, const at::Tensor& dn,
                            const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& dn_bias) {
+  check_weight(dn, "down");  // before size(1): a 1-D down would raise a bare "Dimension out of range"
   const int64_t H = dn.size(0), I = dn.size(1);
   check_expert(up, dn, H, I);
   at::Tensor xc = one_token(x, H, "expert_mlp_bf16 x");
@@ -219,6 +220,7 @@ at::Tensor expert_mlp_bf16(const at::Tensor& x, const at::Tensor& up, const at::
 at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs) {
   TORCH_CHECK(!ups.empty() && ups.size() == downs.size(), "experts_mlp_bf16: expected as many gate_up as down tensors (>= 1), got ",
               ups.size(), " and ", downs.size());
+  check_weight(downs[0], "down");
   const int64_t K = (int64_t)ups.size(), H = downs[0].size(0), I = downs[0].size(1);
   at::Tensor xc = one_token(x, H, "experts_mlp_bf16 x");
   std::vector<const uint16_t*> up(K), dn(K), none(K, nullptr);

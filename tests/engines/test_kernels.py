@@ -71,6 +71,11 @@ def test_gemv_rejects_bad_input(ops):
         ops.gemv_bf16(torch.randn(2, 16).to(BF), w)  # two tokens
     with pytest.raises(RuntimeError, match="2-D bf16 CPU tensor"):
         ops.gemv_bf16(torch.randn(16).to(BF), w.float())
+    # a 1-D down projection was an IndexError "Dimension out of range" from reading its sizes before checking
+    with pytest.raises(RuntimeError, match="down: expected a 2-D bf16 CPU tensor"):
+        ops.expert_mlp_bf16(torch.randn(16).to(BF), _w(16, 16), torch.randn(16).to(BF))
+    with pytest.raises(RuntimeError, match="down: expected a 2-D bf16 CPU tensor"):
+        ops.experts_mlp_bf16(torch.randn(16).to(BF), [_w(16, 16)], [torch.randn(16).to(BF)])
 
 
 @pytest.mark.parametrize("H,I", [(32, 16), (77, 45), (1024, 512), (33, 17)])
