@@ -2,8 +2,9 @@
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-$(VENV)/.installed: pyproject.toml scripts/setup.sh
+$(VENV)/.installed: pyproject.toml scripts/setup.sh scripts/get-helm.sh
 	bash scripts/setup.sh $(VENV)
+	bash scripts/get-helm.sh
 
 .PHONY: setup demo test
 setup: $(VENV)/.installed
