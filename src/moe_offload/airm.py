@@ -44,17 +44,10 @@ def log_tiers(tiers: list[MemoryTier], log) -> None:
 
 def engine_options(cfg) -> dict[str, Any]:
     """The backend's engine options from the runner config."""
-    name = cfg.backend_name
-    if name == "mock":
-        return {"ms_per_token": cfg.mock_ms, "hit_rate": cfg.mock_hit}
-    if name == "rngd":
-        return {k: v for k, v in (("engine", cfg.engine), ("data", cfg.data), ("env", cfg.env)) if v}
-    opts: dict[str, Any] = {}
-    if cfg.policy:
-        opts["policy"] = cfg.policy
-    if cfg.fraction is not None:
-        opts["fraction"] = cfg.fraction
-    return opts
+    from moe_offload.backends import engine_options as options
+
+    return options(cfg.backend_name or "", policy=cfg.policy, fraction=cfg.fraction, mock_ms=cfg.mock_ms,
+                   mock_hit=cfg.mock_hit, engine=cfg.engine, data=cfg.data, env=cfg.env)
 
 
 def build(cfg, log):

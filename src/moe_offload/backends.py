@@ -60,6 +60,16 @@ class Backend:
             raise BackendUnavailable(f"backend {self.name!r} is {a}")
 
 
+def engine_options(backend: str, *, policy=None, fraction=None, mock_ms=None, mock_hit=None, engine=None, data=None,
+                   env=None) -> dict:
+    """The build_engine options each built-in backend takes, from the CLI's or the runner's settings (None: unset)."""
+    if backend == "mock":
+        return {k: v for k, v in (("ms_per_token", mock_ms), ("hit_rate", mock_hit)) if v is not None}
+    if backend == "rngd":
+        return {k: v for k, v in (("engine", engine), ("data", data), ("env", env)) if v}
+    return {k: v for k, v in (("policy", policy), ("fraction", fraction)) if v is not None and v != ""}
+
+
 def node_name() -> str:
     """Kubernetes' $NODE_NAME, else the hostname: the <node> of accelerator ids."""
     return os.environ.get("NODE_NAME") or socket.gethostname().split(".")[0] or "localhost"

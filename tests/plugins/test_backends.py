@@ -153,3 +153,11 @@ def test_cuda_tiers_read_the_card_cuda_means(monkeypatch):
     gpu = backends.get_backend("cuda").tiers()[0]
     assert gpu.name == "cuda:0" and gpu.capacity_bytes - gpu.reserved_bytes == 70 * 2**30
     assert gpu.accelerator.endswith("/nvidia:1")
+
+
+def test_engine_options_per_backend():
+    opts = backends.engine_options
+    assert opts("mock", mock_ms=2.0, mock_hit=0.5, policy="lru") == {"ms_per_token": 2.0, "hit_rate": 0.5}
+    assert opts("rngd", engine="/bin/npu-engine", data="/data", policy="lru") == {"engine": "/bin/npu-engine", "data": "/data"}
+    assert opts("cpu", policy="lru", fraction=0.0, engine="/x") == {"policy": "lru", "fraction": 0.0}  # 0.0 is a value
+    assert opts("cuda") == {}

@@ -21,6 +21,8 @@ def _worker_options(fn):
         click.option("--fraction", type=float, help="Resident fraction of each layer's experts (cpu/cuda, without --placement)."),
         click.option("--mock-ms-per-token", type=float, default=5.0, show_default=True, help="mock backend: decode time per token."),
         click.option("--mock-hit-rate", type=float, default=0.85, show_default=True, help="mock backend: simulated hit rate."),
+        click.option("--engine", "engine_bin", help="rngd backend: the external engine binary (JSON-lines protocol)."),
+        click.option("--engine-data", help="rngd backend: the external engine's input directory."),
         click.option("--served-model-name", help="Model name clients send (default: the model directory's name)."),
         click.option("--api-key", envvar="MOE_OFFLOAD_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* [env MOE_OFFLOAD_API_KEY]."),
         click.option("--max-queue", default=64, show_default=True, type=int, help="Waiting requests beyond which new ones get 429."),
@@ -35,19 +37,8 @@ def _worker_options(fn):
     return fn
 
 
-def _engine_options(backend: str, policy, fraction, mock_ms, mock_hit) -> dict:
-    if backend == "mock":
-        return {"ms_per_token": mock_ms, "hit_rate": mock_hit}
-    opts = {}
-    if policy:
-        opts["policy"] = policy
-    if fraction is not None:
-        opts["fraction"] = fraction
-    return opts
-
-
 def _run_worker(backend_name: str, model: str | None, *, host, port, placement, policy, fraction, mock_ms_per_token,
-                mock_hit_rate, served_model_name, api_key, max_queue, request_timeout, max_body_bytes, gateway_url,
+                mock_hit_rate, engine_bin, engine_data, served_model_name, api_key, max_queue, request_timeout, max_body_bytes, gateway_url,
                 gateway_token, advertise_url, banner: bool) -> None:
     from moe_offload import backends
     from moe_offload.errors import ConfigError
@@ -62,7 +53,8 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
         from rm_core import Placement
 
         placement_obj = Placement.from_json(Path(placement).read_text())
-    options = _engine_options(backend_name, policy, fraction, mock_ms_per_token, mock_hit_rate)
+    options = backends.engine_options(backend_name, policy=policy, fraction=fraction, mock_ms=mock_ms_per_token,
+                                      mock_hit=mock_hit_rate, engine=engine_bin, data=engine_data)
     sock = server.bind(host, port)  # before loading the model: a taken port fails fast
     url = server.url_of(sock)
     name = served_model_name or (Path(model).name if model else ("mock" if backend_name == "mock" else "moe-offload-demo"))
