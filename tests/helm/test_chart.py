@@ -124,9 +124,9 @@ def test_cuda_requests_gpus_and_mounts_the_model_read_only():
 def test_rngd_requests_npus_and_runs_the_external_engine():
     objs = render(RNGD)
     c = container(objs)
-    assert c["command"] == ["moe-offload", "airm", "--kind", "serve"]
-    assert c["args"] == ["--model=/models/gpt-oss", "role=worker", "backend=rngd", "host=0.0.0.0", "port=8000",
-                         "engine=/opt/furiosa/bin/moe-engine"]
+    assert c["command"] == ["moe-offload", "worker"]
+    assert c["args"] == ["--backend=rngd", "--host=0.0.0.0", "--port=8000", "--model=/models/gpt-oss",
+                         "--engine=/opt/furiosa/bin/moe-engine"]
     assert c["resources"] == {"limits": {"furiosa.ai/rngd": 2}}
     (vol,) = objs["Deployment"]["spec"]["template"]["spec"]["volumes"]
     assert vol["hostPath"] == {"path": "/data/models", "type": "Directory"}
@@ -154,8 +154,9 @@ def test_api_key_comes_from_the_secret_never_the_pod_spec():
     assert not any("api-key" in a or "api_key" in a for a in c["args"])
     assert "--placement=/etc/moe-offload/placement.json" in c["args"]
     assert objs["ConfigMap"]["data"] == {"placement.json": '{"x": 1}'}
-    rngd = container(render({**RNGD, **APIKEY}))
-    assert rngd["args"][-1] == "api_key=$(MOE_OFFLOAD_API_KEY)"  # expanded by the kubelet from the Secret-backed env
+    rngd = container(render({**RNGD, **APIKEY}))  # the worker reads $MOE_OFFLOAD_API_KEY itself, on every backend
+    assert env(rngd)["MOE_OFFLOAD_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "moe-key"
+    assert not any("api" in a for a in rngd["args"])
 
 
 @pytest.mark.parametrize("values, message", [
