@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -44,34 +43,25 @@ POLICIES = ("static", "lru", "hybrid")
 
 def build_model(out: Path, seed: int = 0, shape: dict | None = None) -> Path:
     """A random-weight bf16 Qwen3-MoE checkpoint of ``shape`` (default: the benchmark model) in ``out``, once."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
+
+    from moe_offload.demo import save_random_model
 
     if (out / "config.json").is_file():
         return out
     config = Qwen3MoeConfig(**(shape or SHAPE), norm_topk_prob=True, tie_word_embeddings=False, dtype="bfloat16")
     t0 = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    del model
+    save_random_model(out, config, seed=seed, dtype=torch.bfloat16)
     gc.collect()
     print(f"built the benchmark model in {time.perf_counter() - t0:.1f} s at {out}", file=sys.stderr)
     return out
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
-    """Best-of read bandwidth in bytes/s: sum over a large fp32 tensor (streams it once from DRAM)."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    x.sum()  # touch every page first
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    n = x.numel() * 4
-    del x
-    return n / best
+    """Best-of read bandwidth in bytes/s of a sum over a ``gib`` GiB fp32 tensor (the calibration's measurement)."""
+    from moe_offload.engines.offload.calibrate import read_bandwidth as measure
+
+    return measure(torch.device("cpu"), int(gib * 2**30), repeats)
 
 
 def decode_bytes(model) -> int:
@@ -199,17 +189,9 @@ def ab_compare(path: Path, prompt: list[int], rounds: int, block: int = 8) -> di
             "ours": {k: q(o, f) for k, f in (("min", 0), ("p25", .25), ("median", .5))}}
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv: list[str] | None = None) -> int:
+    from moe_offload.engines.offload.calibrate import cpu_name
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 decode tokens, 16-token prompt, 1 repeat")
     ap.add_argument("--tokens", type=int, help="decode tokens per run (default 64; quick 8)")

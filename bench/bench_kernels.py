@@ -24,16 +24,9 @@ H, I, V, K = 1024, 512, 32000, 8
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    x.sum()
-    best = min(_time(x.sum) for _ in range(repeats))
-    return x.numel() * 4 / best
+    from moe_offload.engines.offload.calibrate import read_bandwidth as measure
 
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    return measure(torch.device("cpu"), int(gib * 2**30), repeats)
 
 
 def measure(fn, weights: list, nbytes: int, repeats: int) -> tuple[float, float]:
@@ -55,6 +48,8 @@ def copies(make, nbytes: int, total: int = 256 << 20) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from moe_offload.engines.offload.calibrate import cpu_name
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
@@ -103,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     info = cpu_kernels.info()
     print(f"Command: `python bench/bench_kernels.py{' --quick' if args.quick else ''}`  ")
-    print(f"Machine: {_cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"kernel variant {info.get('variant')}  ")
     print(f"Read bandwidth (1 GiB fp32 sum, best of 7): **{bw / 1e9:.1f} GB/s**; {repeats} passes per row over >= 256 MiB "
           "of weight copies; GB/s best (median)\n")
@@ -113,17 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | {shape} | {n / 1e6:.2f} | {kk[0]:.1f} ({kk[1]:.1f}) | {tt[0]:.1f} ({tt[1]:.1f}) | "
               f"{kk[1] / tt[1]:.2f} | {kk[0] * 1e9 / bw:.0%} |")
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

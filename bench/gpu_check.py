@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -53,14 +54,10 @@ def check_family_tests(device: str) -> str:
 
 
 def bench_checkpoint(root: str, layers: int) -> str:
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    """The engine benchmark's model shape (bench_engine.SHAPE) with ``layers`` layers."""
+    from bench_engine import SHAPE, build_model
 
-    cfg = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
-                         num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-                         num_experts=64, num_experts_per_tok=8, dtype="bfloat16", max_position_embeddings=4096)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(root)
-    return root
+    return str(build_model(Path(root), shape={**SHAPE, "num_hidden_layers": layers}))
 
 
 @torch.no_grad()

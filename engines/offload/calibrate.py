@@ -57,16 +57,20 @@ class _Timer:
         return out
 
 
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what platform knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        name = None
+    return name or platform.processor() or platform.machine()
+
+
 def _machine(dev: torch.device) -> str:
     if dev.type == "cuda":
         return f"{platform.node()} {torch.cuda.get_device_name(dev)}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{platform.node()} {cpu} ({os.cpu_count()} cpus, {torch.get_num_threads()} torch threads)"
+    return f"{platform.node()} {cpu_name()} ({os.cpu_count()} cpus, {torch.get_num_threads()} torch threads)"
 
 
 def read_bandwidth(dev: torch.device, nbytes: int, repeats: int = 9) -> float:
@@ -174,8 +178,9 @@ class _TimerOn(_Timer):
 
 def _tiny_step_ms(dev: torch.device, layers: int, top_k: int, tokens: int, runs: int) -> tuple[float, float]:
     """(median decode ms/token, ms of one tiny expert call) of a tiny all-resident Qwen3-MoE through the real engine."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
 
+    from moe_offload.demo import save_random_model
     from moe_offload.engines.base import SamplingParams
     from moe_offload.engines.offload.engine import OffloadEngine
     from moe_offload.engines.offload.loader import load_model
@@ -185,9 +190,7 @@ def _tiny_step_ms(dev: torch.device, layers: int, top_k: int, tokens: int, runs:
                          num_experts_per_tok=top_k, vocab_size=256, max_position_embeddings=512,
                          tie_word_embeddings=False, dtype="float32")
     with tempfile.TemporaryDirectory(prefix="moe-calibrate-") as tmp:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
+        save_random_model(tmp, cfg)
         engine = OffloadEngine(load_model(tmp, None, policy="static", device=str(dev)), None, backend=dev.type)
         try:
             steps = []

@@ -12,14 +12,15 @@ from rm_core import LayerPlacement, MemoryTier, Placement
 
 def tiny_checkpoint(root: str, *, layers: int = 2, experts: int = 8, hidden: int = 32) -> str:
     """A random-weight Qwen3-MoE checkpoint (fp32) in ``root``; returns its path."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig
 
-    torch.manual_seed(0)
+    from moe_offload.demo import save_random_model
+
     cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
                          num_experts=experts, num_experts_per_tok=2, initializer_range=0.1, dtype="float32",
                          max_position_embeddings=256)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(root)
+    save_random_model(root, cfg)
     return root
 
 

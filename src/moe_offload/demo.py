@@ -81,6 +81,21 @@ def build_tokenizer(vocab_size: int = VOCAB):
     )
 
 
+def save_random_model(out: str | os.PathLike, config, *, seed: int = 0, dtype=None) -> Path:
+    """Random weights for a transformers ``config`` saved in ``out`` (test and benchmark models).
+
+    The caller's random stream is left as it was; ``dtype`` (a torch dtype) initialises in that precision.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+    model.save_pretrained(out)
+    return Path(out)
+
+
 def build_demo_model(out_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:
     """Write the demo checkpoint to ``out_dir`` (default ~/.cache/moe-offload/demo-model); returns the directory.
 
