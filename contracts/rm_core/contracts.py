@@ -158,6 +158,11 @@ class MemoryTier(_Contract):
     def available_bytes(self) -> int:
         return self.capacity_bytes - self.reserved_bytes
 
+    @property
+    def is_host(self) -> bool:
+        """Host DRAM that belongs to no accelerator: where unpinned experts live (an emulated accelerator is not)."""
+        return self.kind == "host-dram" and self.accelerator is None
+
 
 @dataclass(frozen=True)
 class LayerPlacement(_Contract):
@@ -278,7 +283,7 @@ class Placement(_Contract):
     @property
     def host_tier(self) -> str | None:
         """Name of the host tier, where unpinned experts live: host DRAM that belongs to no accelerator."""
-        return next((t.name for t in self.tiers if t.kind == "host-dram" and t.accelerator is None), None)
+        return next((t.name for t in self.tiers if t.is_host), None)
 
     def layer(self, index: int) -> LayerPlacement:
         for lp in self.layers:

@@ -205,11 +205,11 @@ def plan_layers(experts: list[ExpertsInfo], placement: Placement | None, dev: to
             f"expected this model's MoE layers {sorted(layers)}"
         )
     used = {t for lp in placement.layers for t in lp.slots if lp.slots[t] > 0}
-    candidates = [t.name for t in placement.tiers if t.kind == "device-hbm" or t.labels.get("emulates") == "device-hbm"]
+    candidates = [t.name for t in placement.tiers if t.accelerator is not None]
     if len(used) > 1:
         raise PlacementError(f"placement uses slots on {len(used)} accelerator tiers {sorted(used)}, expected one per executor")
     acc = next(iter(used)) if used else (candidates[0] if candidates else device_name)
-    host = next((t.name for t in placement.tiers if t.kind == "host-dram" and t.name != acc), "host")
+    host = placement.host_tier or "host"
     layout = {}
     for lp in placement.layers:
         info = layers[lp.layer]

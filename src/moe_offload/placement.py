@@ -55,7 +55,7 @@ def accelerator_tiers(tiers: Sequence[MemoryTier]) -> list[MemoryTier]:
 
 def host_tier_name(tiers: Sequence[MemoryTier]) -> str | None:
     """The host tier: host-dram without an accelerator id (unpinned experts live there)."""
-    return next((t.name for t in tiers if t.kind == "host-dram" and t.accelerator is None), None)
+    return next((t.name for t in tiers if t.is_host), None)
 
 
 def _with_host(spec, tiers: Sequence[MemoryTier]) -> tuple[list[MemoryTier], str]:
