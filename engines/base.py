@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,26 +131,63 @@ class GenerationStats:
 
 
 class Generation(Iterator[int]):
-    """Token ids of one request, then ``stats``. ``close()`` aborts it (finish_reason ``abort``)."""
+    """Token ids of one request, then ``stats``. ``close()`` aborts it (finish_reason ``abort``).
 
-    def __init__(self, tokens: Iterator[int], stats: GenerationStats):
+    Two ways to be fed: from a token iterator (``tokens``: engines that run one request at a time), or by an
+    engine's ``step()`` appending to ``pending`` (batching engines; iterating then runs ``drive`` until a token
+    comes). Either way a consumer may iterate, or call ``Engine.step()`` and ``drain()`` (the server does).
+    """
+
+    def __init__(self, tokens: Iterator[int] | None, stats: GenerationStats, *, drive=None, on_close=None):
         self._tokens = tokens
+        self._drive, self._on_close = drive, on_close
         self.stats = stats
-        self.done = False
+        self.pending: deque[int] = deque()
+        self.done = False  # no more tokens will come (pending may still hold some)
+        self.error: BaseException | None = None  # set by a batching engine when this request failed alone
 
     def __next__(self) -> int:
-        if self.done:
-            raise StopIteration
+        while True:
+            if self.pending:
+                return self.pending.popleft()
+            if self.error is not None:
+                err, self.error = self.error, None
+                raise err
+            if self.done:
+                raise StopIteration
+            if self._tokens is not None:
+                try:
+                    return next(self._tokens)
+                except StopIteration:
+                    self.done = True
+                    raise
+            self._drive()
+
+    def pull(self) -> None:
+        """Move one token from the iterator to ``pending`` (or mark done/error): the serial engines' step."""
         try:
-            return next(self._tokens)
+            self.pending.append(next(self._tokens))
         except StopIteration:
             self.done = True
-            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, as iterating would
+            self.error, self.done = e, True
+
+    def drain(self) -> list[int]:
+        """Tokens produced since the last drain."""
+        out = list(self.pending)
+        self.pending.clear()
+        return out
+
+    @property
+    def finished(self) -> bool:
+        return self.done and not self.pending
 
     def close(self) -> None:
         if not self.done:
             self.done = True
             self.stats.finish_reason = "abort"
+            if self._on_close:
+                self._on_close()
             close = getattr(self._tokens, "close", None)
             if close:
                 close()
@@ -169,14 +207,42 @@ class EngineInfo:
 
 
 class Engine(ABC):
-    """One model loaded on one backend. Not thread-safe: one ``generate`` at a time."""
+    """One model loaded on one backend. Not thread-safe: one thread calls it.
+
+    ``generate`` starts a request and returns its Generation; iterating it runs the engine. A server instead
+    starts several (``start``), calls ``step()`` in a loop and drains each Generation. Engines that batch
+    (``batching = True``) run all started requests in each step; the default ``start``/``step`` here run them
+    one at a time, in order, one token per step.
+    """
 
     info: EngineInfo
     tokenizer: Any  # a transformers-style tokenizer: encode, decode, apply_chat_template, eos_token_id
+    batching = False
 
     @abstractmethod
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         """Start decoding ``prompt_ids``; raises ConfigError for ids outside the vocabulary or beyond the context."""
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        """Queue a request for ``step()``; the same checks and errors as ``generate``."""
+        gen = self.generate(prompt_ids, params)
+        self.__dict__.setdefault("_serial", deque()).append(gen)
+        return gen
+
+    def step(self) -> bool:
+        """Advance the started requests by one step; False when none is left. Raises on an engine failure."""
+        queue: deque = self.__dict__.setdefault("_serial", deque())
+        while queue and queue[0].done:
+            queue.popleft()
+        if not queue:
+            return False
+        queue[0].pull()
+        return True
+
+    def load(self) -> dict[str, Any]:
+        """Scheduler state for metrics: running and waiting requests, KV cache usage 0..1."""
+        queue = [g for g in self.__dict__.get("_serial", ()) if not g.done]
+        return {"running": min(len(queue), 1), "waiting": max(len(queue) - 1, 0), "kv_usage": 0.0}
 
     def stats(self) -> dict[str, Any]:
         """Cumulative numbers since the engine started (same keys as GenerationStats.to_dict, summed)."""

@@ -1,11 +1,15 @@
-"""OffloadEngine: the Engine contract over an OffloadedModel (transformers model + offload executor).
+"""OffloadEngine: continuous batching over an OffloadedModel (transformers model + offload executor).
 
-    prompt ids --prefill(model, KV cache)--> logits --sample--> token --decode step--> ... --> stats
-    stats = deltas of executor.stats over the request + wall times measured here
+    start(prompt) --> Scheduler.waiting --schedule()--> step: [(sequence, tokens)] packed into one forward [1, N]
+      --model + paged KV (kv.py) + executor (experts grouped by expert over all N tokens)--> logits of each
+      sequence whose tokens are all computed --sample per sequence--> Generation.pending, stop / length checks
+    stats: the executor's counters per step, attributed per token (hits, host pairs) or shared (bytes, stage time)
 
-The decode loop is the hot path: one forward per token on a preallocated KV
-cache (StaticCache: no per-step allocation), only the last position's
-logits, sampling in torch with a per-request torch.Generator.
+Sequences join and leave at step boundaries; a step holds every running sequence's decode token plus
+prefill chunks up to ``max_num_batched_tokens``. KV memory is blocks from a budget (``kv_cache_memory``),
+handed out as sequences grow; when they run out the youngest sequence is preempted and recomputed later.
+A model whose layers keep state other than attention KV (Mamba, linear attention) runs each sequence of a
+step in its own forward with the model's own cache (``paged`` False), under the same scheduler.
 """
 
 from __future__ import annotations
@@ -14,18 +18,26 @@ import gc
 import os
 import secrets
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats, SamplingParams
+from moe_offload.engines.offload import kv
+from moe_offload.engines.offload.scheduler import RUNNING, Scheduler, SchedulerConfig
+from moe_offload.engines.offload.scheduler import Sequence as Seq
 from moe_offload.errors import ConfigError, EngineError
+from moe_offload.log import get_logger
 
 POLICIES = ("static", "lru", "hybrid")
-BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "hybrid_threshold", "cache")
-CACHES = ("static", "dynamic")
+BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "hybrid_threshold", "cache", "block_size",
+                 "kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
+CACHES = ("paged", "dynamic")
+DEFAULT_KV_CPU = 4 * 2**30  # bytes: the KV budget on a cpu device unless kv_cache_memory says otherwise
+log = get_logger("engine.offload")
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -51,44 +63,15 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 
 
 # -- executor statistics -> GenerationStats ------------------------------------------------------------------
-def _snapshot(executor) -> dict:
-    stats = getattr(executor, "stats", None)
-    return stats.snapshot() if stats is not None else {}
-
-
-def _delta(after, before):
-    """after - before over nested dicts of numbers (counters are cumulative in the executor)."""
-    if isinstance(after, Mapping):
-        before = before if isinstance(before, Mapping) else {}
-        return {k: _delta(v, before.get(k)) for k, v in after.items()}
-    if isinstance(after, (int, float)) and not isinstance(after, bool):
-        return after - (before if isinstance(before, (int, float)) else 0)
-    return after
-
-
-def _fill_stats(stats: GenerationStats, before: dict, after: dict) -> dict[str, int]:
-    """Put this request's executor counters (after - before) into ``stats``; returns routed pairs per tier."""
-    if not after:
-        return {}
-    d = _delta(after, before)
-    stats.hits = int(d.get("hits", 0))
-    stats.misses = int(d.get("misses", 0))
-    stats.host_expert_tokens = int(d.get("host_expert_tokens", 0))
-    stats.bytes_moved = {k: int(v) for k, v in d.get("bytes_moved", {}).items()}
-    stats.stage_ms = {k: float(v) for k, v in d.get("stage_ms", {}).items()}
-    pairs = _tier_pairs(d)
-    routed = stats.hits + stats.misses
-    stats.hit_rate_by_tier = {k: v / routed if routed else 0.0 for k, v in pairs.items()}
-    return pairs
-
-
-def _tier_pairs(d: dict) -> dict[str, int]:
-    """Routed token-expert pairs served per tier, summed over layers."""
-    pairs: dict[str, int] = {}
-    for layer in d.get("layers", {}).values():
-        for tier, n in layer.get("by_tier", {}).items():
-            pairs[tier] = pairs.get(tier, 0) + int(n)
-    return pairs
+def _snapshot(executor) -> tuple:
+    """(hits, misses, host pairs, bytes copied, stage seconds) so far: cheap enough to take every step."""
+    st = getattr(executor, "stats", None)
+    if st is None:
+        return (0, 0, 0, 0, {})
+    t = st.totals()
+    stage = dict(st.stage_s)
+    stage["other"] = st.forward_s - sum(stage.values())
+    return (t["hits"], t["misses"], t["host_tokens"], t["bytes_copied"], stage)
 
 
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:
@@ -101,10 +84,50 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(found)
 
 
-class OffloadEngine(Engine):
-    """One OffloadedModel (or any object with ``.model``, ``.device``) plus its tokenizer (may be None)."""
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """KV memory, in vLLM's terms. ``kv_cache_memory``: bytes for the block pool (None: 4 GiB on a cpu device,
+    80 % of the free memory after loading on cuda). ``max_model_len``: longest sequence (prompt + output) served
+    (None: the model's, capped to what the pool holds). ``block_size``: tokens per block."""
 
-    def __init__(self, offloaded, tokenizer=None, *, model_name: str = "", backend: str = "cpu", cache: str = "static"):
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_size", "kv_cache_memory", "max_model_len"):
+            v = getattr(self, name)
+            if v is None and name != "block_size":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}: expected an integer >= 1, got {v!r}")
+
+
+@dataclass(eq=False)
+class _Request:
+    """The engine's state of one sequence (Seq.payload)."""
+
+    params: SamplingParams
+    gen: Generation
+    stats: GenerationStats
+    stops: frozenset
+    generator: torch.Generator | None
+    t_start: float = 0.0  # first scheduled (perf_counter s)
+    t_last: float = 0.0  # last token emitted
+    cache: Any = None  # the model's own cache (per-sequence path only)
+    stage_s: dict = field(default_factory=dict)
+
+
+class OffloadEngine(Engine):
+    """One OffloadedModel (or any object with ``.model``, ``.device``) plus its tokenizer (may be None).
+
+    ``cache``: "paged" (block pool, all sequences of a step in one forward) or "dynamic" (each sequence its own
+    forward on the model's own cache; what stateful families get anyway)."""
+
+    batching = True
+
+    def __init__(self, offloaded, tokenizer=None, *, model_name: str = "", backend: str = "cpu", cache: str = "paged",
+                 kv_config: KVCacheConfig | None = None, scheduler: SchedulerConfig | None = None):
         if cache not in CACHES:
             raise ConfigError(f"cache: expected one of {', '.join(CACHES)}, got {cache!r}")
         self.offloaded = offloaded
@@ -112,101 +135,331 @@ class OffloadEngine(Engine):
         self.tokenizer = tokenizer
         self.executor = getattr(offloaded, "executor", None)
         self.device = torch.device(getattr(offloaded, "device", None) or self.model.device)
-        self.cache_kind = cache
+        kv_config = kv_config or KVCacheConfig()
+        sched = scheduler or SchedulerConfig()
         text_config = self.model.config.get_text_config()
+        model_len = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
+        want_len = min(kv_config.max_model_len or model_len, model_len)
+        self.kv_bytes_per_token = self._probe() if cache == "paged" else None
+        self.paged = self.kv_bytes_per_token is not None
+        if cache == "paged" and not self.paged:
+            log.info("model keeps per-layer state beyond attention KV: each sequence runs in its own forward",
+                     model_type=self.model.config.model_type)
+        self.kv_cache_memory = self._kv_budget(kv_config.kv_cache_memory)
+        bs = kv_config.block_size
+        if self.paged:
+            fit = self.kv_cache_memory // (self.kv_bytes_per_token * bs)
+            if fit < 1:
+                raise ConfigError(f"kv_cache_memory: {self.kv_cache_memory} bytes hold no block of {bs} tokens "
+                                  f"({self.kv_bytes_per_token * bs} bytes); give more")
+            blocks = min(fit, -(-sched.max_num_seqs * want_len // bs))  # never more than every seat at full length
+        else:  # the model's own caches hold the state; the pool only counts tokens for admission
+            blocks = -(-sched.max_num_seqs * want_len // bs)
+        self.pool = kv.KVPool(int(blocks), bs, self.device)
+        max_len = min(want_len, self.pool.num_blocks * bs)
+        if max_len < want_len:
+            log.warning("max_model_len capped to what the KV budget holds", max_model_len=max_len, asked=want_len,
+                        kv_cache_memory=self.kv_cache_memory)
+        self.scheduler = Scheduler(
+            SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, chunked_prefill=self.paged), self.pool)
+        self.paged_cache = kv.PagedCache(self.pool)
         placement = getattr(offloaded, "placement", None)
         self.info = EngineInfo(
             model=model_name or getattr(self.model.config, "_name_or_path", "") or "model",
             backend=backend,
             vocab_size=int(text_config.vocab_size),
-            max_model_len=int(getattr(text_config, "max_position_embeddings", 0) or 2048),
+            max_model_len=int(max_len),
             eos_token_ids=_eos_ids(self.model, tokenizer),
             policy=str(getattr(offloaded, "policy", "") or ""),
             predicted_hit_rate=dict(getattr(placement, "predicted_hit_rate", {}) or {}),
         )
         self._total = GenerationStats()
-        self._tier_pairs: dict[str, int] = {}  # cumulative routed pairs served per tier
+        self._next_sid = 0
+        self._steps = 0
         self._closed = False
 
-    # -- the contract -------------------------------------------------------------------------------------
+    # -- set-up ---------------------------------------------------------------------------------------------
+    def _probe(self) -> int | None:
+        """KV bytes per token of the paged path, or None when a layer needs more than ``cache.update``."""
+        kv.register()
+        old = kv.set_attention(self.model, kv.ATTENTION)
+        cache = kv.PagedCache(None)
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        pos = torch.arange(2, device=self.device).unsqueeze(0)
+        try:
+            with torch.inference_mode(), kv.active(kv.StepContext(slot_mapping=None, seqs=[], probe=True)):
+                self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        except Exception as e:  # noqa: BLE001 - any failure means: not this path
+            log.debug("paged KV probe failed", error=f"{type(e).__name__}: {e}")
+            cache.seen.clear()
+        layers = int(getattr(self.model.config.get_text_config(), "num_hidden_layers", 0) or 0)
+        if self.executor is not None and getattr(self.executor, "stats", None) is not None:
+            self.executor.stats.reset()  # the probe is not a request
+        if not cache.seen or len(cache.seen) != layers:
+            kv.set_attention(self.model, old)
+            return None
+        total = 0
+        for kshape, vshape, dtype in cache.seen.values():  # [1, Hkv, 2, D]
+            total += (kshape[1] * kshape[3] + vshape[1] * vshape[3]) * torch.empty((), dtype=dtype).element_size()
+        return total
+
+    def _kv_budget(self, asked: int | None) -> int:
+        if asked is not None:
+            return asked
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.8)
+        return DEFAULT_KV_CPU
+
+    # -- the contract ---------------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        return self.start(prompt_ids, params)
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         if self._closed:
             raise ConfigError("engine is closed")
         prompt = list(prompt_ids)
         self.check_prompt(prompt, params)
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.info.eos_token_ids))
         stats = GenerationStats(prompt_tokens=len(prompt))
-        return Generation(self._run(prompt, params, stats), stats)
+        seq = Seq(self._next_sid, prompt, len(prompt), len(prompt) + params.max_tokens)
+        self._next_sid += 1
+        gen = Generation(None, stats, drive=self._drive, on_close=lambda: self._finish(seq, "abort"))
+        seq.payload = _Request(params, gen, stats, stops, generator)
+        self.scheduler.add(seq)
+        return gen
+
+    def _drive(self) -> None:
+        if not self.step():
+            raise EngineError("the engine has no work left but a generation is still waiting for tokens")
+
+    def load(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "kv_usage": self.pool.usage}
+
+    def cache_info(self) -> dict[str, Any]:
+        """What vllm:cache_config_info reports."""
+        return {"block_size": self.pool.block_size, "num_gpu_blocks": self.pool.num_blocks,
+                "cache_dtype": "auto", "kv_cache_memory_bytes": self.kv_cache_memory if self.paged else 0,
+                "paged": self.paged, "max_num_seqs": self.scheduler.config.max_num_seqs,
+                "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
+                "max_model_len": self.info.max_model_len}
 
     def stats(self) -> dict[str, Any]:
-        return self._total.to_dict()
+        d = self._total.to_dict()
+        d["preemptions"] = self.scheduler.preemptions
+        d["steps"] = self._steps
+        return d
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            seq.payload.gen.done = True
+            self.scheduler.finish(seq)
+        self.pool.close()
         close = getattr(self.executor, "close", None) or getattr(self.offloaded, "close", None)
         if close:
             close()
         self.model = self.offloaded = self.executor = None
         gc.collect()
 
-    # -- the decode loop ----------------------------------------------------------------------------------
-    def _new_cache(self, length: int):
-        from transformers import DynamicCache, StaticCache
-
-        config = self.model.config
-        if self.cache_kind == "static":
-            return StaticCache(config=config, max_cache_len=length)
-        return DynamicCache(config=config)
-
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        # ids, positions [1, T] -> logits of the last position [V]
-        out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
-
-    def _run(self, prompt: list[int], params: SamplingParams, stats: GenerationStats) -> Iterator[int]:
-        generator = None
-        if not params.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.info.eos_token_ids))
-        before = _snapshot(self.executor)
+    # -- one step -------------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one forward over the scheduled tokens of every running sequence; False when there is nothing to do."""
+        if self._closed:
+            return False
+        sched = self.scheduler.schedule()
+        if not sched:
+            return False
+        self._steps += 1
         t0 = time.perf_counter()
+        for seq, _ in sched:
+            if not seq.payload.t_start:
+                seq.payload.t_start = t0
         try:
             with torch.inference_mode():
-                n = len(prompt)
-                cache = self._new_cache(n + params.max_tokens)
-                ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, T]
-                logits = self._forward(ids, torch.arange(n, device=self.device).unsqueeze(0), cache)
-                # One step's inputs, reused: no allocation per token on the host side.
-                step_ids = torch.empty((1, 1), dtype=torch.long, device=self.device)
-                step_pos = torch.empty((1, 1), dtype=torch.long, device=self.device)
-                for i in range(params.max_tokens):
-                    step0 = time.perf_counter()
-                    if i > 0:
-                        logits = self._forward(step_ids, step_pos, cache)
-                    token = sample_token(logits, params, generator)
-                    stats.record_step(i, t0, step0, time.perf_counter())
-                    if token in stops:
-                        stats.finish_reason = "stop"
-                        return
-                    stats.completion_tokens += 1
-                    step_ids.fill_(token)
-                    step_pos.fill_(n + i)
-                    yield token
-                stats.finish_reason = "length"
-        except RuntimeError as e:  # torch failures (out of memory, a kernel error): the request fails, not the server
-            raise EngineError(f"generation failed after {stats.completion_tokens} tokens: {e}") from e
-        finally:
-            self._accumulate(stats, _fill_stats(stats, before, _snapshot(self.executor)))
+                if self.paged:
+                    logits = self._forward_paged(sched)
+                else:
+                    logits = self._forward_each(sched)
+                self._emit(sched, logits)
+        except RuntimeError as e:  # torch failures (out of memory, a kernel error): these requests fail, not the server
+            for seq, _ in sched:
+                if seq.state == RUNNING:
+                    req = seq.payload
+                    req.gen.error = EngineError(f"generation failed after {req.stats.completion_tokens} tokens: {e}")
+                    self._finish(seq, req.stats.finish_reason)
+        return True
 
-    def _accumulate(self, s: GenerationStats, tier_pairs: dict[str, int]) -> None:
+    def _forward_paged(self, sched) -> torch.Tensor | None:
+        bs, dev = self.pool.block_size, self.device
+        ids, pos, slots, keep = [], [], [], []
+        for seq, n in sched:
+            c = seq.computed
+            ids += seq.tokens[c : c + n]
+            pos += range(c, c + n)
+            b = seq.blocks
+            slots += [b[p // bs] * bs + p % bs for p in range(c, c + n)]
+            if c + n == len(seq.tokens):
+                keep.append(len(ids) - 1)
+        step = self._layout(sched)
+        step.slot_mapping = torch.tensor(slots, device=dev)
+        if self.executor is not None:
+            self.executor.per_token = len(sched) > 1
+        before = _snapshot(self.executor)
+        with kv.active(step):
+            out = self.model(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
+                             cache=self.paged_cache, use_cache=True,
+                             logits_to_keep=torch.tensor(keep or [len(ids) - 1], device=dev))
+        self._book(sched, before, getattr(self.executor, "token_stats", None))
+        return out.logits[0] if keep else None  # [B sampled, V]
+
+    def _layout(self, sched) -> kv.StepContext:
+        """The step's key layout: decode sequences first, each padded to the longest; then each prefill chunk's
+        sequence. One sequence in contiguous blocks reads its rows as a view (single-stream decode copies nothing)."""
+        bs, dev = self.pool.block_size, self.device
+        seqs, q = [], 0
+        for seq, n in sched:
+            seqs.append(kv.SeqSlice(q, n, seq.computed + n))
+            q += n
+        step = kv.StepContext(None, seqs, pool=self.pool)
+        decode = [i for i, (_, n) in enumerate(sched) if n == 1]
+        if len(sched) == 1 and sched[0][0].contiguous:
+            seq = sched[0][0]
+            step.view = (seq.blocks[0] * bs, seqs[0].ctx_len)
+            if decode:
+                step.decode, step.lmax = decode, seqs[0].ctx_len
+                step.decode_rows = torch.tensor([0], device=dev)
+            return step
+        parts, k = [], 0
+        if decode:
+            lmax = max(seqs[i].ctx_len for i in decode)
+            step.decode, step.lmax = decode, lmax
+            step.decode_rows = torch.tensor([seqs[i].q_start for i in decode], device=dev)
+            step.decode_pos = torch.tensor([seqs[i].ctx_len - 1 for i in decode], device=dev)
+            lens = torch.tensor([seqs[i].ctx_len for i in decode], device=dev)
+            step.decode_mask = (torch.arange(lmax, device=dev).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            for i in decode:
+                r = _rows(sched[i][0].blocks, bs, seqs[i].ctx_len, dev)
+                parts.append(torch.cat([r, r[:1].expand(lmax - len(r))]) if len(r) < lmax else r)
+                seqs[i].k_start = k
+                k += lmax
+        for i, (seq, n) in enumerate(sched):
+            if n != 1:
+                parts.append(_rows(seq.blocks, bs, seqs[i].ctx_len, dev))
+                seqs[i].k_start = k
+                k += seqs[i].ctx_len
+        step.gather = torch.cat(parts)
+        return step
+
+    def _forward_each(self, sched) -> torch.Tensor | None:
+        rows = []
+        for seq, n in sched:
+            req, c = seq.payload, seq.computed
+            if c == 0:
+                req.cache = None  # a new or preempted sequence starts a fresh cache
+            before = _snapshot(self.executor)
+            out = self.model(input_ids=torch.tensor([seq.tokens[c : c + n]], device=self.device),
+                             position_ids=torch.arange(c, c + n, device=self.device).unsqueeze(0),
+                             cache=req.cache, use_cache=True, logits_to_keep=1)
+            req.cache = out.past_key_values
+            self._book([(seq, n)], before, None)
+            if c + n == len(seq.tokens):
+                rows.append(out.logits[0, -1])
+        return torch.stack(rows) if rows else None
+
+    def _emit(self, sched, logits) -> None:
+        now = time.perf_counter()
+        sampled = [seq for seq, n in sched if seq.computed + n == len(seq.tokens)]
+        tokens = self._sample(sampled, logits) if sampled else []
+        for seq, n in sched:
+            seq.computed += n
+        for seq, token in zip(sampled, tokens):
+            req = seq.payload
+            st = req.stats
+            if st.completion_tokens == 0 and not st.token_ms and req.t_last == 0.0:
+                st.prefill_ms = (now - req.t_start) * 1000
+            else:
+                st.token_ms.append((now - req.t_last) * 1000)
+                st.decode_ms += (now - req.t_last) * 1000
+            req.t_last = now
+            if token in req.stops:
+                self._finish(seq, "stop")
+                continue
+            st.completion_tokens += 1
+            seq.tokens.append(token)
+            req.gen.pending.append(token)
+            if st.completion_tokens >= req.params.max_tokens:
+                self._finish(seq, "length")
+
+    def _sample(self, seqs, logits: torch.Tensor) -> list[int]:
+        reqs = [s.payload for s in seqs]
+        if all(r.params.greedy for r in reqs):
+            return torch.argmax(logits, dim=-1).tolist()  # one host sync for the whole batch
+        return [sample_token(logits[i], r.params, r.generator) for i, r in enumerate(reqs)]
+
+    def _finish(self, seq: Seq, reason: str) -> None:
+        if seq.state == "finished":
+            return
+        req = seq.payload
+        self.scheduler.finish(seq)
+        req.cache = None
+        req.stats.finish_reason = reason
+        req.gen.done = True
+        self._finalise(req.stats)
+
+    # -- statistics -----------------------------------------------------------------------------------------
+    def _book(self, sched, before: tuple, token_stats) -> None:
+        """Attribute one forward's executor counters to its sequences: hit and host pairs per token where the
+        forward held several sequences; copied bytes and stage times shared equally (they serve the whole step)."""
+        if self.executor is None:
+            return
+        after = _snapshot(self.executor)
+        hits, misses, host, copied = (after[i] - before[i] for i in range(4))
+        stage = {k: v - before[4].get(k, 0.0) for k, v in after[4].items()}
+        acc = self.executor.tier_names[0]
+        n_seq, n_tok = len(sched), sum(n for _, n in sched)
+        q = 0
+        for i, (seq, n) in enumerate(sched):
+            st = seq.payload.stats
+            if n_seq == 1:
+                h, m, ho = hits, misses, host
+            else:
+                rows = token_stats[q : q + n].sum(dim=0).tolist() if token_stats is not None else (0, 0)
+                h, ho = int(rows[0]), int(rows[1])
+                m = (hits + misses) * n // n_tok - h  # every token routes the same number of pairs
+            q += n
+            st.hits += h
+            st.misses += m
+            st.host_expert_tokens += ho
+            st.bytes_moved[acc] = st.bytes_moved.get(acc, 0) + copied // n_seq + (copied % n_seq if i == 0 else 0)
+            for k, v in stage.items():
+                st.stage_ms[k] = st.stage_ms.get(k, 0.0) + v * 1000 / n_seq
+
+    def _finalise(self, s: GenerationStats) -> None:
+        if self.executor is not None:
+            acc, host = self.executor.tier_names
+            routed = s.hits + s.misses
+            s.hit_rate_by_tier = {acc: s.hits / routed if routed else 0.0, host: s.misses / routed if routed else 0.0}
+            s.bytes_moved.setdefault(acc, 0)
         t = self._total
         t.add(s)
-        for tier, n in tier_pairs.items():
-            self._tier_pairs[tier] = self._tier_pairs.get(tier, 0) + n
-        total = t.hits + t.misses
-        t.hit_rate_by_tier = {k: v / total if total else 0.0 for k, v in self._tier_pairs.items()}
+        routed = t.hits + t.misses
+        if self.executor is not None:
+            acc, host = self.executor.tier_names
+            t.hit_rate_by_tier = {acc: t.hits / routed if routed else 0.0, host: t.misses / routed if routed else 0.0}
+
+
+def _rows(blocks: list[int], bs: int, n: int, device) -> torch.Tensor:
+    """Pool rows of positions 0..n-1 of a sequence holding ``blocks``: [n]."""
+    b = torch.tensor(blocks, device=device)
+    return (b.unsqueeze(1) * bs + torch.arange(bs, device=device)).reshape(-1)[:n]
 
 
 # -- building -----------------------------------------------------------------------------------------------
@@ -258,7 +511,12 @@ def build_offload_engine(
     fraction: float | None = None,
     dtype: str | None = None,
     hybrid_threshold: int | None = None,
-    cache: str = "static",
+    cache: str = "paged",
+    block_size: int = 16,
+    kv_cache_memory: int | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 512,
     **unknown,
 ) -> OffloadEngine:
     """Load ``model_path`` (default: the demo model, built on first use) with the offload executor.
@@ -266,7 +524,9 @@ def build_offload_engine(
     placement: an rm_core.Placement, a placement JSON path, or None (then ``fraction`` 0..1 of each layer's
     experts get accelerator slots, default 1.0). policy: static | lru | hybrid. dtype: "bfloat16" |
     "float32" | "float16" | None (the checkpoint's). hybrid_threshold: tokens per expert and step from
-    which hybrid fetches. cache: the KV cache, "static" (preallocated) or "dynamic".
+    which hybrid fetches. cache: "paged" (block pool, batched steps) or "dynamic" (per sequence, the model's own
+    cache). block_size, kv_cache_memory (bytes), max_model_len, max_num_seqs, max_num_batched_tokens: the KV
+    budget and the scheduler, as vLLM names them (KVCacheConfig, SchedulerConfig).
     """
     if unknown:
         raise ConfigError(f"unknown engine option(s) {', '.join(sorted(unknown))}; valid: {', '.join(BUILD_OPTIONS)}")
@@ -274,6 +534,8 @@ def build_offload_engine(
         raise ConfigError(f"policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
     if cache not in CACHES:
         raise ConfigError(f"cache: expected one of {', '.join(CACHES)}, got {cache!r}")
+    kv_config = KVCacheConfig(block_size, kv_cache_memory, max_model_len)  # validated before the model loads
+    sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     from moe_offload.engines.offload.loader import check_checkpoint, load_model
@@ -287,7 +549,8 @@ def build_offload_engine(
     offloaded = load_model(
         str(path), resolved, policy=policy, device=device, dtype=dtype, hybrid_threshold=hybrid_threshold
     )
-    return OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache)
+    return OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache,
+                         kv_config=kv_config, scheduler=sched)
 
 
-__all__ = ["OffloadEngine", "build_offload_engine", "load_tokenizer", "sample_token"]
+__all__ = ["KVCacheConfig", "OffloadEngine", "build_offload_engine", "load_tokenizer", "sample_token"]

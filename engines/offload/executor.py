@@ -76,6 +76,10 @@ class Executor:
         self._records: list[dict[int, list[list[int]]]] = []
         self._copier = None
         self._cuda = device.type == "cuda"
+        # per-token attribution of a batched step (the engine sets per_token when a step holds several sequences):
+        # token_stats [T, 2] = routed pairs of each token served from a slot hit / computed on the host
+        self.per_token = False
+        self.token_stats: torch.Tensor | None = None
 
     # ---- set-up (loader) ----
     def attach(self, module: torch.nn.Module, layer: int, store: LayerStore, cache: SlotCache) -> LayerState:
@@ -107,6 +111,7 @@ class Executor:
         return self._records
 
     def begin_forward(self) -> None:
+        self.token_stats = None
         if self._capturing:
             self._records.append({})
 
@@ -194,6 +199,8 @@ class Executor:
         result = weighted.view(T, K, -1).sum(dim=1).to(hidden_states.dtype)  # [T, H]
 
         hit_pairs = sum(g[2] for g, _ in hits)
+        if self.per_token and T > 1:
+            self._count_tokens(rows, sorted_ids, T, [g[0] for g, _ in hits], [g[0] for g in host])
         self.stats.add(state.pos, hit_pairs, T * K - hit_pairs, host_tokens, copied, copied * state.expert_bytes)
         if self.timing:
             st = self.stats.stage_s
@@ -201,6 +208,18 @@ class Executor:
             st["fetch"] += (t3 - t2) - fetch_compute_s
             st["host_experts"] += t4 - t3
         return result
+
+    def _count_tokens(self, rows, sorted_ids, T, hit_experts, host_experts):
+        """Add this layer's hit / host pairs per token to token_stats [T, 2]."""
+        if self.token_stats is None or self.token_stats.shape[0] != T:
+            self.token_stats = torch.zeros(T, 2, dtype=torch.int64)
+        n = int(sorted_ids.max()) + 1
+        tok = rows.tok.cpu()
+        for col, experts in ((0, hit_experts), (1, host_experts)):
+            if experts:
+                flag = torch.zeros(n, dtype=torch.bool)
+                flag[torch.tensor(experts)] = True
+                self.token_stats[:, col] += torch.bincount(tok[flag[sorted_ids.cpu()]], minlength=T)
 
     def _compute(self, state, module, rows, g, weights, out, proj, slot):
         y = expert_forward(module, rows.select(g), *weights)

@@ -76,11 +76,11 @@ def test_greedy_equals_stock_generate(model, policy, fraction, demo_dir, checkpo
 def test_dynamic_cache_gives_the_same_tokens(checkpoints):
     path = checkpoints("qwen3_moe")
     out = {}
-    for cache in ("static", "dynamic"):
+    for cache in ("paged", "dynamic"):
         engine = build_offload_engine(path, cache=cache)
         out[cache] = run(engine, PROMPT, max_tokens=N, ignore_eos=True)[0]
         engine.close()
-    assert out["static"] == out["dynamic"]
+    assert out["paged"] == out["dynamic"]
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ(demo_engine):
@@ -229,19 +229,19 @@ def test_a_torch_failure_fails_the_request_not_the_engine(checkpoints):
 
     engine = build_offload_engine(checkpoints("qwen3_moe"))
     try:
-        real = engine._forward
+        real = engine._forward_paged
 
-        def broken(ids, positions, cache):
-            if ids.shape[1] == 1:
+        def broken(sched):
+            if all(n == 1 for _, n in sched):  # decode steps fail, the prefill works
                 raise RuntimeError("simulated kernel failure")
-            return real(ids, positions, cache)
+            return real(sched)
 
-        engine._forward = broken
+        engine._forward_paged = broken
         gen = engine.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
         assert next(gen) >= 0
         with pytest.raises(EngineError, match="after 1 tokens: simulated kernel failure"):
             next(gen)
-        engine._forward = real
+        engine._forward_paged = real
         assert len(run(engine, PROMPT, max_tokens=3, ignore_eos=True)[0]) == 3
     finally:
         engine.close()

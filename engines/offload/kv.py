@@ -1,0 +1,241 @@
+"""Paged KV cache: one block pool per attention layer, a block table per sequence, and the attention
+function that reads them. Memory grows with the sequences, never with the model's full context.
+
+    step tokens, packed [1, N] --model forward--> per attention layer: q [1, Hq, N, D], k/v [1, Hkv, N, D]
+      -> PagedCache.update: k/v rows -> pool rows slot_mapping[n]          (pool [blocks * bs, Hkv, D])
+      -> paged_attention: decode rows of all sequences in one padded SDPA, each prefill chunk its own
+         (causal from its offset), sliding window and attention sinks as the layer asks
+      -> [1, N, Hq, Dv]
+
+Legend: N tokens in the step, B sequences, L a sequence's context length, Hq/Hkv query/KV heads,
+D head dim (Dv for values), bs block size.
+
+The attention implementation is registered with transformers as ``moe_offload_paged``; transformers
+then builds no mask (it does not know the name) and every layer's ``cache.update`` lands here. A model
+whose layers keep other state (Mamba, linear attention, convolutions) fails the probe in ``probe_paged``
+and the engine runs it per sequence with the model's own cache instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION = "moe_offload_paged"
+_active = threading.local()  # .step: the StepContext of the forward running on this thread
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a step: query rows [q_start, q_start + q_len) attend to its context of ctx_len
+    positions, found at [k_start, k_start + ctx_len) of the keys ``PagedCache.update`` hands back."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    k_start: int = 0
+
+
+@dataclass
+class StepContext:
+    """What every attention layer of one forward needs: where the new rows go, which pool rows to read back
+    (``gather``; or ``view`` = (first row, rows) when one sequence holds contiguous rows: no copy), and who
+    attends to what. Decode sequences (one query row) come first in the key layout, each padded to ``lmax``."""
+
+    slot_mapping: torch.Tensor | None  # [N] pool row of each new token
+    seqs: list[SeqSlice]
+    pool: "KVPool | None" = None
+    gather: torch.Tensor | None = None  # [X] pool rows of the key layout
+    view: tuple[int, int] | None = None
+    decode: list[int] = field(default_factory=list)  # indices into seqs with q_len == 1, in key-layout order
+    lmax: int = 0
+    decode_rows: torch.Tensor | None = None  # [Bd] query rows
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, lmax] bool: real (and in-window) key positions
+    decode_pos: torch.Tensor | None = None  # [Bd] each query's position
+    probe: bool = False  # shape probe: attend to the step's own rows, store nothing
+
+
+class KVPool:
+    """Blocks of ``block_size`` token rows, shared by every attention layer (layer tensors are created at first
+    use from the shapes the layer writes). ``num_blocks`` bounds the memory; ``usage`` is the fraction in use."""
+
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KV pool: expected num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low block ids first
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"KV pool: {n} blocks asked, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def layer(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pools = self.layers.get(idx)
+        if pools is None:
+            rows = self.num_blocks * self.block_size
+            # torch.empty commits no pages: resident memory grows with the rows actually written
+            pools = (torch.empty(rows, k.shape[1], k.shape[3], dtype=k.dtype, device=self.device),
+                     torch.empty(rows, v.shape[1], v.shape[3], dtype=v.dtype, device=self.device))
+            self.layers[idx] = pools
+        return pools
+
+    def close(self) -> None:
+        self.layers.clear()
+
+
+class PagedCache:
+    """The ``cache`` object handed to the model: stores each layer's new rows in the pool. Deliberately not a
+    transformers ``Cache``: a layer asking for anything but ``update`` (conv/SSM state) fails the probe."""
+
+    is_compileable = False
+
+    def __init__(self, pool: KVPool | None):
+        self.pool = pool
+        self.seen: dict[int, tuple] = {}  # probe: layer -> (k shape, v shape, dtype)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Store the step's new rows [1, Hkv, N, D]; return every scheduled sequence's whole context in the
+        step's key layout [1, Hkv, X, D]. The model may transform them further (MLA expands its latents)."""
+        step: StepContext = _active.step
+        if step.probe:
+            self.seen[layer_idx] = (tuple(key_states.shape), tuple(value_states.shape), key_states.dtype)
+            return key_states, value_states
+        kp, vp = self.pool.layer(layer_idx, key_states, value_states)
+        kp.index_copy_(0, step.slot_mapping, key_states[0].transpose(0, 1))  # [N, Hkv, D]
+        vp.index_copy_(0, step.slot_mapping, value_states[0].transpose(0, 1))
+        if step.view is not None:
+            first, n = step.view
+            k, v = kp[first : first + n], vp[first : first + n]  # views
+        else:
+            k, v = kp.index_select(0, step.gather), vp.index_select(0, step.gather)  # [X, Hkv, D]
+        return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always given explicitly
+
+
+class active:
+    """``with active(step): model(...)``: the step context the attention layers of this thread read."""
+
+    def __init__(self, step: StepContext):
+        self.step = step
+
+    def __enter__(self):
+        _active.step = self.step
+
+    def __exit__(self, *exc):
+        _active.step = None
+
+
+def paged_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """Registered attention function. query [1, Hq, N, D]; key/value [1, Hk, X, D] in the step's key layout."""
+    step: StepContext = _active.step
+    window = kwargs.get("sliding_window")
+    sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
+    q = query[0]  # [Hq, N, D]
+    if step.probe:
+        out = _attend(query, key, value, None, scaling, sinks, softcap, causal=True)  # [1, Hq, N, Dv]
+        return out.transpose(1, 2), None
+    out = query.new_empty(1, q.shape[1], q.shape[0], value.shape[-1])  # [1, N, Hq, Dv]
+    if step.decode:
+        Bd, L = len(step.decode), step.lmax
+        qd = q.index_select(1, step.decode_rows).transpose(0, 1).unsqueeze(2)  # [Bd, Hq, 1, D]
+        kd = key[0, :, : Bd * L].unflatten(1, (Bd, L)).transpose(0, 1)  # [Bd, Hk, L, D]
+        vd = value[0, :, : Bd * L].unflatten(1, (Bd, L)).transpose(0, 1)
+        mask = step.decode_mask
+        if window:
+            if mask is None and Bd == 1:  # one sequence, no padding: the window is a slice
+                lo = max(0, L - window)
+                kd, vd = kd[:, :, lo:], vd[:, :, lo:]
+            else:
+                ar = torch.arange(L, device=q.device)
+                w = ar.unsqueeze(0) > (step.decode_pos.unsqueeze(1) - window)  # [Bd, L]
+                mask = w[:, None, None, :] if mask is None else mask & w[:, None, None, :]
+        o = _attend(qd, kd, vd, mask, scaling, sinks, softcap, causal=False)  # [Bd, Hq, 1, Dv]
+        out[0].index_copy_(0, step.decode_rows, o[:, :, 0, :])
+    for s in step.seqs:
+        if s.q_len == 1 and step.decode:
+            continue
+        qs = q[:, s.q_start : s.q_start + s.q_len].unsqueeze(0)  # [1, Hq, q, D]
+        k = key[:, :, s.k_start : s.k_start + s.ctx_len]  # [1, Hk, L, D]
+        v = value[:, :, s.k_start : s.k_start + s.ctx_len]
+        mask, causal = None, s.q_len == s.ctx_len and not window
+        if not causal and (s.q_len > 1 or window):
+            qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device).unsqueeze(1)  # [q, 1]
+            kpos = torch.arange(s.ctx_len, device=q.device).unsqueeze(0)  # [1, L]
+            mask = kpos <= qpos
+            if window:
+                mask = mask & (kpos > qpos - window)
+            mask = mask[None, None]
+        o = _attend(qs, k, v, mask, scaling, sinks, softcap, causal=causal)  # [1, Hq, q, Dv]
+        out[0, s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
+    return out, None
+
+
+def _attend(q, k, v, mask, scaling, sinks, softcap, causal):
+    """q [B, Hq, q, D], k/v [B, Hkv, L, D], mask bool [B|1, 1, q|1, L] or None -> [B, Hq, q, Dv]."""
+    if sinks is None and softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    # eager: what the layer's own eager path computes (attention sinks: one extra logit per head, then dropped)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    w = torch.matmul(q, k.transpose(2, 3)) * scale  # [B, Hq, q, L]
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    if causal and mask is None:
+        L, Q = w.shape[-1], w.shape[-2]
+        mask = torch.ones(Q, L, dtype=torch.bool, device=w.device).tril(L - Q)[None, None]
+    if mask is not None:
+        w = w.masked_fill(~mask, torch.finfo(w.dtype).min)
+    if sinks is not None:
+        s = sinks.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], 1).to(w.dtype)
+        w = torch.cat([w, s], dim=-1)
+        w = w - w.max(dim=-1, keepdim=True).values
+        p = torch.softmax(w, dim=-1, dtype=w.dtype)[..., :-1]
+    else:
+        p = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p.to(v.dtype), v)
+
+
+def register() -> None:
+    """Register ``moe_offload_paged`` with transformers' attention interface (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, paged_attention)
+
+
+def set_attention(model, name: str) -> str:
+    """Set the attention implementation on the model's config and every sub-config; returns the old one."""
+    old = model.config._attn_implementation
+    seen = set()
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and id(cfg) not in seen and hasattr(cfg, "_attn_implementation"):
+            seen.add(id(cfg))
+            try:
+                cfg._attn_implementation = name
+            except (AttributeError, ValueError):
+                pass
+    return old

@@ -1,0 +1,157 @@
+"""The step scheduler: which sequences run in the next forward, and how many of their tokens.
+
+    waiting (FIFO; preempted sequences go back to its front) --admit when blocks and seats allow-->
+    running --each step: every decode token, then prefill chunks up to the token budget--> Step
+    a running sequence that needs a block when none is free preempts the youngest running one
+    (recompute: its blocks are freed, it is re-prefilled later from prompt + output so far)
+
+Each sequence computes the tokens it has not cached yet: after admission that is its prompt (in
+chunks of at most ``max_num_batched_tokens``), then one token per step. A chunk that reaches the end
+of the sequence's tokens gives logits, so the step samples its next token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_offload.errors import ConfigError
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """vLLM's names: ``max_num_seqs`` sequences decode together; a step computes at most
+    ``max_num_batched_tokens`` tokens (prefill chunks fill what decode leaves)."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    chunked_prefill: bool = True
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}: expected an integer >= 1, got {v!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                              f"({self.max_num_seqs}): every running sequence decodes one token per step")
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request as the scheduler sees it. ``tokens`` = prompt + output; ``computed`` of them are in the cache."""
+
+    sid: int
+    tokens: list[int]
+    prompt_len: int
+    max_len: int  # prompt + max_tokens: the most tokens it will ever hold
+    payload: Any = None  # the engine's per-request state (params, generation, stats, ...)
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    state: str = WAITING
+    preemptions: int = 0
+    arrival: float = field(default_factory=time.perf_counter)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.computed
+
+    @property
+    def contiguous(self) -> bool:
+        b = self.blocks
+        return not b or b[-1] - b[0] == len(b) - 1 and all(y == x + 1 for x, y in zip(b, b[1:]))
+
+
+class Scheduler:
+    """Admission, chunking and preemption over a block pool (``pool``: free_blocks, blocks_for, allocate, free)."""
+
+    def __init__(self, config: SchedulerConfig, pool):
+        self.config, self.pool = config, pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a sequence (done, aborted or failed) wherever it is."""
+        if seq.state == RUNNING:
+            self.running.remove(seq)
+        elif seq.state == WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.pool.free(seq.blocks)
+        seq.blocks = []
+        seq.state = FINISHED
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The next step: [(sequence, tokens to compute)]. Empty when there is nothing to do."""
+        budget = self.config.max_num_batched_tokens
+        step: list[tuple[Sequence, int]] = []
+        # 1. one decode token for every running sequence that has its prompt cached, oldest first; when blocks
+        #    run out the youngest running sequence is preempted (it is never one already in this step)
+        for seq in [s for s in self.running if s.remaining == 1]:
+            if seq.state == RUNNING and self._grow(seq, seq.computed + 1):
+                step.append((seq, 1))
+                budget -= 1
+        # 2. prefill chunks of running sequences, then of newly admitted ones (FIFO, no overtaking); a prefill
+        #    chunk never preempts: it waits for blocks
+        for seq in [s for s in self.running if s.remaining > 1]:
+            n = self._chunk(seq, budget)
+            if n and self._fits(seq, seq.computed + n):
+                step.append((seq, n))
+                budget -= n
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._chunk(seq, budget)
+            if not n or not self._fits(seq, seq.computed + n):
+                break
+            self.waiting.popleft()
+            seq.state = RUNNING
+            self.running.append(seq)
+            step.append((seq, n))
+            budget -= n
+        return step
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        if self.config.chunked_prefill:
+            return min(seq.remaining, budget)
+        return seq.remaining if seq.remaining <= budget or budget == self.config.max_num_batched_tokens else 0
+
+    def _fits(self, seq: Sequence, tokens: int) -> bool:
+        """Allocate the blocks for ``tokens`` rows of ``seq`` if they are free; never preempts."""
+        need = self.pool.blocks_for(tokens) - len(seq.blocks)
+        if need > self.pool.free_blocks:
+            return False
+        if need > 0:
+            seq.blocks += self.pool.allocate(need)
+        return True
+
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        """Blocks for ``tokens`` rows of ``seq``, preempting the youngest running sequences until they are free.
+        False when ``seq`` itself was the one preempted."""
+        while not self._fits(seq, tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop its cache, requeue it first; its tokens so far are re-prefilled later."""
+        self.running.remove(seq)
+        self.pool.free(seq.blocks)
+        seq.blocks, seq.computed, seq.state = [], 0, WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
