@@ -60,14 +60,22 @@ class Backend:
             raise BackendUnavailable(f"backend {self.name!r} is {a}")
 
 
+BATCHING_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len", "block_size")
+
+
 def engine_options(backend: str, *, policy=None, fraction=None, mock_ms=None, mock_hit=None, engine=None, data=None,
-                   env=None) -> dict:
-    """The build_engine options each built-in backend takes, from the CLI's or the runner's settings (None: unset)."""
+                   env=None, **batching) -> dict:
+    """The build_engine options each built-in backend takes, from the CLI's or the runner's settings (None: unset).
+    ``batching``: the offload engine's scheduler and KV budget (BATCHING_OPTIONS, vLLM's names)."""
+    unknown = set(batching) - set(BATCHING_OPTIONS)
+    if unknown:
+        raise TypeError(f"engine_options: unknown option(s) {sorted(unknown)}")
     if backend == "mock":
         return {k: v for k, v in (("ms_per_token", mock_ms), ("hit_rate", mock_hit)) if v is not None}
     if backend == "rngd":
         return {k: v for k, v in (("engine", engine), ("data", data), ("env", env)) if v}
-    return {k: v for k, v in (("policy", policy), ("fraction", fraction)) if v is not None and v != ""}
+    opts = {k: v for k, v in (("policy", policy), ("fraction", fraction)) if v is not None and v != ""}
+    return opts | {k: v for k, v in batching.items() if v is not None}
 
 
 def node_name() -> str:

@@ -24,6 +24,11 @@ class RunConfig:
     placement: str | None = None  # a placement JSON file, or "auto"
     policy: str | None = None  # static | lru | hybrid (offload engines)
     fraction: float | None = None  # resident fraction when no placement file is given
+    max_num_seqs: int | None = None  # cpu/cuda: sequences batched per step
+    max_num_batched_tokens: int | None = None  # cpu/cuda: tokens per step
+    kv_cache_memory: str | None = None  # cpu/cuda: KV budget, bytes or "2GiB"
+    max_model_len: int | None = None  # cpu/cuda: longest prompt + output
+    block_size: int | None = None  # cpu/cuda: tokens per KV block
     engine: str | None = None  # external engine binary (rngd)
     data: str | None = None  # the external engine's input directory
     role: str = "worker"
@@ -86,6 +91,18 @@ class RunConfig:
             raise ContractError("config.mock_hit", "a fraction in 0..1", self.mock_hit)
         if self.mock_ms < 0:
             raise ContractError("config.mock_ms", "milliseconds >= 0", self.mock_ms)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ContractError(f"config.{name}", "an integer >= 1", v)
+        if self.kv_cache_memory is not None:
+            from moe_offload.errors import ConfigError
+            from moe_offload.units import parse_size
+
+            try:
+                parse_size(self.kv_cache_memory, "kv_cache_memory")
+            except ConfigError:
+                raise ContractError("config.kv_cache_memory", "a memory size (bytes, or e.g. 2GiB)", self.kv_cache_memory) from None
         if self.fraction is not None and not 0 <= self.fraction <= 1:
             raise ContractError("config.fraction", "a fraction in 0..1", self.fraction)
         from moe_offload.serving.classify import CLASSES

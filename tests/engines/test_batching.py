@@ -75,11 +75,12 @@ def test_preempted_sequences_are_recomputed_exactly(checkpoints, family):
     """A pool of 4 blocks of 4 tokens (16 rows) cannot hold the three sequences at once: the youngest is preempted,
     requeued and re-prefilled from its prompt and output so far."""
     expected = references(checkpoints, family)
-    engine = build_offload_engine(checkpoints(family), block_size=4, kv_cache_memory=_bytes_for_blocks(checkpoints(family), 4, 9),
-                                  max_num_batched_tokens=16)
+    budget = _bytes_for_blocks(checkpoints(family), 4, 9)
+    engine = build_offload_engine(checkpoints(family), block_size=4, kv_cache_memory=budget, max_num_batched_tokens=16)
     try:
         assert engine.pool.num_blocks == 9 and engine.info.max_model_len == 36
         out, _ = run_staggered(engine)
+        assert sum(t.nbytes for pair in engine.pool.layers.values() for t in pair) <= budget
         assert engine.stats()["preemptions"] > 0
         assert engine.pool.free_blocks == engine.pool.num_blocks  # every block came back
     finally:

@@ -26,6 +26,11 @@ def _worker_options(fn):
         click.option("--served-model-name", help="Model name clients send (default: the model directory's name)."),
         click.option("--api-key", envvar="MOE_OFFLOAD_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* [env MOE_OFFLOAD_API_KEY]."),
         click.option("--max-queue", default=64, show_default=True, type=int, help="Waiting requests beyond which new ones get 429."),
+        click.option("--max-num-seqs", type=int, help="cpu/cuda: sequences decoded together in one step [default: 16]."),
+        click.option("--max-num-batched-tokens", type=int, help="cpu/cuda: tokens per step (decode + prefill chunks) [default: 512]."),
+        click.option("--kv-cache-memory", help="cpu/cuda: KV cache budget, e.g. 2GiB [default: 4GiB on cpu, 80%% of free memory on cuda]."),
+        click.option("--max-model-len", type=int, help="cpu/cuda: longest prompt + output served [default: the model's, capped to the KV budget]."),
+        click.option("--block-size", type=int, help="cpu/cuda: tokens per KV block [default: 16]."),
         click.option("--request-timeout", default=600.0, show_default=True, type=float, help="Seconds from arrival to the last token (504 after)."),
         click.option("--max-body-bytes", default=4 * 1024 * 1024, show_default=True, type=int, help="Larger request bodies get 413."),
         click.option("--gateway", "gateway_url", help="Register with this gateway (needs --gateway-token)."),
@@ -39,7 +44,8 @@ def _worker_options(fn):
 
 def _run_worker(backend_name: str, model: str | None, *, host, port, placement, policy, fraction, mock_ms_per_token,
                 mock_hit_rate, engine_bin, engine_data, served_model_name, api_key, max_queue, request_timeout, max_body_bytes, gateway_url,
-                gateway_token, advertise_url, banner: bool) -> None:
+                gateway_token, advertise_url, banner: bool, max_num_seqs=None, max_num_batched_tokens=None, kv_cache_memory=None,
+                max_model_len=None, block_size=None) -> None:
     from moe_offload import backends
     from moe_offload.errors import ConfigError
     from moe_offload.serving import server, worker
@@ -53,8 +59,13 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
         from rm_core import Placement
 
         placement_obj = Placement.from_json(Path(placement).read_text())
+    from moe_offload.units import parse_size
+
     options = backends.engine_options(backend_name, policy=policy, fraction=fraction, mock_ms=mock_ms_per_token,
-                                      mock_hit=mock_hit_rate, engine=engine_bin, data=engine_data)
+                                      mock_hit=mock_hit_rate, engine=engine_bin, data=engine_data, max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                      block_size=block_size,
+                                      kv_cache_memory=parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None)
     sock = server.bind(host, port)  # before loading the model: a taken port fails fast
     url = server.url_of(sock)
     name = served_model_name or (Path(model).name if model else ("mock" if backend_name == "mock" else "moe-offload-demo"))

@@ -32,7 +32,8 @@ def predicted_overall(predicted: Mapping[str, float], host_tiers: Iterable[str] 
 
 class WorkerMetrics:
     def __init__(self, model_name: str, *, max_model_len: int, tiers=(), predicted: Mapping[str, float] | None = None,
-                 predicted_by_class: Mapping[str, float] | None = None, state: Callable[[], dict] | None = None):
+                 predicted_by_class: Mapping[str, float] | None = None, state: Callable[[], dict] | None = None,
+                 cache_info: Mapping | None = None):
         self.model = model_name
         r = self.registry = CollectorRegistry(auto_describe=True)
         m = {"model_name": model_name}
@@ -43,11 +44,15 @@ class WorkerMetrics:
         g.labels(**m).set_function(lambda: state()["waiting"])
         g = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", ["model_name"], registry=r)
         g.labels(**m).set_function(lambda: state()["kv"])
-        info = Gauge("vllm:cache_config_info", "Information of the KV cache config (value 1).",
-                     ["model_name", "block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"], registry=r)
-        # One request at a time with a static cache of max_model_len tokens: blocks of one token.
-        info.labels(model_name=model_name, block_size="1", num_gpu_blocks=str(max_model_len), cache_dtype="auto",
-                    enable_prefix_caching="False").set(1)
+        # The engine's KV manager as it is (an engine without one: no blocks; max_model_len is still reported)
+        ci = dict(cache_info or {})
+        labels = {"block_size": str(ci.get("block_size", 0)), "num_gpu_blocks": str(ci.get("num_gpu_blocks", 0)),
+                  "cache_dtype": str(ci.get("cache_dtype", "auto")), "enable_prefix_caching": "False",
+                  "kv_cache_memory_bytes": str(ci.get("kv_cache_memory_bytes", 0)),
+                  "max_num_seqs": str(ci.get("max_num_seqs", 1)), "max_num_batched_tokens": str(ci.get("max_num_batched_tokens", 0)),
+                  "max_model_len": str(ci.get("max_model_len", max_model_len))}
+        info = Gauge("vllm:cache_config_info", "Information of the KV cache config (value 1).", ["model_name", *labels], registry=r)
+        info.labels(model_name=model_name, **labels).set(1)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", ["model_name"], registry=r).labels(**m)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", ["model_name"], registry=r).labels(**m)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.", ["model_name", "finished_reason"], registry=r)

@@ -1,12 +1,14 @@
-"""The request queue in front of one engine: one decode stream at a time, on one thread.
+"""The request queue in front of one engine, and the loop that steps it.
 
-    handler --submit()--> Job (waiting) --engine thread: engine.generate--> tokens --loop.call_soon_threadsafe--> Job.next()
+    handler --submit()--> Job (incoming) --engine thread: engine.start--> running in the engine's scheduler
+    engine thread: loop { start new jobs; abort cancelled ones; engine.step(); drain each Generation }
+        --tokens--> loop.call_soon_threadsafe --> Job.next()
 
-Engines are not thread-safe, so every engine call runs on a single-thread
-executor; that executor's FIFO *is* the queue. A job that is cancelled while
-waiting (client gone, timeout) is skipped when its turn comes. An exception
-other than a user error is an engine crash: the job gets 503 and the engine is
-rebuilt on the same thread before the next job runs.
+Engines are not thread-safe, so every engine call runs on one thread. A batching engine runs every started
+request in each step (continuous batching: requests join and leave between steps); other engines run them
+one at a time through the same loop. A job cancelled while waiting (client gone, timeout) is aborted at the
+next step boundary, which frees its KV blocks. An exception from a step other than a user error is an engine
+crash: every job in flight gets 503 and the engine is rebuilt on the same thread.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from typing import Any, Callable
 
 from moe_offload.engines.base import Engine, SamplingParams
@@ -55,7 +57,8 @@ class Job:
 
 
 class EngineRunner:
-    """Owns the engine. ``engine`` is an Engine, or a zero-argument factory (which also lets a crash rebuild it)."""
+    """Owns the engine and its thread. ``engine`` is an Engine, or a zero-argument factory (which also lets a crash
+    rebuild it). ``max_queue``: requests waiting (not yet running) beyond which new ones get 429."""
 
     def __init__(self, engine: Engine | Callable[[], Engine], *, max_queue: int = 64):
         if max_queue < 0:
@@ -65,19 +68,37 @@ class EngineRunner:
         self.info = self.engine.info
         self.tokenizer = self.engine.tokenizer
         self.max_queue = max_queue
-        self.waiting = 0
-        self.running = 0
-        self.context_tokens = 0  # prompt + generated tokens of the running request (KV usage)
         self.ready = True
         self.restarts = 0
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moe-offload-engine")
+        self._cond = threading.Condition()
+        self._incoming: deque[Job] = deque()
+        self._active: dict[Job, Any] = {}  # job -> its Generation (engine thread only)
         self._closed = False
-        self._current: Job | None = None  # the job on the engine thread
+        self._thread = threading.Thread(target=self._loop, name="moe-offload-engine", daemon=True)
+        self._thread.start()
+
+    # ---- read by metrics (any thread) ----
+    def _load(self) -> dict[str, Any]:
+        try:
+            return self.engine.load()
+        except Exception:  # noqa: BLE001 - a metrics read must never fail (engine restarting)
+            return {"running": 0, "waiting": 0, "kv_usage": 0.0}
+
+    @property
+    def running(self) -> int:
+        return self._load()["running"]
+
+    @property
+    def waiting(self) -> int:
+        return self._load()["waiting"] + len(self._incoming)
 
     @property
     def kv_usage(self) -> float:
-        return min(self.context_tokens / self.info.max_model_len, 1.0) if self.info.max_model_len else 0.0
+        return float(self._load()["kv_usage"])
+
+    def cache_info(self) -> dict[str, Any]:
+        info = getattr(self.engine, "cache_info", None)
+        return info() if info else {}
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         """The engine's own input checks (vocabulary, context), before queueing. Reads only engine.info."""
@@ -93,66 +114,97 @@ class EngineRunner:
             raise APIError(503, "the worker is shutting down")
         if not self.ready:
             raise APIError(503, "the engine is restarting after a failure; retry shortly", code="engine_restarting")
-        with self._lock:
-            if self.waiting >= self.max_queue and self.running:
-                raise APIError(429, f"too many requests waiting ({self.waiting}, --max-queue {self.max_queue}); retry later", code="queue_full")
-            self.waiting += 1
+        waiting = self.waiting
+        if waiting >= self.max_queue and (self._active or self._incoming):
+            raise APIError(429, f"too many requests waiting ({waiting}, --max-queue {self.max_queue}); retry later",
+                           code="queue_full")
         job = Job(asyncio.get_running_loop(), ids, params)
-        self._pool.submit(self._drive, job)
+        with self._cond:
+            self._incoming.append(job)
+            self._cond.notify()
         return job
 
-    def _drive(self, job: Job) -> None:  # engine thread
-        with self._lock:
-            self.waiting -= 1
-        if job.cancelled.is_set():
-            job.push(("done", None))
-            return
-        if not self.ready:
-            job.push(("error", APIError(503, "the engine is down and could not be restarted", code="engine_down")))
-            return
-        with self._lock:
-            self.running += 1
-            self._current = job
-        if self._closed:  # close() began between the checks above and here
-            job.cancel()
-        gen = None
-        try:
-            gen = self.engine.generate(job.ids, job.params)
-            n = len(job.ids)
-            job.push(("started", time.perf_counter()))
-            for token in gen:
-                n += 1
-                self.context_tokens = n
-                job.push(("token", token, time.perf_counter()))
-                if job.cancelled.is_set():
-                    gen.close()
+    # ---- the engine thread ----
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._incoming and not self._active:
+                    self._cond.wait()
+                if self._closed:
                     break
+                new = list(self._incoming)
+                self._incoming.clear()
+            try:
+                self._start(new)
+                self._reap()
+                if self._active:
+                    self.engine.step()
+                self._drain()
+            except Exception as e:  # noqa: BLE001 - an engine failure must not take the worker down
+                self._crashed(e)
+        for job in list(self._active) + list(self._incoming):
+            job.push(("done", None))
+
+    def _start(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.cancelled.is_set() or not self.ready:
+                job.push(("done", None) if self.ready else
+                         ("error", APIError(503, "the engine is down and could not be restarted", code="engine_down")))
+                continue
+            try:
+                self._active[job] = self.engine.start(job.ids, job.params)
+            except OffloadError as e:
+                self._fail(job, e)
+                continue
+            except Exception:
+                self._active[job] = None  # so that the crash handling answers it too
+                raise
+            job.push(("started", time.perf_counter()))
+
+    def _reap(self) -> None:
+        """Abort jobs whose client left or timed out: their KV blocks go back before the next step."""
+        for job in [j for j in self._active if j.cancelled.is_set()]:
+            gen = self._active.pop(job)
+            gen.close()
             job.push(("done", gen.stats))
-        except OffloadError as e:
-            if isinstance(e, OffloadError) and e.status < 500:
-                from moe_offload.serving.errors import from_offload
 
-                job.push(("error", from_offload(e)))
-            else:
-                self._crashed(job, e)
-        except Exception as e:  # noqa: BLE001 - an engine failure must not take the worker down
-            self._crashed(job, e)
-        finally:
-            self.context_tokens = 0
-            with self._lock:
-                self.running -= 1
-                self._current = None
+    def _drain(self) -> None:
+        now = time.perf_counter()
+        for job, gen in list(self._active.items()):
+            for token in gen.drain():
+                job.push(("token", token, now))
+            if gen.error is not None:
+                if not isinstance(gen.error, OffloadError):
+                    raise gen.error  # not a user error: the engine crashed (the loop restarts it)
+                del self._active[job]
+                self._fail(job, gen.error)
+            elif gen.done:
+                del self._active[job]
+                job.push(("done", gen.stats))
 
-    def _crashed(self, job: Job, e: BaseException) -> None:  # engine thread
+    def _fail(self, job: Job, e: OffloadError) -> None:
+        from moe_offload.serving.errors import from_offload
+
+        job.push(("error", from_offload(e)))
+
+    def _crashed(self, e: BaseException) -> None:  # engine thread
         log.error("engine failed; restarting it", error=f"{type(e).__name__}: {e}")
         self.ready = False
-        job.push(("error", APIError(503, f"the engine failed ({type(e).__name__}: {e}); it is being restarted"[:500], code="engine_failed")))
+        err = APIError(503, f"the engine failed ({type(e).__name__}: {e}); it is being restarted"[:500], code="engine_failed")
+        for job, gen in list(self._active.items()):
+            job.push(("error", err))
+            try:
+                if gen is not None:
+                    gen.close()  # its blocks go back if the engine object is reused
+            except Exception:  # noqa: BLE001
+                pass
+        self._active.clear()
         self._restart()
 
     def _restart(self) -> None:  # engine thread: nothing else touches the engine meanwhile
         self.restarts += 1
         if self.factory is None:
-            # Without a factory the same engine object is reused: its next generate() starts from scratch.
+            # Without a factory the same engine object is reused: its next requests start from scratch.
             self.ready = True
             return
         try:
@@ -170,11 +222,12 @@ class EngineRunner:
                 time.sleep(min(2**attempt, 10))
 
     def close(self) -> None:
-        self._closed = True
-        with self._lock:
-            if self._current is not None:  # abort it: shutdown would otherwise wait for all its tokens
-                self._current.cancel()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._cond:
+            self._closed = True
+            for job in list(self._active) + list(self._incoming):
+                job.cancel()  # abort: shutdown would otherwise wait for all their tokens
+            self._cond.notify()
+        self._thread.join()
         try:
             self.engine.close()
         except Exception as e:  # noqa: BLE001

@@ -1,6 +1,6 @@
 """The worker: one engine behind an OpenAI-compatible HTTP API that looks like vLLM to clients and to llm-d.
 
-    POST /v1/completions, /v1/chat/completions --parse--> EngineRunner (queue, one decode stream)
+    POST /v1/completions, /v1/chat/completions --parse--> EngineRunner (queue; the engine batches running requests)
         --tokens--> TextStream (detokenise, stop strings) --> ReasoningSplitter (chat) --> JSON | SSE
     GET /v1/models  /health  /version  /metrics  /affinity
 
@@ -87,7 +87,8 @@ class Worker:
         self.created = int(time.time())
         self.metrics = WorkerMetrics(model_name, max_model_len=self.info.max_model_len, tiers=tiers,
                                      predicted=dict(self.info.predicted_hit_rate), predicted_by_class=predicted_by_class,
-                                     state=lambda: {"running": runner.running, "waiting": runner.waiting, "kv": runner.kv_usage})
+                                     state=lambda: {"running": runner.running, "waiting": runner.waiting, "kv": runner.kv_usage},
+                                     cache_info=runner.cache_info())
 
     def check_model(self, req: GenRequest) -> None:
         if req.model not in (None, "", self.model_name):
@@ -140,6 +141,18 @@ class Worker:
     def submit(self, ids, req: GenRequest) -> Job:
         return self.runner.submit(ids, req.params)
 
+    def submit_all(self, req: GenRequest) -> list[Job]:
+        """One job per choice; if the queue refuses one, the ones already queued are withdrawn."""
+        jobs: list[Job] = []
+        try:
+            for ids in req.prompts:
+                jobs.append(self.submit(ids, req))
+        except APIError:
+            for job in jobs:
+                job.cancel()
+            raise
+        return jobs
+
     async def handle(self, request: Request, req: GenRequest, chat: bool):
         t0 = time.perf_counter()
         self.check_model(req)
@@ -150,24 +163,28 @@ class Worker:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if req.stream:
             return await self._stream(request, req, chat, cls, deadline, rid, t0)
-        jobs: list[Job] = []
+        jobs = self.submit_all(req)  # every choice runs at once: the engine batches them
         watcher = asyncio.create_task(_watch_disconnect(request, jobs))
+
+        async def collect(i: int, job: Job):
+            text, finish, stats, n = "", "length", None, 0
+            async for ev in self.tokens(job, req, deadline, cls, t0):
+                if ev[0] == "text":
+                    text += ev[1]
+                else:
+                    _, finish, stats, n = ev
+            return self._choice(i, text, finish, chat, req), stats, n
+
         try:
-            choices, usage, hits, routed = [], {"prompt_tokens": 0, "completion_tokens": 0}, 0, 0
-            for i, ids in enumerate(req.prompts):
-                jobs[:] = [self.submit(ids, req)]
-                text, finish, stats, n = "", "length", None, 0
-                async for ev in self.tokens(jobs[0], req, deadline, cls, t0):
-                    if ev[0] == "text":
-                        text += ev[1]
-                    else:
-                        _, finish, stats, n = ev
-                usage["prompt_tokens"] += len(ids)
-                usage["completion_tokens"] += n
-                hits, routed = hits + stats.hits, routed + stats.hits + stats.misses
-                choices.append(self._choice(i, text, finish, chat, req))
+            results = await asyncio.gather(*(collect(i, job) for i, job in enumerate(jobs)))
         finally:
             watcher.cancel()
+            for job in jobs:
+                job.cancel()  # a no-op for finished ones; aborts the rest when one failed
+        choices = [c for c, _, _ in results]
+        usage = {"prompt_tokens": sum(len(ids) for ids in req.prompts), "completion_tokens": sum(n for _, _, n in results)}
+        hits = sum(st.hits for _, st, _ in results)
+        routed = sum(st.hits + st.misses for _, st, _ in results)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
@@ -196,13 +213,20 @@ class Worker:
                 "logprobs": None, "finish_reason": finish, "stop_reason": None}
 
     async def _stream(self, request: Request, req: GenRequest, chat: bool, cls: str, deadline: float, rid: str, t0: float):
-        # Wait for the first prompt to start (or fail) so that queue-full, timeout and engine errors keep their HTTP status.
-        jobs = [self.submit(req.prompts[0], req)]
+        # Wait for the first choice to start (or fail) so that queue-full, timeout and engine errors keep their HTTP status.
+        jobs = self.submit_all(req)
         watcher = asyncio.create_task(_watch_disconnect(request, jobs))
         try:
             first = await jobs[0].next(deadline)
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
         finally:
             watcher.cancel()
+        if first[0] != "started":
+            for job in jobs:
+                job.cancel()
         if first[0] == "error":
             raise first[1]
         if first[0] == "done":  # cancelled before it started: the client is gone
@@ -222,43 +246,64 @@ class Worker:
                 choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}) + "\n\n"
 
-        async def events():
-            usage = {"prompt_tokens": 0, "completion_tokens": 0}
-            hits = routed = 0
+        async def choice_events(i: int, ids, job: Job, out: asyncio.Queue):
+            """SSE chunks of choice ``i`` into ``out``; then ("end", usage share) or ("error", APIError)."""
             try:
-                for i, ids in enumerate(req.prompts):
-                    job = jobs[0] if i == 0 else self.submit(ids, req)
-                    splitter = ReasoningSplitter(req.prompt_texts[0]) if chat and self.reasoning else None
-                    if chat:
-                        yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                                     "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                                  "logprobs": None, "finish_reason": None}]}) + "\n\n"
-                    async for ev in self.tokens(job, req, deadline, cls, t0):
-                        if ev[0] == "text":
-                            if splitter:
-                                r, c = splitter.push(ev[1])
-                                if r or c:
-                                    yield chunk(i, c or None, reasoning=r or None)
-                            else:
-                                yield chunk(i, ev[1])
-                            continue
-                        _, finish, stats, n = ev
+                splitter = ReasoningSplitter(req.prompt_texts[0]) if chat and self.reasoning else None
+                if chat:
+                    await out.put(("chunk", "data: " + json.dumps({
+                        "id": rid, "object": obj, "created": created, "model": self.model_name,
+                        "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]}) + "\n\n"))
+                async for ev in self.tokens(job, req, deadline, cls, t0):
+                    if ev[0] == "text":
                         if splitter:
-                            r, c = splitter.finish()
+                            r, c = splitter.push(ev[1])
                             if r or c:
-                                yield chunk(i, c or None, reasoning=r or None)
-                        yield chunk(i, None if chat else "", finish)
-                        usage["prompt_tokens"] += len(ids)
-                        usage["completion_tokens"] += n
-                        hits, routed = hits + stats.hits, routed + stats.hits + stats.misses
+                                await out.put(("chunk", chunk(i, c or None, reasoning=r or None)))
+                        else:
+                            await out.put(("chunk", chunk(i, ev[1])))
+                        continue
+                    _, finish, stats, n = ev
+                    if splitter:
+                        r, c = splitter.finish()
+                        if r or c:
+                            await out.put(("chunk", chunk(i, c or None, reasoning=r or None)))
+                    await out.put(("chunk", chunk(i, None if chat else "", finish)))
+                    await out.put(("end", (len(ids), n, stats.hits, stats.hits + stats.misses)))
+            except APIError as e:
+                await out.put(("error", e))
+
+        async def events():
+            out: asyncio.Queue = asyncio.Queue()
+            tasks = [asyncio.create_task(choice_events(i, ids, job, out)) for i, (ids, job) in enumerate(zip(req.prompts, jobs))]
+            prompt_tokens = completion_tokens = hits = routed = 0
+            try:
+                left = len(tasks)
+                while left:
+                    kind, item = await out.get()
+                    if kind == "chunk":
+                        yield item
+                    elif kind == "end":
+                        left -= 1
+                        prompt_tokens, completion_tokens = prompt_tokens + item[0], completion_tokens + item[1]
+                        hits, routed = hits + item[2], routed + item[3]
+                    else:
+                        raise item
                 if req.include_usage:
-                    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
                     yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                                  "choices": [], "usage": usage}) + "\n\n"
                 if routed:
                     yield f": {HIT_HEADER}={hits / routed:.6f} class={cls}\n\n"
             except APIError as e:
                 yield "data: " + json.dumps(e.body()) + "\n\n"
+            finally:
+                for t in tasks:
+                    t.cancel()
+                for job in jobs:
+                    job.cancel()
             yield "data: [DONE]\n\n"
 
         headers = {**self._headers(cls), "cache-control": "no-cache"}
