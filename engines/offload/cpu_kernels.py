@@ -9,6 +9,8 @@ chosen from /proc/cpuinfo at build time) and keep x in L1.
 
 Ops (namespace ``moe_offload``, opaque to torch.compile; fake kernels registered below):
   gemv_bf16(x [.., H], w [N, H], bias [N]?) -> [.., N]          x holds one token (numel == H)
+  gemm_bf16(x [.., H], w [N, H], bias [N]?) -> [.., N]          any number of tokens M; each weight row is
+      read once for all of them, and token t's row is bit-identical to gemv_bf16 of token t alone
   expert_mlp_bf16(x [.., H], gate_up [2I, H], down [H, I], gate_up_bias [2I]?, down_bias [H]?) -> [.., H]
       silu(gate) * up with gate = rows [0, I), up = rows [I, 2I) (transformers' concatenated layout)
   experts_mlp_bf16(x [H], gate_ups K x [2I, H], down K x [H, I]) -> [K, H]
@@ -197,6 +199,43 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
   return out;
 }
 
+// out[t, i] = bf16(dot(w[i], x[t]) + bias[i]) for every token t and rows [begin, end): each weight row is read from
+// memory once and reused from L1 for every token; each (t, i) is summed exactly as gemv_range sums it, so a
+// token's result does not depend on which other tokens share the call.
+inline void gemm_range(const uint16_t* w, int64_t ld, const uint16_t* x, int64_t ldx, int64_t M, int64_t n,
+                       const uint16_t* bias, int64_t begin, int64_t end, uint16_t* out, int64_t N) {
+  for (int64_t i = begin; i < end; ++i) {
+    const uint16_t* row = w + i * ld;
+    const float b = bias ? bf2f(bias[i]) : 0.0f;
+    for (int64_t t = 0; t < M; ++t) {
+      float acc = dot_row(row, x + t * ldx, n);
+      out[t * N + i] = f2bf(bias ? acc + b : acc);
+    }
+  }
+}
+
+at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  check_weight(w, "gemm_bf16 w");
+  const int64_t N = w.size(0), H = w.size(1);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) == H,
+              "gemm_bf16 x: expected bf16 CPU tokens of ", H, " features, got ", x.scalar_type(), " ", x.sizes());
+  at::Tensor xc = x.reshape({-1, H}).contiguous();
+  const int64_t M = xc.size(0);
+  const uint16_t* b = opt_bias(bias, N, "gemm_bf16 bias");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x.options());
+  if (M == 0) return out;
+  const uint16_t* wp = ptr(w);
+  const uint16_t* xp = ptr(xc);
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t ld = w.stride(0);
+  at::parallel_for(0, N, std::max<int64_t>(1, grain(H) / M), [&](int64_t s, int64_t e) {
+    gemm_range(wp, ld, xp, H, M, H, b, s, e, op, N);
+  });
+  return out;
+}
+
 void check_expert(const at::Tensor& up, const at::Tensor& dn, int64_t H, int64_t I) {
   check_weight(up, "gate_up");
   check_weight(dn, "down");
@@ -239,12 +278,14 @@ at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorL
 
 TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.def("gemv_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.def("gemm_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.def("expert_mlp_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor? gate_up_bias=None, Tensor? down_bias=None) -> Tensor");
   m.def("experts_mlp_bf16(Tensor x, Tensor[] gate_ups, Tensor[] downs) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
   m.impl("gemv_bf16", &gemv_bf16);
+  m.impl("gemm_bf16", &gemm_bf16);
   m.impl("expert_mlp_bf16", &expert_mlp_bf16);
   m.impl("experts_mlp_bf16", &experts_mlp_bf16);
 }
@@ -420,7 +461,7 @@ def _register_fakes() -> None:
     def experts(x, gate_ups, downs):
         return x.new_empty((len(gate_ups), downs[0].shape[0]))
 
-    for op, fn in (("gemv_bf16", gemv), ("expert_mlp_bf16", expert), ("experts_mlp_bf16", experts)):
+    for op, fn in (("gemv_bf16", gemv), ("gemm_bf16", gemv), ("expert_mlp_bf16", expert), ("experts_mlp_bf16", experts)):
         qualname = f"moe_offload::{op}"
         try:
             register_fake(qualname, fn)

@@ -6,6 +6,7 @@ bit-identical and greedy output does not depend on the resident fraction.
 
     one bf16 token on the CPU --> moe_offload::expert_mlp_bf16 (silu gate, concatenated gate|up)
                               |   moe_offload::gemv_bf16 x2 around the module's own gate (other gates)
+    2..16 bf16 tokens on the CPU (a batched decode step) --> moe_offload::gemm_bf16 x2 around the gate
     anything else (prefill, fp32, CUDA, transposed layout) --> two F.linear calls around the module's gate
 
 The custom ops (cpu_kernels.py) stream each weight once at memory bandwidth; F.linear is what
@@ -42,6 +43,18 @@ def expert_forward(
         if post_norm and module.has_post_expert_norm:
             y = module.post_expert_norm(y)
         return y
+    if x.shape[0] <= GEMM_MAX_TOKENS and _fast(x, up, module.is_transposed):
+        # a few tokens (a batched decode step): each weight row read once for all of them
+        h = torch.ops.moe_offload.gemm_bf16(x, up, up_bias if _bias_ok(up_bias) else None)  # [N, 2I]
+        if up_bias is not None and not _bias_ok(up_bias):
+            h = h + up_bias
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [N, I]
+        y = torch.ops.moe_offload.gemm_bf16(h.to(down.dtype), down, down_bias if _bias_ok(down_bias) else None)  # [N, H]
+        if down_bias is not None and not _bias_ok(down_bias):
+            y = y + down_bias
+        if post_norm and module.has_post_expert_norm:
+            y = module.post_expert_norm(y)
+        return y
     if module.is_transposed:
         h = x @ up  # [N, 2I]
     else:
@@ -55,6 +68,11 @@ def expert_forward(
     if post_norm and module.has_post_expert_norm:
         y = module.post_expert_norm(y)
     return y
+
+
+# Up to this many tokens a weight goes through moe_offload::gemm_bf16 (one read of each row for all tokens);
+# beyond, torch's GEMM (prefill).
+GEMM_MAX_TOKENS = 16
 
 
 def kernels_active() -> bool:
@@ -136,8 +154,11 @@ def experts_one_token(module, x: torch.Tensor, weights: list[tuple], post_norm: 
 # -- the model's own one-token linear layers ----------------------------------------------------------------
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # x [.., in] -> [.., out]; one token goes to the GEMV kernel, everything else (prefill) to F.linear.
-    if x.numel() == self.in_features and x.dtype == torch.bfloat16 and _fast(x, self.weight, False):
-        return torch.ops.moe_offload.gemv_bf16(x, self.weight, self.bias)
+    if x.dtype == torch.bfloat16 and _fast(x, self.weight, False):
+        if x.numel() == self.in_features:
+            return torch.ops.moe_offload.gemv_bf16(x, self.weight, self.bias)
+        if x.numel() <= GEMM_MAX_TOKENS * self.in_features:  # a batched decode step
+            return torch.ops.moe_offload.gemm_bf16(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
 
 

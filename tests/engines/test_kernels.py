@@ -57,6 +57,31 @@ def test_gemv_matches_fp32_reference(ops, N, H, bias):
         torch.testing.assert_close(y.float().reshape(N), ref, rtol=8e-3, atol=1e-2)
 
 
+@pytest.mark.parametrize("M,N,H", [(2, 7, 33), (3, 64, 1024), (16, 1000, 77), (5, 31, 32), (40, 9, 4097)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_matches_fp32_reference_and_each_row_is_the_gemv_alone(ops, M, N, H, bias):
+    """A token's row must not depend on the other tokens in the call: batched decode relies on it."""
+    w = _w(N, H, seed=1)
+    x = torch.randn(M, H, generator=torch.Generator().manual_seed(2)).to(BF)
+    b = _w(N, 1, seed=3).reshape(N) if bias else None
+    y = ops.gemm_bf16(x, w, b)
+    assert y.dtype == BF and y.shape == (M, N)
+    torch.testing.assert_close(y.float(), x.float() @ w.float().T + (b.float() if bias else 0), rtol=8e-3, atol=1e-2)
+    for t in range(M):
+        assert torch.equal(y[t], ops.gemv_bf16(x[t], w, b))
+    assert ops.gemm_bf16(x.reshape(1, M, H), w, b).shape == (1, M, N)
+    assert ops.gemm_bf16(x[:0], w, b).shape == (0, N)
+
+
+def test_expert_forward_batches_a_few_bf16_tokens_through_gemm(ops):
+    module = _experts_module()
+    up, down = _w(32, 48, seed=5), _w(48, 16, seed=6)
+    x = torch.randn(6, 48).to(BF)
+    y = kernels.expert_forward(module, x, up, down)
+    for t in range(6):  # each token's row equals that token through the one-token path
+        assert torch.equal(y[t], kernels.expert_forward(module, x[t : t + 1], up, down)[0])
+
+
 def test_gemv_reads_strided_rows(ops):
     # Slot and store views are rows of a larger [E, N, H] tensor; a [N, H] slice of a wider matrix has stride(0) > H.
     big = _w(16, 80, seed=4)
@@ -226,8 +251,10 @@ def test_patch_linears_one_token_only(ops):
     got1 = model[1](model[0](x1))
     torch.testing.assert_close(got1.float(), want1.float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(got1, ops.gemv_bf16(ops.gemv_bf16(x1, model[0].weight, model[0].bias), model[1].weight))
-    y5 = model[0](x5)  # prefill: F.linear, unchanged
-    assert torch.equal(y5, F.linear(x5, model[0].weight, model[0].bias))
+    y5 = model[0](x5)  # a batched decode step: the multi-token kernel
+    assert torch.equal(y5, ops.gemm_bf16(x5, model[0].weight, model[0].bias))
+    x40 = torch.randn(1, 40, 40).to(BF)  # prefill beyond GEMM_MAX_TOKENS: F.linear, unchanged
+    assert torch.equal(model[0](x40), F.linear(x40, model[0].weight, model[0].bias))
     assert kernels.unpatch_linears(model) == 2 and "forward" not in model[0].__dict__
 
 
