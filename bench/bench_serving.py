@@ -1,11 +1,16 @@
-"""Serving benchmark: TTFT, decode tok/s, inter-token latency, a concurrency sweep, and the gateway's overhead.
+"""Serving benchmark: a concurrency sweep through the real worker, single-stream parity with `generate`, gateway overhead.
 
-    python bench/bench_serving.py [--backend mock|cpu] [--model DIR] [--tokens 64] [--json]
+    python bench/bench_serving.py --backend cpu --model DIR [--tokens 64] [--levels 1,4,8,16] [--json]
+    python bench/bench_serving.py --bench-model [--llamacpp]   # the benchmark model of bench_engine.py, + llama.cpp
 
-Starts a worker (and a gateway in front of it) on loopback in this process,
-warms up, then measures from the client side over HTTP:
-* one streamed greedy request: TTFT, decode tok/s, inter-token p50/p99;
-* a concurrency sweep (1, 2, 4, 8 clients): requests/s, aggregate tok/s, e2e p50;
+Starts a worker (and a gateway in front of it) on loopback in this process, warms up, then measures from the
+client side over HTTP, streamed, greedy, ``ignore_eos``:
+* for each concurrency level N: N clients start together, each one request of --tokens tokens; aggregate
+  decode tok/s = the sum of each request's decode rate ((tokens - 1) / (last token - first token)), as
+  llama-batched-bench's S_TG; TTFT p50/p99, inter-token latency p50/p99, wall-clock throughput;
+* single stream against `moe-offload generate --json` on the same model (its decode ms/token), interleaved;
+* with --llamacpp: llama.cpp's llama-batched-bench on the same weights (GGUF bf16) at the same batch sizes,
+  in the same run (bench/llamacpp.py builds it);
 * gateway overhead: p50 latency of small requests through the gateway minus direct.
 """
 
@@ -14,8 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
@@ -25,52 +34,53 @@ def pct(xs, q):
     return xs[min(int(q * len(xs)), len(xs) - 1)] if xs else float("nan")
 
 
-def _hist(url: str, name: str) -> tuple[float, float]:
-    text = httpx.get(url + "/metrics").text
-    get = lambda suffix: sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name + suffix + "{"))
-    return get("_sum"), get("_count")
-
-
-def streamed(url: str, tokens: int) -> dict:
-    s0, n0 = _hist(url, "vllm:time_to_first_token_seconds")
-    body = {"prompt": "The expert routes tokens to memory", "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+def one_stream(url: str, prompt: str, tokens: int, start: "threading.Barrier | None" = None) -> dict:
+    """One streamed greedy request: token arrival times (client side)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     times = []
-    t0 = time.perf_counter()
-    with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["finish_reason"] is None:
-                times.append(time.perf_counter())
-    itl = [(b - a) * 1000 for a, b in zip(times, times[1:])]
-    decode_s = times[-1] - times[0] if len(times) > 1 else float("nan")
-    s1, n1 = _hist(url, "vllm:time_to_first_token_seconds")
-    # Client TTFT is the first SSE chunk with text: a token that ends mid-character (the mock emits random bytes) waits
-    # for the next one. The server's TTFT (vllm:time_to_first_token_seconds) is arrival -> first token.
-    return {"ttft_ms": (times[0] - t0) * 1000, "server_ttft_ms": (s1 - s0) / (n1 - n0) * 1000 if n1 > n0 else float("nan"),
-            "decode_tok_s": (len(times) - 1) / decode_s, "chunks": len(times),
-            "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99)}
-
-
-def sweep(url: str, tokens: int, levels=(1, 2, 4, 8), per_client: int = 4) -> list[dict]:
-    out = []
-    body = {"prompt": "Hello", "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-    for n in levels:
-        lat = []
-
-        def client(_):
-            with httpx.Client(timeout=600) as c:
-                for _ in range(per_client):
-                    t = time.perf_counter()
-                    r = c.post(url + "/v1/completions", json=body)
-                    r.raise_for_status()
-                    lat.append(time.perf_counter() - t)
-
+    with httpx.Client(timeout=900) as c:
+        if start is not None:
+            start.wait()
         t0 = time.perf_counter()
+        with c.stream("POST", url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    ch = json.loads(line[6:])["choices"]
+                    if ch and ch[0]["finish_reason"] is None:
+                        times.append(time.perf_counter())
+    return {"t0": t0, "times": times}
+
+
+def sweep(url: str, tokens: int, levels=(1, 4, 8, 16)) -> list[dict]:
+    """N concurrent streamed requests per level (different prompts, so each has its own routes)."""
+    out = []
+    for n in levels:
+        barrier = threading.Barrier(n)
+        prompts = [f"Request {i}: the expert routes tokens to memory" for i in range(n)]
         with ThreadPoolExecutor(n) as pool:
-            list(pool.map(client, range(n)))
-        wall = time.perf_counter() - t0
-        out.append({"clients": n, "req_s": n * per_client / wall, "tok_s": n * per_client * tokens / wall,
-                    "e2e_p50_ms": statistics.median(lat) * 1000})
+            runs = list(pool.map(lambda p: one_stream(url, p, tokens, barrier), prompts))
+        rates, ttft, itl = [], [], []
+        for r in runs:
+            ts = r["times"]
+            ttft.append((ts[0] - r["t0"]) * 1000)
+            itl += [(b - a) * 1000 for a, b in zip(ts, ts[1:])]
+            if len(ts) > 1:
+                rates.append((len(ts) - 1) / (ts[-1] - ts[0]))
+        wall = max(r["times"][-1] for r in runs) - min(r["t0"] for r in runs)
+        out.append({"clients": n, "decode_tok_s": sum(rates), "throughput_tok_s": sum(len(r["times"]) for r in runs) / wall,
+                    "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
+                    "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99)})
     return out
+
+
+def generate_ms_per_token(model: str | None, backend: str, tokens: int) -> float:
+    """`moe-offload generate --json` in a fresh process: the engine's own decode ms/token, single stream."""
+    cmd = [sys.executable, "-m", "moe_offload.cli", "generate", "--prompt", "Request 0: the expert routes tokens to memory",
+           "--max-tokens", str(tokens), "--backend", backend, "--json", "--ignore-eos"]
+    if model:
+        cmd += ["--model", model]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out)["stats"]["decode_ms_per_token"]
 
 
 def overhead(direct: str, via: str, n: int = 200) -> dict:
@@ -97,37 +107,71 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="mock")
     ap.add_argument("--model")
+    ap.add_argument("--bench-model", action="store_true", help="the benchmark model of bench_engine.py (built once, cached)")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--levels", default="1,4,8,16")
     ap.add_argument("--mock-ms-per-token", type=float, default=5.0)
+    ap.add_argument("--llamacpp", action="store_true", help="also run llama.cpp's llama-batched-bench on the same weights")
+    ap.add_argument("--no-gateway", action="store_true")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    levels = tuple(int(x) for x in a.levels.split(","))
+    if a.bench_model:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_engine import build_model
+
+        a.model, a.backend = str(build_model(Path.home() / ".cache" / "moe-offload" / "bench-model")), "cpu"
 
     from moe_offload.backends import get_backend
     from moe_offload.serving import gateway, worker
 
     backend = get_backend(a.backend)
-    opts = {"ms_per_token": a.mock_ms_per_token} if a.backend == "mock" else {}
+    opts = {"ms_per_token": a.mock_ms_per_token} if a.backend == "mock" else {"max_num_seqs": max(levels)}
+    res = {"backend": a.backend, "model": a.model or ("mock" if a.backend == "mock" else "demo"), "tokens": a.tokens}
+    if a.backend != "mock":
+        res["generate_ms_per_token"] = [generate_ms_per_token(a.model, a.backend, a.tokens)]
     engine = backend.build_engine(a.model, None, **opts)
-    w = worker.start_server(worker.create_app(engine, model_name="bench", tiers=backend.tiers()))
-    g = worker.start_server(gateway.create_app([w.url], health_interval=5.0))
+    w = worker.start_server(worker.create_app(engine, model_name="bench", tiers=backend.tiers(), max_queue=256))
+    g = None if a.no_gateway else worker.start_server(gateway.create_app([w.url], health_interval=5.0))
     try:
-        for _ in range(3):  # warm-up
-            streamed(w.url, 8)
-        res = {"backend": a.backend, "model": a.model or ("mock" if a.backend == "mock" else "demo"), "tokens": a.tokens,
-               "streamed": streamed(w.url, a.tokens), "sweep": sweep(w.url, a.tokens), "gateway": overhead(w.url, g.url)}
+        for _ in range(2):  # warm-up
+            one_stream(w.url, "warm up", 8)
+        res["sweep"] = sweep(w.url, a.tokens, levels)
+        if g is not None:
+            res["gateway"] = overhead(w.url, g.url)
     finally:
-        g.stop()
+        if g is not None:
+            g.stop()
         w.stop()
+    if a.backend != "mock":  # interleaved: the CLI before and after the worker
+        res["generate_ms_per_token"].append(generate_ms_per_token(a.model, a.backend, a.tokens))
+    if a.llamacpp:
+        from llamacpp import batched_bench, ensure_llamacpp, to_gguf
+
+        ensure_llamacpp()
+        res["llamacpp"] = batched_bench(to_gguf(a.model, "bf16"), list(levels), a.tokens)
     if a.json:
         print(json.dumps(res, indent=2))
         return
-    s = res["streamed"]
-    print(f"backend {res['backend']} model {res['model']}, {a.tokens} tokens")
-    print(f"streamed greedy: TTFT {s['ttft_ms']:.1f} ms (server {s['server_ttft_ms']:.1f} ms), decode {s['decode_tok_s']:.1f} tok/s, ITL p50 {s['itl_p50_ms']:.2f} ms p99 {s['itl_p99_ms']:.2f} ms")
+    print(f"backend {res['backend']} model {res['model']}, {a.tokens} tokens per request, streamed, greedy")
+    if "generate_ms_per_token" in res:
+        gen = res["generate_ms_per_token"]
+        one = next(r for r in res["sweep"] if r["clients"] == 1) if 1 in levels else None
+        line = f"`moe-offload generate` decode: {' / '.join(f'{x:.2f}' for x in gen)} ms/token"
+        if one:
+            line += f"; worker single stream: {1000 / one['decode_tok_s']:.2f} ms/token ({1000 / one['decode_tok_s'] / statistics.mean(gen):.3f}x)"
+        print(line)
+    llama = {r["batch"]: r["tg_tok_s"] for r in res.get("llamacpp", [])}
+    print("| clients | decode tok/s | llama.cpp bf16 tok/s | ratio | throughput tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
+    print("|---|---|---|---|---|---|---|")
     for r in res["sweep"]:
-        print(f"  {r['clients']} clients: {r['req_s']:.2f} req/s, {r['tok_s']:.1f} tok/s, e2e p50 {r['e2e_p50_ms']:.1f} ms")
-    gw = res["gateway"]
-    print(f"gateway overhead p50: {gw['overhead_p50_ms']:.2f} ms (direct {gw['direct_p50_ms']:.2f} ms, via gateway {gw['gateway_p50_ms']:.2f} ms)")
+        lt = llama.get(r["clients"])
+        ref, ratio = (f"{lt:.1f}", f"{r['decode_tok_s'] / lt:.2f}") if lt else ("-", "-")
+        print(f"| {r['clients']} | {r['decode_tok_s']:.1f} | {ref} | {ratio} | {r['throughput_tok_s']:.1f} | "
+              f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f} |")
+    if "gateway" in res:
+        gw = res["gateway"]
+        print(f"gateway overhead p50: {gw['overhead_p50_ms']:.2f} ms (direct {gw['direct_p50_ms']:.2f} ms, via gateway {gw['gateway_p50_ms']:.2f} ms)")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ Ops (namespace ``moe_offload``, opaque to torch.compile; fake kernels registered
       silu(gate) * up with gate = rows [0, I), up = rows [I, 2I) (transformers' concatenated layout)
   experts_mlp_bf16(x [H], gate_ups K x [2I, H], down K x [H, I]) -> [K, H]
       K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_bf16 of expert k
+  moe_experts_bf16(x [T, H], gate_ups J x [2I, H], downs J x [H, I], tok [S], perm [S], starts [J], counts [J], out [R, H])
+      a layer's routed pairs (sorted by expert) through their experts in one call, written to out[perm[s]];
+      every pair's row is bit-identical to expert_mlp_bf16 of its token alone
 Intermediates are rounded to bf16 where the unfused bf16 path rounds (after each GEMV, after silu, after
 the product), so results match ``F.linear`` chains up to the order of the fp32 sums.
 
@@ -256,6 +259,77 @@ at::Tensor expert_mlp_bf16(const at::Tensor& x, const at::Tensor& up, const at::
   return out;
 }
 
+// Routed pairs of a step through their experts, one call per layer and tier: expert j (gate_up ups[j], down
+// downs[j]) takes the pairs s in [starts[j], starts[j] + counts[j]) of the expert-sorted pair list, pair s reading
+// token row x[tok[s]] and writing out[perm[s]]. Each weight row is read once for all of its expert's pairs; each
+// pair's numbers are exactly expert_mlp_bf16's for that token alone (same sums, same bf16 roundings).
+void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs, const at::Tensor& tok,
+                      const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts, const at::Tensor& out) {
+  const int64_t J = (int64_t)ups.size();
+  TORCH_CHECK(J == (int64_t)downs.size() && J == (int64_t)starts.size() && J == (int64_t)counts.size(),
+              "moe_experts_bf16: expected as many gate_ups, downs, starts and counts, got ", J, ", ", downs.size(), ", ",
+              starts.size(), ", ", counts.size());
+  if (J == 0) return;
+  check_weight(downs[0], "down");
+  const int64_t H = downs[0].size(0), I = downs[0].size(1), I2 = 2 * I;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == H && x.is_contiguous(),
+              "moe_experts_bf16 x: expected contiguous bf16 CPU tokens [T, ", H, "], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.size(1) == H && out.is_contiguous(),
+              "moe_experts_bf16 out: expected a contiguous bf16 CPU tensor [S, ", H, "], got ", out.scalar_type(), " ", out.sizes());
+  TORCH_CHECK(tok.scalar_type() == at::kLong && perm.scalar_type() == at::kLong && tok.is_contiguous() && perm.is_contiguous()
+              && tok.numel() == perm.numel(), "moe_experts_bf16: expected int64 tok and perm of the same length");
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  const int64_t* pp = perm.data_ptr<int64_t>();
+  const int64_t S = tok.numel(), T = x.size(0), R = out.size(0);
+  std::vector<const uint16_t*> up(J), dn(J);
+  std::vector<int64_t> up_ld(J), dn_ld(J), first(J + 1, 0);  // first[j]: this call's buffer row of expert j's first pair
+  for (int64_t j = 0; j < J; ++j) {
+    check_expert(ups[j], downs[j], H, I);
+    TORCH_CHECK(starts[j] >= 0 && counts[j] >= 0 && starts[j] + counts[j] <= S, "moe_experts_bf16: pair range ", j, " out of bounds");
+    up[j] = ptr(ups[j]); up_ld[j] = ups[j].stride(0);
+    dn[j] = ptr(downs[j]); dn_ld[j] = downs[j].stride(0);
+    first[j + 1] = first[j] + counts[j];
+  }
+  for (int64_t j = 0; j < J; ++j)
+    for (int64_t s = starts[j]; s < starts[j] + counts[j]; ++s)
+      TORCH_CHECK(tp[s] >= 0 && tp[s] < T && pp[s] >= 0 && pp[s] < R, "moe_experts_bf16: token or output row out of range");
+  const int64_t P = first[J];
+  std::vector<uint16_t> xs(P * H), gu(P * I2), h(P * I);
+  for (int64_t j = 0; j < J; ++j)  // gather each pair's token row: an expert's pairs are then contiguous
+    for (int64_t q = 0; q < counts[j]; ++q)
+      std::memcpy(xs.data() + (first[j] + q) * H, ptr(x) + tp[starts[j] + q] * H, H * sizeof(uint16_t));
+  at::parallel_for(0, J * I2, std::max<int64_t>(1, grain(H) / std::max<int64_t>(1, P / J)), [&](int64_t b, int64_t e) {
+    while (b < e) {  // a task may span experts: split it at expert boundaries
+      int64_t j = b / I2, stop = std::min(e, (j + 1) * I2);
+      for (int64_t r = b - j * I2; r < stop - j * I2; ++r) {
+        const uint16_t* row = up[j] + r * up_ld[j];
+        for (int64_t q = first[j]; q < first[j + 1]; ++q) gu[q * I2 + r] = f2bf(dot_row(row, xs.data() + q * H, H));
+      }
+      b = stop;
+    }
+  });
+  for (int64_t q = 0; q < P; ++q) {
+    const uint16_t* g = gu.data() + q * I2;
+    for (int64_t i = 0; i < I; ++i) {
+      float gv = bf2f(g[i]);
+      float sv = bf2f(f2bf(gv / (1.0f + std::exp(-gv))));  // silu, rounded as torch's bf16 silu
+      h[q * I + i] = f2bf(sv * bf2f(g[I + i]));
+    }
+  }
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, J * H, std::max<int64_t>(1, grain(I) / std::max<int64_t>(1, P / J)), [&](int64_t b, int64_t e) {
+    while (b < e) {
+      int64_t j = b / H, stop = std::min(e, (j + 1) * H);
+      for (int64_t r = b - j * H; r < stop - j * H; ++r) {
+        const uint16_t* row = dn[j] + r * dn_ld[j];
+        for (int64_t q = 0; q < counts[j]; ++q)
+          op[pp[starts[j] + q] * H + r] = f2bf(dot_row(row, h.data() + (first[j] + q) * I, I));
+      }
+      b = stop;
+    }
+  });
+}
+
 at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs) {
   TORCH_CHECK(!ups.empty() && ups.size() == downs.size(), "experts_mlp_bf16: expected as many gate_up as down tensors (>= 1), got ",
               ups.size(), " and ", downs.size());
@@ -281,6 +355,7 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.def("gemm_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.def("expert_mlp_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor? gate_up_bias=None, Tensor? down_bias=None) -> Tensor");
   m.def("experts_mlp_bf16(Tensor x, Tensor[] gate_ups, Tensor[] downs) -> Tensor");
+  m.def("moe_experts_bf16(Tensor x, Tensor[] gate_ups, Tensor[] downs, Tensor tok, Tensor perm, int[] starts, int[] counts, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
@@ -288,6 +363,7 @@ TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
   m.impl("gemm_bf16", &gemm_bf16);
   m.impl("expert_mlp_bf16", &expert_mlp_bf16);
   m.impl("experts_mlp_bf16", &experts_mlp_bf16);
+  m.impl("moe_experts_bf16", &moe_experts_bf16);
 }
 """
 
@@ -461,7 +537,11 @@ def _register_fakes() -> None:
     def experts(x, gate_ups, downs):
         return x.new_empty((len(gate_ups), downs[0].shape[0]))
 
-    for op, fn in (("gemv_bf16", gemv), ("gemm_bf16", gemv), ("expert_mlp_bf16", expert), ("experts_mlp_bf16", experts)):
+    def moe_experts(x, gate_ups, downs, tok, perm, starts, counts, out):
+        return None
+
+    for op, fn in (("gemv_bf16", gemv), ("gemm_bf16", gemv), ("expert_mlp_bf16", expert), ("experts_mlp_bf16", experts),
+                   ("moe_experts_bf16", moe_experts)):
         qualname = f"moe_offload::{op}"
         try:
             register_fake(qualname, fn)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_offload.engines.offload import policies
+from moe_offload.engines.offload import kernels
 from moe_offload.engines.offload.kernels import expert_forward
 from moe_offload.engines.offload.slots import SlotCache
 from moe_offload.engines.offload.stats import ExecutorStats
@@ -150,6 +151,8 @@ class Executor:
         for _, s in hits:
             cache.touch(s)
 
+        if not self._cuda and kernels.fused_experts_ok(module, state.store.tensors[0], hidden_states):
+            return self._forward_fused(state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0)
         rows = _Rows(hidden_states, perm, K, T)
         out: list = [None] * K if T == 1 else None  # T == 1: outputs by k
         proj = None if T == 1 else torch.empty(T * K, hidden_states.shape[-1], dtype=state.store.tensors[0].dtype, device=hidden_states.device)
@@ -200,7 +203,7 @@ class Executor:
 
         hit_pairs = sum(g[2] for g, _ in hits)
         if self.per_token and T > 1:
-            self._count_tokens(rows, sorted_ids, T, [g[0] for g, _ in hits], [g[0] for g in host])
+            self._count_tokens(top_k_index, [g[0] for g, _ in hits], [g[0] for g in host])
         self.stats.add(state.pos, hit_pairs, T * K - hit_pairs, host_tokens, copied, copied * state.expert_bytes)
         if self.timing:
             st = self.stats.stage_s
@@ -209,17 +212,71 @@ class Executor:
             st["host_experts"] += t4 - t3
         return result
 
-    def _count_tokens(self, rows, sorted_ids, T, hit_experts, host_experts):
+    def _forward_fused(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0):
+        """CPU, bf16, transformers' silu gate, no biases: each tier's pairs through one kernel call
+        (moe_experts_bf16), written straight into their (token, k) rows; the same numbers as the per-expert path."""
+        T, K = top_k_index.shape
+        cache = state.cache
+        x = hidden_states.to(torch.bfloat16).contiguous()  # [T, H]
+        if T == 1:  # groups are (expert, k, 1): pair s = k
+            tok, perm = self._one_token_pairs(K)
+        else:
+            tok = perm // K  # [S] token of each expert-sorted pair
+        proj = torch.empty(T * K, x.shape[1], dtype=torch.bfloat16)  # [S, H] by (token, k)
+        call = torch.ops.moe_offload.moe_experts_bf16
+
+        def run(groups, weights):
+            if groups:
+                call(x, [w[0] for w in weights], [w[1] for w in weights], tok, perm, [g[1] for g in groups],
+                     [g[2] for g in groups], proj)
+
+        t1 = time.perf_counter()
+        run([g for g, _ in hits], [cache.weights[s] for _, s in hits])
+        t2 = time.perf_counter()
+        # fetched experts in chunks of the dynamic slot count: a later fetch must not evict one not yet computed
+        fetch_s = 0.0
+        for i in range(0, len(fetch), max(cache.dynamic, 1)):
+            chunk = fetch[i : i + max(cache.dynamic, 1)]
+            slots = [cache.fetch(g[0], _copy_sync, state.store.expert(g[0])) for g in chunk]
+            tc = time.perf_counter()
+            run(chunk, [cache.weights[s] for s in slots])
+            fetch_s += time.perf_counter() - tc
+        t3 = t4 = time.perf_counter()
+        run(host, [state.store.expert(g[0]) for g in host])
+        t5 = time.perf_counter()
+        weighted = proj * top_k_weights.reshape(-1, 1)  # [S, H]
+        result = weighted.view(T, K, -1).sum(dim=1).to(hidden_states.dtype)  # [T, H]
+        hit_pairs = sum(g[2] for g, _ in hits)
+        host_tokens = sum(g[2] for g in host)
+        if self.per_token and T > 1:
+            self._count_tokens(top_k_index, [g[0] for g, _ in hits], [g[0] for g in host])
+        self.stats.add(state.pos, hit_pairs, T * K - hit_pairs, host_tokens, len(fetch), len(fetch) * state.expert_bytes)
+        if self.timing:
+            st = self.stats.stage_s
+            st["device_experts"] += (t2 - t1) + fetch_s
+            st["fetch"] += (t3 - t2) - fetch_s
+            st["host_experts"] += t5 - t4
+        return result
+
+    def _one_token_pairs(self, K):
+        pairs = self.__dict__.setdefault("_pairs1", {})
+        if K not in pairs:
+            pairs[K] = (torch.zeros(K, dtype=torch.long), torch.arange(K))
+        return pairs[K]
+
+    def _count_tokens(self, top_k_index, hit_experts, host_experts):
         """Add this layer's hit / host pairs per token to token_stats [T, 2]."""
+        T = top_k_index.shape[0]
         if self.token_stats is None or self.token_stats.shape[0] != T:
             self.token_stats = torch.zeros(T, 2, dtype=torch.int64)
-        n = int(sorted_ids.max()) + 1
-        tok = rows.tok.cpu()
-        for col, experts in ((0, hit_experts), (1, host_experts)):
-            if experts:
-                flag = torch.zeros(n, dtype=torch.bool)
-                flag[torch.tensor(experts)] = True
-                self.token_stats[:, col] += torch.bincount(tok[flag[sorted_ids.cpu()]], minlength=T)
+        code = torch.zeros(int(top_k_index.max()) + 1, dtype=torch.int8)  # per expert: 1 hit, 2 host, 0 fetched
+        if hit_experts:
+            code[hit_experts] = 1
+        if host_experts:
+            code[host_experts] = 2
+        c = code[top_k_index.cpu()]  # [T, K]
+        self.token_stats[:, 0] += (c == 1).sum(dim=1)
+        self.token_stats[:, 1] += (c == 2).sum(dim=1)
 
     def _compute(self, state, module, rows, g, weights, out, proj, slot):
         y = expert_forward(module, rows.select(g), *weights)

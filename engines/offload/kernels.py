@@ -75,6 +75,13 @@ def expert_forward(
 GEMM_MAX_TOKENS = 16
 
 
+def fused_experts_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
+    """The whole layer's pairs can go through moe_offload::moe_experts_bf16: bf16 CPU weights in [out, in] rows,
+    transformers' silu gate on concatenated gate|up, no biases, no post-expert norm."""
+    return (not getattr(module, "has_bias", False) and not module.has_post_expert_norm and x.dim() == 2
+            and _fast(x, w, module.is_transposed) and _is_silu_concat(module))
+
+
 def kernels_active() -> bool:
     """True when the bf16 CPU kernels are built and on (MOE_OFFLOAD_KERNELS not 0, ``cpu_kernels.set_enabled``)."""
     return cpu_kernels.load()

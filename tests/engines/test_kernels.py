@@ -82,6 +82,35 @@ def test_expert_forward_batches_a_few_bf16_tokens_through_gemm(ops):
         assert torch.equal(y[t], kernels.expert_forward(module, x[t : t + 1], up, down)[0])
 
 
+@pytest.mark.parametrize("T,K,E,H,I", [(1, 2, 4, 48, 24), (5, 2, 4, 33, 17), (16, 8, 64, 128, 64)])
+def test_moe_experts_rows_equal_each_token_through_its_expert_alone(ops, T, K, E, H, I):
+    """One call per layer: pair (t, k) lands in out[t * K + k] and equals expert_mlp_bf16 of token t alone."""
+    ups = [_w(2 * I, H, seed=10 + e) for e in range(E)]
+    downs = [_w(H, I, seed=100 + e) for e in range(E)]
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).to(BF)
+    top = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K] for t in range(T)])  # [T, K]
+    sorted_ids, perm = torch.sort(top.reshape(-1), stable=True)
+    uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    starts = [0, *torch.cumsum(counts, 0)[:-1].tolist()]
+    experts = uniq.tolist()
+    out = torch.full((T * K, H), float("nan")).to(BF)
+    ops.moe_experts_bf16(x, [ups[e] for e in experts], [downs[e] for e in experts], perm // K, perm, starts,
+                         counts.tolist(), out)
+    for t in range(T):
+        for k in range(K):
+            e = int(top[t, k])
+            assert torch.equal(out[t * K + k], ops.expert_mlp_bf16(x[t], ups[e], downs[e])), (t, k)
+
+
+def test_moe_experts_rejects_out_of_range_pairs(ops):
+    up, down = _w(8, 4), _w(4, 4)
+    x, out = torch.randn(2, 4).to(BF), torch.empty(4, 4).to(BF)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.moe_experts_bf16(x, [up], [down], torch.tensor([0, 5]), torch.tensor([0, 1]), [0], [2], out)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        ops.moe_experts_bf16(x, [up], [down], torch.tensor([0, 1]), torch.tensor([0, 1]), [1], [2], out)
+
+
 def test_gemv_reads_strided_rows(ops):
     # Slot and store views are rows of a larger [E, N, H] tensor; a [N, H] slice of a wider matrix has stride(0) > H.
     big = _w(16, 80, seed=4)
