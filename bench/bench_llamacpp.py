@@ -98,6 +98,10 @@ def ensure_llamacpp(cache: Path = CACHE, version: str = VERSION, jobs: int = 2) 
     built = all(b.is_file() and os.access(b, os.X_OK) for b in bins)
     if built and stamp.is_file() and stamp.read_text().strip() == STAMP and (src / "convert_hf_to_gguf.py").is_file():
         return LlamaCpp(version, src, *bins)
+    missing_tools = [t for t in ("cmake", "c++") if shutil.which(t) is None]
+    if missing_tools:
+        raise RuntimeError(f"building llama.cpp needs {' and '.join(missing_tools)} on PATH "
+                           "(Debian: apt-get install cmake g++)")
     root.mkdir(parents=True, exist_ok=True)
     if not (src / "CMakeLists.txt").is_file():
         _extract_vendor(root, version, src)
