@@ -1,7 +1,7 @@
 """The cost model: a calibrated roofline that predicts decode ms/token of a placement under a miss policy.
 
-    Calibration (measured by `moe-offload calibrate`, or assumed) --+
-    ModelSpec + Placement + miss policy (+ profile | hit rates)  ---+--> predict --> Prediction (ms/token, breakdown)
+    Calibration (`moe-offload calibrate`, assumed, or a hardware.py profile) --+
+    ModelSpec + Placement + miss policy (+ profile | hit rates)  -------------+--> predict --> Prediction (ms/token, breakdown)
     choose = argmin of predict over miss policies x placement policies at the slots that fit  (`plan --policy auto`)
 
 One decode step of T tokens, per MoE layer (K top-k, E experts, u = distinct experts the step routes to,
@@ -31,10 +31,33 @@ from typing import Any, Mapping, Sequence
 from moe_offload.errors import ConfigError, PlacementError
 
 MISS_POLICIES = ("static", "lru", "hybrid")
+DEVICE_TYPES = ("cpu", "cuda", "rngd")  # rngd: an NPU driven by an external engine (hardware profiles)
 SOURCES = ("measured", "assumed")
 FORMAT = "moe-offload-calibration/1"
 NEVER = 1 << 30  # hybrid threshold when fetching never pays (hybrid then acts as static)
 _MAX_SEARCH = 1 << 16
+
+# Stored bytes per parameter of a routed expert, scales included, for `predict(expert_dtype=...)`: a checkpoint
+# whose experts are stored in another format than its config's dtype, or "what if the experts were int8".
+# q8_0 (GGUF): blocks of 32 int8 weights + one fp16 scale = 34/32; q4_0: 16 bytes of nibbles + fp16 scale = 18/32;
+# mxfp4: 16 bytes of fp4 + one E8M0 scale = 17/32. int8 and fp8 carry a scale per channel or per 128x128 block,
+# under 0.2 % of the weights at these widths: not counted.
+EXPERT_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0,
+                      "q8_0": 34 / 32, "q4_0": 18 / 32, "mxfp4": 17 / 32}
+
+
+def expert_bytes_per_param(expert_dtype) -> float:
+    """Bytes per expert parameter of ``expert_dtype``: a name of ``EXPERT_DTYPE_BYTES`` or a number > 0."""
+    if isinstance(expert_dtype, str):
+        if expert_dtype not in EXPERT_DTYPE_BYTES:
+            raise ConfigError(f"expert dtype: expected one of {', '.join(EXPERT_DTYPE_BYTES)} or bytes per parameter, "
+                              f"got {expert_dtype!r}")
+        return EXPERT_DTYPE_BYTES[expert_dtype]
+    v = expert_dtype
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= 8:
+        raise ConfigError(f"expert dtype: expected a name or bytes per parameter in (0, 8], got {v!r}")
+    return float(v)
+
 
 # What each calibration field is, with its unit (the JSON keeps the same names).
 FIELD_HELP = {
@@ -108,8 +131,8 @@ class Calibration:
     notes: tuple[str, ...] = ()
 
     def __post_init__(self):
-        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ConfigError(f"calibration device: expected 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in DEVICE_TYPES:
+            raise ConfigError(f"calibration device: expected 'cpu', 'cuda[:N]' or 'rngd[:N]', got {self.device!r}")
         for name in QUANTITIES:
             q = _q(getattr(self, name))
             if not name.endswith("_ms") and q.value <= 0:
@@ -134,8 +157,8 @@ class Calibration:
 
     @property
     def overlaps_host(self) -> bool:
-        """Host compute runs beside the accelerator's (CUDA); on a CPU "accelerator" they share the cores."""
-        return self.device_type == "cuda"
+        """Host compute runs beside a real accelerator's (CUDA, RNGD); on a CPU "accelerator" they share the cores."""
+        return self.device_type != "cpu"
 
     def value(self, name: str) -> float:
         return getattr(self, name).value
@@ -154,7 +177,7 @@ class Calibration:
         if not assumed:
             return f"measured on {self.machine or self.device} ({self.device}) at {self.when or 'unknown time'}"
         if len(assumed) == len(QUANTITIES):
-            return f"assumed ({self.device}: nothing measured)"
+            return f"assumed ({self.machine + ', ' if self.machine else ''}{self.device}: nothing measured)"
         return f"measured on {self.machine or self.device} at {self.when or '?'}; assumed: {', '.join(assumed)}"
 
     def with_values(self, **values) -> "Calibration":
@@ -406,7 +429,7 @@ def _distinct(E: int, K: int, T: int) -> float:
 
 
 def predict(spec, placement, policy: str, calibration: Calibration, *, hit_rates=None, profile=None, tokens: int = 1,
-            context: int = 0, hybrid_threshold: int | None = None) -> Prediction:
+            context: int = 0, hybrid_threshold: int | None = None, expert_dtype=None) -> Prediction:
     """Predicted ms/token of a decode step of ``tokens`` tokens (1 = plain decode) with ``placement``
     under miss ``policy`` (static | lru | hybrid) on ``calibration``'s machine.
 
@@ -414,6 +437,8 @@ def predict(spec, placement, policy: str, calibration: Calibration, *, hit_rates
     tier's share as the misses: e.g. measured, or replayed by placement.simulate) if given, else from
     ``profile``, else uniform routing. ``context``: tokens already in the KV cache (read every step).
     ``hybrid_threshold``: tokens per expert from which hybrid fetches (default: from the calibration).
+    ``expert_dtype``: the routed experts' stored format (a name of ``EXPERT_DTYPE_BYTES`` or bytes per parameter),
+    when it differs from the config's dtype; the dense weights keep the config's.
     """
     if policy not in MISS_POLICIES:
         raise ConfigError(f"policy: expected one of {', '.join(MISS_POLICIES)}, got {policy!r}")
@@ -428,6 +453,10 @@ def predict(spec, placement, policy: str, calibration: Calibration, *, hit_rates
     assumptions = []
     E, K, T = spec.num_experts, spec.top_k, tokens
     nbytes, params = spec.expert_bytes, spec.expert_params
+    if expert_dtype is not None:
+        bpp = expert_bytes_per_param(expert_dtype)
+        nbytes = round(params * bpp)
+        assumptions.append(f"experts stored as {expert_dtype}: {bpp:g} bytes/parameter, {nbytes} bytes per expert")
     measured_at = cal.expert_shape.get("expert_bytes")
     if measured_at and abs(measured_at - nbytes) > 0.05 * nbytes:
         assumptions.append(f"expert kernel measured at {measured_at} bytes/expert, model has {nbytes}: scaled by bytes")
@@ -522,8 +551,10 @@ def default_candidates(slots: int, profile=None) -> list[tuple[str, str]]:
 
 
 def rank(spec, tiers: Sequence, profile, calibration, candidates=None, *, slots: Mapping[str, Any] | None = None,
-         context: int = 4096, batch: int = 1, reserve: int | str = 0, tokens: int = 1, seed: int = 0):
-    """Every candidate as (policy, Placement, Prediction), fastest first (ties keep candidate order)."""
+         context: int = 4096, batch: int = 1, reserve: int | str = 0, tokens: int = 1, seed: int = 0,
+         expert_dtype=None):
+    """Every candidate as (policy, Placement, Prediction), fastest first (ties keep candidate order).
+    ``expert_dtype``: as in ``predict`` (prices the predicted experts; slot sizing stays the budget's)."""
     from moe_offload import placement as P
 
     cal = load_calibration(calibration)
@@ -546,7 +577,7 @@ def rank(spec, tiers: Sequence, profile, calibration, candidates=None, *, slots:
             raise ConfigError(f"candidate {cand!r}: miss policy must be one of {', '.join(MISS_POLICIES)}")
         placement = P.plan(spec, tiers, slots, placement_policy, profile, seed)
         # KV-cache reads are the same for every candidate: predicted at an empty context
-        pred = predict(spec, placement, policy, cal, profile=profile, tokens=tokens)
+        pred = predict(spec, placement, policy, cal, profile=profile, tokens=tokens, expert_dtype=expert_dtype)
         results.append((policy, placement, pred))
     if not results:
         raise ConfigError("choose: no candidates")
@@ -560,5 +591,5 @@ def choose(spec, tiers: Sequence, profile, calibration, candidates=None, **kw):
     return rank(spec, tiers, profile, calibration, candidates, **kw)[0]
 
 
-__all__ = ["Calibration", "MISS_POLICIES", "NEVER", "Prediction", "Quantity", "choose", "default_candidates",
-           "expert_ms", "fetch_ms", "hybrid_threshold", "layer_hit_rates", "load_calibration", "predict", "rank"]
+__all__ = ["Calibration", "EXPERT_DTYPE_BYTES", "MISS_POLICIES", "NEVER", "Prediction", "Quantity", "choose",
+           "default_candidates", "expert_bytes_per_param", "expert_ms", "fetch_ms", "hybrid_threshold", "layer_hit_rates", "load_calibration", "predict", "rank"]

@@ -1,4 +1,5 @@
-"""`moe-offload calibrate | predict`: measure a machine for the cost model; predict ms/token of a placement."""
+"""`moe-offload calibrate | predict | hardware`: measure a machine for the cost model, or describe one from its
+datasheets (hardware profiles); predict ms/token of a placement."""
 
 from __future__ import annotations
 
@@ -32,11 +33,35 @@ def calibration_text(cal, spec=None) -> str:
     return "\n".join(lines)
 
 
-def load_calibration_option(path: str | None, device: str = "cuda"):
-    """--calibration FILE, or the assumed defaults for ``device`` when none is given."""
+HARDWARE_HELP = ("A hardware profile instead of --calibration: a built-in name (`moe-offload hardware` lists them) "
+                 "or a JSON file; its numbers are datasheet peaks x stated efficiencies (assumed).")
+
+
+def load_calibration_option(path: str | None, device: str = "cuda", hardware: str | None = None):
+    """--calibration FILE, or --hardware NAME|FILE, or the assumed defaults for ``device`` when neither is given."""
     from moe_offload.costmodel import Calibration
 
+    if path and hardware:
+        raise ConfigError("give one of --calibration FILE or --hardware NAME|FILE, not both")
+    if hardware:
+        from moe_offload.hardware import load_hardware
+
+        return load_hardware(hardware).calibration()
     return Calibration.load(path) if path else Calibration.assumed(device)
+
+
+def parse_expert_dtype(value: str | None):
+    """--expert-dtype: a format name (bf16 spelled out: bfloat16) or bytes per parameter."""
+    if value is None:
+        return None
+    from moe_offload.costmodel import expert_bytes_per_param
+
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    expert_bytes_per_param(value if number is None else number)  # one-line ConfigError when it is neither
+    return value if number is None else number
 
 
 @click.command("calibrate")
@@ -82,14 +107,18 @@ def prediction_rows(preds) -> list[str]:
 @click.option("--fraction", type=float, default=None, help="Or: this fraction of each layer's experts resident, as `generate --fraction` places them.")
 @click.option("--policy", type=click.Choice(["static", "lru", "hybrid", "all"]), default="all", show_default=True, help="Miss policy.")
 @click.option("--calibration", "calibration_path", default=None, help="Calibration JSON from `moe-offload calibrate` (default: assumed numbers, labelled so).")
-@click.option("--device", default="cuda", show_default=True, help="Device type of the assumed calibration when no --calibration is given.")
+@click.option("--hardware", default=None, help=HARDWARE_HELP)
+@click.option("--device", default="cuda", show_default=True, help="Device type of the assumed calibration when neither --calibration nor --hardware is given.")
 @click.option("--profile", "profile_path", default=None, help="Routes file or profile counts: hit rates from it (default: uniform routing).")
 @click.option("--hit-rate", type=click.FloatRange(0, 1), default=None, help="Use this accelerator hit rate (e.g. a measured one).")
 @click.option("--tokens", type=click.IntRange(min=1), default=1, show_default=True, help="Tokens per step (1 = decode).")
 @click.option("--context", type=click.IntRange(min=0), default=0, show_default=True, help="Tokens in the KV cache (read every step).")
+@click.option("--expert-dtype", default=None,
+              help="Price the routed experts as stored in this format (bfloat16, float16, fp8, int8, q8_0, q4_0, mxfp4) "
+                   "or at this many bytes per parameter (default: the config's dtype).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def predict_cmd(model, placement_path, fraction, policy, calibration_path, device, profile_path, hit_rate, tokens, context,
-                as_json) -> None:
+def predict_cmd(model, placement_path, fraction, policy, calibration_path, hardware, device, profile_path, hit_rate, tokens,
+                context, expert_dtype, as_json) -> None:
     """Predicted ms/token of a placement under each miss policy, with its breakdown (a prediction, not a measurement)."""
     from moe_offload import placement as P
     from moe_offload.cli import emit
@@ -101,7 +130,8 @@ def predict_cmd(model, placement_path, fraction, policy, calibration_path, devic
     spec = ModelSpec.from_hf_config(model)
     if (placement_path is None) == (fraction is None):
         raise ConfigError("give one of --placement FILE or --fraction F")
-    cal = load_calibration_option(calibration_path, device)
+    cal = load_calibration_option(calibration_path, device, hardware)
+    expert_dtype = parse_expert_dtype(expert_dtype)
     profile = Profile.load(profile_path).check(spec) if profile_path else None
     policies = MISS_POLICIES if policy == "all" else (policy,)
     preds = []
@@ -116,7 +146,8 @@ def predict_cmd(model, placement_path, fraction, policy, calibration_path, devic
             placement = P.from_fraction(spec, _fraction_tiers(spec), fraction,
                                         P.for_miss_policy(pol, P.fraction_slots(spec, fraction), spec.num_experts),
                                         profile)
-        preds.append(predict(spec, placement, pol, cal, hit_rates=hit_rate, profile=profile, tokens=tokens, context=context))
+        preds.append(predict(spec, placement, pol, cal, hit_rates=hit_rate, profile=profile, tokens=tokens, context=context,
+                             expert_dtype=expert_dtype))
     lines = [f"{spec.name}: PREDICTED ms/token ({tokens} token{'s' if tokens > 1 else ''} per step, context {context}); "
              f"calibration {cal.label()}"]
     lines += prediction_rows(preds)
@@ -126,6 +157,51 @@ def predict_cmd(model, placement_path, fraction, policy, calibration_path, devic
          "\n".join(lines))
 
 
+@click.command("hardware")
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def hardware_cmd(name: str | None, as_json: bool) -> None:
+    """The built-in hardware profiles, or one profile (a name or a JSON file) with the source of every number."""
+    from moe_offload.cli import emit
+    from moe_offload.hardware import ASSUMPTIONS, BUILTIN, load_hardware
+
+    if name is None:
+        lines = ["hardware profiles (datasheet peaks x assumed efficiencies; `moe-offload hardware NAME` for sources):"]
+        for p in BUILTIN.values():
+            cal = p.calibration()
+            lines.append(f"  {p.name:18} {p.title}")
+            lines.append(f"  {'':18} -> accelerator {cal.value('device_expert_bytes_per_s') / 1e9:.0f} GB/s, "
+                         f"host experts {cal.value('host_expert_bytes_per_s') / 1e9:.0f} GB/s, "
+                         f"bus {cal.value('bus_bytes_per_s') / 1e9:.1f} GB/s")
+        emit({"profiles": [p.to_dict() for p in BUILTIN.values()], "assumptions": ASSUMPTIONS}, as_json, "\n".join(lines))
+        return
+    p = load_hardware(name)
+    lines = [f"{p.name}: {p.title}"]
+    for f, text in p.sources.items():
+        lines.append(f"  {f:20} {_figure(p, f):>14}  {text}")
+    lines.append("  assumed efficiencies:")
+    for f in ("device_efficiency", "bus_efficiency", "host_efficiency", "core_bytes_per_s", "flops_efficiency"):
+        lines.append(f"  {f:20} {_figure(p, f):>14}  {ASSUMPTIONS[f]}")
+    lines.append(f"  {'overheads':20} {p.layer_overhead_ms:g} ms/layer, {p.step_overhead_ms:g} ms/step  {ASSUMPTIONS['overhead']}")
+    lines += [f"  note: {n}" for n in p.notes]
+    lines.append(calibration_text(p.calibration()))
+    emit({"profile": p.to_dict(), "calibration": p.calibration().to_dict(), "assumptions": ASSUMPTIONS}, as_json,
+         "\n".join(lines))
+
+
+def _figure(p, name: str) -> str:
+    v = getattr(p, name, None)
+    if name == "accelerators":
+        return " + ".join(f"{a / 2**30:.1f} GiB" for a in v)
+    if name.endswith("_memory_bytes"):
+        return f"{v / 2**30:.0f} GiB"
+    if name.endswith("flops_per_s"):
+        return f"{v / 1e12:.1f} TFLOP/s"
+    if name.endswith("bytes_per_s"):
+        return f"{v / 1e9:.1f} GB/s"
+    return f"{v:g}" if isinstance(v, (int, float)) else ""
+
+
 def _fraction_tiers(spec):
     from rm_core import MemoryTier
 
@@ -133,4 +209,4 @@ def _fraction_tiers(spec):
             MemoryTier("host", "host-dram", spec.routed_expert_bytes, labels={"sized": "routed experts"})]
 
 
-commands = [calibrate_cmd, predict_cmd]
+commands = [calibrate_cmd, predict_cmd, hardware_cmd]

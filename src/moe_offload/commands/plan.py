@@ -24,6 +24,22 @@ def _backend_tiers(name: str):
     return list(b.tiers())
 
 
+def _machine_tiers(backend: str | None, hardware: str | None):
+    """The memory tiers of --backend (this machine) or of --hardware (a profile of another), or None."""
+    if backend and hardware:
+        raise ConfigError("give one of --backend NAME or --hardware NAME|FILE, not both")
+    if backend:
+        return _backend_tiers(backend)
+    if hardware:
+        from moe_offload.hardware import load_hardware
+
+        return load_hardware(hardware).tiers()
+    return None
+
+
+HARDWARE_HELP = "Size from (and predict for) a hardware profile: a built-in name (`moe-offload hardware`) or a JSON file."
+
+
 def _budget_options(fn):
     fn = click.option("--layout", type=click.Choice(["first", "split"]), default="first", show_default=True,
                       help="first: non-expert weights and KV cache on the first accelerator; split: layers split over accelerators.")(fn)
@@ -69,28 +85,29 @@ def spec_cmd(model: str, as_json: bool) -> None:
 @click.option("--model", required=True, help=MODEL_HELP)
 @click.option("--accelerator", "accelerators", multiple=True, help="Accelerator memory, repeatable (47.5GiB, 80GB, bytes).")
 @click.option("--backend", default=None, help="Take the accelerators from this backend's tiers instead.")
+@click.option("--hardware", default=None, help="Take the accelerators from a hardware profile (`moe-offload hardware`) or its JSON file.")
 @_budget_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def budget_cmd(model, accelerators, backend, context, batch, reserve, layout, as_json) -> None:
+def budget_cmd(model, accelerators, backend, hardware, context, batch, reserve, layout, as_json) -> None:
     """Per accelerator: what it holds, expert slots per layer, what stays on the host."""
     from moe_offload.cli import emit
 
-    b = _budget(_spec(model), accelerators, backend, context, batch, reserve, layout)
+    b = _budget(_spec(model), accelerators, _machine_tiers(backend, hardware), context, batch, reserve, layout)
     emit(b.to_dict(), as_json, b.text())
 
 
-def _budget(spec, accelerators, backend, context, batch, reserve, layout):
+def _budget(spec, accelerators, tiers, context, batch, reserve, layout):
+    """plan_budget over the --accelerator sizes plus the accelerators of ``tiers`` (a backend's or a profile's)."""
     from moe_offload.budget import plan_budget
     from moe_offload.placement import accelerator_tiers, host_tier_name
 
     host = None
-    if backend:
-        tiers = _backend_tiers(backend)
+    if tiers:
         host_name = host_tier_name(tiers)
         host = next((t for t in tiers if t.name == host_name), None)
         accelerators = list(accelerators) + accelerator_tiers(tiers)
     if not accelerators:
-        raise ConfigError("give --accelerator SIZE (repeatable) or --backend NAME")
+        raise ConfigError("give --accelerator SIZE (repeatable), --backend NAME or --hardware NAME")
     return plan_budget(spec, list(accelerators), context=context, batch=batch, reserve=reserve, layout=layout, host=host)
 
 
@@ -129,12 +146,13 @@ def _slot_tiers(spec, slots: list[int]):
               help="top | mix:H | global | lru | uniform | random | auto (fastest predicted miss + placement policy)")
 @click.option("--calibration", "calibration_path", default=None,
               help="Calibration JSON (`moe-offload calibrate`) for auto and the predicted ms/token (default: assumed numbers).")
+@click.option("--hardware", default=None, help=HARDWARE_HELP)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random policy.")
 @click.option("--out", default=None, help="Write the rm-core Placement JSON here.")
 @click.option("--simulate", "replay", is_flag=True, help="Also replay the routes file through the placement (LRU slots).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, context, batch, reserve, layout, policy,
-             calibration_path, seed, out, replay, as_json) -> None:
+             calibration_path, hardware, seed, out, replay, as_json) -> None:
     """Place experts on accelerators and print the predicted hit rate per tier."""
     from moe_offload import placement as P
     from moe_offload.cli import emit
@@ -147,8 +165,9 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
     sizings = sum(x is not None and x != () for x in (slots, fraction, budgets or None))
     if sizings > 1:
         raise ConfigError("give one of --slots, --fraction, --budget")
-    if sizings == 0 and not backend:
-        raise ConfigError("size the placement with --slots 24,32, --fraction 0.2 or --budget 47.5GiB")
+    if sizings == 0 and not (backend or hardware):
+        raise ConfigError("size the placement with --slots 24,32, --fraction 0.2, --budget 47.5GiB or --hardware NAME")
+    machine = _machine_tiers(backend, hardware)
     profile = None
     if profile_path:
         profile = Profile.load(profile_path)
@@ -159,23 +178,23 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
         raise ConfigError("--class and --simulate need --profile")
     if slots is not None:
         vals = _parse_slots(slots)
-        tiers = _backend_tiers(backend) if backend else _slot_tiers(spec, vals)
+        tiers = machine or _slot_tiers(spec, vals)
         acc = P.accelerator_tiers(tiers)
         if len(vals) > len(acc):
             raise ConfigError(f"--slots gives {len(vals)} accelerators, the tiers have {len(acc)}")
         slot_map = {t.name: v for t, v in zip(acc, vals)}
     elif fraction is not None:
-        tiers = _backend_tiers(backend) if backend else _slot_tiers(spec, [spec.num_experts])
+        tiers = machine or _slot_tiers(spec, [spec.num_experts])
         acc = P.accelerator_tiers(tiers)
         slot_map = {acc[0].name: P.fraction_slots(spec, fraction)} if acc else {}  # as placement.from_fraction
     else:
-        b = _budget(spec, budgets, backend, context, batch, reserve, layout)
+        b = _budget(spec, budgets, machine, context, batch, reserve, layout)
         tiers, slot_map = list(b.tiers), b.slots
     cal, ranked = None, []
-    if auto or calibration_path:
-        from moe_offload.costmodel import Calibration
+    if auto or calibration_path or hardware:
+        from moe_offload.commands.costmodel import load_calibration_option
 
-        cal = Calibration.load(calibration_path) if calibration_path else Calibration.assumed("cpu" if backend == "cpu" else "cuda")
+        cal = load_calibration_option(calibration_path, "cpu" if backend == "cpu" else "cuda", hardware)
     if auto:
         from moe_offload.costmodel import rank
 
