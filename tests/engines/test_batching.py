@@ -140,3 +140,28 @@ def test_scheduler_options_are_checked_before_loading():
         build_offload_engine("/nonexistent", max_num_seqs=0)
     with pytest.raises(ConfigError, match="kv_cache_memory: expected an integer >= 1"):
         build_offload_engine("/nonexistent", kv_cache_memory=-5)
+
+
+def test_a_family_with_linear_attention_state_batches_per_sequence(tmp_path):
+    """Qwen3-Next keeps gated-delta-rule state in its linear-attention layers: the probe sends it to the per-sequence
+    path (the model's own cache per sequence), and batched sequences still get transformers' greedy tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    from offload_helpers import COMMON
+
+    cfg = Qwen3NextConfig(**COMMON, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=16,
+                          shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2, linear_num_value_heads=2,
+                          linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                          layer_types=["linear_attention", "full_attention"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    model = stock(str(tmp_path))
+    expected = [greedy(model, p, n)[0] for p, n in zip(PROMPTS, LENGTHS)]
+    engine = build_offload_engine(str(tmp_path), policy="lru", fraction=0.5)
+    try:
+        assert not engine.paged
+        out, _ = run_staggered(engine)
+    finally:
+        engine.close()
+    assert out == expected
