@@ -5,14 +5,14 @@
 
 The decode loop is the hot path: one forward per token on a preallocated KV
 cache (StaticCache: no per-step allocation), only the last position's
-logits, sampling in torch with a per-request torch.Generator.
+logits (all of them at prefill when prompt logprobs are asked), sampling in
+torch (engines/offload/sampling.py) with a per-request torch.Generator.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import secrets
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -20,34 +20,13 @@ from typing import Any
 
 import torch
 
-from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats, SamplingParams
+from moe_offload.engines.base import ENGINE_FEATURES, Engine, EngineInfo, Generation, GenerationStats, SamplingParams
+from moe_offload.engines.offload.sampling import SequenceState, prompt_logprobs, sample
 from moe_offload.errors import ConfigError, EngineError
 
 POLICIES = ("static", "lru", "hybrid")
 BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "hybrid_threshold", "cache")
 CACHES = ("static", "dynamic")
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one token id from ``logits`` [V] (any float dtype): greedy, or temperature + top-k + top-p."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    scaled = logits.float() / params.temperature  # [V]
-    vocab = scaled.shape[-1]
-    if params.top_k and params.top_k < vocab:
-        values, ids = torch.topk(scaled, params.top_k)  # [k], sorted descending
-    elif params.top_p < 1.0:
-        values, ids = torch.sort(scaled, descending=True)  # [V]
-    else:
-        values, ids = scaled, None
-    if params.top_p < 1.0:
-        probs = torch.softmax(values, dim=-1)
-        # Keep a token while the mass before it is below top_p: the first token is always kept.
-        keep = (torch.cumsum(probs, dim=-1) - probs) < params.top_p
-        values, ids = values[keep], ids[keep]
-    probs = torch.softmax(values, dim=-1)
-    choice = torch.multinomial(probs, 1, generator=generator)
-    return int(ids[choice] if ids is not None else choice)
 
 
 # -- executor statistics -> GenerationStats ------------------------------------------------------------------
@@ -123,7 +102,9 @@ class OffloadEngine(Engine):
             eos_token_ids=_eos_ids(self.model, tokenizer),
             policy=str(getattr(offloaded, "policy", "") or ""),
             predicted_hit_rate=dict(getattr(placement, "predicted_hit_rate", {}) or {}),
+            features=frozenset(ENGINE_FEATURES),
         )
+        self._llg = None  # llguidance's tokenizer, built at the first structured-output request
         self._total = GenerationStats()
         self._tier_pairs: dict[str, int] = {}  # cumulative routed pairs served per tier
         self._closed = False
@@ -135,7 +116,22 @@ class OffloadEngine(Engine):
         prompt = list(prompt_ids)
         self.check_prompt(prompt, params)
         stats = GenerationStats(prompt_tokens=len(prompt))
-        return Generation(self._run(prompt, params, stats), stats)
+        seq = SequenceState(params, prompt, vocab_size=self.info.vocab_size, device=self.device,
+                            eos_ids=self.info.eos_token_ids, matcher=self._matcher(params))
+        lps = [] if params.logprobs is not None else None
+        plps = [] if params.prompt_logprobs is not None else None
+        return Generation(self._run(prompt, params, stats, seq, lps, plps), stats, lps, plps)
+
+    def _matcher(self, params: SamplingParams):
+        if params.structured is None:
+            return None
+        from moe_offload.engines import grammar
+
+        if self.tokenizer is None:
+            raise ConfigError("structured output: this checkpoint has no tokenizer to compile the constraint against")
+        if self._llg is None:
+            self._llg = grammar.llg_tokenizer(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
+        return grammar.Matcher(params.structured, self._llg)
 
     def stats(self) -> dict[str, Any]:
         return self._total.to_dict()
@@ -159,16 +155,14 @@ class OffloadEngine(Engine):
             return StaticCache(config=config, max_cache_len=length)
         return DynamicCache(config=config)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        # ids, positions [1, T] -> logits of the last position [V]
-        out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, all_positions: bool = False) -> torch.Tensor:
+        # ids, positions [1, T] -> logits of the last position [V] (all_positions: of every position [T, V])
+        out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
+                         logits_to_keep=0 if all_positions else 1)
+        return out.logits[0] if all_positions else out.logits[0, -1]
 
-    def _run(self, prompt: list[int], params: SamplingParams, stats: GenerationStats) -> Iterator[int]:
-        generator = None
-        if not params.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+    def _run(self, prompt: list[int], params: SamplingParams, stats: GenerationStats, seq: SequenceState,
+             lps: list | None, plps: list | None) -> Iterator[int]:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.info.eos_token_ids))
         before = _snapshot(self.executor)
         t0 = time.perf_counter()
@@ -177,7 +171,13 @@ class OffloadEngine(Engine):
                 n = len(prompt)
                 cache = self._new_cache(n + params.max_tokens)
                 ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, T]
-                logits = self._forward(ids, torch.arange(n, device=self.device).unsqueeze(0), cache)
+                positions = torch.arange(n, device=self.device).unsqueeze(0)  # [1, T]
+                if plps is None:
+                    logits = self._forward(ids, positions, cache)
+                else:
+                    logits = self._forward(ids, positions, cache, all_positions=True)  # [T, V]: every next-token distribution
+                    plps.extend(prompt_logprobs(logits, prompt, params.prompt_logprobs))
+                    logits = logits[-1]
                 # One step's inputs, reused: no allocation per token on the host side.
                 step_ids = torch.empty((1, 1), dtype=torch.long, device=self.device)
                 step_pos = torch.empty((1, 1), dtype=torch.long, device=self.device)
@@ -185,15 +185,21 @@ class OffloadEngine(Engine):
                     step0 = time.perf_counter()
                     if i > 0:
                         logits = self._forward(step_ids, step_pos, cache)
-                    token = sample_token(logits, params, generator)
+                    token, entry = sample(logits.unsqueeze(0), [seq])[0]
                     stats.record_step(i, t0, step0, time.perf_counter())
                     if token in stops:
                         stats.finish_reason = "stop"
                         return
+                    seq.accept(token)
                     stats.completion_tokens += 1
                     step_ids.fill_(token)
                     step_pos.fill_(n + i)
+                    if lps is not None:
+                        lps.append(entry)
                     yield token
+                    if seq.finished:  # a structured output is complete: nothing but EOS could follow
+                        stats.finish_reason = "stop"
+                        return
                 stats.finish_reason = "length"
         except RuntimeError as e:  # torch failures (out of memory, a kernel error): the request fails, not the server
             raise EngineError(f"generation failed after {stats.completion_tokens} tokens: {e}") from e
@@ -290,4 +296,4 @@ def build_offload_engine(
     return OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache)
 
 
-__all__ = ["OffloadEngine", "build_offload_engine", "load_tokenizer", "sample_token"]
+__all__ = ["OffloadEngine", "build_offload_engine", "load_tokenizer"]
