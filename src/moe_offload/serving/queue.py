@@ -26,7 +26,8 @@ log = get_logger("serving.queue")
 
 
 class Job:
-    """One generation as seen from the event loop: ``await next()`` gives ("token", id, t) ... ("done", stats)."""
+    """One generation as seen from the event loop: ``await next()`` gives ("token", id, t, TokenLogprob | None) ...
+    ("done", stats), with ("prompt_logprobs", list) before the first token when the request asked for them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, ids: list[int], params: SamplingParams):
         self.loop, self.ids, self.params = loop, ids, params
@@ -120,13 +121,19 @@ class EngineRunner:
             gen = self.engine.generate(job.ids, job.params)
             n = len(job.ids)
             job.push(("started", time.perf_counter()))
+            prompt_sent = False
             for token in gen:
                 n += 1
                 self.context_tokens = n
-                job.push(("token", token, time.perf_counter()))
+                if gen.prompt_logprobs is not None and not prompt_sent:  # known once the prefill ran
+                    job.push(("prompt_logprobs", gen.prompt_logprobs))
+                    prompt_sent = True
+                job.push(("token", token, time.perf_counter(), gen.logprobs[-1] if gen.logprobs else None))
                 if job.cancelled.is_set():
                     gen.close()
                     break
+            if gen.prompt_logprobs is not None and not prompt_sent:  # no token came out (EOS first)
+                job.push(("prompt_logprobs", gen.prompt_logprobs))
             job.push(("done", gen.stats))
         except OffloadError as e:
             if isinstance(e, OffloadError) and e.status < 500:
