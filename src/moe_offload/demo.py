@@ -197,4 +197,7 @@ def ensure_demo_model(out_dir: str | os.PathLike | None = None) -> Path:
     out = Path(out_dir).expanduser() if out_dir is not None else default_dir()
     if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file() or not (out / "tokenizer.json").is_file():
         return build_demo_model(out)
+    template = out / "chat_template.jinja"
+    if template.is_file() and template.read_text(encoding="utf-8") != CHAT_TEMPLATE:  # built by an older version
+        return build_demo_model(out)
     return out

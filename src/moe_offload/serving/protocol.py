@@ -129,8 +129,10 @@ class ToolCall(OpenAIModel):
 
 
 class ContentPart(OpenAIModel):
-    type: str
-    text: str | None = None
+    """A text part of a message. Images, audio and files are refused: this worker serves text models."""
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(OpenAIModel):
@@ -220,12 +222,12 @@ REFUSED: dict[str, tuple] = {
     "truncate_prompt_tokens": (lambda v: v is None, "prompt truncation is not supported"),
     "logprob_token_ids": (lambda v: v is None, "not supported (use logprobs)"),
     "priority": (lambda v: v == 0, "priority scheduling is not supported"),
-    "kv_transfer_params": (lambda v: v is None, "KV transfer is not supported (experts move, never KV cache)"),
-    "vllm_xargs": (lambda v: v is None, "no extension reads vllm_xargs here"),
+    "kv_transfer_params": (lambda v: not v, "KV transfer is not supported (experts move, never KV cache)"),
+    "vllm_xargs": (lambda v: not v, "no extension reads vllm_xargs here"),
     "structural_tag": (lambda v: v is None, "structural tags are not supported"),
     "guided_whitespace_pattern": (lambda v: v is None, "not supported (JSON output is compact)"),
     "spaces_between_special_tokens": (lambda v: v, "only true is supported"),
-    "mm_processor_kwargs": (lambda v: v is None, "this worker serves text models"),
+    "mm_processor_kwargs": (lambda v: not v, "this worker serves text models"),
     "echo": (lambda v: not v, "echo on chat completions is not supported"),  # chat only: completions honour echo
     "stream_options.continuous_usage_stats": (lambda v: not v, "not supported (use include_usage)"),
 }
@@ -285,7 +287,7 @@ def validate(model: type[OpenAIModel], raw: bytes) -> OpenAIModel:
     refuse_unhonoured(req, chat=isinstance(req, ChatCompletionRequest))
     extra = sorted(req.model_extra or {})
     if extra:
-        log.warning("ignored unknown request fields", fields=",".join(extra)[:200])
+        log.debug("ignored unknown request fields", fields=",".join(extra)[:200])
     return req
 
 

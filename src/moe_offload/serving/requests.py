@@ -221,13 +221,8 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise _bad(f"messages[{i}].content", f"only text parts ({{'type': 'text', 'text': ...}}) are supported, got type {part.type!r}")
-                texts.append(part.text)
-            content = "".join(texts)
+        if isinstance(content, list):  # text parts only (the model refuses others)
+            content = "".join(part.text for part in content)
         if content is None and not (m.role == "assistant"):
             raise _bad(f"messages[{i}].content", f"expected a string or a list of text parts for a {m.role} message, got nothing")
         msg: dict = {"role": m.role, "content": content if content is not None else ""}

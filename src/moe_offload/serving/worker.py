@@ -495,7 +495,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 "parent": None, "max_model_len": w.info.max_model_len, "permission": []}
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "The engine is up (empty body)."},
+                                                           503: {"model": R.ErrorResponse, "description": "The engine is down."}})
     async def health():
         if runner.ready:
             return Response(status_code=200)
@@ -505,7 +506,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     async def version():
         return {"version": __version__, "backend": w.info.backend, "model": w.model_name}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         return PlainTextResponse(w.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
