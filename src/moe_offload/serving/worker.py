@@ -538,7 +538,10 @@ def _body(*models: str) -> dict:
 def _responses(model, stream: bool = False) -> dict:
     ok: dict = {"model": model}
     if stream:
-        ok["content"] = {"text/event-stream": {"schema": {"type": "string", "description": "data: <chunk JSON> events, then data: [DONE]"}}}
+        # One server-sent event: its data is a chunk's JSON (the *Chunk models), an error object, or [DONE] at the end.
+        ok["content"] = {"text/event-stream": {"schema": {
+            "type": "object", "required": ["data"], "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+            "description": f"data: {model.__name__.replace('Response', 'Chunk')} JSON per event, then data: [DONE]"}}}
     out = {200: ok}
     for status in (400, 401, 404, 413, 429, 503, 504):
         out[status] = {"model": R.ErrorResponse}
