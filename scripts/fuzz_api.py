@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                "-w", "1", "--no-shrink", "--request-timeout", "600", "--output-truncate", "false"]
         if args.max_time:
             cmd += ["--max-time", str(args.max_time)]
-        rc = subprocess.call(cmd)
+        with tempfile.TemporaryDirectory(prefix="fuzz-api-") as cwd:  # schemathesis keeps a cache in its working directory
+            rc = subprocess.call(cmd, cwd=cwd)
         health = httpx.get(f"{h.url}/health", timeout=30).status_code
         print(f"fuzz_api: schemathesis exit {rc}; /health after the run: {health}")
         return rc if rc else (0 if health == 200 else 1)
