@@ -24,10 +24,49 @@ GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (as vLLM): logits
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_LOGPROBS = 20  # top-N alternatives per token, as vLLM's default --max-logprobs
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, compiled by the engine into a token mask (llguidance).
+
+    kind ``json``: ``spec`` is a JSON Schema (JSON text); ``json_object``: any JSON object (spec unused);
+    ``regex``: a regular expression; ``choice``: a JSON list of strings; ``grammar``: a Lark or GBNF grammar."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURED_KINDS:
+            raise ConfigError(f"structured output: expected a kind in {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ConfigError(f"structured output spec: expected a string, got {type(self.spec).__name__}")
+
+
+def _number(name: str, v, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not (lo < v if lo_open else lo <= v) or v > hi:
+        raise ConfigError(f"{name}: expected a number in {'(' if lo_open else ''}{lo}..{hi}, got {v!r}")
+
+
+def _top_n(name: str, v) -> None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+        raise ConfigError(f"{name}: expected an integer in 0..{MAX_LOGPROBS} or null, got {v!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. ``temperature`` below 1e-5 (0 included) is greedy; ``top_k == 0`` and ``top_p == 1``
-    disable those filters."""
+    """How to pick tokens. ``temperature`` below 1e-5 (0 included) is greedy; ``top_k == 0``, ``top_p == 1``,
+    ``min_p == 0`` and the neutral penalties (0, 0, 1) disable those steps.
+
+    Penalties follow vLLM (and OpenAI): ``presence_penalty`` and ``frequency_penalty`` (-2..2) subtract from the
+    logits of tokens already generated (once, and per occurrence); ``repetition_penalty`` (> 0) divides positive
+    and multiplies negative logits of tokens in the prompt or the output. ``logit_bias`` adds to the logits of
+    token ids; ``min_tokens`` forbids EOS and ``stop_token_ids`` until that many tokens exist. ``logprobs``: the
+    number of top alternatives (0..20) to report with each token's own logprob (None: none);
+    ``prompt_logprobs`` the same for each prompt token. ``structured`` constrains the output (JSON, regex, ...).
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -36,6 +75,15 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -50,10 +98,78 @@ class SamplingParams:
                                       or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ConfigError(f"seed: expected an integer in {SEED_MIN}..{SEED_MAX} or null, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(f"min_tokens: expected an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        _top_n("logprobs", self.logprobs)
+        _top_n("prompt_logprobs", self.prompt_logprobs)
+        # JSON (the engine protocol) brings a mapping or lists; keep one hashable, ordered form.
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        try:
+            pairs = tuple((int(t), float(b)) for t, b in bias)
+        except (TypeError, ValueError):
+            raise ConfigError(f"logit_bias: expected token id -> bias pairs, got {self.logit_bias!r}") from None
+        for t, b in pairs:
+            if t < 0 or math.isnan(b) or not -100 <= b <= 100:
+                raise ConfigError(f"logit_bias: expected token ids >= 0 with biases in -100..100, got {t}: {b}")
+        object.__setattr__(self, "logit_bias", pairs)
+        if isinstance(self.structured, Mapping):
+            object.__setattr__(self, "structured", StructuredOutput(**self.structured))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ConfigError(f"structured: expected a StructuredOutput or null, got {self.structured!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    def features(self) -> tuple[str, ...]:
+        """The optional features (ENGINE_FEATURES) this request uses; an engine that lacks one must refuse it."""
+        used = {
+            "min_p": self.min_p != 0.0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "logit_bias": bool(self.logit_bias),
+            "min_tokens": self.min_tokens > 0,
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured": self.structured is not None,
+        }
+        return tuple(k for k, v in used.items() if v)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object of the engine protocol: the base fields always, optional features only when used
+        (an engine binary written before them keeps working for requests that do not use them)."""
+        raw = {f: getattr(self, f) for f in BASE_FIELDS}
+        raw["stop_token_ids"] = list(self.stop_token_ids)
+        for name in self.features():
+            value = getattr(self, name)
+            if name == "logit_bias":
+                value = {str(t): b for t, b in value}
+            elif name == "structured":
+                value = {"kind": value.kind, "spec": value.spec}
+            raw[name] = value
+        return raw
+
+
+BASE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+ENGINE_FEATURES = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                   "logprobs", "prompt_logprobs", "structured")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities (natural log, fp32 log_softmax of the model's logits before any
+    penalty, bias, mask or temperature: vLLM's default "raw" logprobs). ``rank``: 1 + the number of tokens
+    more likely than ``token``; ``top``: the N most likely (token id, logprob), most likely first."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -136,15 +252,21 @@ class Generation(Iterator[int]):
     Two ways to be fed: from a token iterator (``tokens``: engines that run one request at a time), or by an
     engine's ``step()`` appending to ``pending`` (batching engines; iterating then runs ``drive`` until a token
     comes). Either way a consumer may iterate, or call ``Engine.step()`` and ``drain()`` (the server does).
-    """
 
-    def __init__(self, tokens: Iterator[int] | None, stats: GenerationStats, *, drive=None, on_close=None):
+    With ``params.logprobs`` set, the engine appends one TokenLogprob to ``logprobs`` per token, in token order
+    (so ``logprobs[i]`` belongs to completion token i); with ``params.prompt_logprobs`` set, ``prompt_logprobs``
+    holds one entry per prompt token (None for the first, which has no context) once the prefill is done."""
+
+    def __init__(self, tokens: Iterator[int] | None, stats: GenerationStats, logprobs: list[TokenLogprob] | None = None,
+                 prompt_logprobs: list[TokenLogprob | None] | None = None, *, drive=None, on_close=None):
         self._tokens = tokens
         self._drive, self._on_close = drive, on_close
         self.stats = stats
         self.pending: deque[int] = deque()
         self.done = False  # no more tokens will come (pending may still hold some)
         self.error: BaseException | None = None  # set by a batching engine when this request failed alone
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
 
     def __next__(self) -> int:
         while True:
@@ -204,6 +326,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...] = ()
     policy: str = ""
     predicted_hit_rate: Mapping[str, float] = field(default_factory=dict)
+    features: frozenset[str] = frozenset()  # the ENGINE_FEATURES this engine honours; requests using others are refused
 
 
 class Engine(ABC):
@@ -259,6 +382,10 @@ class Engine(ABC):
         for t in prompt_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ConfigError(f"prompt token id: expected an integer in 0..{vocab - 1}, got {t!r}")
+        missing = [f for f in params.features() if f not in self.info.features]
+        if missing:
+            raise ConfigError(f"{missing[0]}: not supported by the {self.info.backend} engine "
+                              f"(it supports: {', '.join(sorted(self.info.features)) or 'none of the optional features'})")
         total = len(prompt_ids) + params.max_tokens
         if total > self.info.max_model_len:
             raise ConfigError(

@@ -9,12 +9,13 @@ engine's, and the times in them are measured, not copied from the settings.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats, SamplingParams, sample_next
+from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats, SamplingParams, TokenLogprob, sample_next
 from moe_offload.errors import ConfigError
 
 WORDS = ("the", "expert", "routes", "tokens", "to", "memory", "host", "cache", "fast", "model", "layer", "slot")
@@ -75,6 +76,7 @@ class MockEngine(Engine):
             eos_token_ids=(ByteTokenizer.eos_token_id,),
             policy=self.config.policy,
             predicted_hit_rate={tier: self.config.hit_rate},
+            features=frozenset({"logprobs", "prompt_logprobs"}),
         )
         self._total = GenerationStats()
         self._pairs_seen = 0
@@ -108,9 +110,15 @@ class MockEngine(Engine):
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         self.check_prompt(prompt_ids, params)
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        return Generation(self._run(list(prompt_ids), params, stats), stats)
+        lps = [] if params.logprobs is not None else None
+        plps = None
+        if params.prompt_logprobs is not None:
+            seed = params.seed if params.seed is not None else 0
+            plps = [None] + [_entry(self._logits(prompt_ids[:t], seed), prompt_ids[t], params.prompt_logprobs)
+                             for t in range(1, len(prompt_ids))]
+        return Generation(self._run(list(prompt_ids), params, stats, lps), stats, lps, plps)
 
-    def _run(self, history: list[int], params: SamplingParams, stats: GenerationStats):
+    def _run(self, history: list[int], params: SamplingParams, stats: GenerationStats, lps: list | None):
         seed = params.seed if params.seed is not None else 0
         rng = random.Random(seed)
         t0 = time.perf_counter()
@@ -120,7 +128,8 @@ class MockEngine(Engine):
                 step0 = time.perf_counter()
                 if i > 0 and self.config.ms_per_token:
                     time.sleep(self.config.ms_per_token / 1000)
-                token = sample_next(self._logits(history, seed), params, rng)
+                logits = self._logits(history, seed)
+                token = sample_next(logits, params, rng)
                 history.append(token)
                 if i > 0:
                     self._route(stats, 1)
@@ -130,6 +139,8 @@ class MockEngine(Engine):
                     stats.finish_reason = "stop"
                     return
                 stats.completion_tokens += 1
+                if lps is not None:
+                    lps.append(_entry(logits, token, params.logprobs))
                 yield token
             stats.finish_reason = "length"
         finally:
@@ -146,3 +157,12 @@ class MockEngine(Engine):
 
     def stats(self):
         return self._total.to_dict()
+
+
+def _entry(logits: list[float], token: int, n: int) -> TokenLogprob:
+    """The logprob entry of ``token`` under ``logits`` (log_softmax in float64), with the top ``n``."""
+    m = max(logits)
+    lse = m + math.log(sum(math.exp(x - m) for x in logits))
+    lp = [x - lse for x in logits]
+    order = sorted(range(len(lp)), key=lambda i: -lp[i])
+    return TokenLogprob(token, lp[token], 1 + sum(v > lp[token] for v in lp), tuple((i, lp[i]) for i in order[:n]))

@@ -19,14 +19,14 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
-from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats, SamplingParams
+from moe_offload.engines.base import ENGINE_FEATURES, Engine, EngineInfo, Generation, GenerationStats, SamplingParams
 from moe_offload.errors import ConfigError, EngineError
 from rm_core import MemoryTier
 
 _EOF = object()
+SAMPLING_FEATURES = frozenset(ENGINE_FEATURES) - {"logprobs", "prompt_logprobs"}
 STDERR_TAIL_LINES = 50  # the engine's last stderr lines, quoted when it dies
 
 
@@ -81,6 +81,9 @@ class EngineProcess(Engine):
                 eos_token_ids=tuple(health.get("eos_token_ids", ())),
                 policy=health.get("policy", ""),
                 predicted_hit_rate=health.get("predicted_hit_rate", {}),
+                # Sampling features travel in params; logprobs would need fields in token events that
+                # protocol 1 does not have, so those stay off whatever the engine says.
+                features=frozenset(health.get("features", ())) & SAMPLING_FEATURES,
             )
             if not hasattr(self, "tokenizer"):
                 self.tokenizer = self._tokenizer(health.get("tokenizer", "hf"))
@@ -177,8 +180,7 @@ class EngineProcess(Engine):
         self._ensure()
         self.check_prompt(prompt_ids, params)
         rid = f"r{next(self._ids)}"
-        raw = asdict(params)
-        raw["stop_token_ids"] = list(params.stop_token_ids)
+        raw = params.to_wire()
         self._send({"op": "generate", "id": rid, "prompt_ids": list(prompt_ids), "params": raw})
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         return Generation(self._tokens(rid, stats), stats)

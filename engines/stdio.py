@@ -64,6 +64,7 @@ class Server:
             "eos_token_ids": list(info.eos_token_ids),
             "policy": info.policy,
             "predicted_hit_rate": dict(info.predicted_hit_rate),
+            "features": sorted(info.features),
             "tokenizer": "byte" if type(tok).__name__ == "ByteTokenizer" else "hf",
             "tiers": [t.to_dict() for t in self.tiers],
         }

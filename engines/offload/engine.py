@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import gc
 import os
-import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats, SamplingParams
+from moe_offload.engines.base import ENGINE_FEATURES, Engine, EngineInfo, Generation, GenerationStats, SamplingParams
 from moe_offload.engines.offload import kv
+from moe_offload.engines.offload.sampling import SequenceState, prompt_logprobs, sample
 from moe_offload.engines.offload.scheduler import RUNNING, Scheduler, SchedulerConfig
 from moe_offload.engines.offload.scheduler import Sequence as Seq
 from moe_offload.errors import ConfigError, EngineError
@@ -38,28 +38,6 @@ BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "hybrid_thr
 CACHES = ("paged", "dynamic")
 DEFAULT_KV_CPU = 4 * 2**30  # bytes: the KV budget on a cpu device unless kv_cache_memory says otherwise
 log = get_logger("engine.offload")
-
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick one token id from ``logits`` [V] (any float dtype): greedy, or temperature + top-k + top-p."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    scaled = logits.float() / params.temperature  # [V]
-    vocab = scaled.shape[-1]
-    if params.top_k and params.top_k < vocab:
-        values, ids = torch.topk(scaled, params.top_k)  # [k], sorted descending
-    elif params.top_p < 1.0:
-        values, ids = torch.sort(scaled, descending=True)  # [V]
-    else:
-        values, ids = scaled, None
-    if params.top_p < 1.0:
-        probs = torch.softmax(values, dim=-1)
-        # Keep a token while the mass before it is below top_p: the first token is always kept.
-        keep = (torch.cumsum(probs, dim=-1) - probs) < params.top_p
-        values, ids = values[keep], ids[keep]
-    probs = torch.softmax(values, dim=-1)
-    choice = torch.multinomial(probs, 1, generator=generator)
-    return int(ids[choice] if ids is not None else choice)
 
 
 # -- executor statistics -> GenerationStats ------------------------------------------------------------------
@@ -111,11 +89,15 @@ class _Request:
     gen: Generation
     stats: GenerationStats
     stops: frozenset
-    generator: torch.Generator | None
+    state: SequenceState  # sampling: generator, penalties' counts, grammar position
     t_start: float = 0.0  # first scheduled (perf_counter s)
     t_last: float = 0.0  # last token emitted
     cache: Any = None  # the model's own cache (per-sequence path only)
-    stage_s: dict = field(default_factory=dict)
+
+    def wants_prompt_logprobs(self, seq: Seq) -> bool:
+        """This step's chunk still covers prompt positions whose logprobs are owed."""
+        plps = self.gen.prompt_logprobs
+        return plps is not None and len(plps) < seq.prompt_len and seq.computed < seq.prompt_len
 
 
 class OffloadEngine(Engine):
@@ -172,7 +154,9 @@ class OffloadEngine(Engine):
             eos_token_ids=_eos_ids(self.model, tokenizer),
             policy=str(getattr(offloaded, "policy", "") or ""),
             predicted_hit_rate=dict(getattr(placement, "predicted_hit_rate", {}) or {}),
+            features=frozenset(ENGINE_FEATURES),
         )
+        self._llg = None  # llguidance's tokenizer, built at the first structured-output request
         self._total = GenerationStats()
         self._next_sid = 0
         self._steps = 0
@@ -220,18 +204,29 @@ class OffloadEngine(Engine):
             raise ConfigError("engine is closed")
         prompt = list(prompt_ids)
         self.check_prompt(prompt, params)
-        generator = None
-        if not params.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        state = SequenceState(params, prompt, vocab_size=self.info.vocab_size, device=self.device,
+                              eos_ids=self.info.eos_token_ids, matcher=self._matcher(params))
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.info.eos_token_ids))
         stats = GenerationStats(prompt_tokens=len(prompt))
         seq = Seq(self._next_sid, prompt, len(prompt), len(prompt) + params.max_tokens)
         self._next_sid += 1
-        gen = Generation(None, stats, drive=self._drive, on_close=lambda: self._finish(seq, "abort"))
-        seq.payload = _Request(params, gen, stats, stops, generator)
+        gen = Generation(None, stats, [] if params.logprobs is not None else None,
+                         [] if params.prompt_logprobs is not None else None,
+                         drive=self._drive, on_close=lambda: self._finish(seq, "abort"))
+        seq.payload = _Request(params, gen, stats, stops, state)
         self.scheduler.add(seq)
         return gen
+
+    def _matcher(self, params: SamplingParams):
+        if params.structured is None:
+            return None
+        from moe_offload.engines import grammar
+
+        if self.tokenizer is None:
+            raise ConfigError("structured output: this checkpoint has no tokenizer to compile the constraint against")
+        if self._llg is None:
+            self._llg = grammar.llg_tokenizer(self.tokenizer, self.info.vocab_size, self.info.eos_token_ids)
+        return grammar.Matcher(params.structured, self._llg)
 
     def _drive(self) -> None:
         if not self.step():
@@ -306,7 +301,9 @@ class OffloadEngine(Engine):
             pos += range(c, c + n)
             b = seq.blocks
             slots += [b[p // bs] * bs + p % bs for p in range(c, c + n)]
-            if c + n == len(seq.tokens):
+            if seq.payload.wants_prompt_logprobs(seq):
+                keep += range(len(ids) - n, len(ids))  # every position: prompt logprobs
+            elif c + n == len(seq.tokens):
                 keep.append(len(ids) - 1)
         step = self._layout(sched)
         step.slot_mapping = torch.tensor(slots, device=dev)
@@ -318,7 +315,7 @@ class OffloadEngine(Engine):
                              cache=self.paged_cache, use_cache=True,
                              logits_to_keep=torch.tensor(keep or [len(ids) - 1], device=dev))
         self._book(sched, before, getattr(self.executor, "token_stats", None))
-        return out.logits[0] if keep else None  # [B sampled, V]
+        return out.logits[0] if keep else None  # [rows kept, V]: see _emit
 
     def _layout(self, sched) -> kv.StepContext:
         """The step's key layout: decode sequences first, each padded to the longest; then each prefill chunk's
@@ -365,25 +362,47 @@ class OffloadEngine(Engine):
             if c == 0:
                 req.cache = None  # a new or preempted sequence starts a fresh cache
             before = _snapshot(self.executor)
+            every = req.wants_prompt_logprobs(seq)
             out = self.model(input_ids=torch.tensor([seq.tokens[c : c + n]], device=self.device),
                              position_ids=torch.arange(c, c + n, device=self.device).unsqueeze(0),
-                             cache=req.cache, use_cache=True, logits_to_keep=1)
+                             cache=req.cache, use_cache=True, logits_to_keep=0 if every else 1)
             req.cache = out.past_key_values
             self._book([(seq, n)], before, None)
-            if c + n == len(seq.tokens):
-                rows.append(out.logits[0, -1])
-        return torch.stack(rows) if rows else None
+            if every:
+                rows.append(out.logits[0])
+            elif c + n == len(seq.tokens):
+                rows.append(out.logits[0, -1:])
+        return torch.cat(rows) if rows else None
 
     def _emit(self, sched, logits) -> None:
+        """Prompt logprobs of prefill chunks, then one sampled token per sequence whose tokens are all computed.
+        ``logits`` rows: per scheduled sequence, every chunk position (prompt logprobs owed) or the last (it samples)."""
         now = time.perf_counter()
-        sampled = [seq for seq, n in sched if seq.computed + n == len(seq.tokens)]
-        tokens = self._sample(sampled, logits) if sampled else []
+        sampled, rows, r = [], [], 0
+        for seq, n in sched:
+            req = seq.payload
+            samples = seq.computed + n == len(seq.tokens)
+            if req.wants_prompt_logprobs(seq):
+                c = seq.computed
+                entries = prompt_logprobs(logits[r : r + n], seq.tokens[c : c + n + 1], req.params.prompt_logprobs)
+                req.gen.prompt_logprobs.extend(entries if c == 0 else entries[1:])  # entry 0: the chunk's first token
+                r += n
+                if samples:
+                    rows.append(r - 1)
+            elif samples:
+                rows.append(r)
+                r += 1
+            if samples:
+                sampled.append(seq)
         for seq, n in sched:
             seq.computed += n
-        for seq, token in zip(sampled, tokens):
+        if not sampled:
+            return
+        picks = sample(logits[rows] if len(rows) != logits.shape[0] else logits, [s.payload.state for s in sampled])
+        for seq, (token, entry) in zip(sampled, picks):
             req = seq.payload
             st = req.stats
-            if st.completion_tokens == 0 and not st.token_ms and req.t_last == 0.0:
+            if req.t_last == 0.0:
                 st.prefill_ms = (now - req.t_start) * 1000
             else:
                 st.token_ms.append((now - req.t_last) * 1000)
@@ -392,17 +411,16 @@ class OffloadEngine(Engine):
             if token in req.stops:
                 self._finish(seq, "stop")
                 continue
+            req.state.accept(token)
             st.completion_tokens += 1
             seq.tokens.append(token)
+            if req.gen.logprobs is not None:
+                req.gen.logprobs.append(entry)
             req.gen.pending.append(token)
-            if st.completion_tokens >= req.params.max_tokens:
+            if req.state.finished:  # a structured output is complete: nothing but EOS could follow
+                self._finish(seq, "stop")
+            elif st.completion_tokens >= req.params.max_tokens:
                 self._finish(seq, "length")
-
-    def _sample(self, seqs, logits: torch.Tensor) -> list[int]:
-        reqs = [s.payload for s in seqs]
-        if all(r.params.greedy for r in reqs):
-            return torch.argmax(logits, dim=-1).tolist()  # one host sync for the whole batch
-        return [sample_token(logits[i], r.params, r.generator) for i, r in enumerate(reqs)]
 
     def _finish(self, seq: Seq, reason: str) -> None:
         if seq.state == "finished":
@@ -553,4 +571,4 @@ def build_offload_engine(
                          kv_config=kv_config, scheduler=sched)
 
 
-__all__ = ["KVCacheConfig", "OffloadEngine", "build_offload_engine", "load_tokenizer", "sample_token"]
+__all__ = ["KVCacheConfig", "OffloadEngine", "build_offload_engine", "load_tokenizer"]

@@ -20,10 +20,42 @@ from moe_offload.errors import ConfigError
 DEFAULT_DIR = Path("~/.cache/moe-offload/demo-model")
 NOTE = "RANDOM WEIGHTS: a moe-offload demo/test model; its output is deterministic nonsense"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# ChatML, with tools in the Hermes / Qwen style: tool signatures in the system turn, the assistant's calls as
+# <tool_call>{"name", "arguments"}</tool_call>, tool results as <tool_response> user turns. Without tools it
+# renders exactly as plain ChatML.
+CHAT_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+
+{% endif %}# Tools
+
+You may call one or more functions. Their signatures, within <tools></tools>:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each call, return a JSON object with the function name and arguments within <tool_call></tool_call>:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' and tools and loop.first %}
+{%- elif message['role'] == 'assistant' %}<|im_start|>assistant
+{{ message['content'] or '' }}
+{%- for call in message['tool_calls'] or [] %}
+<tool_call>
+{"name": {{ call['function']['name'] | tojson }}, "arguments": {{ call['function']['arguments'] | tojson if call['function']['arguments'] is mapping else call['function']['arguments'] }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message['role'] == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message['content'] }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endif %}
+{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 # Small enough to build in seconds and decode in a few ms/token on a laptop CPU.
 SHAPE = dict(
     hidden_size=256,
@@ -164,5 +196,8 @@ def ensure_demo_model(out_dir: str | os.PathLike | None = None) -> Path:
     """The demo model directory, built on first use."""
     out = Path(out_dir).expanduser() if out_dir is not None else default_dir()
     if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file() or not (out / "tokenizer.json").is_file():
+        return build_demo_model(out)
+    template = out / "chat_template.jinja"
+    if template.is_file() and template.read_text(encoding="utf-8") != CHAT_TEMPLATE:  # built by an older version
         return build_demo_model(out)
     return out

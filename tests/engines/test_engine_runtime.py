@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_offload.engines.base import SamplingParams
-from moe_offload.engines.offload.engine import build_offload_engine, sample_token
+from moe_offload.engines.offload.engine import build_offload_engine
 from moe_offload.errors import ConfigError, ModelError, PlacementError
 
 N = 16  # greedy tokens compared against stock generate()
@@ -97,20 +97,6 @@ def test_top_k_1_and_tiny_top_p_are_greedy(demo_engine):
     greedy = run(demo_engine, PROMPT, max_tokens=8, ignore_eos=True)[0]
     assert run(demo_engine, PROMPT, max_tokens=8, temperature=1.5, top_k=1, seed=1, ignore_eos=True)[0] == greedy
     assert run(demo_engine, PROMPT, max_tokens=8, temperature=1.5, top_p=1e-6, seed=1, ignore_eos=True)[0] == greedy
-
-
-def test_sample_token_filters():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.tensor([0.0, 5.0, 4.0, 3.0, -1.0, 2.0])
-    top2 = {sample_token(logits, SamplingParams(temperature=1.0, top_k=2), g) for _ in range(200)}
-    assert top2 == {1, 2}
-    # probs of [ln .5, ln .3, ln .2]: top_p .6 keeps the first two (mass before the third is .8 >= .6)
-    probs = torch.tensor([0.5, 0.3, 0.2]).log()
-    kept = {sample_token(probs, SamplingParams(temperature=1.0, top_p=0.6), g) for _ in range(300)}
-    assert kept == {0, 1}
-    assert sample_token(logits, SamplingParams(), None) == 1
-    # a temperature that passes the API (0..2) but overflows float32 logits / T: greedy, not a NaN multinomial
-    assert sample_token(logits.bfloat16() * 10, SamplingParams(temperature=1e-40), g) == 1
 
 
 def test_extreme_seeds_sample(demo_engine):

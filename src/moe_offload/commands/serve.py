@@ -36,6 +36,10 @@ def _worker_options(fn):
         click.option("--gateway", "gateway_url", help="Register with this gateway (needs --gateway-token)."),
         click.option("--gateway-token", envvar="MOE_OFFLOAD_GATEWAY_TOKEN", help="The gateway's shared token [env MOE_OFFLOAD_GATEWAY_TOKEN]."),
         click.option("--advertise-url", help="URL the gateway should use for this worker (default: http://HOST:PORT)."),
+        click.option("--generation-config", default="auto", show_default=True,
+                     help="Default sampling values: auto (the model's generation_config.json), vllm (none), or a directory."),
+        click.option("--tool-call-parser", default="auto", show_default=True, type=click.Choice(["auto", "hermes", "qwen3_coder"]),
+                     help="How tool calls are read from replies (auto: from the chat template)."),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -45,7 +49,7 @@ def _worker_options(fn):
 def _run_worker(backend_name: str, model: str | None, *, host, port, placement, policy, fraction, mock_ms_per_token,
                 mock_hit_rate, engine_bin, engine_data, served_model_name, api_key, max_queue, request_timeout, max_body_bytes, gateway_url,
                 gateway_token, advertise_url, banner: bool, max_num_seqs=None, max_num_batched_tokens=None, kv_cache_memory=None,
-                max_model_len=None, block_size=None) -> None:
+                max_model_len=None, block_size=None, generation_config: str = "auto", tool_call_parser: str = "auto") -> None:
     from moe_offload import backends
     from moe_offload.errors import ConfigError
     from moe_offload.serving import server, worker
@@ -73,7 +77,8 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
     click.echo(f"loading {what} on backend {backend_name} ...", err=True)
     app = worker.create_app(lambda: backend.build_engine(model, placement_obj, **options), model_name=name, api_key=api_key or None,
                             max_queue=max_queue, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
-                            placement=placement_obj, tiers=backend.tiers())
+                            placement=placement_obj, tiers=backend.tiers(), generation_config=generation_config,
+                            tool_parser=tool_call_parser)
     if host not in LOOPBACK and not api_key:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     if gateway_url:

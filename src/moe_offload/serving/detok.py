@@ -4,7 +4,8 @@ Tokens arrive one at a time; ``push`` returns the text that is safe to send:
 a multi-byte character split over tokens is held until complete (vLLM's
 prefix/read offsets), and text that might be the start of a stop string is
 held until it is not. When a stop string appears the text is cut before it
-and ``stopped`` turns true (the caller then aborts the generation).
+(after it with ``include_stop``, vLLM's include_stop_str_in_output), ``stop_str``
+names it and ``stopped`` turns true (the caller then aborts the generation).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from collections.abc import Sequence
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), *, include_stop: bool = False, skip_special: bool = True):
         self.tok = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.include_stop, self.skip_special = include_stop, skip_special
+        self.stop_str: str | None = None
         self.ids: list[int] = []
         self.prefix = self.read = 0
         self.text = ""
@@ -23,7 +26,7 @@ class TextStream:
         self.stopped = False
 
     def _decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special)
 
     def push(self, token_id: int) -> str:
         if self.stopped:
@@ -47,9 +50,10 @@ class TextStream:
         if self.stop:
             longest = max(len(s) for s in self.stop)
             start = max(0, self.emitted - longest)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, self.stop_str = min(hits)
+                self.text = self.text[: at + (len(self.stop_str) if self.include_stop else 0)]
                 self.stopped = True
                 final = True
         end = len(self.text)

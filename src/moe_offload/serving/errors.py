@@ -62,7 +62,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, e: StarletteHTTPException):
-        return APIError(e.status_code, str(e.detail)).response()
+        r = APIError(e.status_code, str(e.detail)).response()
+        r.headers.update(e.headers or {})  # 405 keeps its Allow header (RFC 9110)
+        return r
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, e: RequestValidationError):

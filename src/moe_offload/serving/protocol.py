@@ -1,38 +1,240 @@
-"""Parse and validate OpenAI request bodies into engine inputs. Every bad field is a 400 naming the field.
+"""The OpenAI request bodies as pydantic models, with vLLM's field names and defaults; /openapi.json is built from them.
 
-Unknown fields are ignored (as vLLM does), so newer clients keep working;
-fields we cannot honour (``n`` > 1, ``logprobs``, ``echo``, ``best_of`` > 1, ``suffix``, a non-text
-``response_format``, tool calling) are refused, not ignored.
+    raw bytes --validate(Model)--> a typed request (strict JSON types: "10" is not an integer)
+        bad JSON / a bad field  --> APIError 400, ``param`` naming the field (``messages[0].role``), never a 422
+        unknown fields          --> accepted and ignored, as vLLM does (logged)
+        known, not honoured     --> APIError 400 naming the field (REFUSED below), never silently ignored
+
+requests.py turns a validated request into engine inputs; responses.py holds the response shapes.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
-from moe_offload.engines.base import SamplingParams
-from moe_offload.errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from moe_offload.log import get_logger
 from moe_offload.serving.errors import APIError
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+log = get_logger("serving.protocol")
+INT64 = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
+MAX_CHOICES = 64  # prompts x (best_of or n) per request: they run one after another on one engine
 
 
-@dataclass
-class GenRequest:
-    """One API request, ready for the engine: one token-id prompt per choice."""
+class OpenAIModel(BaseModel):
+    """Strict JSON types, unknown fields kept aside (``model_extra``) and ignored."""
 
-    prompts: list[list[int]]
-    params: SamplingParams
-    stop: tuple[str, ...] = ()
-    stream: bool = False
-    include_usage: bool = False
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# Sampling fields shared by both endpoints, vLLM's names and defaults (None: the model's generation_config.json,
+# else OpenAI's default).
+class SamplingFields(OpenAIModel):
     model: str | None = None
-    text: str = ""  # what classification reads
-    prompt_texts: list[str] = field(default_factory=list)  # rendered chat prompt (for the reasoning splitter)
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = 1
+    seed: Annotated[int, Field(**INT64)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    user: str | None = None
+    request_id: str | None = None
+    # vLLM fields this worker does not honour: accepted in their neutral value only (REFUSED).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    logprob_token_ids: list[int] | None = None
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    structural_tag: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]] | str | list[str] | None = None
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="The prompt as token ids (instead of `prompt`), as the NPU design's worker accepts.")
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    echo: bool | None = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(OpenAIModel):
+    """A text part of a message. Images, audio and files are refused: this worker serves text models."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    include_reasoning: bool = True
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeCompletionRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(OpenAIModel):
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    documents: list[dict[str, str]] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+# field -> (is it at its neutral value?, why it is refused). A request that sets one of these gets a 400.
+REFUSED: dict[str, tuple] = {
+    "suffix": (lambda v: v in (None, ""), "insertion (suffix) is not supported"),
+    "use_beam_search": (lambda v: not v, "beam search is not supported"),
+    "length_penalty": (lambda v: v == 1.0, "length_penalty needs beam search, which is not supported"),
+    "allowed_token_ids": (lambda v: v is None, "not supported (use logit_bias or structured_outputs)"),
+    "bad_words": (lambda v: not v, "not supported"),
+    "truncate_prompt_tokens": (lambda v: v is None, "prompt truncation is not supported"),
+    "logprob_token_ids": (lambda v: v is None, "not supported (use logprobs)"),
+    "priority": (lambda v: v == 0, "priority scheduling is not supported"),
+    "kv_transfer_params": (lambda v: not v, "KV transfer is not supported (experts move, never KV cache)"),
+    "vllm_xargs": (lambda v: not v, "no extension reads vllm_xargs here"),
+    "structural_tag": (lambda v: v is None, "structural tags are not supported"),
+    "guided_whitespace_pattern": (lambda v: v is None, "not supported (JSON output is compact)"),
+    "spaces_between_special_tokens": (lambda v: v, "only true is supported"),
+    "mm_processor_kwargs": (lambda v: not v, "this worker serves text models"),
+    "echo": (lambda v: not v, "echo on chat completions is not supported"),  # chat only: completions honour echo
+    "stream_options.continuous_usage_stats": (lambda v: not v, "not supported (use include_usage)"),
+}
 
 
 def parse_json(raw: bytes) -> dict:
+    """A JSON object from a request body, or APIError 400 (used by the gateway, which forwards bodies as they are)."""
     try:
         text = raw.decode("utf-8")  # JSON on the wire is UTF-8 (RFC 8259); json.loads would also guess UTF-16/32
         body = json.loads(text)
@@ -42,8 +244,8 @@ def parse_json(raw: bytes) -> dict:
         raise APIError(400, "invalid JSON body: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body: expected a JSON object, got {type(body).__name__}")
-    # JSON may escape a lone UTF-16 surrogate ("\ud800"), which no UTF-8 text can hold: the tokenizer and every
-    # response that echoes the string would fail on it. Raw bytes cannot carry one, so only an escape needs the check.
+    # JSON may escape a lone UTF-16 surrogate ("\\ud800"), which no UTF-8 text can hold. Raw bytes cannot carry
+    # one, so only an escape needs the check. (validate() gets the same from pydantic's parser.)
     if "\\ud" in text.lower():
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
@@ -53,183 +255,56 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _bad(param: str, expected: str, got) -> APIError:
-    return APIError(400, f"{param}: expected {expected}, got {got!r}"[:500], param=param)
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json_or_python"}
 
 
-def _int(body: dict, key: str, default, minimum: int | None = None):
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad(key, "an integer", v)
-    if minimum is not None and v < minimum:
-        raise _bad(key, f"an integer >= {minimum}", v)
-    return v
+def param_of(loc: tuple) -> str | None:
+    """pydantic's error location -> the field as a client names it: ("messages", 0, "role") -> "messages[0].role".
+    Union member tags that pydantic puts in the path ("list[str]", "function-after[...]") are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
+            out += ("." if out else "") + part
+    return out or None
 
 
-def _num(body: dict, key: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or not lo <= v <= hi:
-        raise _bad(key, f"a number in {lo}..{hi}", v)
-    return float(v)
-
-
-def _bool(body: dict, key: str, default: bool = False) -> bool:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _bad(key, "true or false", v)
-    return v
-
-
-def _stop(body: dict) -> tuple[str, ...]:
-    v = body.get("stop")
-    if v is None:
-        return ()
-    if isinstance(v, str):
-        return (v,) if v else ()
-    if isinstance(v, list) and len(v) <= 16 and all(isinstance(s, str) for s in v):
-        return tuple(s for s in v if s)
-    raise _bad("stop", "a string or a list of up to 16 strings", v)
-
-
-def _common(body: dict, max_tokens_default: int | None, key_max: tuple[str, ...]) -> tuple[dict, tuple[str, ...], bool, bool]:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _bad("model", "a string", model)
-    n = _int(body, "n", 1, 1)
-    if n != 1:
-        raise _bad("n", "1 (one choice per request; send several requests)", n)
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise APIError(400, "logprobs: not supported by this server", param="logprobs")
-    _refuse_unhonoured(body)
-    max_tokens = max_tokens_default
-    for key in key_max:
-        if body.get(key) is not None:
-            max_tokens = _int(body, key, None)
-            if max_tokens < 1:
-                raise _bad(key, "an integer >= 1", max_tokens)
-            break
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise _bad("stop_token_ids", "a list of integers", stop_ids)
-    params = {
-        "max_tokens": max_tokens,
-        "temperature": _num(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": _num(body, "top_p", 1.0, 0.0, 1.0),
-        "top_k": _int(body, "top_k", 0, -1),
-        "seed": _int(body, "seed", None),
-        "stop_token_ids": tuple(stop_ids),
-        "ignore_eos": _bool(body, "ignore_eos"),
-    }
-    if params["top_p"] == 0:
-        raise _bad("top_p", "a number in (0, 1]", 0)
-    params["top_k"] = max(params["top_k"], 0)  # vLLM: -1 means "off", like 0
-    stream = _bool(body, "stream")
-    opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
-        raise _bad("stream_options", "an object", opts)
-    include_usage = (opts or {}).get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise _bad("stream_options.include_usage", "true or false", include_usage)
-    return params, _stop(body), stream, bool(include_usage)
-
-
-def _refuse_unhonoured(body: dict) -> None:
-    """Options that change what a client gets back, which this server cannot do: a 400, not a silent ignore."""
-    if body.get("echo") not in (None, False):
-        raise _bad("echo", "false (echoing the prompt is not supported)", body["echo"])
-    if body.get("best_of") not in (None, 1):
-        raise _bad("best_of", "1 (one candidate per request)", body["best_of"])
-    if body.get("suffix") not in (None, ""):
-        raise _bad("suffix", "none (insertion is not supported)", body["suffix"])
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise _bad("response_format", "{'type': 'text'} (structured output is not supported)", fmt)
-    if body.get("tools") and body.get("tool_choice", "auto") != "none":
-        raise _bad("tool_choice", "'none' when tools are given (tool calling is not supported)", body.get("tool_choice", "auto"))
-
-
-def sampling(params: dict, prompt_len: int, max_model_len: int) -> SamplingParams:
-    p = dict(params)
-    if p["max_tokens"] is None:  # chat default, as vLLM: whatever the context leaves
-        p["max_tokens"] = max(max_model_len - prompt_len, 1)
+def validate(model: type[OpenAIModel], raw: bytes) -> OpenAIModel:
+    """Validate a request body; every failure is an APIError 400 naming the field."""
     try:
-        return SamplingParams(**p)
-    except ConfigError as e:
-        raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+        req = model.model_validate_json(raw, strict=True)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"invalid JSON body: {err['msg']}"[:500], code="invalid_json") from None
+        if err["type"] in ("model_type", "model_attributes_type") and not err["loc"]:
+            raise APIError(400, "request body: expected a JSON object") from None
+        param = param_of(err["loc"])
+        got = err.get("input")
+        got_text = "nothing" if err["type"] == "missing" else repr(got)
+        raise APIError(400, f"{param or 'request body'}: {err['msg']}, got {got_text}"[:500], param=param) from None
+    refuse_unhonoured(req, chat=isinstance(req, ChatCompletionRequest))
+    extra = sorted(req.model_extra or {})
+    if extra:
+        log.debug("ignored unknown request fields", fields=",".join(extra)[:200])
+    return req
 
 
-def parse_completion(body: dict, tokenizer, max_model_len: int) -> GenRequest:
-    params, stop, stream, include_usage = _common(body, 16, ("max_tokens",))
-    prompt = body.get("prompt")
-    texts: list[str] = []
-    if isinstance(prompt, str):
-        texts, prompts = [prompt], [tokenizer.encode(prompt, add_special_tokens=False)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        texts, prompts = list(prompt), [tokenizer.encode(p, add_special_tokens=False) for p in prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        prompts = [list(prompt)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt):
-        for p in prompt:
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                raise _bad("prompt", "token ids as integers", p[:8])
-        prompts = [list(p) for p in prompt]
-    else:
-        raise _bad("prompt", "a non-empty string, list of strings, list of token ids or list of token-id lists", prompt)
-    if len(prompts) > 64:
-        raise _bad("prompt", "at most 64 prompts", len(prompts))
-    for i, p in enumerate(prompts):
-        if not p:
-            raise APIError(400, f"prompt[{i}]: expected at least one token, got an empty prompt", param="prompt")
-    sp = sampling(params, max(len(p) for p in prompts), max_model_len)
-    return GenRequest(prompts, sp, stop, stream, include_usage, body.get("model"), "\n".join(texts))
+def refuse_unhonoured(req: OpenAIModel, chat: bool) -> None:
+    for name, (neutral, why) in REFUSED.items():
+        if name == "echo" and not chat:
+            continue
+        obj, attr = req, name
+        if "." in name:
+            head, attr = name.split(".", 1)
+            obj = getattr(req, head, None)
+        if obj is None or attr not in type(obj).model_fields:
+            continue
+        value = getattr(obj, attr)
+        if not neutral(value):
+            raise APIError(400, f"{name}: {why}; got {value!r}"[:500], param=name)
 
 
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "a non-empty list of messages", messages)
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise _bad(f"messages[{i}]", "an object with role and content", m)
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise _bad(f"messages[{i}].role", "one of " + ", ".join(ROLES), role)
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _bad(f"messages[{i}].content", "text parts ({'type': 'text', 'text': ...})", part)
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif content is None and role == "assistant":
-            content = ""
-        elif not isinstance(content, str):
-            raise _bad(f"messages[{i}].content", "a string or a list of text parts", content)
-        out.append({"role": role, "content": content})
-    return out
-
-
-def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenRequest:
-    params, stop, stream, include_usage = _common(body, None, ("max_completion_tokens", "max_tokens"))
-    messages = _messages(body)
-    kwargs = body.get("chat_template_kwargs")
-    kwargs = {} if kwargs is None else kwargs
-    if not isinstance(kwargs, dict):
-        raise _bad("chat_template_kwargs", "an object", kwargs)
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-    except Exception as e:  # noqa: BLE001 - a template that rejects these messages is the client's 400
-        raise APIError(400, f"messages: the chat template rejected them: {type(e).__name__}: {e}"[:500], param="messages") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if not ids:
-        raise APIError(400, "messages: the chat template produced an empty prompt", param="messages")
-    sp = sampling(params, len(ids), max_model_len)
-    text_for_class = "\n".join(m["content"] for m in messages)
-    return GenRequest([ids], sp, stop, stream, include_usage, body.get("model"), text_for_class, [text])
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest", "TokenizeChatRequest",
+           "DetokenizeRequest", "ChatMessage", "Tool", "APIError", "parse_json", "validate", "param_of", "REFUSED"]

@@ -28,12 +28,15 @@ log = get_logger("serving.queue")
 
 
 class Job:
-    """One generation as seen from the event loop: ``await next()`` gives ("token", id, t) ... ("done", stats)."""
+    """One generation as seen from the event loop: ``await next()`` gives ("token", id, t, TokenLogprob | None) ...
+    ("done", stats), with ("prompt_logprobs", list) before the first token when the request asked for them."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, ids: list[int], params: SamplingParams):
         self.loop, self.ids, self.params = loop, ids, params
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.sent = 0  # tokens pushed (engine thread)
+        self.prompt_sent = False
 
     def push(self, item: tuple) -> None:  # engine thread
         try:
@@ -171,8 +174,13 @@ class EngineRunner:
     def _drain(self) -> None:
         now = time.perf_counter()
         for job, gen in list(self._active.items()):
+            if gen.prompt_logprobs is not None and not job.prompt_sent and (gen.pending or gen.done):
+                job.push(("prompt_logprobs", gen.prompt_logprobs))  # complete once the prefill gave a token
+                job.prompt_sent = True
+            lps = gen.logprobs
             for token in gen.drain():
-                job.push(("token", token, now))
+                job.push(("token", token, now, lps[job.sent] if lps is not None and job.sent < len(lps) else None))
+                job.sent += 1
             if gen.error is not None:
                 if not isinstance(gen.error, OffloadError):
                     raise gen.error  # not a user error: the engine crashed (the loop restarts it)
