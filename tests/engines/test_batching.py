@@ -165,3 +165,25 @@ def test_a_family_with_linear_attention_state_batches_per_sequence(tmp_path):
     finally:
         engine.close()
     assert out == expected
+
+
+def test_prompt_logprobs_are_the_same_when_the_prompt_is_prefilled_in_chunks(checkpoints):
+    """Prompt logprobs come from every prefill chunk's positions: chunks of 4 tokens, batched with another
+    sequence, give the entries one whole-prompt prefill gives (fp32: equal to rounding)."""
+    path = checkpoints("qwen3_moe")
+    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    whole = build_offload_engine(path)
+    chunked = build_offload_engine(path, max_num_batched_tokens=4, max_num_seqs=2)
+    try:
+        a = whole.generate(PROMPTS[2], params)
+        ref = list(a)
+        other = chunked.start(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+        b = chunked.start(PROMPTS[2], params)
+        assert list(b) == ref and list(other)
+    finally:
+        whole.close()
+        chunked.close()
+    assert len(b.prompt_logprobs) == len(PROMPTS[2]) and b.prompt_logprobs[0] is None
+    for x, y in zip(a.prompt_logprobs[1:] + a.logprobs, b.prompt_logprobs[1:] + b.logprobs):
+        assert (x.token, x.rank, [t for t, _ in x.top]) == (y.token, y.rank, [t for t, _ in y.top])
+        assert abs(x.logprob - y.logprob) < 1e-4
