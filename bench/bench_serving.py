@@ -146,10 +146,11 @@ def main() -> None:
     if a.backend != "mock":  # interleaved: the CLI before and after the worker
         res["generate_ms_per_token"].append(generate_ms_per_token(a.model, a.backend, a.tokens))
     if a.llamacpp:
-        from llamacpp import batched_bench, ensure_llamacpp, to_gguf
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_llamacpp import batched_bench, ensure_llamacpp, to_gguf
 
         ensure_llamacpp()
-        res["llamacpp"] = batched_bench(to_gguf(a.model, "bf16"), list(levels), a.tokens)
+        res["llamacpp"] = batched_bench(to_gguf(a.model, "bf16"), list(levels), a.tokens, prompt=16, threads=2)
     if a.json:
         print(json.dumps(res, indent=2))
         return
@@ -161,7 +162,7 @@ def main() -> None:
         if one:
             line += f"; worker single stream: {1000 / one['decode_tok_s']:.2f} ms/token ({1000 / one['decode_tok_s'] / statistics.mean(gen):.3f}x)"
         print(line)
-    llama = {r["batch"]: r["tg_tok_s"] for r in res.get("llamacpp", [])}
+    llama = {int(r["pl"]): float(r["speed_tg"]) for r in res.get("llamacpp", [])}
     print("| clients | decode tok/s | llama.cpp bf16 tok/s | ratio | throughput tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |")
     print("|---|---|---|---|---|---|---|")
     for r in res["sweep"]:
