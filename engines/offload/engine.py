@@ -10,6 +10,7 @@ logits, sampling in torch with a per-request torch.Generator.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import secrets
@@ -155,14 +156,17 @@ class OffloadEngine(Engine):
         from transformers import DynamicCache, StaticCache
 
         config = self.model.config
-        if self.cache_kind == "static":
+        kind = cache_kind(self.model, self.cache_kind)
+        if kind == "model":
+            return None  # the model builds its own at the first forward; _forward hands it back
+        if kind == "static":
             return StaticCache(config=config, max_cache_len=length)
         return DynamicCache(config=config)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        # ids, positions [1, T] -> logits of the last position [V]
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache):
+        # ids, positions [1, T] -> (logits of the last position [V], the cache to pass to the next step)
         out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
+        return out.logits[0, -1], out.cache if cache is None else cache
 
     def _run(self, prompt: list[int], params: SamplingParams, stats: GenerationStats) -> Iterator[int]:
         generator = None
@@ -177,14 +181,14 @@ class OffloadEngine(Engine):
                 n = len(prompt)
                 cache = self._new_cache(n + params.max_tokens)
                 ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # [1, T]
-                logits = self._forward(ids, torch.arange(n, device=self.device).unsqueeze(0), cache)
+                logits, cache = self._forward(ids, torch.arange(n, device=self.device).unsqueeze(0), cache)
                 # One step's inputs, reused: no allocation per token on the host side.
                 step_ids = torch.empty((1, 1), dtype=torch.long, device=self.device)
                 step_pos = torch.empty((1, 1), dtype=torch.long, device=self.device)
                 for i in range(params.max_tokens):
                     step0 = time.perf_counter()
                     if i > 0:
-                        logits = self._forward(step_ids, step_pos, cache)
+                        logits, cache = self._forward(step_ids, step_pos, cache)
                     token = sample_token(logits, params, generator)
                     stats.record_step(i, t0, step0, time.perf_counter())
                     if token in stops:
@@ -209,8 +213,28 @@ class OffloadEngine(Engine):
         t.hit_rate_by_tier = {k: v / total if total else 0.0 for k, v in self._tier_pairs.items()}
 
 
+# Layer kinds whose StaticCache layers give transformers' own tokens (tests compare every family with generate,
+# which uses a DynamicCache). Indexed attention under a StaticCache does not (hy_v4, deepseek_v32 and
+# mistral_large4 drift), and StaticCache has no layer for DeepSeek-V4's compressed kinds at all.
+STATIC_CACHE_KINDS = frozenset({"full_attention", "sliding_attention", "linear_attention", "conv", "moe", "mlp"})
+
+
+def cache_kind(model, requested: str) -> str:
+    """The cache the decode loop gives ``model``: "model" where the model keeps a cache of its own that
+    transformers' caches cannot stand in for (MiniMax's lightning-attention state: transformers' generate leaves
+    such models to build it themselves, and so do we); "dynamic" where a static cache was asked for but a layer
+    kind is not in STATIC_CACHE_KINDS; else ``requested`` ("static" | "dynamic")."""
+    supports = getattr(type(model), "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        return "model"
+    kinds = getattr(model.config.get_text_config(), "layer_types", None) or ()
+    if requested == "static" and not set(kinds) <= STATIC_CACHE_KINDS:
+        return "dynamic"
+    return requested
+
+
 # -- building -----------------------------------------------------------------------------------------------
-def _resolve_placement(path: Path, placement, fraction, policy: str, backend: str):
+def _resolve_placement(path: Path, placement, fraction, policy: str, backend: str, dtype: str | None = None):
     from rm_core import Placement
 
     if placement is not None and fraction is not None:
@@ -234,7 +258,12 @@ def _resolve_placement(path: Path, placement, fraction, policy: str, backend: st
     from moe_offload.backends import get_backend
     from moe_offload.spec import ModelSpec
 
-    spec = ModelSpec.from_hf_config(str(path))
+    from moe_offload.engines.offload.loader import inspect_checkpoint
+
+    # The MoE layers are those whose experts modules the model builds (what load_model will offload).
+    experts = inspect_checkpoint(path, dtype)[1]
+    spec = dataclasses.replace(ModelSpec.from_hf_config(str(path)), moe_layers=tuple(i.layer for i in experts),
+                               num_experts=experts[0].num_experts)
     slots = plan.fraction_slots(spec, float(fraction))
     return plan.from_fraction(spec, get_backend(backend).tiers(), float(fraction), plan.for_miss_policy(policy, slots, spec.num_experts))
 
@@ -283,7 +312,7 @@ def build_offload_engine(
 
         model_path = ensure_demo_model()
     path = check_checkpoint(str(Path(model_path).expanduser()))
-    resolved = _resolve_placement(path, placement, fraction, policy, backend)
+    resolved = _resolve_placement(path, placement, fraction, policy, backend, dtype)
     offloaded = load_model(
         str(path), resolved, policy=policy, device=device, dtype=dtype, hybrid_threshold=hybrid_threshold
     )

@@ -24,6 +24,9 @@ from moe_offload.engines.offload.stats import ExecutorStats
 from moe_offload.engines.offload.store import LayerStore
 
 IMPLEMENTATION = "moe_offload"
+# Marks an experts module the executor does not serve (a vision tower's experts, a layer's image-token experts):
+# it runs transformers' own eager forward on its resident weights.
+RESIDENT = object()
 
 
 @dataclass
@@ -42,6 +45,8 @@ class LayerState:
 def offload_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The function registered as experts implementation ``moe_offload`` (self: the experts module)."""
     state = getattr(self, "_moe_offload", None)
+    if state is RESIDENT:
+        return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     if state is None:
         raise RuntimeError(
             "experts_implementation='moe_offload' needs a model loaded by moe_offload.engines.offload.loader.load_model"
