@@ -154,11 +154,12 @@ def check_checkpoint(path: str) -> Path:
 _INSPECTED: dict[tuple, tuple] = {}  # (path, config mtime, dtype) -> inspect_checkpoint's answer; the last few
 
 
-def inspect_checkpoint(root: Path, dtype: str | None = None) -> tuple[Any, list[ExpertsInfo], int]:
+def inspect_checkpoint(root: str | Path, dtype: str | None = None) -> tuple[Any, list[ExpertsInfo], int]:
     """(transformers config, experts modules, non-expert bytes) of checkpoint ``root`` loaded in ``dtype``
     (None: the checkpoint's). ModelError for a config transformers cannot read or a model without experts.
     Remembered per path, config.json mtime and dtype: building and loading a model both ask, and the meta
     model of a large checkpoint takes seconds to build."""
+    root = Path(root)
     key = (str(root), (root / "config.json").stat().st_mtime_ns, dtype)
     if key in _INSPECTED:
         return _INSPECTED[key]

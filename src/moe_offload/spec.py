@@ -101,15 +101,15 @@ class ModelSpec:
             raise ModelError(f"{self.name}: no routed-MoE layers among {self.num_layers} layers")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers):
             raise ModelError(f"{self.name}: MoE layer indices {self.moe_layers} outside 0..{self.num_layers - 1}")
-        if self.dense_layers and self.dense_intermediate_size < 1:
-            raise ModelError(f"{self.name}: config has dense layers {self.dense_layers} but no intermediate_size")
-        if self.attention not in ("gqa", "mla"):
-            raise ModelError(f"{self.name}: attention must be gqa or mla, got {self.attention!r}")
         types = self.layer_types or ("full_attention",) * self.num_layers
         if len(types) != self.num_layers or not all(isinstance(t, str) and t for t in types):
             raise ModelError(f"{self.name}: layer_types must be {self.num_layers} layer kind names, got {self.layer_types!r}")
         object.__setattr__(self, "layer_types", tuple(types))
         object.__setattr__(self, "moe_layers", tuple(sorted(self.moe_layers)))
+        if self.dense_layers and self.dense_intermediate_size < 1:
+            raise ModelError(f"{self.name}: config has dense layers {self.dense_layers} but no intermediate_size")
+        if self.attention not in ("gqa", "mla"):
+            raise ModelError(f"{self.name}: attention must be gqa or mla, got {self.attention!r}")
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -129,7 +129,10 @@ class ModelSpec:
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
+        """Layers with a dense MLP (Nemotron-H: its "mlp" blocks; its mixer-only layers have none)."""
         moe = set(self.moe_layers)
+        if self.single_block:
+            return tuple(i for i, t in enumerate(self.layer_types) if t == "mlp" and i not in moe)
         return tuple(i for i in range(self.num_layers) if i not in moe)
 
     @property
@@ -527,6 +530,15 @@ def _dtype(cfg: Mapping[str, Any], where: str) -> tuple[str, int]:
     return name, DTYPE_BYTES[name]
 
 
+# Decoder model types whose parameter count the rules here give exactly: tests/engines/test_families.py checks
+# every family against the model transformers builds, and fails when this list claims too much or too little.
+# Other types are priced by the same rules, and the spec says so in ``estimated``.
+PRICED = frozenset({
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "ernie4_5_moe", "flex_olmo", "flint", "glm4_moe",
+    "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+    "jamba", "kimi_linear", "lfm2_moe", "mellum", "minimax", "minimax_m2", "mistral4", "mixtral", "nemotron_h",
+    "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_vl_moe_text", "solar_open",
+})
 # Sub-config keys under which multimodal and omni wrappers keep their text decoder.
 _TEXT_KEYS = ("text_config", "thinker_config", "llm_config", "language_config")
 # Families whose router keeps a per-expert score-correction bias (noaux_tc routing) without saying so in topk_method.
@@ -546,13 +558,16 @@ def _text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         cfg.setdefault("torch_dtype", outer.get("torch_dtype") or outer.get("dtype"))
         cfg.setdefault("_name_or_path", outer.get("_name_or_path"))
         cfg.setdefault("quantization_config", outer.get("quantization_config"))
+    if cfg is not outer and "tie_word_embeddings" in outer:  # the wrapper's model owns the LM head: its flag counts
+        cfg["tie_word_embeddings"] = outer["tie_word_embeddings"]
     return cfg, outer
 
 
-def _vision_config(outer: dict[str, Any]) -> dict[str, Any] | None:
+def _sub_config(outer: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """A tower's config (vision_config, audio_config) of a multimodal wrapper, or of its omni thinker."""
     for holder in (outer, *(outer[k] for k in _TEXT_KEYS if isinstance(outer.get(k), dict))):
-        if isinstance(holder.get("vision_config"), dict):
-            return holder["vision_config"]
+        if isinstance(holder.get(key), dict):
+            return holder[key]
     return None
 
 
@@ -598,15 +613,15 @@ def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
     qkv_bias = bool(cfg.get("qkv_bias", model_type == "qwen2_moe")) or attn_bias
     o_bias = attn_bias and model_type not in _QKV_ONLY_BIAS
     qk_norm = ""
-    if cfg.get("qk_norm_type") == "per_layer" or model_type in ("olmoe", "flex_olmo"):  # one norm over all heads
+    if cfg.get("qk_norm_type") == "per_layer" or model_type in ("olmoe", "flex_olmo", "minimax_m2"):  # over all heads
         qk_norm = "full"
-    elif model_type in ("qwen3_moe", "qwen3_next", "qwen3_vl_moe_text") or cfg.get("use_qk_norm"):
+    elif model_type in ("qwen3_moe", "qwen3_next", "qwen3_vl_moe_text", "qwen3_5_moe_text") or cfg.get("use_qk_norm"):
         qk_norm = "head"
     dtype, dtype_bytes = _dtype(cfg, where)
     quant = cfg.get("quantization_config")
     sliding = cfg.get("sliding_window")
 
-    estimated = []
+    estimated = [] if model_type in PRICED else [f"{model_type} layers: priced by the common rules, not checked"]
     design = layerkinds.linear_design(cfg, model_type) if "linear_attention" in types else ""
     sizes = layerkinds.linear_sizes(cfg, design, H, nh, hd) if design else {}
     if sizes and any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in sizes.values()):
@@ -615,7 +630,9 @@ def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
         estimated.append("linear_attention layers: design not known here, priced as attention, state not counted")
     for kind in sorted(set(types) - set(layerkinds.KNOWN)):
         estimated.append(f"{kind} layers: priced as attention, KV cache not counted")
-    vision = _vision_config(outer)
+    if _sub_config(outer, "audio_config") is not None:
+        estimated.append("audio tower: not counted")
+    vision = _sub_config(outer, "vision_config")
     vision_params = layerkinds.vision_params(vision) if vision else 0
     if vision_params is None:
         vision_params = 0
@@ -666,7 +683,7 @@ def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
         conv_kernel=_int(cfg, "conv_L_cache", where, 3) if "conv" in types else 0,
         indexer_heads=_int(cfg, "index_n_heads", where, 0) if "indexed_attention" in types else 0,
         indexer_head_dim=_int(cfg, "index_head_dim", where, 0) if "indexed_attention" in types else 0,
-        attention_output_gate=model_type == "qwen3_next" or bool(cfg.get("attn_output_gate", False)),
+        attention_output_gate=model_type in ("qwen3_next", "qwen3_5_moe_text") or bool(cfg.get("attn_output_gate", False)),
         mlp_gated=not single_block,
         single_block=single_block,
         vision_params=vision_params,

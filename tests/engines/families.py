@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-# The widths every tiny model gets; a key is only ever shrunk, never grown.
+# The widths every tiny model gets; a key is only ever shrunk, never grown (but every MoE gets 8 experts).
 HIDDEN, HEADS, HEAD_DIM, KV_HEADS = 64, 4, 16, 2
 EXPERTS, TOP_K = 8, 2
 SIZES = {
@@ -156,12 +156,12 @@ def _shrink(d: dict, depth_one: bool) -> dict:
             small = 1
         if small is None:
             continue
-        if isinstance(v, int) and v > small:
+        if isinstance(v, int) and (v > small or k in EXPERT_KEYS):  # hunyuan's default is one expert: make it 8
             out[k] = small
         elif isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
             out[k] = [min(x, small) for x in v]
     # sizes other sizes are defined by: MLA's head_dim is its rope dim, qk_head_dim = nope + rope
-    if "head_dim" in d and d.get("head_dim") == d.get("qk_rope_head_dim"):
+    if "head_dim" in d and d.get("qk_rope_head_dim") is not None and d.get("head_dim") == d["qk_rope_head_dim"]:
         out["head_dim"] = out["qk_rope_head_dim"]
     if "qk_head_dim" in d and d["qk_head_dim"] == (d.get("qk_nope_head_dim") or 0) + (d.get("qk_rope_head_dim") or 0):
         out["qk_head_dim"] = (out.get("qk_nope_head_dim") or 0) + (out.get("qk_rope_head_dim") or 0)
