@@ -69,6 +69,12 @@ def model_class(config):
     return getattr(transformers, name)
 
 
+def text_only(config) -> dict:
+    """from_pretrained overrides that leave out what the text path never runs: an omni model's speech talker
+    (``enable_audio_output``), so its weights are not loaded at all."""
+    return {"enable_audio_output": False} if getattr(config, "enable_audio_output", False) else {}
+
+
 def text_path(model):
     """The module whose forward takes input_ids and returns next-token logits: the model itself, or (a model
     with no forward of its own, e.g. an omni model) the generative sub-model that has one."""
@@ -85,12 +91,15 @@ def _has_forward(module) -> bool:
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
-    """The text decoder's layers: the longest ModuleList under ``get_decoder()`` of the text path."""
-    decoder = text_path(model).get_decoder()
+    """The text decoder's layers: the ModuleList under ``get_decoder()`` of the text path as long as the text
+    config's num_hidden_layers (else the longest one there)."""
+    path = text_path(model)
+    decoder = path.get_decoder()
     lists = [m for m in decoder.modules() if isinstance(m, torch.nn.ModuleList)]
     if not lists:
         raise ModelError(f"{type(model).__name__}: its decoder has no layer list")
-    return max(lists, key=len)
+    n = getattr(path.config.get_text_config(), "num_hidden_layers", None)
+    return next((m for m in lists if len(m) == n), None) or max(lists, key=len)
 
 
 def is_experts_module(m: torch.nn.Module) -> bool:

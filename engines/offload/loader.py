@@ -14,6 +14,7 @@ pinned memory and its unpinned original freed, one layer at a time.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,8 @@ def load_model(
     kwargs = {"experts_implementation": IMPLEMENTATION}
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
-    # The text path only: an omni model's speech talker is dropped here, with its weights.
+    # The text path only: an omni model's speech talker is not loaded, its thinker is what runs.
+    kwargs.update(architecture.text_only(config))
     model = architecture.text_path(architecture.model_class(config).from_pretrained(root, **kwargs))
     model.eval()
 
@@ -157,8 +159,8 @@ _INSPECTED: dict[tuple, tuple] = {}  # (path, config mtime, dtype) -> inspect_ch
 def inspect_checkpoint(root: str | Path, dtype: str | None = None) -> tuple[Any, list[ExpertsInfo], int]:
     """(transformers config, experts modules, non-expert bytes) of checkpoint ``root`` loaded in ``dtype``
     (None: the checkpoint's). ModelError for a config transformers cannot read or a model without experts.
-    Remembered per path, config.json mtime and dtype: building and loading a model both ask, and the meta
-    model of a large checkpoint takes seconds to build."""
+    Remembered per path, config.json mtime and dtype: building an engine asks for its placement and again for
+    loading, and the meta model need not be built twice."""
     root = Path(root)
     key = (str(root), (root / "config.json").stat().st_mtime_ns, dtype)
     if key in _INSPECTED:
@@ -189,6 +191,10 @@ def inspect_model(config, dtype: torch.dtype | None = None) -> tuple[list[Expert
     """(experts modules the executor serves, bytes of all other parameters of the text path) of the model
     ``config`` describes, built on the meta device with the class ``load_model`` loads it with."""
     cls = architecture.model_class(config)
+    if architecture.text_only(config):
+        config = copy.deepcopy(config)
+        for k, v in architecture.text_only(config).items():
+            setattr(config, k, v)
     try:
         with torch.device("meta"):
             meta = cls._from_config(config, **({"dtype": dtype} if dtype else {}))

@@ -257,6 +257,8 @@ def tiny_config(family: str):
     full = config.get_text_config()
     n_full = int(getattr(full, "num_hidden_layers", None) or len(full.layer_types))
     keep = _layers_to_keep(config, full, n_full)
+    if keep > MAX_LAYERS:
+        raise ValueError(f"{family}: every layer kind shows only in the first {keep} layers, more than {MAX_LAYERS}")
     _cut_layers(text, n_full, keep)  # text is a part of d: the cut shows in d
     return _config(family, d)
 

@@ -83,3 +83,13 @@ def test_static_cache_kinds_are_known_layer_kinds():
     from moe_offload import layerkinds
 
     assert STATIC_CACHE_KINDS <= set(layerkinds.KNOWN)
+
+
+def test_omni_talker_is_left_out():
+    # The default Qwen3-Omni config asks for the speech talker (whose default config this transformers cannot even
+    # build); the text path never runs it, so inspection and loading leave it out.
+    config = AutoConfig.for_model("qwen3_omni_moe")
+    assert config.enable_audio_output and arch.text_only(config) == {"enable_audio_output": False}
+    experts, _ = inspect_model(config)
+    assert experts and all(e.name.startswith("model.language_model.layers.") for e in experts)
+    assert config.enable_audio_output  # the caller's config is not changed
