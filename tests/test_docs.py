@@ -27,3 +27,17 @@ def test_every_hook_is_in_the_readme():
     for name in dir(hooks):
         if name.startswith("moe_offload_"):
             assert name in readme, f"hook {name} not documented in README.md"
+
+
+def test_readme_family_table_lists_every_family_of_the_installed_transformers():
+    # The table is written by scripts/family_table.py from the family tests; a transformers release that adds or
+    # drops a MoE family makes it stale, and this says so without running the (minutes-long) family tests.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("families", ROOT / "tests/engines/families.py")
+    families = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(families)
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("<!-- family-table:begin", 1)[1].split("<!-- family-table:end -->", 1)[0]
+    listed = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert listed[1:] == families.experts_families(), "README family table is stale: python scripts/family_table.py"

@@ -14,6 +14,7 @@ step in its own forward with the model's own cache (``paged`` False), under the 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
@@ -170,12 +171,17 @@ class OffloadEngine(Engine):
         cache = kv.PagedCache(None)
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         pos = torch.arange(2, device=self.device).unsqueeze(0)
+        if self.executor is not None:
+            self.executor.dry = True
         try:
             with torch.inference_mode(), kv.active(kv.StepContext(slot_mapping=None, seqs=[], probe=True)):
                 self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
         except Exception as e:  # noqa: BLE001 - any failure means: not this path
             log.debug("paged KV probe failed", error=f"{type(e).__name__}: {e}")
             cache.seen.clear()
+        finally:
+            if self.executor is not None:
+                self.executor.dry = False
         layers = int(getattr(self.model.config.get_text_config(), "num_hidden_layers", 0) or 0)
         if self.executor is not None and getattr(self.executor, "stats", None) is not None:
             self.executor.stats.reset()  # the probe is not a request
@@ -310,12 +316,17 @@ class OffloadEngine(Engine):
         if self.executor is not None:
             self.executor.per_token = len(sched) > 1
         before = _snapshot(self.executor)
+        kept = torch.tensor(keep or [len(ids) - 1], device=dev)
         with kv.active(step):
             out = self.model(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
-                             cache=self.paged_cache, use_cache=True,
-                             logits_to_keep=torch.tensor(keep or [len(ids) - 1], device=dev))
+                             cache=self.paged_cache, use_cache=True, logits_to_keep=kept)
         self._book(sched, before, getattr(self.executor, "token_stats", None))
-        return out.logits[0] if keep else None  # [rows kept, V]: see _emit
+        if not keep:
+            return None
+        logits = out.logits[0]
+        if logits.shape[0] != len(keep):  # a model that ignores logits_to_keep (Qwen3-Omni's thinker): every position
+            logits = logits.index_select(0, kept)
+        return logits  # [rows kept, V]: see _emit
 
     def _layout(self, sched) -> kv.StepContext:
         """The step's key layout: decode sequences first, each padded to the longest; then each prefill chunk's
@@ -481,7 +492,7 @@ def _rows(blocks: list[int], bs: int, n: int, device) -> torch.Tensor:
 
 
 # -- building -----------------------------------------------------------------------------------------------
-def _resolve_placement(path: Path, placement, fraction, policy: str, backend: str):
+def _resolve_placement(path: Path, placement, fraction, policy: str, backend: str, dtype: str | None = None):
     from rm_core import Placement
 
     if placement is not None and fraction is not None:
@@ -505,7 +516,12 @@ def _resolve_placement(path: Path, placement, fraction, policy: str, backend: st
     from moe_offload.backends import get_backend
     from moe_offload.spec import ModelSpec
 
-    spec = ModelSpec.from_hf_config(str(path))
+    from moe_offload.engines.offload.loader import inspect_checkpoint
+
+    # The MoE layers are those whose experts modules the model builds (what load_model will offload).
+    experts = inspect_checkpoint(path, dtype)[1]
+    spec = dataclasses.replace(ModelSpec.from_hf_config(str(path)), moe_layers=tuple(i.layer for i in experts),
+                               num_experts=experts[0].num_experts)
     slots = plan.fraction_slots(spec, float(fraction))
     return plan.from_fraction(spec, get_backend(backend).tiers(), float(fraction), plan.for_miss_policy(policy, slots, spec.num_experts))
 
@@ -563,7 +579,7 @@ def build_offload_engine(
 
         model_path = ensure_demo_model()
     path = check_checkpoint(str(Path(model_path).expanduser()))
-    resolved = _resolve_placement(path, placement, fraction, policy, backend)
+    resolved = _resolve_placement(path, placement, fraction, policy, backend, dtype)
     offloaded = load_model(
         str(path), resolved, policy=policy, device=device, dtype=dtype, hybrid_threshold=hybrid_threshold
     )

@@ -25,6 +25,9 @@ from moe_offload.engines.offload.stats import ExecutorStats
 from moe_offload.engines.offload.store import LayerStore
 
 IMPLEMENTATION = "moe_offload"
+# Marks an experts module the executor does not serve (a vision tower's experts, a layer's image-token experts):
+# it runs transformers' own eager forward on its resident weights.
+RESIDENT = object()
 
 
 @dataclass
@@ -43,6 +46,8 @@ class LayerState:
 def offload_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The function registered as experts implementation ``moe_offload`` (self: the experts module)."""
     state = getattr(self, "_moe_offload", None)
+    if state is RESIDENT:
+        return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     if state is None:
         raise RuntimeError(
             "experts_implementation='moe_offload' needs a model loaded by moe_offload.engines.offload.loader.load_model"
@@ -81,6 +86,9 @@ class Executor:
         # token_stats [T, 2] = routed pairs of each token served from a slot hit / computed on the host
         self.per_token = False
         self.token_stats: torch.Tensor | None = None
+        # dry: a forward that must leave no trace (the engine's load-time probe): misses are computed on the host,
+        # nothing is fetched or touched, so the slot caches start the first request as the placement left them
+        self.dry = False
 
     # ---- set-up (loader) ----
     def attach(self, module: torch.nn.Module, layer: int, store: LayerStore, cache: SlotCache) -> LayerState:
@@ -144,12 +152,13 @@ class Executor:
             s = slot_of[g[0]]
             if s >= 0:
                 hits.append((g, s))
-            elif policies.fetches(self.policy, g[2], cache.dynamic, self.hybrid_threshold):
+            elif not self.dry and policies.fetches(self.policy, g[2], cache.dynamic, self.hybrid_threshold):
                 fetch.append(g)
             else:
                 host.append(g)
-        for _, s in hits:
-            cache.touch(s)
+        if not self.dry:
+            for _, s in hits:
+                cache.touch(s)
 
         if not self._cuda and kernels.fused_experts_ok(module, state.store.tensors[0], hidden_states):
             return self._forward_fused(state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0)

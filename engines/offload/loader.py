@@ -14,16 +14,16 @@ pinned memory and its unpinned original freed, one layer at a time.
 
 from __future__ import annotations
 
+import copy
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from moe_offload.engines.offload import kernels, policies
-from moe_offload.engines.offload.executor import IMPLEMENTATION, Executor, register
+from moe_offload.engines.offload import architecture, kernels, policies
+from moe_offload.engines.offload.executor import IMPLEMENTATION, RESIDENT, Executor, register
 from moe_offload.engines.offload.slots import SlotCache
 from moe_offload.engines.offload.store import module_tensor_names, take_from_module
 from moe_offload.errors import ConfigError, ModelError, PlacementError
@@ -31,7 +31,6 @@ from rm_core import Placement
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-_LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
 @dataclass
@@ -80,17 +79,8 @@ def load_model(
     dev = resolve_device(device)
     root = check_checkpoint(path)
 
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(root)
-    except (ValueError, OSError, KeyError) as e:
-        raise ModelError(f"{root}: config.json cannot be read by transformers: {e}") from None
+    config, experts, dense_bytes = inspect_checkpoint(root, dtype)
     torch_dtype = DTYPES[dtype] if dtype else None
-    cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
-    experts, dense_bytes = inspect_model(config, torch_dtype or (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None))
-    if not experts:
-        raise ModelError(f"{root}: dense model (model_type {config.model_type!r}): no routed experts modules to offload")
     acc_tier, host_tier, layout = plan_layers(experts, placement, dev)
     if dev.type == "cuda":
         _check_cuda_fit(dev, experts, layout, dense_bytes)
@@ -99,11 +89,16 @@ def load_model(
     kwargs = {"experts_implementation": IMPLEMENTATION}
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
-    model = AutoModelForCausalLM.from_pretrained(root, **kwargs)
+    # The text path only: an omni model's speech talker is not loaded, its thinker is what runs.
+    kwargs.update(architecture.text_only(config))
+    model = architecture.text_path(architecture.model_class(config).from_pretrained(root, **kwargs))
     model.eval()
 
     executor = Executor(dev, policy, (acc_tier, host_tier), hybrid_threshold)
     modules = dict(model.named_modules())
+    _, others = architecture.experts_modules(model)
+    for name in others:  # experts the text path never routes to: resident, transformers' own forward
+        object.__setattr__(modules[name], "_moe_offload", RESIDENT)
     stores = []
     for info in experts:
         module = modules[info.name]
@@ -158,38 +153,65 @@ def check_checkpoint(path: str) -> Path:
     return root
 
 
+_INSPECTED: dict[tuple, tuple] = {}  # (path, config mtime, dtype) -> inspect_checkpoint's answer; the last few
+
+
+def inspect_checkpoint(root: str | Path, dtype: str | None = None) -> tuple[Any, list[ExpertsInfo], int]:
+    """(transformers config, experts modules, non-expert bytes) of checkpoint ``root`` loaded in ``dtype``
+    (None: the checkpoint's). ModelError for a config transformers cannot read or a model without experts.
+    Remembered per path, config.json mtime and dtype: building an engine asks for its placement and again for
+    loading, and the meta model need not be built twice."""
+    root = Path(root)
+    key = (str(root), (root / "config.json").stat().st_mtime_ns, dtype)
+    if key in _INSPECTED:
+        return _INSPECTED[key]
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(root)
+    except (ValueError, OSError, KeyError) as e:
+        raise ModelError(f"{root}: config.json cannot be read by transformers: {e}") from None
+    cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
+    torch_dtype = DTYPES[dtype] if dtype else (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None)
+    experts, dense_bytes = inspect_model(config, torch_dtype)
+    if not experts:
+        raise ModelError(f"{root}: dense model (model_type {config.model_type!r}): no routed experts modules to offload")
+    while len(_INSPECTED) >= 4:
+        _INSPECTED.pop(next(iter(_INSPECTED)))
+    _INSPECTED[key] = (config, experts, dense_bytes)
+    return config, experts, dense_bytes
+
+
 def find_experts(config, dtype: torch.dtype | None = None) -> list[ExpertsInfo]:
     """Experts modules of the model ``config`` describes, found on the meta device (no memory)."""
     return inspect_model(config, dtype)[0]
 
 
 def inspect_model(config, dtype: torch.dtype | None = None) -> tuple[list[ExpertsInfo], int]:
-    """(experts modules, bytes of all non-expert parameters) of the model ``config`` describes, on the meta device."""
-    from transformers import AutoModelForCausalLM
-
+    """(experts modules the executor serves, bytes of all other parameters of the text path) of the model
+    ``config`` describes, built on the meta device with the class ``load_model`` loads it with."""
+    cls = architecture.model_class(config)
+    if architecture.text_only(config):
+        config = copy.deepcopy(config)
+        for k, v in architecture.text_only(config).items():
+            setattr(config, k, v)
     try:
         with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype else AutoModelForCausalLM.from_config(config)
-    except ValueError as e:
-        raise ModelError(f"model_type {config.model_type!r}: transformers cannot build it as a causal LM: {e}") from None
+            meta = cls._from_config(config, **({"dtype": dtype} if dtype else {}))
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        raise ModelError(f"model_type {config.model_type!r}: transformers cannot build {cls.__name__} from this config: {e}") from None
+    model = architecture.text_path(meta)
     found = []
-    for name, m in meta.named_modules():
-        if not is_experts_module(m):
-            continue
-        match = _LAYER_RE.search(name)
-        if match is None:
-            raise ModelError(f"experts module {name!r}: expected a layer index in its name")
-        tensors = [getattr(m, n) for n in module_tensor_names(m) if n is not None]
+    for e in architecture.experts_modules(model)[0]:
+        tensors = [getattr(e.module, n) for n in module_tensor_names(e.module) if n is not None]
         nbytes = sum(t[0].numel() * t.element_size() for t in tensors)
-        found.append(ExpertsInfo(name, int(match.group(1)), int(tensors[0].shape[0]), nbytes))
-    total = sum(p.numel() * p.element_size() for p in meta.parameters())
+        found.append(ExpertsInfo(e.name, e.layer, int(tensors[0].shape[0]), nbytes))
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
     routed = sum(i.expert_bytes * i.num_experts for i in found)
     return found, total - routed
 
 
-def is_experts_module(m: torch.nn.Module) -> bool:
-    """A module decorated by transformers' ``use_experts_implementation`` (fused [E, ...] expert tensors)."""
-    return hasattr(m, "is_transposed") and hasattr(m, "has_gate") and hasattr(m, "_is_expert_parallel")
+is_experts_module = architecture.is_experts_module
 
 
 def plan_layers(experts: list[ExpertsInfo], placement: Placement | None, dev: torch.device):

@@ -143,6 +143,8 @@ def plan_budget(spec, accelerators: Sequence[int | str | MemoryTier], context: i
         holds: dict[str, int] = {}
         if i == 0:
             holds["embeddings"] = spec.embedding_bytes
+            if spec.vision_params:
+                holds["vision tower"] = spec.vision_params * spec.dtype_bytes
         if len(r):
             holds[f"dense weights ({_span(r)})"] = sum(spec.layer_dense_bytes(li) for li in r)
             kv = spec.kv_cache_bytes(context, batch, layers=r)
@@ -165,6 +167,9 @@ def plan_budget(spec, accelerators: Sequence[int | str | MemoryTier], context: i
         out.append(AcceleratorBudget(tier, holds, tuple(r), free, slots, note, slots_bytes=slots * per_slot))
     if assigned == E:
         notes.append("every expert is resident")
+    if spec.kv_unknown_kinds:  # the engine runs them; only their cache size is not known here
+        n = sum(t in spec.kv_unknown_kinds for t in spec.layer_types)
+        notes.append(f"KV cache of layer kinds {', '.join(spec.kv_unknown_kinds)} ({n} layers) unknown: not counted")
     host_holds = {"routed experts (all, once)": spec.routed_expert_bytes}
     if host is None:
         host = MemoryTier("host", "host-dram", spec.routed_expert_bytes, labels={"sized": "routed experts"})

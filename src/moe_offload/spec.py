@@ -18,16 +18,17 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+from moe_offload import layerkinds
 from moe_offload.errors import ConfigError, ModelError
 
 DTYPE_BYTES = {
     "float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
     "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "int8": 1,
 }
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention")
+ATTENTION_KINDS = layerkinds.KNOWN  # kinds priced here; any other name is carried through (see layerkinds)
 # Keys that name the number of routed experts, in the order families use them.
 EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
-TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_k", "num_experts_per_token", "moe_topk")
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_k", "num_experts_per_token", "moe_topk", "top_k_experts")
 # Families whose q/k/v projections take a bias but whose o_proj never does.
 _QKV_ONLY_BIAS = {"glm4_moe", "solar_open", "qwen2_moe"}
 
@@ -76,6 +77,17 @@ class ModelSpec:
     lm_head_bias: bool = False
     quantization: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    # layer kinds beyond attention (layerkinds.py)
+    linear_design: str = ""  # what linear_attention layers are: lightning | gated_deltanet | kda | mamba | mamba2 | ""
+    linear_sizes: Mapping[str, int] = field(default_factory=dict)
+    conv_kernel: int = 0  # LFM2-style short-convolution layers (kind "conv")
+    indexer_heads: int = 0  # DeepSeek sparse attention's indexer (kind "indexed_attention")
+    indexer_head_dim: int = 0
+    attention_output_gate: bool = False  # Qwen3-Next: q_proj also yields a sigmoid gate on the output
+    mlp_gated: bool = True  # False: experts, shared and dense MLPs are up/down only (Nemotron-H's relu2)
+    single_block: bool = False  # Nemotron-H: a layer is one block (a mixer or an MLP) with one norm
+    vision_params: int = 0  # a multimodal model's vision tower
+    estimated: tuple[str, ...] = ()  # what could not be priced exactly, in words
 
     def __post_init__(self):
         for f in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_intermediate_size", "vocab_size",
@@ -89,15 +101,15 @@ class ModelSpec:
             raise ModelError(f"{self.name}: no routed-MoE layers among {self.num_layers} layers")
         if any(not 0 <= i < self.num_layers for i in self.moe_layers):
             raise ModelError(f"{self.name}: MoE layer indices {self.moe_layers} outside 0..{self.num_layers - 1}")
+        types = self.layer_types or ("full_attention",) * self.num_layers
+        if len(types) != self.num_layers or not all(isinstance(t, str) and t for t in types):
+            raise ModelError(f"{self.name}: layer_types must be {self.num_layers} layer kind names, got {self.layer_types!r}")
+        object.__setattr__(self, "layer_types", tuple(types))
+        object.__setattr__(self, "moe_layers", tuple(sorted(self.moe_layers)))
         if self.dense_layers and self.dense_intermediate_size < 1:
             raise ModelError(f"{self.name}: config has dense layers {self.dense_layers} but no intermediate_size")
         if self.attention not in ("gqa", "mla"):
             raise ModelError(f"{self.name}: attention must be gqa or mla, got {self.attention!r}")
-        types = self.layer_types or ("full_attention",) * self.num_layers
-        if len(types) != self.num_layers or any(t not in ATTENTION_KINDS for t in types):
-            raise ModelError(f"{self.name}: layer_types must be {self.num_layers} of {ATTENTION_KINDS}, got {self.layer_types!r}")
-        object.__setattr__(self, "layer_types", tuple(types))
-        object.__setattr__(self, "moe_layers", tuple(sorted(self.moe_layers)))
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -117,7 +129,10 @@ class ModelSpec:
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
+        """Layers with a dense MLP (Nemotron-H: its "mlp" blocks; its mixer-only layers have none)."""
         moe = set(self.moe_layers)
+        if self.single_block:
+            return tuple(i for i, t in enumerate(self.layer_types) if t == "mlp" and i not in moe)
         return tuple(i for i in range(self.num_layers) if i not in moe)
 
     @property
@@ -130,13 +145,18 @@ class ModelSpec:
     def expert_params(self) -> int:
         """One routed expert: gate, up, down (+ biases where the family has them)."""
         H, I = self.hidden_size, self.expert_intermediate_size
-        return 3 * H * I + ((2 * I + H) if self.expert_bias else 0)
+        return self._mats * H * I + ((2 * I + H) if self.expert_bias else 0)
+
+    @property
+    def _mats(self) -> int:
+        """Weight matrices of one MLP: gate, up, down; or up, down where the MLP has no gate."""
+        return 3 if self.mlp_gated else 2
 
     @property
     def shared_expert_params(self) -> int:
         """All shared experts of one MoE layer (one fused MLP), with the shared gate."""
         H = self.hidden_size
-        return 3 * H * self.shared_intermediate_size + (H if self.shared_expert_gate else 0)
+        return self._mats * H * self.shared_intermediate_size + (H if self.shared_expert_gate else 0)
 
     @property
     def router_params(self) -> int:
@@ -145,13 +165,27 @@ class ModelSpec:
 
     @property
     def dense_mlp_params(self) -> int:
-        return 3 * self.hidden_size * self.dense_intermediate_size
+        return self._mats * self.hidden_size * self.dense_intermediate_size
 
     def attention_params(self, layer: int) -> int:
+        """The token mixer of ``layer``, by its kind (layerkinds.py); kinds not priced count as attention."""
+        kind = self.layer_types[layer]
+        H = self.hidden_size
+        if kind in layerkinds.NO_MIXER:
+            return 0
+        if kind == "linear_attention":
+            n = layerkinds.linear_params(self.linear_design, H, self.linear_sizes)
+            if n is not None:
+                return n
+        if kind == "conv":  # LFM2 short convolution: in_proj (B, C, x), depthwise conv, out_proj
+            return 3 * H * H + H * self.conv_kernel + H * H
+        n = self._attention_params()
+        if kind == "indexed_attention":
+            n += layerkinds.indexer_params(H, self.q_lora_rank, self.indexer_heads, self.indexer_head_dim)
+        return n
+
+    def _attention_params(self) -> int:
         H, nh, nkv, hd = self.hidden_size, self.num_attention_heads, self.num_kv_heads, self.head_dim
-        if self.layer_types[layer] == "linear_attention":  # MiniMax lightning attention
-            inner = nh * hd
-            return 3 * inner * H + inner * H + H * inner + inner  # qkv, out, output gate, norm
         if self.attention == "mla":
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
             r, kv = self.q_lora_rank, self.kv_lora_rank
@@ -159,7 +193,7 @@ class ModelSpec:
             kv_a = H * (kv + self.qk_rope_head_dim) + kv
             kv_b = kv * nh * (self.qk_nope_head_dim + self.v_head_dim)
             return q + kv_a + kv_b + nh * self.v_head_dim * H
-        n = 2 * H * nh * hd + 2 * H * nkv * hd
+        n = (3 if self.attention_output_gate else 2) * H * nh * hd + 2 * H * nkv * hd
         if self.qkv_bias:
             n += nh * hd + 2 * nkv * hd
         if self.o_bias:
@@ -190,6 +224,11 @@ class ModelSpec:
 
     def layer_dense_params(self, layer: int) -> int:
         """Everything of one decoder layer except its routed experts."""
+        if self.single_block:  # one block per layer: a mixer, an MoE or a dense MLP, behind one norm
+            kind = self.layer_types[layer]
+            mlp = self.router_params + self.shared_expert_params if layer in self._moe_set else \
+                self.dense_mlp_params if kind == "mlp" else 0
+            return self.attention_params(layer) + mlp + self.norm_params
         n = self.attention_params(layer) + 2 * self.norm_params
         if layer in self._moe_set:
             n += self.router_params + self.shared_expert_params
@@ -210,7 +249,7 @@ class ModelSpec:
     @property
     def non_expert_params(self) -> int:
         layers = sum(self.layer_dense_params(i) for i in range(self.num_layers))
-        return layers + self.embedding_params + self.lm_head_params + self.norm_params
+        return layers + self.embedding_params + self.lm_head_params + self.norm_params + self.vision_params
 
     @property
     def total_params(self) -> int:
@@ -266,13 +305,36 @@ class ModelSpec:
     # ---- KV cache -----------------------------------------------------------------------------
 
     def kv_bytes_per_token_layer(self, layer: int) -> int:
-        """KV-cache bytes one token adds in ``layer`` (0 for linear attention: its state is constant)."""
+        """KV-cache bytes one token adds in ``layer``: 0 for kinds with a constant state or none, and for kinds
+        whose cache is not known here (``kv_unknown_kinds`` names them)."""
         kind = self.layer_types[layer]
-        if kind == "linear_attention":
+        if kind not in layerkinds.GROWING:
             return 0
         if self.attention == "mla":  # the compressed latent + the shared rope key
-            return (self.kv_lora_rank + self.qk_rope_head_dim) * self.dtype_bytes
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+            n = (self.kv_lora_rank + self.qk_rope_head_dim) * self.dtype_bytes
+        else:
+            n = 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        if kind == "indexed_attention":  # the indexer keeps one key per token as well
+            n += self.indexer_head_dim * self.dtype_bytes
+        return n
+
+    def state_bytes_layer(self, layer: int) -> int:
+        """Per-sequence state of a constant-state layer (linear attention, conv); 0 for the others."""
+        kind = self.layer_types[layer]
+        if kind == "linear_attention":
+            return layerkinds.linear_state_bytes(self.linear_design, self.linear_sizes, self.dtype_bytes) or 0
+        if kind == "conv":
+            return self.hidden_size * self.conv_kernel * self.dtype_bytes
+        return 0
+
+    @property
+    def kv_unknown_kinds(self) -> tuple[str, ...]:
+        """Layer kinds whose cache size is not known here: the KV budget counts them as 0."""
+        unknown = {t for t in self.layer_types if t not in layerkinds.KNOWN}
+        if "linear_attention" in self.layer_types and layerkinds.linear_params(
+                self.linear_design, self.hidden_size, self.linear_sizes) is None:
+            unknown.add("linear_attention")
+        return tuple(sorted(unknown))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -287,8 +349,8 @@ class ModelSpec:
         total = 0
         for i in range(self.num_layers) if layers is None else layers:
             kind = self.layer_types[i]
-            if kind == "linear_attention":
-                total += self.num_attention_heads * self.head_dim * self.head_dim * 4
+            if kind in layerkinds.CONSTANT:
+                total += self.state_bytes_layer(i)
             elif kind == "sliding_attention" and self.sliding_window:
                 total += self.kv_bytes_per_token_layer(i) * min(context, self.sliding_window)
             else:
@@ -315,7 +377,10 @@ class ModelSpec:
             non_expert_bytes=self.non_expert_bytes,
             total_bytes=self.total_bytes,
             kv_bytes_per_token=self.kv_bytes_per_token,
+            kv_unknown_kinds=list(self.kv_unknown_kinds),
         )
+        d["linear_sizes"] = dict(self.linear_sizes)
+        d["estimated"] = list(self.estimated)
         return d
 
 
@@ -368,8 +433,15 @@ def _int(cfg: Mapping[str, Any], key: str, where: str, default: Any = ...) -> in
     return v
 
 
-def _moe_layers(cfg: Mapping[str, Any], n: int, where: str) -> tuple[int, ...]:
-    """Which decoder layers are routed MoE, by each family's rule."""
+def _moe_layers(cfg: Mapping[str, Any], n: int, types: tuple[str, ...], where: str) -> tuple[int, ...]:
+    """Which decoder layers are routed MoE. transformers' own per-layer declaration first (``mlp_layer_types``,
+    Nemotron-H's "moe" blocks), then each family's rule for configs that predate it. The engine takes the MoE
+    layers from the experts modules the model builds; tests check this rule against them for every family."""
+    mlp_types = cfg.get("mlp_layer_types")
+    if isinstance(mlp_types, list) and len(mlp_types) == n:
+        return tuple(i for i, t in enumerate(mlp_types) if t != "dense")
+    if "moe" in types:  # Nemotron-H: each layer is one block, "moe" the routed ones
+        return tuple(i for i, t in enumerate(types) if t == "moe")
     if "mlp_only_layers" in cfg or "decoder_sparse_step" in cfg:  # qwen2_moe, qwen3_moe
         only = set(cfg.get("mlp_only_layers") or ())
         step = _int(cfg, "decoder_sparse_step", where, 1) or 1
@@ -393,17 +465,50 @@ def _moe_layers(cfg: Mapping[str, Any], n: int, where: str) -> tuple[int, ...]:
         period = _int(cfg, "expert_layer_period", where, 1) or 1
         offset = _int(cfg, "expert_layer_offset", where, 0)
         return tuple(i for i in range(n) if i % period == offset)
+    if "num_dense_layers" in cfg:  # afmoe, lfm2_moe: the first layers are dense
+        k = _int(cfg, "num_dense_layers", where, 0)
+        return tuple(range(k, n))
     return tuple(range(n))
 
 
+def _num_layers(cfg: Mapping[str, Any], where: str) -> int:
+    """num_hidden_layers, or the length of the layer pattern where a config gives only that (Nemotron-H)."""
+    if cfg.get("num_hidden_layers") is not None:
+        return _int(cfg, "num_hidden_layers", where)
+    for key in ("layers_block_type", "hybrid_override_pattern", "layer_types"):
+        if isinstance(cfg.get(key), (list, str)) and cfg[key]:
+            return len(cfg[key])
+    raise ModelError(f"{where}: config.json lacks 'num_hidden_layers' (and has no layer pattern to count)")
+
+
 def _layer_types(cfg: Mapping[str, Any], model_type: str, n: int, where: str) -> tuple[str, ...]:
-    types = cfg.get("layer_types")
-    if isinstance(types, list):
+    """Each layer's kind, as transformers' config class derives it; names are carried through as given."""
+    for key in ("layer_types", "layers_block_type"):
+        types = cfg.get(key)
+        if isinstance(types, list):
+            if len(types) != n:
+                raise ModelError(f"{where}: {key} has {len(types)} entries, expected num_hidden_layers={n}")
+            return tuple("linear_attention" if t == "mamba" else str(t) for t in types)
+    if isinstance(cfg.get("hybrid_override_pattern"), str):  # Nemotron-H
+        types = layerkinds.hybrid_pattern(cfg["hybrid_override_pattern"])
         if len(types) != n:
-            raise ModelError(f"{where}: layer_types has {len(types)} entries, expected num_hidden_layers={n}")
-        return tuple(types)
+            raise ModelError(f"{where}: hybrid_override_pattern has {len(types)} layers, expected num_hidden_layers={n}")
+        return types
     if isinstance(cfg.get("attn_type_list"), list):  # MiniMax-Text-01: 0 = lightning (linear), 1 = softmax
         return tuple("full_attention" if t else "linear_attention" for t in cfg["attn_type_list"])
+    lac = cfg.get("linear_attn_config")
+    if isinstance(lac, dict) and isinstance(lac.get("full_attn_layers"), list):  # Kimi-Linear, 1-based indices
+        full = {int(i) - 1 for i in lac["full_attn_layers"]}
+        return tuple("full_attention" if i in full else "linear_attention" for i in range(n))
+    if "attn_layer_period" in cfg:  # Jamba: attention every period layers, Mamba elsewhere
+        period = _int(cfg, "attn_layer_period", where, 1) or 1
+        offset = _int(cfg, "attn_layer_offset", where, 0)
+        return tuple("full_attention" if i % period == offset else "linear_attention" for i in range(n))
+    if "full_attention_interval" in cfg or model_type == "qwen3_next":  # Qwen3-Next: every 4th layer full
+        every = _int(cfg, "full_attention_interval", where, 4) or 4
+        return tuple("full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n))
+    if cfg.get("index_topk") is not None:  # DeepSeek-V3.2, GLM-5 (DSA): every layer has the indexer
+        return ("indexed_attention",) * n
     # The defaults transformers' config classes fill in when the key is absent.
     if model_type == "minimax":
         return tuple("full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n))
@@ -425,15 +530,51 @@ def _dtype(cfg: Mapping[str, Any], where: str) -> tuple[str, int]:
     return name, DTYPE_BYTES[name]
 
 
-def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
-    # Multimodal wrappers (qwen3_vl_moe, ...) keep the decoder in text_config.
-    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
-        outer = cfg
-        cfg = {**cfg["text_config"]}
+# Decoder model types whose parameter count the rules here give exactly: tests/engines/test_families.py checks
+# every family against the model transformers builds, and fails when this list claims too much or too little.
+# Other types are priced by the same rules, and the spec says so in ``estimated``.
+PRICED = frozenset({
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "ernie4_5_moe", "flex_olmo", "flint", "glm4_moe",
+    "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+    "jamba", "kimi_linear", "lfm2_moe", "mellum", "minimax", "minimax_m2", "mistral4", "mixtral", "nemotron_h",
+    "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_vl_moe_text", "solar_open",
+})
+# Sub-config keys under which multimodal and omni wrappers keep their text decoder.
+_TEXT_KEYS = ("text_config", "thinker_config", "llm_config", "language_config")
+# Families whose router keeps a per-expert score-correction bias (noaux_tc routing) without saying so in topk_method.
+_CORRECTION_BIAS = {"deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa", "solar_open", "ernie4_5_moe", "kimi_linear",
+                    "nemotron_h", "minimax_m2"}
+
+
+def _text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the decoder's config, the outermost config): multimodal wrappers (qwen3_vl_moe, gemma4, ...) keep the
+    decoder in text_config, omni models one level deeper (thinker_config.text_config)."""
+    outer = cfg
+    while "num_hidden_layers" not in cfg and not any(k in cfg for k in ("layers_block_type", "hybrid_override_pattern")):
+        inner = next((cfg[k] for k in _TEXT_KEYS if isinstance(cfg.get(k), dict)), None)
+        if inner is None:
+            break
+        cfg = {**inner}
         cfg.setdefault("torch_dtype", outer.get("torch_dtype") or outer.get("dtype"))
         cfg.setdefault("_name_or_path", outer.get("_name_or_path"))
+        cfg.setdefault("quantization_config", outer.get("quantization_config"))
+    if cfg is not outer and "tie_word_embeddings" in outer:  # the wrapper's model owns the LM head: its flag counts
+        cfg["tie_word_embeddings"] = outer["tie_word_embeddings"]
+    return cfg, outer
+
+
+def _sub_config(outer: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """A tower's config (vision_config, audio_config) of a multimodal wrapper, or of its omni thinker."""
+    for holder in (outer, *(outer[k] for k in _TEXT_KEYS if isinstance(outer.get(k), dict))):
+        if isinstance(holder.get(key), dict):
+            return holder[key]
+    return None
+
+
+def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
+    cfg, outer = _text_config(cfg)
     model_type = str(cfg.get("model_type") or "unknown")
-    name = name or cfg.get("_name_or_path") or model_type
+    name = name or cfg.get("_name_or_path") or outer.get("_name_or_path") or model_type
     where = f"{name} ({model_type})"
     E = _first(cfg, EXPERT_KEYS)
     if not E:
@@ -443,15 +584,18 @@ def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
     top_k = _first(cfg, TOP_K_KEYS)
     if top_k is None:
         raise ModelError(f"{where}: config.json lacks 'num_experts_per_tok' (experts per token)")
-    n = _int(cfg, "num_hidden_layers", where)
+    n = _num_layers(cfg, where)
     H = _int(cfg, "hidden_size", where)
     nh = _int(cfg, "num_attention_heads", where)
     nkv = _int(cfg, "num_key_value_heads", where, nh) or nh
     hd = _int(cfg, "head_dim", where, 0) or H // nh
     moe_inter_key = "moe_intermediate_size" if cfg.get("moe_intermediate_size") is not None else "intermediate_size"
     expert_I = _int(cfg, moe_inter_key, where)
-    dense_I = _int(cfg, "intermediate_size", where, 0) if moe_inter_key == "moe_intermediate_size" else 0
-    moe_layers = _moe_layers(cfg, n, where)
+    # Dense layers use intermediate_size; where the experts use it too (jamba, mixtral), so do the dense layers.
+    dense_I = _int(cfg, "intermediate_size", where, 0) or (expert_I if moe_inter_key == "intermediate_size" else 0)
+    types = _layer_types(cfg, model_type, n, where)
+    moe_layers = _moe_layers(cfg, n, types, where)
+    single_block = model_type == "nemotron_h"
 
     # Shared experts: deepseek/glm/solar/ernie fuse n of them into one MLP; qwen2_moe sizes its one directly.
     n_shared = _int(cfg, "n_shared_experts", where, 0) or _int(cfg, "moe_num_shared_experts", where, 0) \
@@ -459,6 +603,8 @@ def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
     shared_I, shared_gate = n_shared * expert_I, False
     if cfg.get("shared_expert_intermediate_size"):
         n_shared, shared_I, shared_gate = max(n_shared, 1), _int(cfg, "shared_expert_intermediate_size", where), True
+    elif cfg.get("moe_shared_expert_intermediate_size"):  # nemotron_h: n_shared x this width, no gate
+        shared_I = max(n_shared, 1) * _int(cfg, "moe_shared_expert_intermediate_size", where)
     elif cfg.get("shared_intermediate_size"):  # granitemoeshared
         n_shared, shared_I = max(n_shared, 1), _int(cfg, "shared_intermediate_size", where)
 
@@ -467,13 +613,30 @@ def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
     qkv_bias = bool(cfg.get("qkv_bias", model_type == "qwen2_moe")) or attn_bias
     o_bias = attn_bias and model_type not in _QKV_ONLY_BIAS
     qk_norm = ""
-    if model_type in ("qwen3_moe", "qwen3_next", "qwen3_vl_moe_text") or cfg.get("use_qk_norm"):
-        qk_norm = "head"
-    elif model_type in ("olmoe", "flex_olmo"):
+    if cfg.get("qk_norm_type") == "per_layer" or model_type in ("olmoe", "flex_olmo", "minimax_m2"):  # over all heads
         qk_norm = "full"
+    elif model_type in ("qwen3_moe", "qwen3_next", "qwen3_vl_moe_text", "qwen3_5_moe_text") or cfg.get("use_qk_norm"):
+        qk_norm = "head"
     dtype, dtype_bytes = _dtype(cfg, where)
     quant = cfg.get("quantization_config")
     sliding = cfg.get("sliding_window")
+
+    estimated = [] if model_type in PRICED else [f"{model_type} layers: priced by the common rules, not checked"]
+    design = layerkinds.linear_design(cfg, model_type) if "linear_attention" in types else ""
+    sizes = layerkinds.linear_sizes(cfg, design, H, nh, hd) if design else {}
+    if sizes and any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in sizes.values()):
+        raise ModelError(f"{where}: {design} linear attention needs integer sizes, got {sizes}")
+    if "linear_attention" in types and not design:
+        estimated.append("linear_attention layers: design not known here, priced as attention, state not counted")
+    for kind in sorted(set(types) - set(layerkinds.KNOWN)):
+        estimated.append(f"{kind} layers: priced as attention, KV cache not counted")
+    if _sub_config(outer, "audio_config") is not None:
+        estimated.append("audio tower: not counted")
+    vision = _sub_config(outer, "vision_config")
+    vision_params = layerkinds.vision_params(vision) if vision else 0
+    if vision_params is None:
+        vision_params = 0
+        estimated.append("vision tower: not counted")
 
     return ModelSpec(
         name=str(name),
@@ -501,7 +664,7 @@ def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
         qk_nope_head_dim=_int(cfg, "qk_nope_head_dim", where) if mla else 0,
         qk_rope_head_dim=_int(cfg, "qk_rope_head_dim", where) if mla else 0,
         v_head_dim=_int(cfg, "v_head_dim", where) if mla else 0,
-        layer_types=_layer_types(cfg, model_type, n, where),
+        layer_types=types,
         sliding_window=int(sliding) if isinstance(sliding, int) and sliding > 0 else None,
         qkv_bias=qkv_bias and not mla,
         o_bias=o_bias and not mla,
@@ -510,10 +673,19 @@ def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
         expert_bias=model_type == "gpt_oss",
         router_bias=model_type == "gpt_oss",
         # the e_score_correction_bias of noaux_tc routing; ernie keeps the same vector as moe_statics
-        router_correction_bias=cfg.get("topk_method") == "noaux_tc"
-        or model_type in ("deepseek_v3", "glm4_moe", "solar_open", "ernie4_5_moe"),
+        router_correction_bias=cfg.get("topk_method") == "noaux_tc" or model_type in _CORRECTION_BIAS,
         norm_bias=model_type == "phimoe",
-        lm_head_bias=bool(cfg.get("lm_head_bias", False)) or bool(cfg.get("use_bias", False)),
+        lm_head_bias=bool(cfg.get("lm_head_bias", False)) or (bool(cfg.get("use_bias", False)) and not single_block),
         quantization=(quant.get("quant_method") if isinstance(quant, dict) else None),
         extra={k: cfg[k] for k in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob") if k in cfg},
+        linear_design=design,
+        linear_sizes=sizes,
+        conv_kernel=_int(cfg, "conv_L_cache", where, 3) if "conv" in types else 0,
+        indexer_heads=_int(cfg, "index_n_heads", where, 0) if "indexed_attention" in types else 0,
+        indexer_head_dim=_int(cfg, "index_head_dim", where, 0) if "indexed_attention" in types else 0,
+        attention_output_gate=model_type in ("qwen3_next", "qwen3_5_moe_text") or bool(cfg.get("attn_output_gate", False)),
+        mlp_gated=not single_block,
+        single_block=single_block,
+        vision_params=vision_params,
+        estimated=tuple(estimated),
     )

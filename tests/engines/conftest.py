@@ -26,3 +26,31 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory):
+    """family -> tiny checkpoint dir (families.py), or the exception that stopped its build; each built once."""
+    from families import build
+
+    root = tmp_path_factory.mktemp("families")
+    built: dict = {}
+
+    def get(family: str):
+        if family not in built:
+            try:
+                built[family] = build(family, root)
+            except Exception as e:  # noqa: BLE001 - the reason is what the family tests report
+                built[family] = e
+        return built[family]
+
+    return get
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices run fastest on one thread; a busy 2-core machine makes a second one cost milliseconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

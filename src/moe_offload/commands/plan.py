@@ -76,8 +76,13 @@ def spec_cmd(model: str, as_json: bool) -> None:
         ("embeddings", format_size(s.embedding_bytes)),
         ("lm head", format_size(s.lm_head_bytes) + (" (tied: final norm only)" if s.tie_word_embeddings else "")),
         ("total", format_size(s.total_bytes)),
-        ("kv cache / token", format_size(s.kv_bytes_per_token)),
+        ("kv cache / token", format_size(s.kv_bytes_per_token)
+         + (f" (not counted: {', '.join(s.kv_unknown_kinds)} layers)" if s.kv_unknown_kinds else "")),
     ]
+    kinds = {t: s.layer_types.count(t) for t in dict.fromkeys(s.layer_types)}
+    rows.insert(2, ("layer kinds", ", ".join(f"{n} {t}" for t, n in kinds.items())
+                    + (f" ({s.linear_design} linear attention)" if s.linear_design else "")))
+    rows += [("estimated", e) for e in s.estimated]
     emit(s.summary(), as_json, "\n".join(f"{k:20} {v}" for k, v in rows))
 
 
