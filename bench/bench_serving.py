@@ -56,7 +56,7 @@ def sweep(url: str, tokens: int, levels=(1, 4, 8, 16)) -> list[dict]:
     out = []
     for n in levels:
         barrier = threading.Barrier(n)
-        prompts = [f"Request {i}: the expert routes tokens to memory" for i in range(n)]
+        prompts = [" ".join(f"t{(97 * i + 13 * j) % 1000 + 1}" for j in range(16)) for i in range(n)]  # 16 tokens each
         with ThreadPoolExecutor(n) as pool:
             runs = list(pool.map(lambda p: one_stream(url, p, tokens, barrier), prompts))
         rates, ttft, itl = [], [], []
@@ -75,7 +75,7 @@ def sweep(url: str, tokens: int, levels=(1, 4, 8, 16)) -> list[dict]:
 
 def generate_ms_per_token(model: str | None, backend: str, tokens: int) -> float:
     """`moe-offload generate --json` in a fresh process: the engine's own decode ms/token, single stream."""
-    cmd = [sys.executable, "-m", "moe_offload.cli", "generate", "--prompt", "Request 0: the expert routes tokens to memory",
+    cmd = [sys.executable, "-m", "moe_offload.cli", "generate", "--prompt", " ".join(f"t{13 * j % 1000 + 1}" for j in range(16)),
            "--max-tokens", str(tokens), "--backend", backend, "--json", "--ignore-eos"]
     if model:
         cmd += ["--model", model]
@@ -103,6 +103,28 @@ def overhead(direct: str, via: str, n: int = 200) -> dict:
             "overhead_p50_ms": statistics.median(g) - statistics.median(d)}
 
 
+def served_copy(model_dir: Path) -> Path:
+    """``model_dir`` as a servable checkpoint: the benchmark model has no tokenizer, so a sibling directory links its
+    files and adds a word-level tokenizer of one word per id ("t0" ... "t{V-1}", space-joined): every token then
+    decodes to text of its own, and each streamed chunk is exactly one token (what ITL needs)."""
+    out = model_dir.with_name(model_dir.name + "-served")
+    if (out / "tokenizer.json").is_file():
+        return out
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if not (out / f.name).exists():
+            (out / f.name).symlink_to(f)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(out)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="mock")
@@ -120,7 +142,7 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).parent))
         from bench_engine import build_model
 
-        a.model, a.backend = str(build_model(Path.home() / ".cache" / "moe-offload" / "bench-model")), "cpu"
+        a.model, a.backend = str(served_copy(build_model(Path.home() / ".cache" / "moe-offload" / "bench-model"))), "cpu"
 
     from moe_offload.backends import get_backend
     from moe_offload.serving import gateway, worker
@@ -135,7 +157,7 @@ def main() -> None:
     g = None if a.no_gateway else worker.start_server(gateway.create_app([w.url], health_interval=5.0))
     try:
         for _ in range(2):  # warm-up
-            one_stream(w.url, "warm up", 8)
+            one_stream(w.url, "t1 t2 t3 t4", 8)
         res["sweep"] = sweep(w.url, a.tokens, levels)
         if g is not None:
             res["gateway"] = overhead(w.url, g.url)
@@ -150,7 +172,8 @@ def main() -> None:
         from bench_llamacpp import batched_bench, ensure_llamacpp, to_gguf
 
         ensure_llamacpp()
-        res["llamacpp"] = batched_bench(to_gguf(a.model, "bf16"), list(levels), a.tokens, prompt=16, threads=2)
+        weights = Path(a.model).with_name(Path(a.model).name.removesuffix("-served"))  # the GGUF of the same weights
+        res["llamacpp"] = batched_bench(to_gguf(weights, "bf16"), list(levels), a.tokens, prompt=16, threads=2)
     if a.json:
         print(json.dumps(res, indent=2))
         return

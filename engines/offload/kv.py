@@ -193,6 +193,8 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
 
 def _attend(q, k, v, mask, scaling, sinks, softcap, causal):
     """q [B, Hq, q, D], k/v [B, Hkv, L, D], mask bool [B|1, 1, q|1, L] or None -> [B, Hq, q, Dv]."""
+    if sinks is None and softcap is None and q.shape[2] == 1 and q.dtype != torch.float32:
+        return _decode_fp32(q, k, v, mask, scaling)
     if sinks is None and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                               scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
@@ -217,6 +219,20 @@ def _attend(q, k, v, mask, scaling, sinks, softcap, causal):
     else:
         p = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(p.to(v.dtype), v)
+
+
+def _decode_fp32(q, k, v, mask, scaling):
+    """One query row per sequence in a low-precision model: three small fp32 matmuls. torch's CPU flash-attention
+    kernel spends ~130 us on one bf16 query over a few hundred keys (its set-up dominates), this ~30 us; the sums
+    are fp32 either way. q [B, Hq, 1, D], k/v [B, Hkv, L, D], mask bool [B, 1, 1, L] or None -> [B, Hq, 1, Dv]."""
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.reshape(B, Hkv, Hq // Hkv, D).float()  # [B, Hkv, g, D]: the g query heads that share a KV head
+    s = torch.matmul(qg, k.float().transpose(-1, -2)) * (scaling if scaling is not None else D ** -0.5)  # [B, Hkv, g, L]
+    if mask is not None:
+        s = s.masked_fill(~mask.reshape(B, 1, 1, -1), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, v.float()).to(q.dtype).reshape(B, Hq, 1, -1)  # [B, Hq, 1, Dv]
 
 
 def register() -> None:
