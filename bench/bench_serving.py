@@ -152,8 +152,9 @@ def main() -> None:
     res = {"backend": a.backend, "model": a.model or ("mock" if a.backend == "mock" else "demo"), "tokens": a.tokens}
     if a.backend != "mock":
         res["generate_ms_per_token"] = [generate_ms_per_token(a.model, a.backend, a.tokens)]
-    engine = backend.build_engine(a.model, None, **opts)
-    w = worker.start_server(worker.create_app(engine, model_name="bench", tiers=backend.tiers(), max_queue=256))
+    # a factory, as `moe-offload worker` passes: the engine is built on the thread that runs it
+    w = worker.start_server(worker.create_app(lambda: backend.build_engine(a.model, None, **opts), model_name="bench",
+                                              tiers=backend.tiers(), max_queue=256))
     g = None if a.no_gateway else worker.start_server(gateway.create_app([w.url], health_interval=5.0))
     try:
         for _ in range(2):  # warm-up
