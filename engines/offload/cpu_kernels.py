@@ -34,6 +34,9 @@ from pathlib import Path
 
 import torch
 
+from moe_offload.engines.offload.quant_kernels import QUANT_SOURCE
+from moe_offload.engines.offload.quant_kernels import register_fakes as _register_quant_fakes
+
 try:
     import fcntl
 except ImportError:  # not a POSIX system: torch's own lock file only
@@ -250,10 +253,14 @@ TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
 }
 """
 
+# The bf16 kernels above and the quantized-expert kernels (quant_kernels.py): one library, one build.
+SOURCES = (SOURCE, QUANT_SOURCE)
+
 # ISA variants, best first: (name, /proc/cpuinfo flags it needs, compiler flags)
 VARIANTS = (
-    ("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-DMOE_AVX512BF16")),
+    # every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4) also has VNNI, which the int8 kernels use
+    ("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"),
+     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-DMOE_AVX512BF16")),
     ("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-DMOE_AVX2")),
     ("portable", (), ()),
 )
@@ -329,7 +336,7 @@ def build_spec() -> tuple[str, list[str], str]:
     # -fopenmp: at::parallel_for is an inline OpenMP region; without it the kernel would run on one thread.
     # The library then needs libgomp.so.1, which resolves to the copy torch already loaded (one thread pool).
     cflags = ["-O3", "-fopenmp", *isa]
-    key = hashlib.sha256("\0".join((SOURCE, *cflags, torch.__version__)).encode()).hexdigest()[:12]
+    key = hashlib.sha256("\0".join((*SOURCES, *cflags, torch.__version__)).encode()).hexdigest()[:12]
     return variant, cflags, f"moe_offload_cpu_{variant}_{key}"
 
 
@@ -368,7 +375,7 @@ def _build() -> dict:
         with _build_lock(directory):
             load_inline(
                 name=name,
-                cpp_sources=[SOURCE],
+                cpp_sources=list(SOURCES),
                 extra_cflags=cflags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
@@ -426,3 +433,4 @@ def _register_fakes() -> None:
             register_fake(qualname, fn)
         except RuntimeError:  # already registered in this process (a second build variant)
             pass
+    _register_quant_fakes(register_fake)

@@ -24,7 +24,7 @@ from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationS
 from moe_offload.errors import ConfigError, EngineError
 
 POLICIES = ("static", "lru", "hybrid")
-BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "hybrid_threshold", "cache")
+BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "expert_dtype", "hybrid_threshold", "cache")
 CACHES = ("static", "dynamic")
 
 
@@ -259,6 +259,7 @@ def build_offload_engine(
     dtype: str | None = None,
     hybrid_threshold: int | None = None,
     cache: str = "static",
+    expert_dtype: str | None = None,
     **unknown,
 ) -> OffloadEngine:
     """Load ``model_path`` (default: the demo model, built on first use) with the offload executor.
@@ -266,7 +267,8 @@ def build_offload_engine(
     placement: an rm_core.Placement, a placement JSON path, or None (then ``fraction`` 0..1 of each layer's
     experts get accelerator slots, default 1.0). policy: static | lru | hybrid. dtype: "bfloat16" |
     "float32" | "float16" | None (the checkpoint's). hybrid_threshold: tokens per expert and step from
-    which hybrid fetches. cache: the KV cache, "static" (preallocated) or "dynamic".
+    which hybrid fetches. cache: the KV cache, "static" (preallocated) or "dynamic". expert_dtype: "int8" |
+    "fp8" | "bf16" | None (experts as the checkpoint stores them; see loader.load_model).
     """
     if unknown:
         raise ConfigError(f"unknown engine option(s) {', '.join(sorted(unknown))}; valid: {', '.join(BUILD_OPTIONS)}")
@@ -285,7 +287,8 @@ def build_offload_engine(
     path = check_checkpoint(str(Path(model_path).expanduser()))
     resolved = _resolve_placement(path, placement, fraction, policy, backend)
     offloaded = load_model(
-        str(path), resolved, policy=policy, device=device, dtype=dtype, hybrid_threshold=hybrid_threshold
+        str(path), resolved, policy=policy, device=device, dtype=dtype, hybrid_threshold=hybrid_threshold,
+        expert_dtype=expert_dtype,
     )
     return OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache)
 

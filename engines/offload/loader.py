@@ -14,6 +14,7 @@ pinned memory and its unpinned original freed, one layer at a time.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from moe_offload.engines.offload import kernels, policies
+from moe_offload.engines.offload import checkpoint, kernels, policies, quant
 from moe_offload.engines.offload.executor import IMPLEMENTATION, Executor, register
 from moe_offload.engines.offload.slots import SlotCache
 from moe_offload.engines.offload.store import module_tensor_names, take_from_module
@@ -31,6 +32,7 @@ from rm_core import Placement
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+EXPERT_DTYPES = ("int8", "fp8", "bf16")  # --expert-dtype: quantize a float checkpoint's experts at load, or dequantize
 _LAYER_RE = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
@@ -64,11 +66,15 @@ def load_model(
     device: str = "cpu",
     dtype: str | None = None,
     hybrid_threshold: int | None = None,
+    expert_dtype: str | None = None,
 ) -> OffloadedModel:
     """Load checkpoint ``path`` with ``placement`` (None: every expert resident) under miss ``policy``.
 
-    ``device``: "cpu" or "cuda[:N]". ``dtype``: "float32" | "bfloat16" | "float16" | None (checkpoint's).
+    ``device``: "cpu" or "cuda[:N]". ``dtype``: "float32" | "bfloat16" | "float16" | None (checkpoint's): the
+    compute dtype and the dtype of every non-expert weight.
     ``hybrid_threshold``: tokens per expert and step at which ``hybrid`` fetches instead of computing on the host.
+    ``expert_dtype``: None keeps the experts as the checkpoint stores them (float, or MXFP4 / FP8 kept quantized);
+    "int8" | "fp8" quantizes a float checkpoint's experts at load; "bf16" casts (float) or dequantizes (quantized).
     Raises ModelError (bad checkpoint, dense model), PlacementError (placement for another model, slots that do
     not fit), ConfigError (bad option) before any large allocation.
     """
@@ -77,6 +83,8 @@ def load_model(
         raise ConfigError(f"hybrid_threshold: expected an integer >= 1, got {hybrid_threshold!r}")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
+        raise ConfigError(f"expert_dtype: expected one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
     dev = resolve_device(device)
     root = check_checkpoint(path)
 
@@ -86,9 +94,13 @@ def load_model(
         config = AutoConfig.from_pretrained(root)
     except (ValueError, OSError, KeyError) as e:
         raise ModelError(f"{root}: config.json cannot be read by transformers: {e}") from None
+    method = checkpoint.quant_method(config, str(root))
+    read_as, convert_to = expert_target(method, expert_dtype)
     torch_dtype = DTYPES[dtype] if dtype else None
     cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
-    experts, dense_bytes = inspect_model(config, torch_dtype or (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None))
+    compute_dtype = torch_dtype or (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None)
+    priced_as = convert_to or (method if read_as == "stored" else "bfloat16")
+    experts, dense_bytes = inspect_model(config, compute_dtype, priced_as)
     if not experts:
         raise ModelError(f"{root}: dense model (model_type {config.model_type!r}): no routed experts modules to offload")
     acc_tier, host_tier, layout = plan_layers(experts, placement, dev)
@@ -96,10 +108,14 @@ def load_model(
         _check_cuda_fit(dev, experts, layout, dense_bytes)
 
     register()
-    kwargs = {"experts_implementation": IMPLEMENTATION}
-    if torch_dtype is not None:
-        kwargs["dtype"] = torch_dtype
-    model = AutoModelForCausalLM.from_pretrained(root, **kwargs)
+    stored: dict = {}
+    if method is not None:
+        model, stored = _load_quantized(root, config, experts, method, read_as, compute_dtype or torch.float32)
+    else:
+        kwargs = {"experts_implementation": IMPLEMENTATION}
+        if torch_dtype is not None:
+            kwargs["dtype"] = torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(root, **kwargs)
     model.eval()
 
     executor = Executor(dev, policy, (acc_tier, host_tier), hybrid_threshold)
@@ -107,7 +123,8 @@ def load_model(
     stores = []
     for info in experts:
         module = modules[info.name]
-        stores.append((info, module, take_from_module(module, pin=dev.type == "cuda")))
+        store = take_from_module(module, pin=dev.type == "cuda", stored=stored.pop(info.name, None), convert_to=convert_to)
+        stores.append((info, module, store))
     if dev.type != "cpu":
         model.to(dev)  # non-expert weights only: the experts were detached above
     for info, module, store in stores:
@@ -158,13 +175,58 @@ def check_checkpoint(path: str) -> Path:
     return root
 
 
+def expert_target(method: str | None, expert_dtype: str | None) -> tuple[str, str | None]:
+    """(how a quantized checkpoint's experts are read: "stored" | "float" (dequantized to bf16), what the store is
+    converted to: None | "int8" | "fp8" | "bfloat16") for checkpoint quant ``method`` and ``--expert-dtype``."""
+    if expert_dtype is None:
+        return "stored", None
+    if method is None:
+        return "stored", {"int8": "int8", "fp8": "fp8", "bf16": "bfloat16"}[expert_dtype]
+    if expert_dtype == "bf16":
+        return "float", None
+    if expert_dtype == method:
+        return "stored", None
+    raise ConfigError(f"expert_dtype {expert_dtype!r}: this checkpoint's experts are {method}; expected bf16 "
+                      f"(dequantize at load) or {method} / unset (keep them as stored)")
+
+
+def _load_quantized(root: Path, config, experts: list[ExpertsInfo], method: str, read_as: str, dtype: torch.dtype):
+    """(model with placeholder experts, {experts module: (up, down, up_scale, down_scale)}): checkpoint.py's split
+    load. transformers loads everything but the routed experts' weights, which are read here as stored."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    modules = dict(meta.named_modules())
+    with checkpoint.Files(root) as files:
+        sources = checkpoint.find_sources(meta, experts, files.keys(), method)
+        float_dtype = torch.bfloat16
+        stored = {i.name: checkpoint.read_layer(files, sources[i.name], modules[i.name], i.num_experts, method, read_as,
+                                                float_dtype) for i in experts}
+        skip = set().union(*(s.keys(method) for s in sources.values()))
+        state_dict = checkpoint.rest_state_dict(files, skip, method, dtype)
+        state_dict.update(checkpoint.placeholders(meta, experts, dtype))
+        cfg = copy.deepcopy(config)
+        del cfg.quantization_config  # no transformers quantizer: the experts are handled here, the rest is float now
+        # with a state dict transformers takes no path: name and generation config are set from the directory below
+        model = type(meta).from_pretrained(None, config=cfg, state_dict=state_dict, dtype=dtype,
+                                           experts_implementation=IMPLEMENTATION)
+    model.config.name_or_path = str(root)
+    if (root / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(root)
+    return model, stored
+
+
 def find_experts(config, dtype: torch.dtype | None = None) -> list[ExpertsInfo]:
     """Experts modules of the model ``config`` describes, found on the meta device (no memory)."""
     return inspect_model(config, dtype)[0]
 
 
-def inspect_model(config, dtype: torch.dtype | None = None) -> tuple[list[ExpertsInfo], int]:
-    """(experts modules, bytes of all non-expert parameters) of the model ``config`` describes, on the meta device."""
+def inspect_model(config, dtype: torch.dtype | None = None, fmt: str | None = None) -> tuple[list[ExpertsInfo], int]:
+    """(experts modules, bytes of all non-expert parameters) of the model ``config`` describes, on the meta device.
+    ``fmt`` ("int8" | "fp8" | "mxfp4" | a float dtype name): price each expert as stored in it (default: ``dtype``)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -173,6 +235,7 @@ def inspect_model(config, dtype: torch.dtype | None = None) -> tuple[list[Expert
     except ValueError as e:
         raise ModelError(f"model_type {config.model_type!r}: transformers cannot build it as a causal LM: {e}") from None
     found = []
+    routed = 0  # bytes of the routed experts as the meta model holds them (float)
     for name, m in meta.named_modules():
         if not is_experts_module(m):
             continue
@@ -181,10 +244,26 @@ def inspect_model(config, dtype: torch.dtype | None = None) -> tuple[list[Expert
             raise ModelError(f"experts module {name!r}: expected a layer index in its name")
         tensors = [getattr(m, n) for n in module_tensor_names(m) if n is not None]
         nbytes = sum(t[0].numel() * t.element_size() for t in tensors)
+        routed += nbytes * tensors[0].shape[0]
+        if fmt is not None:
+            nbytes = priced_expert_bytes(m, tensors, fmt)
         found.append(ExpertsInfo(name, int(match.group(1)), int(tensors[0].shape[0]), nbytes))
     total = sum(p.numel() * p.element_size() for p in meta.parameters())
-    routed = sum(i.expert_bytes * i.num_experts for i in found)
     return found, total - routed
+
+
+def priced_expert_bytes(module, tensors: list, fmt: str) -> int:
+    """Bytes of one expert of ``module`` (meta ``tensors``: up, down, biases) stored in ``fmt``: a quantized format
+    (weights; biases keep their dtype) or a float dtype name."""
+    up, down, *biases = tensors
+    bias = sum(b[0].numel() * b.element_size() for b in biases)
+    float_bytes = torch.empty((), dtype=getattr(torch, fmt)).element_size() if fmt not in quant.QUANTIZED else 0
+    total = bias  # biases keep their dtype in every format
+    for i, w in enumerate((up, down)):
+        R, K = (w.shape[2], w.shape[1]) if module.is_transposed else (w.shape[1], w.shape[2])
+        split = kernels.gate_up_split(module, R) if i == 0 and fmt == "fp8" else 0
+        total += quant.weight_bytes(fmt, R, K, split, float_bytes)
+    return total
 
 
 def is_experts_module(m: torch.nn.Module) -> bool:

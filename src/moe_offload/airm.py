@@ -47,7 +47,7 @@ def engine_options(cfg) -> dict[str, Any]:
     from moe_offload.backends import engine_options as options
 
     return options(cfg.backend_name or "", policy=cfg.policy, fraction=cfg.fraction, mock_ms=cfg.mock_ms,
-                   mock_hit=cfg.mock_hit, engine=cfg.engine, data=cfg.data, env=cfg.env)
+                   mock_hit=cfg.mock_hit, engine=cfg.engine, data=cfg.data, env=cfg.env, expert_dtype=cfg.expert_dtype)
 
 
 def build(cfg, log):

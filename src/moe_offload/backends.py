@@ -61,13 +61,14 @@ class Backend:
 
 
 def engine_options(backend: str, *, policy=None, fraction=None, mock_ms=None, mock_hit=None, engine=None, data=None,
-                   env=None) -> dict:
+                   env=None, expert_dtype=None) -> dict:
     """The build_engine options each built-in backend takes, from the CLI's or the runner's settings (None: unset)."""
     if backend == "mock":
         return {k: v for k, v in (("ms_per_token", mock_ms), ("hit_rate", mock_hit)) if v is not None}
     if backend == "rngd":
         return {k: v for k, v in (("engine", engine), ("data", data), ("env", env)) if v}
-    return {k: v for k, v in (("policy", policy), ("fraction", fraction)) if v is not None and v != ""}
+    return {k: v for k, v in (("policy", policy), ("fraction", fraction), ("expert_dtype", expert_dtype))
+            if v is not None and v != ""}
 
 
 def node_name() -> str:

@@ -15,6 +15,7 @@ from rm_core import ContractError
 BACKENDS = ("mock", "cpu", "cuda", "rngd")
 ROLES = ("worker", "gateway")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+EXPERT_DTYPES = ("int8", "fp8", "bf16")  # engines.offload.loader.EXPERT_DTYPES (not imported: no torch here)
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class RunConfig:
     placement: str | None = None  # a placement JSON file, or "auto"
     policy: str | None = None  # static | lru | hybrid (offload engines)
     fraction: float | None = None  # resident fraction when no placement file is given
+    expert_dtype: str | None = None  # int8 | fp8 | bf16 (offload engines; None: as the checkpoint stores them)
     engine: str | None = None  # external engine binary (rngd)
     data: str | None = None  # the external engine's input directory
     role: str = "worker"
@@ -86,6 +88,8 @@ class RunConfig:
             raise ContractError("config.mock_hit", "a fraction in 0..1", self.mock_hit)
         if self.mock_ms < 0:
             raise ContractError("config.mock_ms", "milliseconds >= 0", self.mock_ms)
+        if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
+            raise ContractError("config.expert_dtype", " | ".join(EXPERT_DTYPES), self.expert_dtype)
         if self.fraction is not None and not 0 <= self.fraction <= 1:
             raise ContractError("config.fraction", "a fraction in 0..1", self.fraction)
         from moe_offload.serving.classify import CLASSES
