@@ -134,7 +134,23 @@ def load_model(
     executor.finish_setup()
     _install_hooks(model, executor, [m for _, m, _ in stores], modules)
     kernels.prepare(model, stores[0][2].tensors[0].dtype if stores else None)  # bf16 CPU GEMV kernels (MOE_OFFLOAD_KERNELS=0: off)
+    from moe_offload.log import get_logger
+
+    get_logger("moe_offload.loader").info("experts_loaded", checkpoint=str(root), checkpoint_format=method or "float",
+                                          **expert_summary(executor))
     return OffloadedModel(model, model.config, executor, placement, dev, policy)
+
+
+def expert_summary(executor: Executor) -> dict:
+    """{"expert_format", "expert_bytes" (one expert as stored), "host_store_bytes" (every expert once, as stored),
+    "slot_bytes" (accelerator buffers the slots allocated; pinned CPU slots alias the store)}."""
+    layers = executor.layers
+    return {
+        "expert_format": layers[0].store.format if layers else "",
+        "expert_bytes": layers[0].store.expert_bytes if layers else 0,
+        "host_store_bytes": sum(s.store.nbytes for s in layers),
+        "slot_bytes": sum(s.cache.buffer_bytes for s in layers),
+    }
 
 
 def resolve_device(device: str) -> torch.device:

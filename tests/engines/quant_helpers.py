@@ -16,6 +16,7 @@
 Shapes keep transformers' dequantizing reference meaningful: its Fp8Dequantize derives the block size from the
 scale grid, which equals the 128 blocks only where a dimension is <= 128 or a multiple of 128, so the FP8 model
 uses hidden 256 and expert intermediate 128 (two column blocks, gate and up one row block each, down two).
+Both carry the demo model's tokenizer (vocab 300), so generate / serve / the ai-rm runner can take text.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch
 from moe_offload.engines.offload import quant
 from offload_helpers import COMMON, E
 
+VOCAB = 300  # the demo tokenizer trained to 300 tokens
+
 MXFP4_QCONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                                      "model.embed_tokens", "lm_head"]}
 FP8_QCONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
@@ -36,7 +39,7 @@ FP8_QCONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "f
 def gpt_oss_config():
     from transformers import GptOssConfig
 
-    c = {**COMMON, "hidden_size": 64, "head_dim": 16}
+    c = {**COMMON, "hidden_size": 64, "head_dim": 16, "vocab_size": VOCAB}
     return GptOssConfig(**c, num_hidden_layers=2, intermediate_size=64, num_local_experts=E, num_experts_per_tok=2,
                         sliding_window=16, layer_types=["sliding_attention", "full_attention"])
 
@@ -44,7 +47,7 @@ def gpt_oss_config():
 def deepseek_config():
     from transformers import DeepseekV3Config
 
-    c = {k: v for k, v in COMMON.items() if k != "head_dim"} | {"hidden_size": 256, "num_key_value_heads": 4}
+    c = {k: v for k, v in COMMON.items() if k != "head_dim"} | {"hidden_size": 256, "num_key_value_heads": 4, "vocab_size": VOCAB}
     return DeepseekV3Config(**c, num_hidden_layers=3, intermediate_size=256, moe_intermediate_size=128,
                             n_routed_experts=E, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
                             n_group=2, topk_group=1, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=32,
@@ -55,7 +58,12 @@ def _save_bf16(model, path: Path) -> dict[str, torch.Tensor]:
     """Save as a bf16 release and return its tensors (transformers writes the per-expert layout of each family)."""
     from safetensors.torch import load_file
 
+    from moe_offload.demo import build_tokenizer
+
     model.to(torch.bfloat16).save_pretrained(path)
+    tok = build_tokenizer(VOCAB)
+    assert len(tok) == VOCAB, len(tok)
+    tok.save_pretrained(path)
     return load_file(path / "model.safetensors")
 
 

@@ -125,7 +125,7 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
         text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
         if as_json:
             out = {"model": engine.info.model, "backend": engine.info.backend, "policy": engine.info.policy,
-                   "prompt_ids": ids, "token_ids": tokens, "text": text, "stats": s.to_dict()}
+                   "prompt_ids": ids, "token_ids": tokens, "text": text, "stats": s.to_dict(), "experts": _experts(engine)}
             click.echo(json.dumps(out, indent=2))
             return
         click.echo(text[len(shown):] if text.startswith(shown) else "\n" + text)
@@ -137,6 +137,15 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
                    + f", host expert tokens {s.host_expert_tokens}, copied {sum(s.bytes_moved.values()) / 1e6:.1f} MB]", err=True)
     finally:
         engine.close()
+
+
+def _experts(engine) -> dict:
+    """How the engine holds the experts (format, bytes as stored); {} for engines without an offload executor."""
+    if getattr(engine, "executor", None) is None or not hasattr(engine.executor, "layers"):
+        return {}
+    from moe_offload.engines.offload.loader import expert_summary
+
+    return expert_summary(engine.executor)
 
 
 def read_prompts(path: str) -> list[tuple[str, str | None]]:
