@@ -143,12 +143,8 @@ def quantize(w: torch.Tensor, fmt: str, split: int = 0) -> tuple[torch.Tensor, t
 
 
 def weight_bytes(fmt: str, R: int, K: int, split: int = 0, float_bytes: int = 2) -> int:
-    """Stored bytes of one [R, K] projection in ``fmt`` (a float dtype: ``float_bytes`` per weight)."""
-    if fmt == "int8":
-        return R * K + 4 * R
-    if fmt == "fp8":
-        rb = _blocks(split, FP8_BLOCK) + _blocks(R - split, FP8_BLOCK) if 0 < split < R else _blocks(R, FP8_BLOCK)
-        return R * K + 4 * rb * _blocks(K, FP8_BLOCK)
-    if fmt == "mxfp4":
-        return R * K // 2 + R * K // MX_BLOCK
-    return R * K * float_bytes
+    """Stored bytes of one [R, K] projection in ``fmt`` (a float dtype: ``float_bytes`` per weight): the control
+    plane's formula (spec.stored_weight_bytes), so the planner and the engine count the same bytes."""
+    from moe_offload.spec import stored_weight_bytes
+
+    return stored_weight_bytes(fmt, R, K, split, float_bytes)

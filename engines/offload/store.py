@@ -71,7 +71,7 @@ class LayerStore:
 
 
 def convert(store: LayerStore, fmt: str, *, transposed: bool, split: int) -> LayerStore:
-    """A float layer in ``fmt``: "int8" | "fp8" (quantized per expert; ``transposed``: the float layout is
+    """A float layer in ``fmt``: "int8" | "fp8" | "mxfp4" (quantized per expert; ``transposed``: the float layout is
     [E, K, R], as gpt-oss) or a float dtype name (cast). Biases keep their dtype; compute dtype is unchanged."""
     up, down, ub, db = store.tensors[:4]
     if fmt not in quant.QUANTIZED:
@@ -80,14 +80,13 @@ def convert(store: LayerStore, fmt: str, *, transposed: bool, split: int) -> Lay
     out = []
     for w, s in ((up, split), (down, 0)):
         rows = (w.transpose(1, 2) if transposed else w)  # [E, R, K]
-        q = torch.empty(rows.shape, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
-        scales = None
+        q = scales = None
         for e in range(rows.shape[0]):  # one expert at a time: the fp32 copies stay small
             qe, se = quant.quantize(rows[e], fmt, s)
-            q[e] = qe
-            if scales is None:
+            if q is None:
+                q = torch.empty((rows.shape[0], *qe.shape), dtype=qe.dtype)
                 scales = torch.empty((rows.shape[0], *se.shape), dtype=se.dtype)
-            scales[e] = se
+            q[e], scales[e] = qe, se
         out.append((q, scales))
     (qu, su), (qd, sd) = out
     return LayerStore((qu, qd, ub, db, su, sd), store.compute_dtype)

@@ -11,6 +11,7 @@ Exactness, per format:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -141,6 +142,15 @@ def test_quantized_at_load_is_exact_across_fractions(checkpoints, family, expert
                         expert_dtype=expert_dtype, hybrid_threshold=2 if policy == "hybrid" else None)
         store = om.executor.layers[0].store
         assert store.format == expert_dtype and store.compute_dtype == torch.bfloat16
+        # what the loader prices before loading (the CUDA fit check) and the control plane's spec agree with the store
+        from transformers import AutoConfig
+
+        from moe_offload.engines.offload.loader import inspect_model
+        from moe_offload.spec import ModelSpec
+
+        spec = dataclasses.replace(ModelSpec.from_hf_config(path), dtype="bfloat16", dtype_bytes=2)  # as loaded (biases)
+        assert inspect_model(AutoConfig.from_pretrained(path), torch.bfloat16, expert_dtype)[0][0].expert_bytes \
+            == store.expert_bytes == spec.with_expert_dtype(expert_dtype).expert_bytes
         runs[(policy, fraction)] = greedy(om.model, PROMPT, 12)
     first = runs[("static", 1.0)]
     for key, (tokens, logits) in runs.items():
@@ -187,3 +197,19 @@ def test_int8_logit_error_is_bounded(checkpoints, family):
     assert agree >= 1, "the first step's routes differ"
     assert rel[:agree].max() <= INT8_BOUND, (family, rel[:agree].max().item())
     assert rel.median() <= INT8_MEDIAN, (family, rel.median().item())
+
+
+@pytest.mark.parametrize("name", RELEASES)
+def test_spec_prices_the_tiny_releases_exactly(quantized_checkpoints, name):
+    # from config.json alone: the bytes of the tensors in the safetensors files, all of them and the experts'
+    from moe_offload.spec import ModelSpec
+
+    path = quantized_checkpoints(name)
+    spec = ModelSpec.from_hf_config(path)
+    assert spec.checkpoint_bytes == tensor_bytes(path)
+    assert spec.num_moe_layers * spec.num_experts * spec.stored_expert_bytes(spec.checkpoint_expert_format) \
+        == tensor_bytes(path, expert_only=True)
+    # and the engine's store, loaded in the checkpoint's dtype, holds what the spec prices
+    om = load_model(path, None)
+    assert sum(s.store.nbytes for s in om.executor.layers) == spec.routed_expert_bytes
+    assert om.executor.layers[0].store.expert_bytes == spec.expert_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from moe_offload.commands.plan import expert_dtype_option
 from moe_offload.errors import ConfigError
 
 MODEL_HELP = "Checkpoint directory or config.json."
@@ -44,13 +45,16 @@ def load_calibration_option(path: str | None, device: str = "cuda"):
 @click.option("--model", default=None, help=MODEL_HELP + " Its expert shape and dtype are measured (default: H 1024, I 512, bf16).")
 @click.option("--out", default=None, help="Write the calibration JSON here (for plan/predict --calibration).")
 @click.option("--quick", is_flag=True, help="Small buffers: faster, less exact.")
+@expert_dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def calibrate_cmd(device: str, model: str | None, out: str | None, quick: bool, as_json: bool) -> None:
+def calibrate_cmd(device: str, model: str | None, out: str | None, quick: bool, expert_dtype: str | None, as_json: bool) -> None:
     """Measure read bandwidth, expert kernel, host->device copy and per-layer overhead (a few seconds)."""
     from moe_offload.cli import emit
     from moe_offload.spec import ModelSpec
 
-    spec = ModelSpec.from_hf_config(model) if model else None
+    if expert_dtype and not model:
+        raise ConfigError("--expert-dtype needs --model (the expert shape to measure in that format)")
+    spec = ModelSpec.from_hf_config(model).with_expert_dtype(expert_dtype) if model else None
     from transformers.utils import logging
 
     logging.disable_progress_bar()
@@ -87,9 +91,10 @@ def prediction_rows(preds) -> list[str]:
 @click.option("--hit-rate", type=click.FloatRange(0, 1), default=None, help="Use this accelerator hit rate (e.g. a measured one).")
 @click.option("--tokens", type=click.IntRange(min=1), default=1, show_default=True, help="Tokens per step (1 = decode).")
 @click.option("--context", type=click.IntRange(min=0), default=0, show_default=True, help="Tokens in the KV cache (read every step).")
+@expert_dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def predict_cmd(model, placement_path, fraction, policy, calibration_path, device, profile_path, hit_rate, tokens, context,
-                as_json) -> None:
+                expert_dtype, as_json) -> None:
     """Predicted ms/token of a placement under each miss policy, with its breakdown (a prediction, not a measurement)."""
     from moe_offload import placement as P
     from moe_offload.cli import emit
@@ -98,7 +103,7 @@ def predict_cmd(model, placement_path, fraction, policy, calibration_path, devic
     from moe_offload.spec import ModelSpec
     from rm_core import Placement
 
-    spec = ModelSpec.from_hf_config(model)
+    spec = ModelSpec.from_hf_config(model).with_expert_dtype(expert_dtype)
     if (placement_path is None) == (fraction is None):
         raise ConfigError("give one of --placement FILE or --fraction F")
     cal = load_calibration_option(calibration_path, device)
