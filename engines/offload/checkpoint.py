@@ -47,7 +47,8 @@ def quant_method(config, where: str = "checkpoint") -> str | None:
         block = qc.get("weight_block_size")
         if block is None or list(block) != [quant.FP8_BLOCK, quant.FP8_BLOCK]:
             raise ModelError(f"{where}: FP8 weight_block_size {block!r} is not supported; expected [128, 128]")
-        if str(qc.get("fmt", "e4m3")) != "e4m3" or qc.get("scale_fmt", "float") != "float" or qc.get("expert_dtype", "fp8") != "fp8":
+        if str(qc.get("fmt", "e4m3")) not in ("e4m3", "float8_e4m3fn") or qc.get("scale_fmt", "float") != "float" \
+                or qc.get("expert_dtype", "fp8") != "fp8":
             raise ModelError(f"{where}: FP8 checkpoint with fmt={qc.get('fmt')!r} scale_fmt={qc.get('scale_fmt')!r} "
                              f"expert_dtype={qc.get('expert_dtype')!r}; expected e4m3 weights with float block scales")
     return method

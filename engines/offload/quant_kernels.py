@@ -53,14 +53,22 @@ constexpr int64_t MAX_N = 16; // tokens per call (decode batches)
 inline float bf2f(uint16_t v) { uint32_t u = uint32_t(v) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 inline uint16_t f2bf(float f) { return c10::BFloat16(f).x; }
 
-// e4m3fn -> float (scalar): sign | exponent+mantissa moved into fp16 position is the value * 2^-8, exactly.
-inline float fp8_to_float(uint8_t b) {
-  int e = (b >> 3) & 0xF, m = b & 7;
-  float v = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(m / 8.0f, -6);
-  return (b & 0x80) ? -v : v;
-}
+// Tables built once: e4m3fn byte -> float, E8M0 byte -> 2^(s-127) (a libm call per block would cost more than the block).
+struct Tables {
+  float fp8[256], e8m0[256];
+  Tables() {
+    for (int b = 0; b < 256; ++b) {
+      int e = (b >> 3) & 0xF, m = b & 7;
+      float v = e ? std::ldexp(1.0f + m / 8.0f, e - 7) : std::ldexp(m / 8.0f, -6);
+      fp8[b] = (b & 0x80) ? -v : v;
+      e8m0[b] = std::ldexp(1.0f, b - 127);
+    }
+  }
+};
+const Tables TABLES;
+inline float fp8_to_float(uint8_t b) { return TABLES.fp8[b]; }
+inline float e8m0(uint8_t s) { return TABLES.e8m0[s]; }
 const float FP4[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-inline float e8m0(uint8_t s) { return std::ldexp(1.0f, int(s) - 127); }
 
 // ---- x, prepared once per call and shared by every row ----------------------------------------------------------
 struct Tokens {
@@ -183,49 +191,63 @@ inline float dot_q8(const int8_t* w, const Tokens& t, int64_t i) {
 #endif
 }
 
-// fp8: sum_j x_j * (fp8(w_j) * scale[block of j]); srow = the row's scale row (ceil(K/128) floats)
+// fp8: sum over 128-column blocks of scale[block] * sum_j x_j * fp8(w_j); srow = the row's scale row (ceil(K/128)).
+// e4m3 -> fp16 bits: the byte sign-extended to 16 bits and shifted left by 7 puts the sign in bit 15 and exponent +
+// mantissa in bits 7..13 (bit 14, a copy of the sign, is cleared): the fp16 value is the e4m3 value * 2^-8, exactly
+// (subnormals included); F16C widens it to fp32 and the block scale carries the 2^8.
 inline float dot_fp8(const uint8_t* w, const float* srow, const Tokens& t, int64_t i) {
   const int64_t k = t.k;
   const float* x = t.f.data() + i * t.kp;
 #if defined(MOE_AVX512BF16)
-  const __m256i msign = _mm256_set1_epi16((short)0x8000), mmag = _mm256_set1_epi16(0x3F80);
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  const __m512i keep = _mm512_set1_epi16((short)0xBF80);
+  __m512 total = _mm512_setzero_ps();
   for (int64_t c = 0; c * FB < k; ++c) {
-    const __m512 s = _mm512_set1_ps(srow[c] * 256.0f);  // the fp16 bits hold value * 2^-8
     const int64_t end = std::min(k, (c + 1) * FB);
-    for (int64_t j = c * FB; j < end; j += 16) {
-      __mmask16 m = (end - j >= 16) ? (__mmask16)0xFFFF : (__mmask16)((1u << (end - j)) - 1);
-      __m256i h = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, w + j));
-      __m256i f16 = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(h, 8), msign), _mm256_and_si256(_mm256_slli_epi16(h, 7), mmag));
-      __m512 wf = _mm512_mul_ps(_mm512_cvtph_ps(f16), s);
-      if ((j / 16) & 1) a1 = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + j), a1);
-      else a0 = _mm512_fmadd_ps(wf, _mm512_loadu_ps(x + j), a0);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    for (int64_t j = c * FB; j < end; j += 32) {
+      __mmask32 m = (end - j >= 32) ? ~(__mmask32)0 : (__mmask32)((1u << (end - j)) - 1);
+      __m512i h = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, w + j));
+      __m512i f16 = _mm512_and_si512(_mm512_slli_epi16(h, 7), keep);
+      a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(f16)), _mm512_loadu_ps(x + j), a0);
+      a1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(f16, 1)), _mm512_loadu_ps(x + j + 16), a1);
     }
+    total = _mm512_fmadd_ps(_mm512_add_ps(a0, a1), _mm512_set1_ps(srow[c] * 256.0f), total);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  return _mm512_reduce_add_ps(total);
 #elif defined(MOE_AVX2)
-  const __m128i msign = _mm_set1_epi16((short)0x8000), mmag = _mm_set1_epi16(0x3F80);
-  __m256 a0 = _mm256_setzero_ps();
+  const __m128i keep = _mm_set1_epi16((short)0xBF80);
+  __m256 total = _mm256_setzero_ps();
   float tail = 0.0f;
   for (int64_t c = 0; c * FB < k; ++c) {
-    const float sc = srow[c];
-    const __m256 s = _mm256_set1_ps(sc * 256.0f);
     const int64_t end = std::min(k, (c + 1) * FB);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
     int64_t j = c * FB;
-    for (; j + 8 <= end; j += 8) {
-      __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(w + j)));
-      __m128i f16 = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(h, 8), msign), _mm_and_si128(_mm_slli_epi16(h, 7), mmag));
-      a0 = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtph_ps(f16), s), _mm256_loadu_ps(x + j), a0);
+    for (; j + 16 <= end; j += 16) {
+      __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + j)));
+      __m256i f16 = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBF80));
+      a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(f16)), _mm256_loadu_ps(x + j), a0);
+      a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(f16, 1)), _mm256_loadu_ps(x + j + 8), a1);
     }
-    for (; j < end; ++j) tail += x[j] * (fp8_to_float(w[j]) * sc);
+    for (; j + 8 <= end; j += 8) {
+      __m128i f16 = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)(w + j))), 7), keep);
+      a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(f16), _mm256_loadu_ps(x + j), a0);
+    }
+    float part = 0.0f;
+    for (; j < end; ++j) part += x[j] * fp8_to_float(w[j]);
+    tail += part * srow[c];
+    total = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(srow[c] * 256.0f), total);
   }
-  __m128 v = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
   v = _mm_hadd_ps(v, v);
   v = _mm_hadd_ps(v, v);
   return _mm_cvtss_f32(v) + tail;
 #else
   float total = 0.0f;
-  for (int64_t j = 0; j < k; ++j) total += x[j] * (fp8_to_float(w[j]) * srow[j / FB]);
+  for (int64_t c = 0; c * FB < k; ++c) {
+    float part = 0.0f;
+    for (int64_t j = c * FB; j < std::min(k, (c + 1) * FB); ++j) part += x[j] * fp8_to_float(w[j]);
+    total += part * srow[c];
+  }
   return total;
 #endif
 }
