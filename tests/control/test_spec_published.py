@@ -161,3 +161,39 @@ def test_expert_dtype_prices_the_format():
 def test_unsupported_quantization_is_named():
     with pytest.raises(ModelError, match="quant_method 'gptq' is not supported"):
         ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+
+
+def test_a_budget_buys_slots_by_stored_bytes():
+    # an 80 GiB accelerator: gpt-oss-120b's MXFP4 experts fit several times more slots than bf16 ones would
+    from moe_offload.budget import plan_budget
+
+    oss = ModelSpec.from_hf_config(GPT_OSS_120B)
+    mxfp4 = plan_budget(oss, ["40GiB"], context=4096).accelerators[0]
+    bf16 = plan_budget(oss.with_expert_dtype("bf16"), ["40GiB"], context=4096).accelerators[0]
+    assert mxfp4.slots == mxfp4.free_bytes // (oss.expert_bytes * 36)
+    assert bf16.slots == bf16.free_bytes // (oss.expert_params * 2 * 36)
+    assert mxfp4.slots > 3 * bf16.slots > 0
+
+
+def test_spec_and_budget_commands_show_stored_bytes(tmp_path, capsys):
+    import json
+
+    from moe_offload.cli import main
+
+    cfg = tmp_path / "gpt-oss-120b" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps(GPT_OSS_120B))
+    assert main(["spec", "--model", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "experts held as      mxfp4\n" in out and "checkpoint           60.77 GiB (as stored: experts mxfp4)" in out
+    assert main(["spec", "--model", str(cfg), "--expert-dtype", "bf16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["expert_format"] == "bfloat16" and data["checkpoint_expert_format"] == "mxfp4"
+    assert data["expert_bytes"] == ModelSpec.from_hf_config(GPT_OSS_120B).expert_params * 2
+    assert main(["budget", "--model", str(cfg), "--accelerator", "40GiB", "--json"]) == 0
+    mx = json.loads(capsys.readouterr().out)
+    assert main(["budget", "--model", str(cfg), "--accelerator", "40GiB", "--expert-dtype", "bf16", "--json"]) == 0
+    bf = json.loads(capsys.readouterr().out)
+    assert mx["accelerators"][0]["slots_per_layer"] > 3 * bf["accelerators"][0]["slots_per_layer"]
+    assert main(["plan", "--model", str(cfg), "--fraction", "0.1", "--expert-dtype", "int8"]) != 0  # refused for mxfp4
+    assert "this checkpoint's experts are mxfp4" in capsys.readouterr().err
