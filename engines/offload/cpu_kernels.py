@@ -16,6 +16,9 @@ Ops (namespace ``moe_offload``, opaque to torch.compile; fake kernels registered
 Intermediates are rounded to bf16 where the unfused bf16 path rounds (after each GEMV, after silu, after
 the product), so results match ``F.linear`` chains up to the order of the fp32 sums.
 
+The quantized-expert ops (``gemv_q``, ``expert_mlp_q``: int8, fp8, mxfp4) live in quant_kernels.py and are
+compiled into the same library (one build, one ``load()``).
+
 Legend: H hidden (input features), N output rows, I expert intermediate, K experts of the token.
 ``load()`` builds once per machine (cache: $TORCH_EXTENSIONS_DIR or ~/.cache/moe-offload/kernels) and returns
 False, after one warning, when the kernels are disabled (MOE_OFFLOAD_KERNELS=0) or cannot be built.
