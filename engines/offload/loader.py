@@ -1,7 +1,9 @@
 """Load a local HF MoE checkpoint for the offload executor.
 
     checkpoint dir --validate (files, MoE layers, placement, memory)--> from_pretrained on the host
-      -> routed experts of each layer moved into the host store (pinned on CUDA), detached from the model
+        (a quantized checkpoint, MXFP4 / FP8: checkpoint.py reads the experts as stored, transformers the rest)
+      -> routed experts of each layer moved into the host store (pinned on CUDA), detached from the model,
+         in their stored format or converted by --expert-dtype (int8 / fp8 quantized per expert, bf16)
       -> non-expert weights to the accelerator (model.to(device): the experts are no longer parameters)
       -> per MoE layer a SlotCache on the accelerator: the Placement's pinned experts + dynamic slots
 
