@@ -2,6 +2,7 @@
 
     python bench/bench_engine.py            # full run: 64 decode tokens, 128-token prompt, 3 repeats
     python bench/bench_engine.py --quick    # proves it works: 8 tokens, 16-token prompt, 1 repeat
+    python bench/bench_engine.py --expert-dtype int8   # the engine's experts quantized at load (int8 | fp8 | bf16)
 
 Model: Qwen3-MoE-shaped, random bf16 weights (16 layers x 64 experts, hidden 1024, expert
 intermediate 512, top-8, 16 heads, 4 KV heads, vocab 32000: 1.7B parameters, 3.4 GB), built into a
@@ -64,20 +65,31 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
     return measure(torch.device("cpu"), int(gib * 2**30), repeats)
 
 
-def decode_bytes(model) -> int:
+def decode_bytes(model, expert_bytes: int | None = None) -> int:
     """Bytes one decode token must read: every non-expert weight except the embedding table
-    (one row is read), plus top-k experts per MoE layer."""
+    (one row is read), plus top-k experts per MoE layer (``expert_bytes``: one expert of every layer as the
+    engine stores it, e.g. int8 with its scales; default: as loaded)."""
     cfg = model.config
     total = 0
-    expert_bytes = 0
+    loaded = 0
     for name, p in model.named_parameters():
         if "embed_tokens" in name:
             total += p.shape[1] * p.element_size()
         elif ".experts." in name:
-            expert_bytes += p[0].numel() * p.element_size()  # one expert of this tensor, summed over layers
+            loaded += p[0].numel() * p.element_size()  # one expert of this tensor, summed over layers
         else:
             total += p.numel() * p.element_size()
-    return total + expert_bytes * cfg.num_experts_per_tok
+    return total + (loaded if expert_bytes is None else expert_bytes) * cfg.num_experts_per_tok
+
+
+def stored_expert_bytes(path: Path, expert_dtype: str | None) -> int | None:
+    """One expert of every MoE layer as the engine holds it with ``--expert-dtype`` (None: as loaded)."""
+    if expert_dtype is None:
+        return None
+    from moe_offload.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(path).with_expert_dtype(expert_dtype)
+    return spec.expert_bytes * spec.num_moe_layers
 
 
 def prompt_ids(n: int, vocab: int, seed: int = 1) -> list[int]:
@@ -122,11 +134,12 @@ def bench_stock(path: Path, prompt: list[int], tokens: int, repeats: int) -> dic
             "decode_mean_ms": statistics.fmean(steps), "impl": impl, "decode_bytes": nbytes}
 
 
-def bench_engine(path: Path, prompt: list[int], tokens: int, repeats: int, policy: str, fraction: float) -> dict:
+def bench_engine(path: Path, prompt: list[int], tokens: int, repeats: int, policy: str, fraction: float,
+                 expert_dtype: str | None = None) -> dict:
     from moe_offload.engines.base import SamplingParams
     from moe_offload.engines.offload.engine import build_offload_engine
 
-    engine = build_offload_engine(path, policy=policy, fraction=fraction, dtype="bfloat16")
+    engine = build_offload_engine(path, policy=policy, fraction=fraction, dtype="bfloat16", expert_dtype=expert_dtype)
     try:
         list(engine.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True)))  # warm-up
         runs = []
@@ -150,7 +163,7 @@ def bench_engine(path: Path, prompt: list[int], tokens: int, repeats: int, polic
         gc.collect()
 
 
-def ab_compare(path: Path, prompt: list[int], rounds: int, block: int = 8) -> dict:
+def ab_compare(path: Path, prompt: list[int], rounds: int, block: int = 8, expert_dtype: str | None = None) -> dict:
     """Stock generate() and the all-resident engine, alternating in blocks of ``block`` decode tokens in one
     process, so both see the same background load: the fair ratio on a busy machine."""
     from transformers import AutoModelForCausalLM
@@ -159,7 +172,7 @@ def ab_compare(path: Path, prompt: list[int], rounds: int, block: int = 8) -> di
     from moe_offload.engines.offload.engine import build_offload_engine
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    engine = build_offload_engine(path, policy="static", fraction=1.0, dtype="bfloat16")
+    engine = build_offload_engine(path, policy="static", fraction=1.0, dtype="bfloat16", expert_dtype=expert_dtype)
     ids = torch.tensor([prompt])
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -202,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, help="build (or reuse) the model here instead of a temp dir")
     ap.add_argument("--no-stock", action="store_true", help="skip stock transformers (and the A/B)")
     ap.add_argument("--ab-rounds", type=int, help="interleaved stock/ours rounds of 8 tokens (default 8; quick 2; 0 = skip)")
+    ap.add_argument("--expert-dtype", choices=("int8", "fp8", "bf16"),
+                    help="the engine's experts: quantized at load (int8 | fp8) or bf16; stock stays bf16")
     args = ap.parse_args(argv)
     from transformers.utils import logging
 
@@ -218,21 +233,21 @@ def main(argv: list[str] | None = None) -> int:
         prompt = prompt_ids(plen, SHAPE["vocab_size"])
         bw = read_bandwidth()
         stock = None if args.no_stock else bench_stock(path, prompt, tokens, repeats)
-        if stock is None:
+        if stock is None or args.expert_dtype:
             from transformers import AutoModelForCausalLM
 
             m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-            nbytes = decode_bytes(m)
+            nbytes = decode_bytes(m, stored_expert_bytes(path, args.expert_dtype))  # what the engine reads
             del m
         else:
             nbytes = stock["decode_bytes"]
         bound_ms = nbytes / bw * 1000
-        ab = ab_compare(path, prompt, ab_rounds) if ab_rounds and not args.no_stock else None
+        ab = ab_compare(path, prompt, ab_rounds, expert_dtype=args.expert_dtype) if ab_rounds and not args.no_stock else None
         rows = []
         for policy in policies:
             for fraction in fractions:
                 try:
-                    r = bench_engine(path, prompt, tokens, repeats, policy, fraction)
+                    r = bench_engine(path, prompt, tokens, repeats, policy, fraction, args.expert_dtype)
                 except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
                     print(f"  {policy:6} {fraction:4}: FAILED {type(e).__name__}: {e}", file=sys.stderr)
                     continue
@@ -245,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} threads  ")
     print(f"Prompt {plen} tokens, {tokens} decode tokens x {repeats} runs per configuration; decode = median ms/token "
           f"(mean in brackets), prefill = best run.  ")
+    if args.expert_dtype:
+        print(f"Engine experts: {args.expert_dtype} (quantized at load; stock transformers runs the bf16 checkpoint).  ")
     print(f"Bandwidth bound: {nbytes / 1e6:.0f} MB read per decode token / {bw / 1e9:.1f} GB/s measured "
           f"= **{bound_ms:.1f} ms/token**\n")
     print("| configuration | decode ms/token | prefill tok/s | of bound | vs stock | hit rate | host expert tokens | bytes copied |")

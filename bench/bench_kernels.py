@@ -1,11 +1,13 @@
-"""Kernel microbenchmark: GB/s of the bf16 decode GEMV kernels against torch's F.linear at the benchmark model's shapes.
+"""Kernel microbenchmark: GB/s of the decode GEMV kernels (bf16, and int8 / fp8 / mxfp4 experts) against torch at the benchmark model's shapes.
 
     python bench/bench_kernels.py            # ~1 minute
     python bench/bench_kernels.py --quick    # fewer repeats
 
 Every measurement cycles through enough distinct weight copies (>= 256 MiB) that each call streams its
 weights from DRAM, as a decode step does; GB/s = weight bytes read / time per call. The reference is the
-read bandwidth of a large fp32 sum (as bench/bench_engine.py measures it). Prints a markdown table.
+read bandwidth of a large fp32 sum (as bench/bench_engine.py measures it). Quantized rows count the stored bytes
+(weights + scales) and compare with torch on the same stored expert: dequantize, then the F.linear chain (the path
+the engine takes for more than 16 tokens). Prints a markdown table.
 Legend: H hidden 1024, I expert intermediate 512, V vocab 32000, K = 8 experts per token.
 """
 
@@ -95,6 +97,35 @@ def main(argv: list[str] | None = None) -> int:
     k = measure(lambda g: ops.experts_mlp_bf16(x[0], [w[0] for w in g], [w[1] for w in g]), groups, K * nb, repeats)
     t = measure(lambda g: [ops.expert_mlp_bf16(x, w[0], w[1]) for w in g], groups, K * nb, repeats)
     rows.append((f"{K} experts, one call (vs {K} fused calls)", f"{K} x expert", K * nb, k, t))
+
+    # Quantized experts: the stored bytes one decode token streams (weights + scales), per format.
+    from moe_offload.engines.offload import quant
+
+    for fmt in ("int8", "fp8", "mxfp4"):
+        def make(fmt=fmt):
+            up = quant.quantize(torch.randn(2 * I, H) / H**0.5, fmt, I if fmt == "fp8" else 0)
+            down = quant.quantize(torch.randn(H, I) / I**0.5, fmt)
+            return up + down  # (up, up_scale, down, down_scale)
+
+        one = make()
+        qb = sum(t.numel() * t.element_size() for t in one)
+        qs = copies(make, qb)
+        split = I if fmt == "fp8" else 0
+        if fmt == "mxfp4":  # no fused op (gpt-oss gates differ): the two GEMVs around a torch silu gate
+            def kern(w):
+                g, u = ops.gemv_q(x, w[0], w[1], None, 0).chunk(2, dim=-1)
+                return ops.gemv_q(F.silu(g) * u, w[2], w[3])
+        else:
+            def kern(w):
+                return ops.expert_mlp_q(x, w[0], w[1], w[2], w[3])
+
+        def deq(w, split=split):
+            g, u = F.linear(x, quant.dequantize(w[0], w[1], split, torch.bfloat16)).chunk(2, dim=-1)
+            return F.linear(F.silu(g) * u, quant.dequantize(w[2], w[3], 0, torch.bfloat16))
+
+        k = measure(kern, qs, qb, repeats)
+        t = measure(deq, qs[: max(2, len(qs) // 8)], qb, max(1, repeats // 3))
+        rows.append((f"one expert, {fmt}" + (" fused" if fmt != "mxfp4" else ""), f"[{2 * I}, {H}] + [{H}, {I}]", qb, k, t))
 
     info = cpu_kernels.info()
     print(f"Command: `python bench/bench_kernels.py{' --quick' if args.quick else ''}`  ")

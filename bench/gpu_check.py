@@ -3,8 +3,9 @@
     python bench/gpu_check.py                 # on a machine with a CUDA GPU
     python bench/gpu_check.py --device cpu --layers 2 --tokens 8   # dry run of the same script on the CPU
 
-Exactness: the tiny-model policy x fraction runs and the family tests of tests/engines/test_exactness.py
-(pytest -k cuda). Speed: a Qwen3-MoE-shaped random bf16 model (64 experts, hidden 1024, I 512, top-8; 16 layers
+Exactness: the tiny-model policy x fraction runs, the family tests of tests/engines/test_exactness.py and
+the quantized releases of tests/engines/test_quantized.py (MXFP4, FP8 against transformers' dequantized load;
+pytest -k cuda). Speed: a Qwen3-MoE-shaped random bf16 model (64 experts, hidden 1024, I 512, top-8; 16 layers
 by default) decoded greedily by stock transformers and by the executor at several fractions and policies.
 Exit status 1 if any check failed.
 """
@@ -46,7 +47,8 @@ def check_tiny_exactness(device: str) -> str:
 
 def check_family_tests(device: str) -> str:
     select = "cuda" if device.startswith("cuda") else "cpu"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-k", select, os.path.join(ROOT, "tests/engines/test_exactness.py")]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-k", select, os.path.join(ROOT, "tests/engines/test_exactness.py"),
+           os.path.join(ROOT, "tests/engines/test_quantized.py")]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     tail = (r.stdout.strip().splitlines() or ["no output"])[-1]
     assert r.returncode == 0, tail + "\n" + r.stdout[-3000:]

@@ -120,29 +120,46 @@ def _experts_module(hidden: int, intermediate: int, count: int, dtype: torch.dty
     return m, up, down
 
 
-def expert_rates(dev: torch.device, hidden: int, intermediate: int, dtype: torch.dtype, buffer_bytes: int) -> tuple[float, float]:
-    """(bytes/s at 1 token, flop/s at FLOPS_TOKENS tokens) of kernels.expert_forward on ``dev``."""
-    per = 3 * hidden * intermediate * torch.finfo(dtype).bits // 8
+def _expert_store(hidden: int, intermediate: int, count: int, dtype: torch.dtype, fmt: str | None, device):
+    """``count`` experts in store order (store.WEIGHT_NAMES) on ``device``: float ``dtype``, or ``fmt`` ("int8" |
+    "fp8", quantized from the same constant weights; each expert its own copy, so calls stream memory)."""
+    from moe_offload.engines.offload.store import LayerStore, convert
+
+    up = torch.full((count, 2 * intermediate, hidden), 0.01, dtype=dtype)  # [E, 2I, H]
+    down = torch.full((count, hidden, intermediate), 0.01, dtype=dtype)  # [E, H, I]
+    store = LayerStore((up, down), dtype)
+    if fmt is not None:
+        one = convert(LayerStore((up[:1], down[:1]), dtype), fmt, transposed=False, split=intermediate)
+        store = LayerStore(tuple(t.repeat(count, *([1] * (t.dim() - 1))) if t is not None else None for t in one.tensors), dtype)
+    return LayerStore(tuple(t.to(device) if t is not None else None for t in store.tensors), dtype)
+
+
+def expert_rates(dev: torch.device, hidden: int, intermediate: int, dtype: torch.dtype, buffer_bytes: int,
+                 fmt: str | None = None) -> tuple[float, float]:
+    """(bytes/s at 1 token, flop/s at FLOPS_TOKENS tokens) of kernels.expert_forward on ``dev`` (experts stored in
+    ``fmt``: None = ``dtype``; bytes/s counts stored bytes)."""
+    per = _expert_store(hidden, intermediate, 1, dtype, fmt, "cpu").expert_bytes
     count = max(8, buffer_bytes // per)
-    module, up, down = _experts_module(hidden, intermediate, count, dtype, dev)
+    module, _, _ = _experts_module(hidden, intermediate, 1, dtype, torch.device("meta"))
+    store = _expert_store(hidden, intermediate, count, dtype, fmt, dev)
     timer = _Timer(dev)
     x1 = torch.full((1, hidden), 0.5, dtype=dtype, device=dev)  # [1, H]
-    t1 = _cycling(timer, [lambda e=e: expert_forward(module, x1, up[e], down[e]) for e in range(count)], 9)
+    t1 = _cycling(timer, [lambda e=e: expert_forward(module, x1, *store.expert(e)) for e in range(count)], 9)
     xn = torch.full((FLOPS_TOKENS, hidden), 0.5, dtype=dtype, device=dev)  # [N, H]
     few = list(range(min(count, 16)))
-    tn = _cycling(timer, [lambda e=e: expert_forward(module, xn, up[e], down[e]) for e in few], 3)
+    tn = _cycling(timer, [lambda e=e: expert_forward(module, xn, *store.expert(e)) for e in few], 3)
     return per / t1, 2 * 3 * hidden * intermediate * FLOPS_TOKENS / tn
 
 
-def bus_bandwidth(dev: torch.device, hidden: int, intermediate: int, dtype: torch.dtype, buffer_bytes: int) -> float:
-    """bytes/s of copying one expert from the host store into a slot on ``dev``, as the executor does."""
-    per = 3 * hidden * intermediate * torch.finfo(dtype).bits // 8
+def bus_bandwidth(dev: torch.device, hidden: int, intermediate: int, dtype: torch.dtype, buffer_bytes: int,
+                  fmt: str | None = None) -> float:
+    """bytes/s of copying one expert (as stored, ``fmt``) from the host store into a slot on ``dev``, as the executor does."""
+    per = _expert_store(hidden, intermediate, 1, dtype, fmt, "cpu").expert_bytes
     count = max(8, buffer_bytes // per)
-    src = (torch.full((count, 2 * intermediate, hidden), 0.01, dtype=dtype),  # [E, 2I, H]
-           torch.full((count, hidden, intermediate), 0.01, dtype=dtype))  # [E, H, I]
+    src = tuple(t for t in _expert_store(hidden, intermediate, count, dtype, fmt, "cpu").tensors if t is not None)
     if dev.type == "cuda":
         src = tuple(t.pin_memory() for t in src)
-    dst = tuple(torch.empty((2, *t.shape[1:]), dtype=dtype, device=dev) for t in src)  # two slots, alternating
+    dst = tuple(torch.empty((2, *t.shape[1:]), dtype=t.dtype, device=dev) for t in src)  # two slots, alternating
 
     def copy(e):  # what the executor's fetch does: each of the expert's tensors into the slot's views
         for d, s in zip(dst, src):
@@ -241,19 +258,22 @@ def calibrate(device: str = "cpu", spec=None, *, quick: bool = False, overhead: 
     cache_bytes = 48 << 20 if quick else (384 << 20 if dev.type == "cpu" else 2 << 30)
     read_bytes = 128 << 20 if quick else (512 << 20 if dev.type == "cpu" else 4 << 30)
     k = spec.top_k if spec is not None else 8
-    ebytes = 3 * H * I * torch.finfo(dtype).bits // 8
-    where = f"{dev}, {str(dtype).removeprefix('torch.')}"
+    # quantized experts (a quantized checkpoint, or --expert-dtype) are measured in their format; the compute dtype
+    # of a quantized checkpoint is its dtype
+    fmt = spec.expert_format if spec is not None and spec.expert_format in ("int8", "fp8", "mxfp4") else None
+    ebytes = _expert_store(H, I, 1, dtype, fmt, "cpu").expert_bytes
+    where = f"{dev}, {str(dtype).removeprefix('torch.')}" + (f", experts {fmt}" if fmt else "")
     t0 = time.perf_counter()
     with torch.inference_mode():
         read = read_bandwidth(dev, read_bytes)
         gemv = gemv_bandwidth(dev, H, rows, dtype, cache_bytes)
-        dev_bw, dev_flops = expert_rates(dev, H, I, dtype, cache_bytes)
+        dev_bw, dev_flops = expert_rates(dev, H, I, dtype, cache_bytes, fmt)
         if dev.type == "cpu":
             host_bw, host_flops, host_how = dev_bw, dev_flops, "same cores as the cpu accelerator: its measurement"
         else:
-            host_bw, host_flops = expert_rates(torch.device("cpu"), H, I, dtype, min(cache_bytes, 384 << 20))
+            host_bw, host_flops = expert_rates(torch.device("cpu"), H, I, dtype, min(cache_bytes, 384 << 20), fmt)
             host_how = "kernels.expert_forward on the host CPU"
-        bus = bus_bandwidth(dev, H, I, dtype, cache_bytes)
+        bus = bus_bandwidth(dev, H, I, dtype, cache_bytes, fmt)
     if overhead:
         per_layer, per_step, ovh_how = overheads_ms(dev, min(k, 8), *((10, 1) if quick else (24, 3)))
         ovh_q = Quantity(per_layer, "measured", ovh_how + ": slope per layer")
@@ -276,6 +296,6 @@ def calibrate(device: str = "cpu", spec=None, *, quick: bool = False, overhead: 
         machine=_machine(dev),
         when=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         expert_shape={"hidden": H, "intermediate": I, "dtype": str(dtype).removeprefix("torch."), "expert_bytes": ebytes,
-                      "expert_params": 3 * H * I},
+                      "expert_params": 3 * H * I, **({"format": fmt} if fmt else {})},
         notes=(f"measured in {time.perf_counter() - t0:.1f} s" + (" (quick: small buffers)" if quick else ""),),
     )

@@ -21,6 +21,9 @@ Ops (namespace ``moe_offload``, opaque to torch.compile; fake kernels registered
 Intermediates are rounded to bf16 where the unfused bf16 path rounds (after each GEMV, after silu, after
 the product), so results match ``F.linear`` chains up to the order of the fp32 sums.
 
+The quantized-expert ops (``gemv_q``, ``expert_mlp_q``: int8, fp8, mxfp4) live in quant_kernels.py and are
+compiled into the same library (one build, one ``load()``).
+
 Legend: H hidden (input features), N output rows, I expert intermediate, K experts of the token.
 ``load()`` builds once per machine (cache: $TORCH_EXTENSIONS_DIR or ~/.cache/moe-offload/kernels) and returns
 False, after one warning, when the kernels are disabled (MOE_OFFLOAD_KERNELS=0) or cannot be built.
@@ -38,6 +41,9 @@ import threading
 from pathlib import Path
 
 import torch
+
+from moe_offload.engines.offload.quant_kernels import QUANT_SOURCE
+from moe_offload.engines.offload.quant_kernels import register_fakes as _register_quant_fakes
 
 try:
     import fcntl
@@ -422,10 +428,14 @@ TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
 }
 """
 
+# The bf16 kernels above and the quantized-expert kernels (quant_kernels.py): one library, one build.
+SOURCES = (SOURCE, QUANT_SOURCE)
+
 # ISA variants, best first: (name, /proc/cpuinfo flags it needs, compiler flags)
 VARIANTS = (
-    ("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-DMOE_AVX512BF16")),
+    # every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4) also has VNNI, which the int8 kernels use
+    ("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"),
+     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-DMOE_AVX512BF16")),
     ("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-DMOE_AVX2")),
     ("portable", (), ()),
 )
@@ -501,7 +511,7 @@ def build_spec() -> tuple[str, list[str], str]:
     # -fopenmp: at::parallel_for is an inline OpenMP region; without it the kernel would run on one thread.
     # The library then needs libgomp.so.1, which resolves to the copy torch already loaded (one thread pool).
     cflags = ["-O3", "-fopenmp", *isa]
-    key = hashlib.sha256("\0".join((SOURCE, *cflags, torch.__version__)).encode()).hexdigest()[:12]
+    key = hashlib.sha256("\0".join((*SOURCES, *cflags, torch.__version__)).encode()).hexdigest()[:12]
     return variant, cflags, f"moe_offload_cpu_{variant}_{key}"
 
 
@@ -540,7 +550,7 @@ def _build() -> dict:
         with _build_lock(directory):
             load_inline(
                 name=name,
-                cpp_sources=[SOURCE],
+                cpp_sources=list(SOURCES),
                 extra_cflags=cflags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
@@ -602,3 +612,4 @@ def _register_fakes() -> None:
             register_fake(qualname, fn)
         except RuntimeError:  # already registered in this process (a second build variant)
             pass
+    _register_quant_fakes(register_fake)

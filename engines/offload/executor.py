@@ -101,8 +101,7 @@ class Executor:
         self.stats = ExecutorStats([s.layer for s in self.layers], *self.tier_names)
         if self.hybrid_threshold is None and self.layers:
             s = self.layers[0]
-            params = sum(t[0].numel() for t in s.store.tensors if t is not None)
-            self.hybrid_threshold = policies.default_hybrid_threshold(s.expert_bytes, params, self.device.type)
+            self.hybrid_threshold = policies.default_hybrid_threshold(s.expert_bytes, s.store.expert_params, self.device.type)
         if self._cuda:
             from moe_offload.engines.offload.cuda import CudaCopier
 
@@ -164,7 +163,7 @@ class Executor:
             return self._forward_fused(state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0)
         rows = _Rows(hidden_states, perm, K, T)
         out: list = [None] * K if T == 1 else None  # T == 1: outputs by k
-        proj = None if T == 1 else torch.empty(T * K, hidden_states.shape[-1], dtype=state.store.tensors[0].dtype, device=hidden_states.device)
+        proj = None if T == 1 else torch.empty(T * K, hidden_states.shape[-1], dtype=state.store.compute_dtype, device=hidden_states.device)
         host_x = rows.to_host_async() if host and self._cuda else None
 
         # ---- hits on the accelerator ----

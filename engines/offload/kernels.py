@@ -7,6 +7,10 @@ bit-identical and greedy output does not depend on the resident fraction.
     one bf16 token on the CPU --> moe_offload::expert_mlp_bf16 (silu gate, concatenated gate|up)
                               |   moe_offload::gemv_bf16 x2 around the module's own gate (other gates)
     2..16 bf16 tokens on the CPU (a batched decode step) --> moe_offload::gemm_bf16 x2 around the gate
+    quantized weights (int8 | fp8 | mxfp4, the format is the stored dtype; quant.py):
+      1..16 tokens on the CPU --> moe_offload::expert_mlp_q (one token, silu gate, int8/fp8)
+                              |   moe_offload::gemv_q x2 around the module's own gate (biases, gpt-oss, mxfp4)
+      more tokens, CUDA, kernels off --> dequantize the expert to x's dtype, then the float path (a GEMM)
     anything else (prefill, fp32, CUDA, transposed layout) --> two F.linear calls around the module's gate
 
 The custom ops (cpu_kernels.py) stream each weight once at memory bandwidth; F.linear is what
@@ -23,20 +27,29 @@ import types
 import torch
 import torch.nn.functional as F
 
-from moe_offload.engines.offload import cpu_kernels
+from moe_offload.engines.offload import cpu_kernels, quant
+from moe_offload.engines.offload.quant_kernels import MAX_TOKENS
 
 
 def expert_forward(
     module: torch.nn.Module,
     x: torch.Tensor,  # [N, H]
-    up: torch.Tensor,  # [2I, H] ([H, 2I] when module.is_transposed); [I, H] without a gate
-    down: torch.Tensor,  # [H, I] ([I, H] when transposed)
+    up: torch.Tensor,  # [2I, H] ([H, 2I] when module.is_transposed and not quantized); [I, H] without a gate
+    down: torch.Tensor,  # [H, I] ([I, H] when transposed and not quantized)
     up_bias: torch.Tensor | None = None,  # [2I]
     down_bias: torch.Tensor | None = None,  # [H]
+    up_scale: torch.Tensor | None = None,  # quantized up: int8 [2I], fp8 [RB, CB], mxfp4 uint8 [2I, H/32]
+    down_scale: torch.Tensor | None = None,  # quantized down: int8 [H], fp8 [..], mxfp4 [H, I/32]
     post_norm: bool = True,
 ) -> torch.Tensor:
     """Unweighted output [N, H] of one expert; the routing weight is applied by the caller's combine.
-    ``post_norm=False`` leaves the module's post-expert norm (whose weights live on the accelerator) to the caller."""
+    ``post_norm=False`` leaves the module's post-expert norm (whose weights live on the accelerator) to the caller.
+    The arguments are the expert's stored tensors in store order (store.WEIGHT_NAMES)."""
+    if up.dtype in quant.FORMAT_OF_DTYPE:
+        y = _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale)  # [N, H] in x's dtype
+        if post_norm and module.has_post_expert_norm:
+            y = module.post_expert_norm(y)
+        return y
     x = x.to(up.dtype)
     if x.shape[0] == 1 and _fast(x, up, module.is_transposed):
         y = _one_token(module, x, up, down, up_bias, down_bias)  # [1, H]
@@ -80,6 +93,30 @@ def fused_experts_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
     transformers' silu gate on concatenated gate|up, no biases, no post-expert norm."""
     return (not getattr(module, "has_bias", False) and not module.has_post_expert_norm and x.dim() == 2
             and _fast(x, w, module.is_transposed) and _is_silu_concat(module))
+def gate_up_split(module, rows: int) -> int:
+    """Row where a quantized gate|up's second half starts, for formats that keep the halves' scales apart (fp8):
+    rows // 2 for a concatenated gate|up (DeepSeek ships gate_proj and up_proj as two tensors), else 0 (none)."""
+    return rows // 2 if module.has_gate and getattr(module, "is_concatenated", True) else 0
+
+
+def _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale) -> torch.Tensor:
+    """One expert from stored quantized tensors; x [N, H] -> [N, H] in x's dtype (the compute dtype)."""
+    split = gate_up_split(module, up.shape[0]) if up.dtype == torch.float8_e4m3fn else 0
+    if (x.is_cpu and up.is_cpu and x.shape[0] <= MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float32)
+            and cpu_kernels.load() and not (torch.is_grad_enabled() and x.requires_grad)):
+        ops = torch.ops.moe_offload
+        if (x.shape[0] == 1 and up.dtype != torch.uint8 and up_bias is None and down_bias is None
+                and _is_silu_concat(module)):
+            return ops.expert_mlp_q(x, up, up_scale, down, down_scale)
+        h = ops.gemv_q(x, up, up_scale, up_bias, split)  # [N, 2I]
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [N, I]
+        return ops.gemv_q(h, down, down_scale, down_bias, 0)  # [N, H]
+    # a tile per expert: the stored weights in x's dtype (fp32 products as transformers' dequantizing loaders make)
+    w_up = quant.dequantize(up, up_scale, split, x.dtype)  # [2I, H]
+    h = F.linear(x, w_up, up_bias.to(x.dtype) if up_bias is not None else None)
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    w_down = quant.dequantize(down, down_scale, 0, x.dtype)  # [H, I]
+    return F.linear(h, w_down, down_bias.to(x.dtype) if down_bias is not None else None)
 
 
 def kernels_active() -> bool:
@@ -198,8 +235,8 @@ def _linear_ok(m: torch.nn.Linear) -> bool:
 
 
 def prepare(model: torch.nn.Module, expert_dtype: torch.dtype | None) -> int:
-    """At load time: build the kernels now (not inside the first decode step) when the experts are bf16,
-    and patch the model's one-token bf16 CPU linears. Returns how many linears were patched."""
-    if expert_dtype == torch.bfloat16:
+    """At load time: build the kernels now (not inside the first decode step) when the experts are bf16 or
+    quantized, and patch the model's one-token bf16 CPU linears. Returns how many linears were patched."""
+    if expert_dtype == torch.bfloat16 or expert_dtype in quant.FORMAT_OF_DTYPE:
         cpu_kernels.load()
     return patch_linears(model)

@@ -33,6 +33,7 @@ class SlotCache:
         self.expert_in = []  # slot -> expert (-1 empty)
         self.weights: list[tuple[torch.Tensor | None, ...]] = []  # slot -> (up, down, up_bias, down_bias) views
         n = len(pinned) + dynamic
+        self.buffer_bytes = (dynamic if alias_pinned else n) * store.expert_bytes  # what the slots allocated on ``device``
         if alias_pinned:
             for e in pinned:
                 self._add_slot(e, store.expert(e))

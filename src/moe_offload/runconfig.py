@@ -15,6 +15,7 @@ from rm_core import ContractError
 BACKENDS = ("mock", "cpu", "cuda", "rngd")
 ROLES = ("worker", "gateway")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+EXPERT_DTYPES = ("int8", "fp8", "bf16")  # engines.offload.loader.EXPERT_DTYPES (not imported: no torch here)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class RunConfig:
     kv_cache_memory: str | None = None  # cpu/cuda: KV budget, bytes or "2GiB"
     max_model_len: int | None = None  # cpu/cuda: longest prompt + output
     block_size: int | None = None  # cpu/cuda: tokens per KV block
+    expert_dtype: str | None = None  # int8 | fp8 | bf16 (offload engines; None: as the checkpoint stores them)
     engine: str | None = None  # external engine binary (rngd)
     data: str | None = None  # the external engine's input directory
     role: str = "worker"
@@ -103,6 +105,8 @@ class RunConfig:
                 parse_size(self.kv_cache_memory, "kv_cache_memory")
             except ConfigError:
                 raise ContractError("config.kv_cache_memory", "a memory size (bytes, or e.g. 2GiB)", self.kv_cache_memory) from None
+        if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
+            raise ContractError("config.expert_dtype", " | ".join(EXPERT_DTYPES), self.expert_dtype)
         if self.fraction is not None and not 0 <= self.fraction <= 1:
             raise ContractError("config.fraction", "a fraction in 0..1", self.fraction)
         from moe_offload.serving.classify import CLASSES

@@ -7,6 +7,13 @@ parameters. Counts mirror the parameter tensors transformers builds for each
 family (a test checks them against meta-device models), so they also match
 what a checkpoint stores.
 
+Bytes count what is stored: a quantized checkpoint's experts in their format
+(``quantization_config``: gpt-oss MXFP4, DeepSeek-style block FP8), or the format
+``--expert-dtype`` gives them (``with_expert_dtype``); the host store, the slots
+and every fetch hold and move exactly these bytes. Non-expert weights are held in
+the compute dtype (an FP8 checkpoint's linears are dequantized at load);
+``checkpoint_bytes`` prices the files as shipped.
+
 H hidden, I expert intermediate, E routed experts, K top-k, V vocab,
 nh query heads, nkv KV heads, hd head dim.
 """
@@ -15,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 
 from moe_offload import layerkinds
@@ -31,6 +38,27 @@ EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_k", "num_experts_per_token", "moe_topk", "top_k_experts")
 # Families whose q/k/v projections take a bias but whose o_proj never does.
 _QKV_ONLY_BIAS = {"glm4_moe", "solar_open", "qwen2_moe"}
+# Expert formats: a float dtype name, or a quantized format (engines/offload/quant.py holds the layouts).
+QUANTIZED_FORMATS = ("int8", "fp8", "mxfp4")
+EXPERT_DTYPES = {"int8": "int8", "fp8": "fp8", "bf16": "bfloat16"}  # --expert-dtype -> expert format
+FP8_BLOCK, MX_BLOCK = 128, 32
+
+
+def stored_weight_bytes(fmt: str, rows: int, cols: int, split: int = 0, float_bytes: int = 2) -> int:
+    """Bytes of one [rows, cols] weight stored in ``fmt``: int8 + an fp32 scale per row; fp8 e4m3 + an fp32 scale
+    per 128x128 block (``split``: a gate|up whose halves have their own block grids); mxfp4 two weights per byte +
+    an E8M0 byte per 32; a float format: ``float_bytes`` per weight."""
+    def blocks(n, b):
+        return -(-n // b)
+
+    if fmt == "int8":
+        return rows * cols + 4 * rows
+    if fmt == "fp8":
+        rb = blocks(split, FP8_BLOCK) + blocks(rows - split, FP8_BLOCK) if 0 < split < rows else blocks(rows, FP8_BLOCK)
+        return rows * cols + 4 * rb * blocks(cols, FP8_BLOCK)
+    if fmt == "mxfp4":
+        return rows * cols // 2 + rows * cols // MX_BLOCK
+    return rows * cols * float_bytes
 
 
 @dataclass(frozen=True)
@@ -88,6 +116,9 @@ class ModelSpec:
     single_block: bool = False  # Nemotron-H: a layer is one block (a mixer or an MLP) with one norm
     vision_params: int = 0  # a multimodal model's vision tower
     estimated: tuple[str, ...] = ()  # what could not be priced exactly, in words
+    # storage: the experts' format in memory ("" = dtype) and as the checkpoint ships them
+    expert_format: str = ""
+    checkpoint_expert_format: str = ""
 
     def __post_init__(self):
         for f in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_intermediate_size", "vocab_size",
@@ -266,8 +297,18 @@ class ModelSpec:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one routed expert."""
-        return self.expert_params * self.dtype_bytes
+        """Bytes of one routed expert as held in memory (its format: ``expert_format``, default the dtype)."""
+        return self.stored_expert_bytes(self.expert_format or self.dtype)
+
+    def stored_expert_bytes(self, fmt: str) -> int:
+        """Bytes of one routed expert stored in ``fmt`` (a quantized format, or a float dtype name); biases keep
+        the dtype. A concatenated gate|up in fp8 keeps the halves' blocks apart (gpt-oss interleaves them)."""
+        H, I = self.hidden_size, self.expert_intermediate_size
+        if fmt not in QUANTIZED_FORMATS:
+            return self.expert_params * DTYPE_BYTES[fmt]
+        split = I if fmt == "fp8" and self.model_type != "gpt_oss" else 0
+        bias = (2 * I + H) * self.dtype_bytes if self.expert_bias else 0
+        return stored_weight_bytes(fmt, 2 * I, H, split) + stored_weight_bytes(fmt, H, I) + bias
 
     @property
     def layer_expert_bytes(self) -> int:
@@ -276,7 +317,56 @@ class ModelSpec:
 
     @property
     def routed_expert_bytes(self) -> int:
-        return self.routed_expert_params * self.dtype_bytes
+        return self.num_moe_layers * self.num_experts * self.expert_bytes
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of the checkpoint's tensors as shipped: experts in ``checkpoint_expert_format``; in an FP8 release
+        also every linear but the router and LM head in block FP8, and the routing correction bias in fp32."""
+        fmt = self.checkpoint_expert_format or self.dtype
+        experts = self.num_moe_layers * self.num_experts * self.stored_expert_bytes(fmt)
+        rest = self.non_expert_bytes
+        if fmt == "fp8":
+            shapes = [s for i in range(self.num_layers) for s in self.layer_linear_shapes(i)]
+            rest += sum(stored_weight_bytes("fp8", r, c) - r * c * self.dtype_bytes for r, c in shapes)
+            if self.router_correction_bias:
+                rest += self.num_moe_layers * self.num_experts * (4 - self.dtype_bytes)
+        return rest + experts
+
+    def layer_linear_shapes(self, layer: int) -> list[tuple[int, int]]:
+        """[out, in] of every linear weight of one decoder layer but the routed experts and the router: attention
+        and the dense or shared-expert MLP (what an FP8 release quantizes)."""
+        H, nh, nkv, hd = self.hidden_size, self.num_attention_heads, self.num_kv_heads, self.head_dim
+        if self.layer_types[layer] == "linear_attention":
+            inner = nh * hd
+            shapes = [(3 * inner, H), (H, inner), (inner, H)]
+        elif self.attention == "mla":
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            r, kv = self.q_lora_rank, self.kv_lora_rank
+            q = [(r, H), (nh * qk, r)] if r else [(nh * qk, H)]
+            shapes = q + [(kv + self.qk_rope_head_dim, H), (nh * (self.qk_nope_head_dim + self.v_head_dim), kv),
+                          (H, nh * self.v_head_dim)]
+        else:
+            shapes = [(nh * hd, H), (nkv * hd, H), (nkv * hd, H), (H, nh * hd)]
+        inter = self.shared_intermediate_size if layer in self._moe_set else self.dense_intermediate_size
+        if inter:
+            shapes += [(inter, H), (inter, H), (H, inter)]
+        if layer in self._moe_set and self.shared_expert_gate:
+            shapes.append((1, H))
+        return shapes
+
+    def with_expert_dtype(self, expert_dtype: str | None) -> "ModelSpec":
+        """The spec with experts held as ``--expert-dtype`` makes them: "int8" | "fp8" quantize a float checkpoint's
+        experts, "bf16" holds them in bf16 (dequantized from a quantized checkpoint); None: as the checkpoint ships."""
+        if expert_dtype is None:
+            return self
+        if expert_dtype not in EXPERT_DTYPES:
+            raise ConfigError(f"expert_dtype: expected one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
+        fmt, stored = EXPERT_DTYPES[expert_dtype], self.checkpoint_expert_format
+        if stored in QUANTIZED_FORMATS and fmt != "bfloat16" and fmt != stored:
+            raise ConfigError(f"expert_dtype {expert_dtype!r}: this checkpoint's experts are {stored}; expected bf16 "
+                              f"(dequantize at load) or {stored} / unset (keep them as stored)")
+        return replace(self, expert_format=fmt)
 
     @property
     def embedding_bytes(self) -> int:
@@ -300,7 +390,8 @@ class ModelSpec:
 
     @property
     def total_bytes(self) -> int:
-        return self.total_params * self.dtype_bytes
+        """Non-expert weights in the compute dtype plus the routed experts in their format (what a load holds)."""
+        return self.non_expert_bytes + self.routed_expert_bytes
 
     # ---- KV cache -----------------------------------------------------------------------------
 
@@ -371,6 +462,8 @@ class ModelSpec:
             expert_bytes=self.expert_bytes,
             layer_expert_bytes=self.layer_expert_bytes,
             routed_expert_bytes=self.routed_expert_bytes,
+            expert_format=self.expert_format or self.dtype,
+            checkpoint_bytes=self.checkpoint_bytes,
             dense_bytes=self.dense_bytes,
             embedding_bytes=self.embedding_bytes,
             lm_head_bytes=self.lm_head_bytes,
@@ -619,6 +712,7 @@ def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
         qk_norm = "head"
     dtype, dtype_bytes = _dtype(cfg, where)
     quant = cfg.get("quantization_config")
+    stored = _checkpoint_expert_format(quant, where)
     sliding = cfg.get("sliding_window")
 
     estimated = [] if model_type in PRICED else [f"{model_type} layers: priced by the common rules, not checked"]
@@ -688,4 +782,22 @@ def _parse(cfg: dict[str, Any], name: str | None) -> ModelSpec:
         single_block=single_block,
         vision_params=vision_params,
         estimated=tuple(estimated),
+        expert_format=stored,
+        checkpoint_expert_format=stored,
     )
+
+
+def _checkpoint_expert_format(quant: Any, where: str) -> str:
+    """"mxfp4" | "fp8" for the quantized releases the engine loads as stored, "" for float checkpoints."""
+    if not isinstance(quant, Mapping):
+        return ""
+    method = quant.get("quant_method")
+    if method == "mxfp4":
+        return "mxfp4"
+    if method == "fp8":
+        block = quant.get("weight_block_size")
+        if block is not None and list(block) != [FP8_BLOCK, FP8_BLOCK]:
+            raise ModelError(f"{where}: FP8 weight_block_size {block!r} is not supported; expected [128, 128]")
+        return "fp8"
+    raise ModelError(f"{where}: quantization_config.quant_method {method!r} is not supported; expected mxfp4 or fp8 "
+                     "(gpt-oss MXFP4, DeepSeek-style block FP8) or an unquantized checkpoint")

@@ -7,7 +7,7 @@ to 1.5 %; active counts are therefore checked within 2 %.
 
 import pytest
 
-from moe_offload.errors import ModelError
+from moe_offload.errors import ConfigError, ModelError
 from moe_offload.spec import ModelSpec
 
 MIXTRAL_8X7B = {
@@ -78,7 +78,9 @@ def test_shapes_of_the_published_models():
     ds = ModelSpec.from_hf_config(DEEPSEEK_V3)
     assert ds.moe_layers == tuple(range(3, 61)) and ds.num_moe_layers == 58
     assert (ds.num_experts, ds.top_k, ds.num_shared_experts) == (256, 8, 1)
-    assert ds.expert_bytes == 3 * 7168 * 2048 * 2
+    # FP8 release: e4m3 weights plus an fp32 scale per 128x128 block (gate, up and down: 16 x 56 blocks each)
+    assert ds.expert_format == "fp8" and ds.expert_bytes == 3 * 7168 * 2048 + 3 * 16 * 56 * 4
+    assert ds.with_expert_dtype("bf16").expert_bytes == 3 * 7168 * 2048 * 2
     # MLA caches the 512-wide latent plus the 64-wide rope key: 576 bf16 values per layer and token.
     assert ds.kv_bytes_per_token == 61 * 576 * 2
     oss = ModelSpec.from_hf_config(GPT_OSS_120B)
@@ -120,3 +122,78 @@ def test_reads_directory_and_file(tmp_path):
     (d / "config.json").write_text(json.dumps({k: v for k, v in MIXTRAL_8X7B.items() if k != "_name_or_path"}))
     assert ModelSpec.from_hf_config(d).name == "Mixtral-8x7B"
     assert ModelSpec.from_hf_config(d / "config.json").total_params == ModelSpec.from_hf_config(MIXTRAL_8X7B).total_params
+
+
+GPT_OSS_20B = {**GPT_OSS_120B, "_name_or_path": "openai/gpt-oss-20b", "num_hidden_layers": 24, "num_local_experts": 32,
+               "layer_types": ["sliding_attention", "full_attention"] * 12}
+
+
+@pytest.mark.parametrize("cfg,gib", [(GPT_OSS_120B, 60.8), (GPT_OSS_20B, 12.8)])
+def test_gpt_oss_checkpoint_sizes_from_the_config_alone(cfg, gib):
+    # the model card's sizes: MXFP4 experts (two weights per byte + an E8M0 scale per 32), everything else bf16
+    spec = ModelSpec.from_hf_config(cfg)
+    assert spec.expert_format == "mxfp4" and spec.checkpoint_expert_format == "mxfp4"
+    assert spec.checkpoint_bytes / 2**30 == pytest.approx(gib, rel=0.03)
+    assert spec.total_bytes == spec.checkpoint_bytes  # held as shipped: nothing is dequantized
+    H = I = 2880
+    assert spec.expert_bytes == 3 * H * I // 2 + 3 * H * I // 32 + (2 * I + H) * 2
+
+
+def test_expert_dtype_prices_the_format():
+    mx = ModelSpec.from_hf_config(MIXTRAL_8X7B)
+    H, I = 4096, 14336
+    assert mx.expert_bytes == 3 * H * I * 2
+    q8 = mx.with_expert_dtype("int8")
+    assert q8.expert_bytes == 3 * H * I + 4 * (2 * I + H)  # one fp32 scale per output row
+    assert q8.routed_expert_bytes == 32 * 8 * q8.expert_bytes and q8.checkpoint_bytes == mx.checkpoint_bytes
+    assert q8.total_bytes == mx.non_expert_bytes + q8.routed_expert_bytes
+    f8 = mx.with_expert_dtype("fp8")
+    assert f8.expert_bytes == 3 * H * I + 4 * (2 * 112 * 32 + 32 * 112)  # gate and up blocks kept apart
+    assert mx.with_expert_dtype(None) is mx and mx.with_expert_dtype("bf16").expert_bytes == mx.expert_bytes
+    oss = ModelSpec.from_hf_config(GPT_OSS_120B)
+    assert oss.with_expert_dtype("bf16").expert_bytes == oss.expert_params * 2
+    with pytest.raises(ConfigError, match="this checkpoint's experts are mxfp4; expected bf16"):
+        oss.with_expert_dtype("int8")
+    with pytest.raises(ConfigError, match="expected one of int8, fp8, bf16"):
+        mx.with_expert_dtype("q4")
+
+
+def test_unsupported_quantization_is_named():
+    with pytest.raises(ModelError, match="quant_method 'gptq' is not supported"):
+        ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+
+
+def test_a_budget_buys_slots_by_stored_bytes():
+    # an 80 GiB accelerator: gpt-oss-120b's MXFP4 experts fit several times more slots than bf16 ones would
+    from moe_offload.budget import plan_budget
+
+    oss = ModelSpec.from_hf_config(GPT_OSS_120B)
+    mxfp4 = plan_budget(oss, ["40GiB"], context=4096).accelerators[0]
+    bf16 = plan_budget(oss.with_expert_dtype("bf16"), ["40GiB"], context=4096).accelerators[0]
+    assert mxfp4.slots == mxfp4.free_bytes // (oss.expert_bytes * 36)
+    assert bf16.slots == bf16.free_bytes // (oss.expert_params * 2 * 36)
+    assert mxfp4.slots > 3 * bf16.slots > 0
+
+
+def test_spec_and_budget_commands_show_stored_bytes(tmp_path, capsys):
+    import json
+
+    from moe_offload.cli import main
+
+    cfg = tmp_path / "gpt-oss-120b" / "config.json"
+    cfg.parent.mkdir()
+    cfg.write_text(json.dumps(GPT_OSS_120B))
+    assert main(["spec", "--model", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "experts held as      mxfp4\n" in out and "checkpoint           60.77 GiB (as stored: experts mxfp4)" in out
+    assert main(["spec", "--model", str(cfg), "--expert-dtype", "bf16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["expert_format"] == "bfloat16" and data["checkpoint_expert_format"] == "mxfp4"
+    assert data["expert_bytes"] == ModelSpec.from_hf_config(GPT_OSS_120B).expert_params * 2
+    assert main(["budget", "--model", str(cfg), "--accelerator", "40GiB", "--json"]) == 0
+    mx = json.loads(capsys.readouterr().out)
+    assert main(["budget", "--model", str(cfg), "--accelerator", "40GiB", "--expert-dtype", "bf16", "--json"]) == 0
+    bf = json.loads(capsys.readouterr().out)
+    assert mx["accelerators"][0]["slots_per_layer"] > 3 * bf["accelerators"][0]["slots_per_layer"]
+    assert main(["plan", "--model", str(cfg), "--fraction", "0.1", "--expert-dtype", "int8"]) != 0  # refused for mxfp4
+    assert "this checkpoint's experts are mxfp4" in capsys.readouterr().err

@@ -23,6 +23,23 @@ def checkpoints(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def quantized_checkpoints(tmp_path_factory):
+    """"gpt_oss_mxfp4" | "deepseek_v3_fp8" -> a tiny checkpoint in that release layout (quant_helpers.py), built once."""
+    from quant_helpers import build_deepseek_fp8, build_gpt_oss_mxfp4
+
+    root = tmp_path_factory.mktemp("quantized")
+    builders = {"gpt_oss_mxfp4": build_gpt_oss_mxfp4, "deepseek_v3_fp8": build_deepseek_fp8}
+    cache = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            cache[name] = builders[name](root)
+        return cache[name]
+
+    return get
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from moe_offload.commands.plan import expert_dtype_option
 from moe_offload.errors import ConfigError
 
 MODEL_HELP = "Checkpoint directory or config.json."
@@ -69,13 +70,16 @@ def parse_expert_dtype(value: str | None):
 @click.option("--model", default=None, help=MODEL_HELP + " Its expert shape and dtype are measured (default: H 1024, I 512, bf16).")
 @click.option("--out", default=None, help="Write the calibration JSON here (for plan/predict --calibration).")
 @click.option("--quick", is_flag=True, help="Small buffers: faster, less exact.")
+@expert_dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def calibrate_cmd(device: str, model: str | None, out: str | None, quick: bool, as_json: bool) -> None:
+def calibrate_cmd(device: str, model: str | None, out: str | None, quick: bool, expert_dtype: str | None, as_json: bool) -> None:
     """Measure read bandwidth, expert kernel, host->device copy and per-layer overhead (a few seconds)."""
     from moe_offload.cli import emit
     from moe_offload.spec import ModelSpec
 
-    spec = ModelSpec.from_hf_config(model) if model else None
+    if expert_dtype and not model:
+        raise ConfigError("--expert-dtype needs --model (the expert shape to measure in that format)")
+    spec = ModelSpec.from_hf_config(model).with_expert_dtype(expert_dtype) if model else None
     from transformers.utils import logging
 
     logging.disable_progress_bar()
@@ -114,8 +118,9 @@ def prediction_rows(preds) -> list[str]:
 @click.option("--tokens", type=click.IntRange(min=1), default=1, show_default=True, help="Tokens per step (1 = decode).")
 @click.option("--context", type=click.IntRange(min=0), default=0, show_default=True, help="Tokens in the KV cache (read every step).")
 @click.option("--expert-dtype", default=None,
-              help="Price the routed experts as stored in this format (bfloat16, float16, fp8, int8, q8_0, q4_0, mxfp4) "
-                   "or at this many bytes per parameter (default: the config's dtype).")
+              help="Price the routed experts as stored in this format: int8, fp8, bf16 as the engine's --expert-dtype "
+                   "holds them; bfloat16, float16, q8_0, q4_0, mxfp4; or bytes per parameter (default: as the "
+                   "checkpoint stores them).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def predict_cmd(model, placement_path, fraction, policy, calibration_path, hardware, device, profile_path, hit_rate, tokens,
                 context, expert_dtype, as_json) -> None:
@@ -127,11 +132,15 @@ def predict_cmd(model, placement_path, fraction, policy, calibration_path, hardw
     from moe_offload.spec import ModelSpec
     from rm_core import Placement
 
+    from moe_offload.spec import EXPERT_DTYPES
+
     spec = ModelSpec.from_hf_config(model)
+    if expert_dtype in EXPERT_DTYPES:  # what the engine's --expert-dtype holds: the spec prices it
+        spec, expert_dtype = spec.with_expert_dtype(expert_dtype), None
     if (placement_path is None) == (fraction is None):
         raise ConfigError("give one of --placement FILE or --fraction F")
     cal = load_calibration_option(calibration_path, device, hardware)
-    expert_dtype = parse_expert_dtype(expert_dtype)
+    expert_dtype = parse_expert_dtype(expert_dtype)  # any other format (q8_0, q4_0, ...) or bytes per parameter
     profile = Profile.load(profile_path).check(spec) if profile_path else None
     policies = MISS_POLICIES if policy == "all" else (policy,)
     preds = []

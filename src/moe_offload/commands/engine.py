@@ -10,6 +10,8 @@ import click
 from moe_offload.errors import ConfigError, ModelError
 
 POLICY_HELP = "Miss policy: static (misses computed on the host), lru (misses copied into slots), hybrid (by tokens per expert)."
+EXPERT_DTYPE_HELP = ("Experts in memory: int8 (per-channel) or fp8 (128x128 blocks) quantizes a bf16/fp32 checkpoint's "
+                     "experts at load; bf16 dequantizes an MXFP4/FP8 checkpoint's (default: as the checkpoint stores them).")
 
 
 def _quiet() -> None:
@@ -37,6 +39,7 @@ def _require_tokenizer(path: Path) -> None:
 
 
 def _engine_options(fn):
+    fn = click.option("--expert-dtype", type=click.Choice(["int8", "fp8", "bf16"]), help=EXPERT_DTYPE_HELP)(fn)
     fn = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype (default: the checkpoint's).")(fn)
     fn = click.option("--placement", "placement", help="Placement JSON (from `moe-offload plan`); excludes --fraction.")(fn)
     fn = click.option("--fraction", type=float, help="Fraction 0..1 of each layer's experts resident on the accelerator (default 1.0).")(fn)
@@ -45,7 +48,8 @@ def _engine_options(fn):
     return fn
 
 
-def _build(model: Path, backend: str, policy: str, fraction: float | None, placement: str | None, dtype: str | None):
+def _build(model: Path, backend: str, policy: str, fraction: float | None, placement: str | None, dtype: str | None,
+           expert_dtype: str | None = None):
     from moe_offload.backends import get_backend
 
     if fraction is not None and not 0.0 <= fraction <= 1.0:
@@ -53,6 +57,8 @@ def _build(model: Path, backend: str, policy: str, fraction: float | None, place
     if fraction is not None and placement:
         raise ConfigError("give either --fraction or --placement, not both")
     options = {"policy": policy, "fraction": fraction, "dtype": dtype}
+    if expert_dtype:
+        options["expert_dtype"] = expert_dtype
     return get_backend(backend).build_engine(str(model), placement, **options)
 
 
@@ -90,8 +96,8 @@ def demo_model(out: str | None, seed: int) -> None:
 @click.option("--seed", type=int, help="Sampling seed (same seed, same tokens).")
 @click.option("--ignore-eos", is_flag=True, help="Keep going after an end-of-sequence token.")
 @click.option("--json", "as_json", is_flag=True, help="Print the token ids, text and stats as JSON.")
-def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placement, dtype, temperature, top_p, top_k,
-             seed, ignore_eos, as_json) -> None:
+def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placement, dtype, expert_dtype, temperature, top_p,
+             top_k, seed, ignore_eos, as_json) -> None:
     """Generate text with the offload engine; stats go to stderr (or into --json)."""
     from moe_offload.engines.base import SamplingParams
 
@@ -100,7 +106,7 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
     _quiet()
     path = _model_dir(model)
     _require_tokenizer(path)
-    engine = _build(path, backend, policy, fraction, placement, dtype)
+    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype)
     try:
         ids = _encode(engine, prompt, chat)
         gen = engine.generate(ids, params)
@@ -119,7 +125,7 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
         text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
         if as_json:
             out = {"model": engine.info.model, "backend": engine.info.backend, "policy": engine.info.policy,
-                   "prompt_ids": ids, "token_ids": tokens, "text": text, "stats": s.to_dict()}
+                   "prompt_ids": ids, "token_ids": tokens, "text": text, "stats": s.to_dict(), "experts": _experts(engine)}
             click.echo(json.dumps(out, indent=2))
             return
         click.echo(text[len(shown):] if text.startswith(shown) else "\n" + text)
@@ -131,6 +137,15 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
                    + f", host expert tokens {s.host_expert_tokens}, copied {sum(s.bytes_moved.values()) / 1e6:.1f} MB]", err=True)
     finally:
         engine.close()
+
+
+def _experts(engine) -> dict:
+    """How the engine holds the experts (format, bytes as stored); {} for engines without an offload executor."""
+    if getattr(engine, "executor", None) is None or not hasattr(engine.executor, "layers"):
+        return {}
+    from moe_offload.engines.offload.loader import expert_summary
+
+    return expert_summary(engine.executor)
 
 
 def read_prompts(path: str) -> list[tuple[str, str | None]]:
@@ -196,7 +211,7 @@ def capture_routes(engine, prompts: list[list[int]], max_tokens: int = 1) -> tup
 @click.option("--chat", is_flag=True, help="Send each prompt through the chat template.")
 @_engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
-def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction, placement, dtype, as_json) -> None:
+def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction, placement, dtype, expert_dtype, as_json) -> None:
     """Record the top-k expert ids per MoE layer per token over a prompt set (a routes file for `plan`)."""
     from moe_offload.cli import emit
     from moe_offload.profile import Routes, save_routes
@@ -208,7 +223,7 @@ def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction
     _quiet()
     path = _model_dir(model)
     _require_tokenizer(path)
-    engine = _build(path, backend, policy, fraction, placement, dtype)
+    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype)
     try:
         spec = ModelSpec.from_hf_config(str(path))
         layers, per_prompt = capture_routes(engine, [_encode(engine, p, chat) for p, _ in rows], max_tokens)

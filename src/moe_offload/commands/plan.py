@@ -7,12 +7,18 @@ import click
 from moe_offload.errors import ConfigError
 
 MODEL_HELP = "Checkpoint directory or config.json."
+EXPERT_DTYPE_HELP = ("Price the experts as the engine's --expert-dtype holds them: int8 | fp8 (quantized at load) or bf16 "
+                     "(default: as the checkpoint stores them, e.g. MXFP4 or FP8).")
 
 
-def _spec(model: str):
+def expert_dtype_option(fn):
+    return click.option("--expert-dtype", type=click.Choice(["int8", "fp8", "bf16"]), default=None, help=EXPERT_DTYPE_HELP)(fn)
+
+
+def _spec(model: str, expert_dtype: str | None = None):
     from moe_offload.spec import ModelSpec
 
-    return ModelSpec.from_hf_config(model)
+    return ModelSpec.from_hf_config(model).with_expert_dtype(expert_dtype)
 
 
 def _backend_tiers(name: str):
@@ -51,13 +57,16 @@ def _budget_options(fn):
 
 @click.command("spec")
 @click.option("--model", required=True, help=MODEL_HELP)
+@expert_dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def spec_cmd(model: str, as_json: bool) -> None:
+def spec_cmd(model: str, expert_dtype: str | None, as_json: bool) -> None:
     """Model shape: layers, experts, parameters (total/active) and bytes per component."""
     from moe_offload.cli import emit
     from moe_offload.units import format_count, format_size
 
-    s = _spec(model)
+    s = _spec(model, expert_dtype)
+    fmt = s.expert_format or s.dtype
+    stored = s.checkpoint_expert_format or s.dtype
     rows = [
         ("model", f"{s.name} ({s.model_type}, {s.dtype})"),
         ("layers", f"{s.num_layers} ({s.num_moe_layers} MoE; dense: {list(s.dense_layers) or 'none'})"),
@@ -69,13 +78,16 @@ def spec_cmd(model: str, as_json: bool) -> None:
                       + (f", sliding window {s.sliding_window} on {s.layer_types.count('sliding_attention')} layers"
                          if "sliding_attention" in s.layer_types else "")),
         ("parameters", f"{format_count(s.total_params)} total, {format_count(s.active_params)} active"),
+        ("experts held as", fmt + (f" (checkpoint: {stored})" if fmt != stored else "")),
         ("one expert", format_size(s.expert_bytes)),
         ("experts per layer", format_size(s.layer_expert_bytes)),
         ("all routed experts", format_size(s.routed_expert_bytes)),
         ("dense weights", f"{format_size(s.dense_bytes)} (attention, norms, routers, shared experts, dense MLPs)"),
         ("embeddings", format_size(s.embedding_bytes)),
         ("lm head", format_size(s.lm_head_bytes) + (" (tied: final norm only)" if s.tie_word_embeddings else "")),
-        ("total", format_size(s.total_bytes)),
+        ("total", format_size(s.total_bytes) + " (loaded: non-expert weights in " + s.dtype + ", experts as held)"),
+        ("checkpoint", format_size(s.checkpoint_bytes) + f" (as stored: experts {stored}"
+                       + (", linears in block fp8" if stored == "fp8" else "") + ")"),
         ("kv cache / token", format_size(s.kv_bytes_per_token)
          + (f" (not counted: {', '.join(s.kv_unknown_kinds)} layers)" if s.kv_unknown_kinds else "")),
     ]
@@ -92,12 +104,13 @@ def spec_cmd(model: str, as_json: bool) -> None:
 @click.option("--backend", default=None, help="Take the accelerators from this backend's tiers instead.")
 @click.option("--hardware", default=None, help="Take the accelerators from a hardware profile (`moe-offload hardware`) or its JSON file.")
 @_budget_options
+@expert_dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def budget_cmd(model, accelerators, backend, hardware, context, batch, reserve, layout, as_json) -> None:
+def budget_cmd(model, accelerators, backend, hardware, context, batch, reserve, layout, expert_dtype, as_json) -> None:
     """Per accelerator: what it holds, expert slots per layer, what stays on the host."""
     from moe_offload.cli import emit
 
-    b = _budget(_spec(model), accelerators, _machine_tiers(backend, hardware), context, batch, reserve, layout)
+    b = _budget(_spec(model, expert_dtype), accelerators, _machine_tiers(backend, hardware), context, batch, reserve, layout)
     emit(b.to_dict(), as_json, b.text())
 
 
@@ -155,15 +168,16 @@ def _slot_tiers(spec, slots: list[int]):
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random policy.")
 @click.option("--out", default=None, help="Write the rm-core Placement JSON here.")
 @click.option("--simulate", "replay", is_flag=True, help="Also replay the routes file through the placement (LRU slots).")
+@expert_dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, context, batch, reserve, layout, policy,
-             calibration_path, hardware, seed, out, replay, as_json) -> None:
+             calibration_path, hardware, seed, out, replay, expert_dtype, as_json) -> None:
     """Place experts on accelerators and print the predicted hit rate per tier."""
     from moe_offload import placement as P
     from moe_offload.cli import emit
     from moe_offload.profile import Profile, load_routes
 
-    spec = _spec(model)
+    spec = _spec(model, expert_dtype)
     auto = policy == "auto"
     if not auto:
         P.parse_policy(policy)  # a bad policy fails before any file is read
