@@ -186,10 +186,10 @@ inline void gemv_range(const uint16_t* w, int64_t ld, const uint16_t* x, int64_t
 }
 
 // h[r, i] = bf16(bf16(silu(g)) * up) for rows r of gu [rows, 2I] (gate = columns [0, I), up = [I, 2I)), rounded
-// where torch's bf16 silu and product round. Split over threads: a scalar exp per element is ~10 ns, and a
-// batched step has a few hundred rows of I per layer.
+// where torch's bf16 silu and product round. Split over threads only when a batched step brings enough rows
+// (32k elements): one token's few experts are cheaper on the calling thread than a parallel region.
 inline void silu_mul_rows(const uint16_t* gu, uint16_t* h, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, I)), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, I)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const uint16_t* g = gu + r * 2 * I;
       for (int64_t i = 0; i < I; ++i) {
