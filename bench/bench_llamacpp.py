@@ -334,7 +334,7 @@ QUICK_SHAPE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size
 
 
 def side_by_side(path: Path, tools: LlamaCpp, outtypes, fractions, tokens: int, context: int, rounds: int,
-                 threads: int, cache: Path) -> dict[str, list[float]]:
+                 threads: int, cache: Path, expert_dtypes=("bf16",)) -> dict[str, list[float]]:
     """Mean ms/token of each configuration in each round; the configurations alternate within a round, so all
     see the same background load."""
     import torch
@@ -348,17 +348,20 @@ def side_by_side(path: Path, tools: LlamaCpp, outtypes, fractions, tokens: int, 
     prompt = prompt_ids(context, ModelSpec.from_hf_config(path).vocab_size)
     engines = {}
     try:
-        for f in fractions:
-            engines[f] = build_offload_engine(path, policy="static", fraction=f, dtype="bfloat16")
-            engine_decode(engines[f], prompt, 2)  # warm-up (llama-bench warms up by itself)
+        for x in expert_dtypes:
+            for f in fractions:
+                e = build_offload_engine(path, policy="static", fraction=f, dtype="bfloat16",
+                                         expert_dtype=None if x == "bf16" else x)
+                engines[f"moe-offload {x}, fraction {f:g}, static"] = e
+                engine_decode(e, prompt, 2)  # warm-up (llama-bench warms up by itself)
         runs: dict[str, list[float]] = {}
         for r in range(rounds):
             for t, g in ggufs.items():
                 ms = llama_bench(g, tokens, depth=context, threads=threads, tools=tools)["ms_per_token"]
                 runs.setdefault(f"llama.cpp llama-bench {t}", []).append(statistics.fmean(ms))
-            for f, e in engines.items():
+            for name, e in engines.items():
                 ms = engine_decode(e, prompt, tokens)
-                runs.setdefault(f"moe-offload bf16, fraction {f:g}, static", []).append(statistics.fmean(ms))
+                runs.setdefault(name, []).append(statistics.fmean(ms))
             log(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items()))
         return runs
     finally:
@@ -376,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads on both sides (default 2)")
     ap.add_argument("--outtypes", default="bf16,q8_0", help="GGUF types for llama.cpp (default bf16,q8_0)")
     ap.add_argument("--fractions", default="1.0,0.25", help="engine resident fractions, static policy (default 1.0,0.25)")
+    ap.add_argument("--expert-dtypes", default="bf16", help="engine expert formats, e.g. bf16,int8 (--expert-dtype)")
     ap.add_argument("--batched", default="", help="also run llama-batched-bench bf16 at these parallel sequences (1,4,8,16)")
     ap.add_argument("--cache", type=Path, default=CACHE, help=f"build and GGUF cache (default {CACHE})")
     ap.add_argument("--llama-version", default=VERSION, help=f"llama-cpp-python sdist version (default {VERSION})")
@@ -404,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             for t in outtypes:
                 print(to_gguf(path, t, cache=args.cache, tools=tools))
             return 0
-        runs = side_by_side(path, tools, outtypes, fractions, tokens, context, rounds, args.threads, args.cache)
+        runs = side_by_side(path, tools, outtypes, fractions, tokens, context, rounds, args.threads, args.cache,
+                            tuple(x for x in args.expert_dtypes.split(",") if x))
         batched = []
         if args.batched:
             sizes = [int(b) for b in args.batched.split(",") if b]
