@@ -61,13 +61,17 @@ def test_batched_sequences_match_transformers(checkpoints, family, policy):
 
 def test_per_sequence_fallback_batches_the_same_tokens(checkpoints):
     expected = references(checkpoints, "qwen3_moe")
-    engine = build_offload_engine(checkpoints("qwen3_moe"), policy="lru", fraction=0.5, cache="dynamic")
+    assert staggered_per_sequence(checkpoints("qwen3_moe"), cache="dynamic") == expected
+
+
+def staggered_per_sequence(path, **options) -> list[list[int]]:
+    """run_staggered on the per-sequence path (the model's own cache per sequence), LRU at half the experts."""
+    engine = build_offload_engine(path, policy="lru", fraction=0.5, **options)
     try:
         assert not engine.paged
-        out, _ = run_staggered(engine)
+        return run_staggered(engine)[0]
     finally:
         engine.close()
-    assert out == expected
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
@@ -158,13 +162,7 @@ def test_a_family_with_linear_attention_state_batches_per_sequence(tmp_path):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     model = stock(str(tmp_path))
     expected = [greedy(model, p, n)[0] for p, n in zip(PROMPTS, LENGTHS)]
-    engine = build_offload_engine(str(tmp_path), policy="lru", fraction=0.5)
-    try:
-        assert not engine.paged
-        out, _ = run_staggered(engine)
-    finally:
-        engine.close()
-    assert out == expected
+    assert staggered_per_sequence(str(tmp_path)) == expected
 
 
 def test_prompt_logprobs_are_the_same_when_the_prompt_is_prefilled_in_chunks(checkpoints):
