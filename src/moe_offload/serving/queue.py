@@ -14,6 +14,8 @@ crash: every job in flight gets 503 and the engine is rebuilt on the same thread
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -25,6 +27,8 @@ from moe_offload.log import get_logger
 from moe_offload.serving.errors import APIError
 
 log = get_logger("serving.queue")
+SWITCH_INTERVAL_S = 0.0005
+SWITCH_ENV = "MOE_OFFLOAD_SWITCH_INTERVAL"  # seconds; for A/B runs
 
 
 class Job:
@@ -75,6 +79,10 @@ class EngineRunner:
         self._active: dict[Job, Any] = {}  # job -> its Generation (engine thread only)
         self._closed = False
         self.engine: Engine | None = engine if isinstance(engine, Engine) else None
+        # The engine thread runs Python between torch ops, holding the GIL; each streamed token wakes the event
+        # loop, which then waits up to the interpreter's switch interval (5 ms by default) for the GIL, and the
+        # engine as long to get it back. A short interval keeps the serving path from stretching decode steps.
+        sys.setswitchinterval(min(sys.getswitchinterval(), float(os.environ.get(SWITCH_ENV, SWITCH_INTERVAL_S))))
         built = threading.Event()
         failure: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, args=(built, failure), name="moe-offload-engine", daemon=True)
