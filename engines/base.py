@@ -261,6 +261,7 @@ class Generation(Iterator[int]):
                  prompt_logprobs: list[TokenLogprob | None] | None = None, *, drive=None, on_close=None):
         self._tokens = tokens
         self._drive, self._on_close = drive, on_close
+        self._open = None  # Engine.start (serial engines): opens the engine's own generation at the first pull
         self.stats = stats
         self.pending: deque[int] = deque()
         self.done = False  # no more tokens will come (pending may still hold some)
@@ -277,6 +278,9 @@ class Generation(Iterator[int]):
                 raise err
             if self.done:
                 raise StopIteration
+            if self._open is not None:
+                self.pull()
+                continue
             if self._tokens is not None:
                 try:
                     return next(self._tokens)
@@ -288,6 +292,10 @@ class Generation(Iterator[int]):
     def pull(self) -> None:
         """Move one token from the iterator to ``pending`` (or mark done/error): the serial engines' step."""
         try:
+            if self._tokens is None and self._open is not None:  # its turn: the engine's generate() now
+                inner, self._open = self._open(), None
+                self._tokens, self.stats = inner._tokens, inner.stats
+                self.logprobs, self.prompt_logprobs = inner.logprobs, inner.prompt_logprobs
             self.pending.append(next(self._tokens))
         except StopIteration:
             self.done = True
@@ -347,8 +355,13 @@ class Engine(ABC):
         """Start decoding ``prompt_ids``; raises ConfigError for ids outside the vocabulary or beyond the context."""
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        """Queue a request for ``step()``; the same checks and errors as ``generate``."""
-        gen = self.generate(prompt_ids, params)
+        """Queue a request for ``step()``, after ``check_prompt``'s checks. Here (engines that run one request at a
+        time) ``generate`` is called when the request's turn comes, as a server calling it in turn would: an
+        engine may hold per-request state from ``generate`` on (a routing context, a process's stream)."""
+        prompt = list(prompt_ids)
+        self.check_prompt(prompt, params)
+        gen = Generation(None, GenerationStats(prompt_tokens=len(prompt)))
+        gen._open = lambda: self.generate(prompt, params)
         self.__dict__.setdefault("_serial", deque()).append(gen)
         return gen
 

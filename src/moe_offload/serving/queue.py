@@ -41,6 +41,7 @@ class Job:
         self.cancelled = threading.Event()
         self.sent = 0  # tokens pushed (engine thread)
         self.prompt_sent = False
+        self.started = False
 
     def push(self, item: tuple) -> None:  # engine thread
         try:
@@ -191,7 +192,7 @@ class EngineRunner:
             except Exception:
                 self._active[job] = None  # so that the crash handling answers it too
                 raise
-            job.push(("started", time.perf_counter()))
+            self._started(job, self._active[job])
 
     def _reap(self) -> None:
         """Abort jobs whose client left or timed out: their KV blocks go back before the next step."""
@@ -200,9 +201,18 @@ class EngineRunner:
             gen.close()
             job.push(("done", gen.stats))
 
+    @staticmethod
+    def _started(job: Job, gen) -> None:
+        """("started", t) once the engine has begun the request: at once for a batching engine, at its turn for a
+        serial one (whose generate() may still fail: then the job's first event is that error, an HTTP status)."""
+        if not job.started and getattr(gen, "_open", None) is None and not (gen.error is not None and not gen.pending):
+            job.push(("started", time.perf_counter()))
+            job.started = True
+
     def _drain(self) -> None:
         now = time.perf_counter()
         for job, gen in list(self._active.items()):
+            self._started(job, gen)
             if gen.prompt_logprobs is not None and not job.prompt_sent and (gen.pending or gen.done):
                 job.push(("prompt_logprobs", gen.prompt_logprobs))  # complete once the prefill gave a token
                 job.prompt_sent = True
