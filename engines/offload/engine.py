@@ -28,7 +28,7 @@ import torch
 from moe_offload.engines.base import ENGINE_FEATURES, Engine, EngineInfo, Generation, GenerationStats, SamplingParams
 from moe_offload.engines.offload import kv
 from moe_offload.engines.offload.sampling import SequenceState, prompt_logprobs, sample
-from moe_offload.engines.offload.scheduler import RUNNING, Scheduler, SchedulerConfig
+from moe_offload.engines.offload.scheduler import FINISHED, RUNNING, Scheduler, SchedulerConfig
 from moe_offload.engines.offload.scheduler import Sequence as Seq
 from moe_offload.errors import ConfigError, EngineError
 from moe_offload.log import get_logger
@@ -130,14 +130,14 @@ class OffloadEngine(Engine):
                      model_type=self.model.config.model_type)
         self.kv_cache_memory = self._kv_budget(kv_config.kv_cache_memory)
         bs = kv_config.block_size
+        blocks = -(-sched.max_num_seqs * want_len // bs)  # every seat at full length: never more is needed
         if self.paged:
             fit = self.kv_cache_memory // (self.kv_bytes_per_token * bs)
             if fit < 1:
                 raise ConfigError(f"kv_cache_memory: {self.kv_cache_memory} bytes hold no block of {bs} tokens "
                                   f"({self.kv_bytes_per_token * bs} bytes); give more")
-            blocks = min(fit, -(-sched.max_num_seqs * want_len // bs))  # never more than every seat at full length
-        else:  # the model's own caches hold the state; the pool only counts tokens for admission
-            blocks = -(-sched.max_num_seqs * want_len // bs)
+            blocks = min(fit, blocks)
+        # else the model's own caches hold the state; the pool only counts tokens for admission
         self.pool = kv.KVPool(int(blocks), bs, self.device)
         max_len = min(want_len, self.pool.num_blocks * bs)
         if max_len < want_len:
@@ -212,7 +212,7 @@ class OffloadEngine(Engine):
         self.check_prompt(prompt, params)
         state = SequenceState(params, prompt, vocab_size=self.info.vocab_size, device=self.device,
                               eos_ids=self.info.eos_token_ids, matcher=self._matcher(params))
-        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.info.eos_token_ids))
+        stops = frozenset(state.stop_ids)  # stop_token_ids, and EOS unless ignore_eos
         stats = GenerationStats(prompt_tokens=len(prompt))
         seq = Seq(self._next_sid, prompt, len(prompt), len(prompt) + params.max_tokens)
         self._next_sid += 1
@@ -413,11 +413,7 @@ class OffloadEngine(Engine):
         for seq, (token, entry) in zip(sampled, picks):
             req = seq.payload
             st = req.stats
-            if req.t_last == 0.0:
-                st.prefill_ms = (now - req.t_start) * 1000
-            else:
-                st.token_ms.append((now - req.t_last) * 1000)
-                st.decode_ms += (now - req.t_last) * 1000
+            st.record_step(0 if req.t_last == 0.0 else 1, req.t_start, req.t_last, now)  # first token ends the prefill
             req.t_last = now
             if token in req.stops:
                 self._finish(seq, "stop")
@@ -434,7 +430,7 @@ class OffloadEngine(Engine):
                 self._finish(seq, "length")
 
     def _finish(self, seq: Seq, reason: str) -> None:
-        if seq.state == "finished":
+        if seq.state == FINISHED:
             return
         req = seq.payload
         self.scheduler.finish(seq)
@@ -472,17 +468,19 @@ class OffloadEngine(Engine):
                 st.stage_ms[k] = st.stage_ms.get(k, 0.0) + v * 1000 / n_seq
 
     def _finalise(self, s: GenerationStats) -> None:
+        """A finished request's per-tier rates, then its sum into the engine's totals (and theirs)."""
+        self._tier_rates(s)
+        if self.executor is not None:
+            s.bytes_moved.setdefault(self.executor.tier_names[0], 0)
+        self._total.add(s)
+        self._tier_rates(self._total)
+
+    def _tier_rates(self, s: GenerationStats) -> None:
+        """Routed pairs served per tier: hits from the accelerator's slots, misses from the host tier."""
         if self.executor is not None:
             acc, host = self.executor.tier_names
             routed = s.hits + s.misses
             s.hit_rate_by_tier = {acc: s.hits / routed if routed else 0.0, host: s.misses / routed if routed else 0.0}
-            s.bytes_moved.setdefault(acc, 0)
-        t = self._total
-        t.add(s)
-        routed = t.hits + t.misses
-        if self.executor is not None:
-            acc, host = self.executor.tier_names
-            t.hit_rate_by_tier = {acc: t.hits / routed if routed else 0.0, host: t.misses / routed if routed else 0.0}
 
 
 def _rows(blocks: list[int], bs: int, n: int, device) -> torch.Tensor:

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_offload.engines.offload import policies
-from moe_offload.engines.offload import kernels
+from moe_offload.engines.offload import kernels, policies
 from moe_offload.engines.offload.kernels import expert_forward
 from moe_offload.engines.offload.slots import SlotCache
 from moe_offload.engines.offload.stats import ExecutorStats
@@ -89,6 +88,7 @@ class Executor:
         # dry: a forward that must leave no trace (the engine's load-time probe): misses are computed on the host,
         # nothing is fetched or touched, so the slot caches start the first request as the placement left them
         self.dry = False
+        self._pairs1: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # K -> (tok, perm) of a one-token layer
 
     # ---- set-up (loader) ----
     def attach(self, module: torch.nn.Module, layer: int, store: LayerStore, cache: SlotCache) -> LayerState:
@@ -184,13 +184,11 @@ class Executor:
         t3 = time.perf_counter()
 
         # ---- misses computed on the host from the store (overlaps the device work launched above on CUDA) ----
-        host_tokens = 0
         if host:
             hrows = rows if not self._cuda else _Rows(host_x(), rows.perm_host(), K, T)
             host_out = [] if self._cuda else None
             for g in host:
                 y = expert_forward(module, hrows.select(g), *state.store.expert(g[0]), post_norm=not self._cuda)
-                host_tokens += g[2]
                 if self._cuda:
                     host_out.append((g, y))
                 else:
@@ -206,13 +204,7 @@ class Executor:
         # ---- combine: as transformers does, sum over k of w * y in (token, k) order ----
         if T == 1:
             proj = torch.cat(out)  # [K, H]
-        weighted = proj * top_k_weights.reshape(-1, 1)  # [S, H]
-        result = weighted.view(T, K, -1).sum(dim=1).to(hidden_states.dtype)  # [T, H]
-
-        hit_pairs = sum(g[2] for g, _ in hits)
-        if self.per_token and T > 1:
-            self._count_tokens(top_k_index, [g[0] for g, _ in hits], [g[0] for g in host])
-        self.stats.add(state.pos, hit_pairs, T * K - hit_pairs, host_tokens, copied, copied * state.expert_bytes)
+        result = self._combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, copied)
         if self.timing:
             st = self.stats.stage_s
             st["device_experts"] += (t2 - t1) + fetch_compute_s
@@ -249,28 +241,33 @@ class Executor:
             tc = time.perf_counter()
             run(chunk, [cache.weights[s] for s in slots])
             fetch_s += time.perf_counter() - tc
-        t3 = t4 = time.perf_counter()
+        t3 = time.perf_counter()
         run(host, [state.store.expert(g[0]) for g in host])
-        t5 = time.perf_counter()
-        weighted = proj * top_k_weights.reshape(-1, 1)  # [S, H]
-        result = weighted.view(T, K, -1).sum(dim=1).to(hidden_states.dtype)  # [T, H]
-        hit_pairs = sum(g[2] for g, _ in hits)
-        host_tokens = sum(g[2] for g in host)
-        if self.per_token and T > 1:
-            self._count_tokens(top_k_index, [g[0] for g, _ in hits], [g[0] for g in host])
-        self.stats.add(state.pos, hit_pairs, T * K - hit_pairs, host_tokens, len(fetch), len(fetch) * state.expert_bytes)
+        t4 = time.perf_counter()
+        result = self._combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, len(fetch))
         if self.timing:
             st = self.stats.stage_s
             st["device_experts"] += (t2 - t1) + fetch_s
             st["fetch"] += (t3 - t2) - fetch_s
-            st["host_experts"] += t5 - t4
+            st["host_experts"] += t4 - t3
+        return result
+
+    def _combine(self, state, proj, hidden_states, top_k_index, top_k_weights, hits, host, fetched):
+        """sum_k w[t,k] * y[t,k] over proj [S, H] in (token, k) order (as transformers does), and the layer's counts."""
+        T, K = top_k_index.shape
+        weighted = proj * top_k_weights.reshape(-1, 1)  # [S, H]
+        result = weighted.view(T, K, -1).sum(dim=1).to(hidden_states.dtype)  # [T, H]
+        hit_pairs = sum(g[2] for g, _ in hits)
+        if self.per_token and T > 1:
+            self._count_tokens(top_k_index, [g[0] for g, _ in hits], [g[0] for g in host])
+        self.stats.add(state.pos, hit_pairs, T * K - hit_pairs, sum(g[2] for g in host), fetched,
+                       fetched * state.expert_bytes)
         return result
 
     def _one_token_pairs(self, K):
-        pairs = self.__dict__.setdefault("_pairs1", {})
-        if K not in pairs:
-            pairs[K] = (torch.zeros(K, dtype=torch.long), torch.arange(K))
-        return pairs[K]
+        if K not in self._pairs1:
+            self._pairs1[K] = (torch.zeros(K, dtype=torch.long), torch.arange(K))
+        return self._pairs1[K]
 
     def _count_tokens(self, top_k_index, hit_experts, host_experts):
         """Add this layer's hit / host pairs per token to token_stats [T, 2]."""

@@ -21,7 +21,6 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -309,14 +308,9 @@ def load_hardware(source) -> HardwareProfile:
         return BUILTIN[text]
     if not os.path.isfile(text):
         raise ConfigError(f"--hardware {text}: expected a built-in profile ({', '.join(BUILTIN)}) or a JSON file")
-    try:
-        with open(text, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{text}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{text}: cannot read ({e})") from None
-    return HardwareProfile.from_dict(data, where=text)
+    from moe_offload.spec import read_json
+
+    return HardwareProfile.from_dict(read_json(text), where=text)
 
 
 __all__ = ["ASSUMPTIONS", "BUILTIN", "HardwareProfile", "load_hardware"]

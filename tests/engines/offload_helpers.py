@@ -113,3 +113,29 @@ def stock(path: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+
+
+def run_in_variant(variant: str, body: str) -> None:
+    """Run ``body`` (Python; ``torch``, ``cpu_kernels`` and ``ops`` = torch.ops.moe_offload in scope) in a fresh
+    process with the kernels built for ISA ``variant`` (ops register once per process); skip where the CPU lacks
+    it (the build would pick another variant). Fails with the child's stderr."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from moe_offload.engines.offload import cpu_kernels
+
+    needs = next(v[1] for v in cpu_kernels.VARIANTS if v[0] == variant)
+    if not set(needs) <= cpu_kernels.cpu_flags():
+        pytest.skip(f"CPU lacks {variant}")
+    code = f"""
+import torch
+from moe_offload.engines.offload import cpu_kernels
+assert cpu_kernels.load() and cpu_kernels.info()["variant"] == {variant!r}, cpu_kernels.info()
+ops = torch.ops.moe_offload
+""" + body
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, cpu_kernels.ENV: variant}, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -310,16 +310,10 @@ def test_bf16_model_is_exact_across_fractions(ops, checkpoints):
 
 @pytest.mark.parametrize("variant", [v[0] for v in cpu_kernels.VARIANTS[1:]])
 def test_lesser_isa_variants(variant):
-    # Each ISA path (AVX2, portable) is built in its own process (ops register once per process) and checked
-    # against the fp32 reference; skipped where the CPU lacks the ISA (the build would pick another variant).
-    needs = next(v[1] for v in cpu_kernels.VARIANTS if v[0] == variant)
-    if not set(needs) <= cpu_kernels.cpu_flags():
-        pytest.skip(f"CPU lacks {variant}")
-    code = f"""
-import torch, sys
-from moe_offload.engines.offload import cpu_kernels
-assert cpu_kernels.load() and cpu_kernels.info()["variant"] == {variant!r}, cpu_kernels.info()
-ops = torch.ops.moe_offload
+    # Each ISA path (AVX2, portable), built in its own process, against the fp32 reference.
+    from offload_helpers import run_in_variant
+
+    run_in_variant(variant, """
 for N, H in ((5, 77), (64, 1024), (3, 8)):
     g = torch.Generator().manual_seed(N)
     w = (torch.randn(N, H, generator=g) / H ** 0.5).to(torch.bfloat16); x = torch.randn(H, generator=g).to(torch.bfloat16)
@@ -328,10 +322,7 @@ up = (torch.randn(2 * 45, 77) / 77 ** 0.5).to(torch.bfloat16); dn = (torch.randn
 x = torch.randn(77).to(torch.bfloat16)
 g, u = (up.float() @ x.float()).chunk(2)
 torch.testing.assert_close(ops.expert_mlp_bf16(x, up, dn).float(), dn.float() @ (torch.nn.functional.silu(g) * u), rtol=3e-2, atol=3e-2)
-"""
-    env = {**__import__("os").environ, cpu_kernels.ENV: variant}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+""")
 
 
 def test_stale_build_lock_does_not_hang(ops):

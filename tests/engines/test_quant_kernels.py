@@ -11,8 +11,6 @@ Legend: N tokens, R output rows, K input features, H hidden, I expert intermedia
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -257,15 +255,11 @@ def _float_expert(m, x, st):
 
 @pytest.mark.parametrize("variant", [v[0] for v in cpu_kernels.VARIANTS[1:]])
 def test_lesser_isa_variants(variant):
-    # AVX2 and portable builds in their own process (ops register once per process), each format against the reference
-    needs = next(v[1] for v in cpu_kernels.VARIANTS if v[0] == variant)
-    if not set(needs) <= cpu_kernels.cpu_flags():
-        pytest.skip(f"CPU lacks {variant}")
-    code = f"""
-import torch
-from moe_offload.engines.offload import cpu_kernels, quant
-assert cpu_kernels.load() and cpu_kernels.info()["variant"] == {variant!r}, cpu_kernels.info()
-ops = torch.ops.moe_offload
+    # AVX2 and portable builds in their own process, each format against the reference
+    from offload_helpers import run_in_variant
+
+    run_in_variant(variant, """
+from moe_offload.engines.offload import quant
 for R, K, N in ((5, 77, 1), (64, 1024, 3), (3, 8, 2), (40, 2880, 1)):
     g = torch.Generator().manual_seed(R)
     w = torch.randn(R, K, generator=g) / K ** 0.5; x = torch.randn(N, K, generator=g)
@@ -277,7 +271,4 @@ for R, K, N in ((5, 77, 1), (64, 1024, 3), (3, 8, 2), (40, 2880, 1)):
     if K % 32 == 0:
         b, s = quant.quantize_mxfp4(w)
         torch.testing.assert_close(ops.gemv_q(x, b, s).double(), x.double() @ quant.dequantize_mxfp4(b, s).double().T, rtol=1e-5, atol=1e-5)
-"""
-    env = {**__import__("os").environ, cpu_kernels.ENV: variant}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+""")
