@@ -14,6 +14,10 @@ glue, decoder-layer glue (residual adds), model glue (masks, positions), LM head
 and the engine loop (the rest of the step: stats, the generator, Python between forwards). Hooks cost time
 themselves: the step is also measured without them, and the difference is printed.
 
+The stages are the module path's: the fused decode path (engines/offload/fastpath.py) calls no modules, so the
+stage run switches it off; its step time is measured in the same run and printed beside, and --torch-profiler
+profiles what the engine runs (the fused path where the family is covered).
+
 Works for any family the engine loads: modules are found by role (embeddings, decoder layers, their attention,
 norm and MLP children, the MLP's router, experts and shared experts). A stage the model lacks reads 0.
 Run on an idle machine; print the command with the table (docs/benchmarks.md).
@@ -186,17 +190,25 @@ def decode(engine, prompt: list[int], tokens: int, timer: StageTimer | None = No
 
 
 def profile(engine, prompt: list[int], tokens: int) -> dict:
-    """Per-stage medians (ms per decode step) with and without hooks."""
-    plain_ms, _ = decode(engine, prompt, tokens)
-    timer = StageTimer(engine.model, stage_map(engine.model))
-    unpatch = _patch_sampling(timer)
-    timer.install()
+    """Per-stage medians (ms per decode step) with and without hooks, on the module path (hooks see modules; the
+    fused decode path calls none), and the fused path's step where the engine has one."""
+    plan = getattr(engine, "fast", None)
+    fused_ms = statistics.median(decode(engine, prompt, tokens)[0]) if plan is not None else None
+    engine.fast = None
     try:
-        hooked_ms, stage_ms = decode(engine, prompt, tokens, timer)
+        plain_ms, _ = decode(engine, prompt, tokens)
+        timer = StageTimer(engine.model, stage_map(engine.model))
+        unpatch = _patch_sampling(timer)
+        timer.install()
+        try:
+            hooked_ms, stage_ms = decode(engine, prompt, tokens, timer)
+        finally:
+            timer.remove()
+            if unpatch:
+                unpatch()
     finally:
-        timer.remove()
-        if unpatch:
-            unpatch()
+        if hasattr(engine, "fast"):
+            engine.fast = plan
     steps = timer.steps
     med = {s: statistics.median(st.get(s, 0.0) for st in steps) * 1000 for s in STAGES}
     mean = {s: statistics.fmean(st.get(s, 0.0) for st in steps) * 1000 for s in STAGES}
@@ -204,7 +216,7 @@ def profile(engine, prompt: list[int], tokens: int) -> dict:
     split = {k: v / len(steps) for k, v in stage_ms.items() if k != "other"} if steps else {}
     return {"steps": len(steps), "plain_ms": statistics.median(plain_ms), "hooked_ms": statistics.median(hooked_ms),
             "step_ms": statistics.median(st["_step"] for st in steps) * 1000, "median": med, "mean": mean,
-            "executor_split": split, "sampling_timed": unpatch is not None,
+            "executor_split": split, "sampling_timed": unpatch is not None, "fused_ms": fused_ms,
             "modules": len(timer.stages), "per_step": steps}
 
 
@@ -223,7 +235,8 @@ def torch_profile(engine, prompt: list[int], tokens: int, rows: int = 25) -> str
             pass
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) or 1
-    lines = [f"torch.profiler, {tokens} decode steps: top {rows} ops by self CPU time (per step)\n",
+    path = "fused decode path" if getattr(engine, "fast", None) is not None else "module path"
+    lines = [f"torch.profiler, {tokens} decode steps ({path}): top {rows} ops by self CPU time (per step)\n",
              "| op | calls/step | self ms/step | share |", "|---|---:|---:|---:|"]
     for e in events[:rows]:
         lines.append(f"| `{e.key}` | {e.count / tokens:.1f} | {e.self_cpu_time_total / 1000 / tokens:.3f} | "
@@ -273,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{r['steps']} decode steps after a {context}-token prompt, policy {args.policy}, fraction {args.fraction:g}; "
           f"{r['modules']} modules hooked.  ")
     print(f"Step without hooks {r['plain_ms']:.3f} ms (engine's median), with hooks {r['hooked_ms']:.3f} ms: the hooks "
-          f"cost {r['hooked_ms'] - r['plain_ms']:.3f} ms/step, spread over the stages.\n")
+          f"cost {r['hooked_ms'] - r['plain_ms']:.3f} ms/step, spread over the stages. The stages are the module "
+          "path's (hooks see modules)" + (f"; the fused decode path (what the engine runs for this model) took "
+                                          f"{r['fused_ms']:.3f} ms/step in the same run.\n" if r["fused_ms"] else ".\n"))
     print("| stage | ms/step (median) | mean | share of the step |")
     print("|---|---:|---:|---:|")
     step = sum(r["median"].values()) or 1.0

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from moe_offload.engines.offload.decode_kernels import DECODE_SOURCE
+from moe_offload.engines.offload.decode_kernels import register_fakes as _register_decode_fakes
 from moe_offload.engines.offload.quant_kernels import QUANT_SOURCE
 from moe_offload.engines.offload.quant_kernels import register_fakes as _register_quant_fakes
 
@@ -430,8 +432,9 @@ TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
 }
 """
 
-# The bf16 kernels above and the quantized-expert kernels (quant_kernels.py): one library, one build.
-SOURCES = (SOURCE, QUANT_SOURCE)
+# The bf16 kernels above, the quantized-expert kernels (quant_kernels.py) and the fused decode layer
+# (decode_kernels.py, which uses the dot products above): one library, one build.
+SOURCES = (SOURCE, QUANT_SOURCE, DECODE_SOURCE)
 
 # ISA variants, best first: (name, /proc/cpuinfo flags it needs, compiler flags)
 VARIANTS = (
@@ -615,3 +618,4 @@ def _register_fakes() -> None:
         except RuntimeError:  # already registered in this process (a second build variant)
             pass
     _register_quant_fakes(register_fake)
+    _register_decode_fakes(register_fake)

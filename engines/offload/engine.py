@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from moe_offload.engines.base import ENGINE_FEATURES, Engine, EngineInfo, Generation, GenerationStats, SamplingParams
-from moe_offload.engines.offload import kv
+from moe_offload.engines.offload import fastpath, kv
 from moe_offload.engines.offload.sampling import SequenceState, prompt_logprobs, sample
 from moe_offload.engines.offload.scheduler import FINISHED, RUNNING, Scheduler, SchedulerConfig
 from moe_offload.engines.offload.scheduler import Sequence as Seq
@@ -146,6 +146,8 @@ class OffloadEngine(Engine):
         self.scheduler = Scheduler(
             SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, chunked_prefill=self.paged), self.pool)
         self.paged_cache = kv.PagedCache(self.pool)
+        # decode-only steps of covered bf16 CPU families skip transformers' modules (fastpath.py)
+        self.fast = fastpath.DecodePlan.build(self.model, self.executor, self.pool) if self.paged else None
         placement = getattr(offloaded, "placement", None)
         self.info = EngineInfo(
             model=model_name or getattr(self.model.config, "_name_or_path", "") or "model",
@@ -299,6 +301,9 @@ class OffloadEngine(Engine):
         return True
 
     def _forward_paged(self, sched) -> torch.Tensor | None:
+        if self.fast is not None and all(n == 1 for _, n in sched) and not any(
+                seq.payload.wants_prompt_logprobs(seq) for seq, _ in sched):
+            return self._forward_fast(sched)
         bs, dev = self.pool.block_size, self.device
         ids, pos, slots, keep = [], [], [], []
         for seq, n in sched:
@@ -327,6 +332,19 @@ class OffloadEngine(Engine):
         if logits.shape[0] != len(keep):  # a model that ignores logits_to_keep (Qwen3-Omni's thinker): every position
             logits = logits.index_select(0, kept)
         return logits  # [rows kept, V]: see _emit
+
+    def _forward_fast(self, sched) -> torch.Tensor:
+        """A decode-only step on the fused path: one token per sequence, logits [B, V] (every row samples)."""
+        ex = self.executor
+        ex.per_token = len(sched) > 1
+        before = _snapshot(ex)
+        t0 = time.perf_counter()
+        logits = self.fast.forward([seq.tokens[seq.computed] for seq, _ in sched],
+                                   [seq.computed + 1 for seq, _ in sched], [seq.blocks for seq, _ in sched])
+        ex.stats.forwards += 1
+        ex.stats.forward_s += time.perf_counter() - t0
+        self._book(sched, before, ex.token_stats)
+        return logits
 
     def _layout(self, sched) -> kv.StepContext:
         """The step's key layout: decode sequences first, each padded to the longest; then each prefill chunk's

@@ -1,0 +1,356 @@
+"""Fused decode kernels: a decoder layer's attention half and router in one call, for bf16 models on the CPU.
+
+    h [M, H] (+ add [M, H], the previous layer's MLP output)
+      -> RMSNorm -> q/k/v projections (one parallel pass over the rows of all three) -> q/k norms -> rotary
+      -> k, v rows written to the paged pool at each token's position -> attention over its context (GQA,
+         optional sliding window) -> o_proj -> residual -> RMSNorm -> router: softmax, top-k (renormalised)
+      -> h2 [M, H] (the residual stream), x2 [M, H] (the MLP's input), top-k ids [M, K] int64, weights [M, K]
+
+Why: a one-token decode step of a 16-layer MoE in transformers' modules is ~1500 small torch ops (norms in 6-7
+ops, rotary, dtype copies, the cache update, the attention's set-up), each a few microseconds: ~9 ms of a 19 ms
+step on a 2-core CPU, where the weight reads take ~10 ms. Here one call per layer does all of it; the experts
+stay with the offload executor (tiers, fetches, statistics).
+
+Numbers: every intermediate is rounded to bf16 where the module path rounds (after each norm, projection,
+rotary product and sum, attention output, residual add, router logits), the projections use the same dot
+products as ``gemm_bf16`` (bit-identical rows), and attention sums in fp32 as ``kv._decode_fp32`` does (its
+summation order differs: results agree to bf16 rounding, not bit for bit). Tested against the module path.
+
+One token per row of h: M sequences each decoding one token; token t is at position lens[t] - 1 and its
+context is positions [0, lens[t]) of the sequence whose pool rows are blocks[t, p / bs] * bs + p % bs.
+
+Op (namespace ``moe_offload``, compiled with cpu_kernels.SOURCE: one library, one build):
+  decode_layer_bf16(h, add?, ln1, eps, wq, wk, wv, bq?, bk?, bv?, qn?, kn?, cos [M, D], sin [M, D],
+                    kpool [R, Hkv, D] (mutated), vpool [R, Hkv, D] (mutated), blocks [M, NB] int64,
+                    lens [M] int64, bs, scaling, window, wo, bo?, ln2, wr?, top_k, norm_topk, w_bf16)
+                    -> [h2, x2, ids, w]
+      qn / kn: per-head norms ([D], Qwen3) or over the whole projection ([Hq*D] / [Hkv*D], OLMoE).
+      window: 0 or a sliding window (keys at positions > pos - window). wr None: no router (a dense layer),
+      ids and w are then empty. w is bf16 (w_bf16) or fp32, as the family's router leaves it.
+  rmsnorm_bf16(h [M, H], add? [M, H], w [H], eps) -> [M, H]          (the model's final norm)
+Legend: M tokens, H hidden, Hq/Hkv query/KV heads, D head dim, R pool rows, NB blocks per sequence, bs block
+size, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+DECODE_SOURCE = r"""
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float rbf(float f) { return bf2f(f2bf(f)); }  // round to bf16 and back
+
+void check_bf16(const at::Tensor& t, int64_t numel, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && (numel < 0 || t.numel() == numel),
+              what, ": expected a contiguous bf16 CPU tensor", numel >= 0 ? " of the right size" : "", ", got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+const uint16_t* opt_vec(const std::optional<at::Tensor>& t, int64_t n, const char* what) {
+  if (!t.has_value()) return nullptr;
+  check_bf16(*t, n, what);
+  return ptr(*t);
+}
+
+// y = bf16(w * bf16(x / rms(x))) over n features (transformers' RMSNorm in bf16: normalise in fp32, round, scale).
+inline void rmsnorm_row(const float* x, const uint16_t* w, int64_t n, double eps, uint16_t* y) {
+  double ss = 0.0;
+  for (int64_t j = 0; j < n; ++j) ss += double(x[j]) * double(x[j]);
+  const float r = 1.0f / std::sqrt(float(ss / double(n)) + float(eps));
+  for (int64_t j = 0; j < n; ++j) y[j] = f2bf(bf2f(w[j]) * rbf(x[j] * r));
+}
+
+// the same, in place over a bf16 vector (q/k norms)
+inline void rmsnorm_inplace(uint16_t* v, const uint16_t* w, int64_t n, double eps) {
+  std::vector<float> f(n);
+  for (int64_t j = 0; j < n; ++j) f[j] = bf2f(v[j]);
+  rmsnorm_row(f.data(), w, n, eps, v);
+}
+
+// rows [begin, end) of the stacked matrices (a row index below cut[0] reads ws[0], ...): out[t, i] for M tokens
+void stacked_rows(const std::vector<const uint16_t*>& ws, const std::vector<int64_t>& lds,
+                  const std::vector<const uint16_t*>& bs, const std::vector<int64_t>& cut,
+                  const uint16_t* x, int64_t M, int64_t n, int64_t begin, int64_t end, uint16_t* out, int64_t N) {
+  std::vector<const uint16_t*> xs(M);
+  std::vector<float> acc(M);
+  for (int64_t t = 0; t < M; ++t) xs[t] = x + t * n;
+  size_t m = 0;
+  int64_t lo = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    while (i >= cut[m]) lo = cut[m++];
+    const int64_t r = i - lo;
+    dot_many(ws[m] + r * lds[m], xs.data(), M, n, acc.data());
+    const uint16_t* b = bs[m];
+    for (int64_t t = 0; t < M; ++t) out[t * N + i] = f2bf(b ? acc[t] + bf2f(b[r]) : acc[t]);
+  }
+}
+
+void project(const std::vector<const uint16_t*>& ws, const std::vector<int64_t>& lds, const std::vector<const uint16_t*>& bs,
+             const std::vector<int64_t>& cut, const uint16_t* x, int64_t M, int64_t n, uint16_t* out) {
+  const int64_t N = cut.back();
+  at::parallel_for(0, N, std::max<int64_t>(1, grain(n) / M), [&](int64_t s, int64_t e) {
+    stacked_rows(ws, lds, bs, cut, x, M, n, s, e, out, N);
+  });
+}
+
+void check_w(const at::Tensor& w, int64_t rows, int64_t cols, const char* what) {
+  check_weight(w, what);
+  TORCH_CHECK(w.size(0) == rows && w.size(1) == cols, what, ": expected [", rows, ", ", cols, "], got ", w.sizes());
+}
+
+std::vector<at::Tensor> decode_layer_bf16(
+    const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln1, double eps,
+    const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& wv,
+    const std::optional<at::Tensor>& bq, const std::optional<at::Tensor>& bk, const std::optional<at::Tensor>& bv,
+    const std::optional<at::Tensor>& qn, const std::optional<at::Tensor>& kn,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kpool, const at::Tensor& vpool,
+    const at::Tensor& blocks, const at::Tensor& lens, int64_t bs, double scaling, int64_t window,
+    const at::Tensor& wo, const std::optional<at::Tensor>& bo, const at::Tensor& ln2,
+    const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16) {
+  TORCH_CHECK(h.dim() == 2, "decode_layer_bf16 h: expected [M, H], got ", h.sizes());
+  check_bf16(h, -1, "decode_layer_bf16 h");
+  const int64_t M = h.size(0), H = h.size(1);
+  if (add.has_value()) check_bf16(*add, M * H, "decode_layer_bf16 add");
+  check_bf16(ln1, H, "ln1");
+  check_bf16(ln2, H, "ln2");
+  TORCH_CHECK(kpool.dim() == 3 && vpool.dim() == 3, "kpool/vpool: expected [R, Hkv, D]");
+  check_bf16(kpool, -1, "kpool");
+  check_bf16(vpool, -1, "vpool");
+  const int64_t R = kpool.size(0), Hkv = kpool.size(1), D = kpool.size(2), Dv = vpool.size(2);
+  TORCH_CHECK(vpool.size(0) == R && vpool.size(1) == Hkv && Dv == D, "vpool: expected the shape of kpool ", kpool.sizes(),
+              ", got ", vpool.sizes());
+  check_weight(wq, "wq");
+  const int64_t Nq = wq.size(0), Nk = Hkv * D, Hq = Nq / D;
+  TORCH_CHECK(Nq % D == 0 && Hq % Hkv == 0, "wq: ", Nq, " rows are not a multiple of ", Hkv, " KV heads of ", D);
+  check_w(wq, Nq, H, "wq");
+  check_w(wk, Nk, H, "wk");
+  check_w(wv, Nk, H, "wv");
+  check_w(wo, H, Nq, "wo");
+  const uint16_t* bqp = opt_vec(bq, Nq, "bq");
+  const uint16_t* bkp = opt_vec(bk, Nk, "bk");
+  const uint16_t* bvp = opt_vec(bv, Nk, "bv");
+  const uint16_t* bop = opt_vec(bo, H, "bo");
+  const uint16_t* qnp = opt_vec(qn, -1, "qn");
+  const uint16_t* knp = opt_vec(kn, -1, "kn");
+  const int64_t qnw = qn.has_value() ? qn->numel() : 0, knw = kn.has_value() ? kn->numel() : 0;
+  TORCH_CHECK(qnw == 0 || qnw == D || qnw == Nq, "qn: expected ", D, " or ", Nq, " elements, got ", qnw);
+  TORCH_CHECK(knw == 0 || knw == D || knw == Nk, "kn: expected ", D, " or ", Nk, " elements, got ", knw);
+  check_bf16(cos, M * D, "cos");
+  check_bf16(sin, M * D, "sin");
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 2 && blocks.size(0) == M && blocks.is_contiguous(),
+              "blocks: expected contiguous int64 [M, NB]");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.numel() == M && lens.is_contiguous(), "lens: expected int64 [M]");
+  TORCH_CHECK(bs >= 1, "bs: expected >= 1");
+  const int64_t NB = blocks.size(1);
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t t = 0; t < M; ++t) {
+    TORCH_CHECK(lp[t] >= 1 && lp[t] <= NB * bs, "lens[", t, "] = ", lp[t], " outside [1, ", NB * bs, "]");
+    for (int64_t b = 0; b < (lp[t] + bs - 1) / bs; ++b)
+      TORCH_CHECK(bp[t * NB + b] >= 0 && (bp[t * NB + b] + 1) * bs <= R, "blocks[", t, ", ", b, "] outside the pool");
+  }
+  int64_t E = 0;
+  if (wr.has_value()) {
+    check_weight(*wr, "wr");
+    E = wr->size(0);
+    TORCH_CHECK(wr->size(1) == H && top_k >= 1 && top_k <= E, "wr: expected [E, ", H, "] and 1 <= top_k <= E");
+  }
+
+  // residual in, first norm
+  at::Tensor h_in = at::empty({M, H}, h.options());
+  uint16_t* hi = reinterpret_cast<uint16_t*>(h_in.data_ptr());
+  const uint16_t* hp = ptr(h);
+  const uint16_t* ap = add.has_value() ? ptr(*add) : nullptr;
+  std::vector<float> f(H);
+  std::vector<uint16_t> x1(M * H);
+  for (int64_t t = 0; t < M; ++t) {
+    for (int64_t j = 0; j < H; ++j) {
+      const float v = ap ? rbf(bf2f(hp[t * H + j]) + bf2f(ap[t * H + j])) : bf2f(hp[t * H + j]);
+      hi[t * H + j] = f2bf(v);
+      f[j] = v;
+    }
+    rmsnorm_row(f.data(), ptr(ln1), H, eps, x1.data() + t * H);
+  }
+
+  // q, k, v in one pass over their rows
+  const int64_t N3 = Nq + 2 * Nk;
+  std::vector<uint16_t> qkv(M * N3);
+  project({ptr(wq), ptr(wk), ptr(wv)}, {wq.stride(0), wk.stride(0), wv.stride(0)}, {bqp, bkp, bvp},
+          {Nq, Nq + Nk, N3}, x1.data(), M, H, qkv.data());
+
+  // q/k norms, rotary (q*cos + rotate_half(q)*sin, each product and the sum rounded), k/v into the pool
+  uint16_t* kp = reinterpret_cast<uint16_t*>(kpool.data_ptr());
+  uint16_t* vp = reinterpret_cast<uint16_t*>(vpool.data_ptr());
+  const uint16_t* cp = ptr(cos);
+  const uint16_t* sp = ptr(sin);
+  const int64_t half = D / 2;
+  std::vector<uint16_t> tmp(D);
+  auto rope = [&](uint16_t* v, const uint16_t* c, const uint16_t* s) {
+    for (int64_t d = 0; d < D; ++d) {
+      const float rot = d < half ? -bf2f(v[d + half]) : bf2f(v[d - half]);
+      tmp[d] = f2bf(rbf(bf2f(v[d]) * bf2f(c[d])) + rbf(rot * bf2f(s[d])));
+    }
+    std::memcpy(v, tmp.data(), D * sizeof(uint16_t));
+  };
+  for (int64_t t = 0; t < M; ++t) {
+    uint16_t* q = qkv.data() + t * N3;
+    uint16_t* k = q + Nq;
+    uint16_t* v = k + Nk;
+    if (qnw == Nq) rmsnorm_inplace(q, qnp, Nq, eps);
+    if (knw == Nk) rmsnorm_inplace(k, knp, Nk, eps);
+    for (int64_t a = 0; a < Hq; ++a) {
+      if (qnw == D) rmsnorm_inplace(q + a * D, qnp, D, eps);
+      rope(q + a * D, cp + t * D, sp + t * D);
+    }
+    for (int64_t a = 0; a < Hkv; ++a) {
+      if (knw == D) rmsnorm_inplace(k + a * D, knp, D, eps);
+      rope(k + a * D, cp + t * D, sp + t * D);
+    }
+    const int64_t p = lp[t] - 1, row = bp[t * NB + p / bs] * bs + p % bs;
+    std::memcpy(kp + row * Nk, k, Nk * sizeof(uint16_t));
+    std::memcpy(vp + row * Nk, v, Nk * sizeof(uint16_t));
+  }
+
+  // attention: one task per (token, query head); scores and the weighted sum in fp32
+  std::vector<uint16_t> attn(M * Nq);
+  const int64_t groups = Hq / Hkv;
+  at::parallel_for(0, M * Hq, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> sc, o(D);
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t t = u / Hq, a = u % Hq, g = a / groups, L = lp[t];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+      const uint16_t* q = qkv.data() + t * N3 + a * D;
+      const int64_t* tb = bp + t * NB;
+      sc.resize(L - lo);
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t l = lo; l < L; ++l) {
+        const int64_t row = tb[l / bs] * bs + l % bs;
+        const float s = dot_row(kp + (row * Hkv + g) * D, q, D) * float(scaling);
+        sc[l - lo] = s;
+        mx = std::max(mx, s);
+      }
+      float sum = 0.0f;
+      for (auto& s : sc) { s = std::exp(s - mx); sum += s; }
+      std::fill(o.begin(), o.end(), 0.0f);
+      for (int64_t l = lo; l < L; ++l) {
+        const int64_t row = tb[l / bs] * bs + l % bs;
+        const uint16_t* vr = vp + (row * Hkv + g) * D;
+        const float pw = sc[l - lo] / sum;
+        for (int64_t d = 0; d < D; ++d) o[d] += pw * bf2f(vr[d]);
+      }
+      uint16_t* out = attn.data() + t * Nq + a * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = f2bf(o[d]);
+    }
+  });
+
+  // o_proj, residual, second norm
+  std::vector<uint16_t> o(M * H);
+  project({ptr(wo)}, {wo.stride(0)}, {bop}, {H}, attn.data(), M, Nq, o.data());
+  at::Tensor h2 = at::empty({M, H}, h.options());
+  at::Tensor x2 = at::empty({M, H}, h.options());
+  uint16_t* h2p = reinterpret_cast<uint16_t*>(h2.data_ptr());
+  uint16_t* x2p = reinterpret_cast<uint16_t*>(x2.data_ptr());
+  for (int64_t t = 0; t < M; ++t) {
+    for (int64_t j = 0; j < H; ++j) {
+      const float v = rbf(bf2f(hi[t * H + j]) + bf2f(o[t * H + j]));
+      h2p[t * H + j] = f2bf(v);
+      f[j] = v;
+    }
+    rmsnorm_row(f.data(), ptr(ln2), H, eps, x2p + t * H);
+  }
+
+  // router: logits (bf16, as F.linear rounds) -> softmax in fp32 -> top-k -> renormalise -> bf16
+  at::Tensor ids = at::empty({wr.has_value() ? M : 0, top_k}, h.options().dtype(at::kLong));
+  at::Tensor wts = at::empty({wr.has_value() ? M : 0, top_k}, w_bf16 ? h.options() : h.options().dtype(at::kFloat));
+  if (wr.has_value()) {
+    std::vector<uint16_t> logits(M * E);
+    project({ptr(*wr)}, {wr->stride(0)}, {nullptr}, {E}, x2p, M, H, logits.data());
+    int64_t* ip = ids.data_ptr<int64_t>();
+    uint16_t* wp = w_bf16 ? reinterpret_cast<uint16_t*>(wts.data_ptr()) : nullptr;
+    float* wf = w_bf16 ? nullptr : wts.data_ptr<float>();
+    std::vector<float> pr(E);
+    std::vector<int64_t> order(E);
+    for (int64_t t = 0; t < M; ++t) {
+      float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, bf2f(logits[t * E + e]));
+      for (int64_t e = 0; e < E; ++e) { pr[e] = std::exp(bf2f(logits[t * E + e]) - mx); sum += pr[e]; }
+      for (int64_t e = 0; e < E; ++e) { pr[e] /= sum; order[e] = e; }
+      std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                        [&](int64_t a, int64_t b) { return pr[a] > pr[b] || (pr[a] == pr[b] && a < b); });
+      float tot = 0.0f;
+      for (int64_t k = 0; k < top_k; ++k) tot += pr[order[k]];
+      for (int64_t k = 0; k < top_k; ++k) {
+        ip[t * top_k + k] = order[k];
+        const float v = norm_topk ? pr[order[k]] / tot : pr[order[k]];
+        if (wp) wp[t * top_k + k] = f2bf(v); else wf[t * top_k + k] = v;
+      }
+    }
+  }
+  return {h2, x2, ids, wts};
+}
+
+at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps) {
+  TORCH_CHECK(h.dim() == 2, "rmsnorm_bf16 h: expected [M, H], got ", h.sizes());
+  check_bf16(h, -1, "rmsnorm_bf16 h");
+  const int64_t M = h.size(0), H = h.size(1);
+  if (add.has_value()) check_bf16(*add, M * H, "rmsnorm_bf16 add");
+  check_bf16(w, H, "rmsnorm_bf16 w");
+  at::Tensor y = at::empty({M, H}, h.options());
+  const uint16_t* hp = ptr(h);
+  const uint16_t* ap = add.has_value() ? ptr(*add) : nullptr;
+  std::vector<float> f(H);
+  for (int64_t t = 0; t < M; ++t) {
+    for (int64_t j = 0; j < H; ++j)
+      f[j] = ap ? rbf(bf2f(hp[t * H + j]) + bf2f(ap[t * H + j])) : bf2f(hp[t * H + j]);
+    rmsnorm_row(f.data(), ptr(w), H, eps, reinterpret_cast<uint16_t*>(y.data_ptr()) + t * H);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
+  m.def("decode_layer_bf16(Tensor h, Tensor? add, Tensor ln1, float eps, Tensor wq, Tensor wk, Tensor wv, Tensor? bq, "
+        "Tensor? bk, Tensor? bv, Tensor? qn, Tensor? kn, Tensor cos, Tensor sin, Tensor(a!) kpool, Tensor(b!) vpool, "
+        "Tensor blocks, Tensor lens, int bs, float scaling, int window, Tensor wo, Tensor? bo, Tensor ln2, Tensor? wr, "
+        "int top_k, bool norm_topk, bool w_bf16) -> Tensor[]");
+  m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
+  m.impl("decode_layer_bf16", &decode_layer_bf16);
+  m.impl("rmsnorm_bf16", &rmsnorm_bf16);
+}
+"""
+
+
+def register_fakes(register_fake) -> None:
+    """Shape functions of the fused decode ops (called by cpu_kernels after a build)."""
+
+    def layer(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kpool, vpool, blocks, lens, bs, scaling,
+              window, wo, bo, ln2, wr, top_k, norm_topk, w_bf16):
+        m = h.shape[0] if wr is not None else 0
+        import torch
+
+        return [h.new_empty(h.shape), h.new_empty(h.shape), h.new_empty((m, top_k), dtype=torch.long),
+                h.new_empty((m, top_k), dtype=h.dtype if w_bf16 else torch.float32)]
+
+    def norm(h, add, w, eps):
+        return h.new_empty(h.shape)
+
+    for op, fn in (("decode_layer_bf16", layer), ("rmsnorm_bf16", norm)):
+        try:
+            register_fake(f"moe_offload::{op}", fn)
+        except RuntimeError:  # already registered in this process
+            pass

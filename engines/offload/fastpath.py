@@ -1,0 +1,202 @@
+"""The fused decode path: a decode step (every scheduled sequence decoding one token) without transformers' modules.
+
+    ids [M] -> embedding -> rotary cos/sin (the model's own rotary module: every rope scaling it knows)
+      -> per layer: moe_offload::decode_layer_bf16 (norm, q/k/v, q/k norms, rotary, paged KV write, attention,
+         o_proj, residual, norm, router top-k; decode_kernels.py)
+         -> the offload executor with those top-k ids and weights (tiers, fetches, statistics: unchanged)
+         (+ the shared expert, or the dense MLP of a layer without experts, through its own modules)
+      -> final norm (moe_offload::rmsnorm_bf16) -> LM head -> logits [M, V]
+
+Why: the module path spends about as long in small torch ops as in reading weights (docs/benchmarks.md,
+decode-step profile); this path makes one call per layer for everything but the experts.
+
+When: bf16 weights on the CPU with the kernels built, the paged KV cache, a decode-only step, and a family
+whose layers this path reproduces (``FAMILIES``: the attention, norm and router code it mirrors; anything else,
+a prefill chunk, fp32, CUDA, MOE_OFFLOAD_FAST_DECODE=0 run the module path). The KV rows it writes are the
+rows the module path writes, so the two paths mix freely within a sequence.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from moe_offload.engines.offload import cpu_kernels
+from moe_offload.log import get_logger
+
+log = get_logger("moe_offload.fastpath")
+
+ENV = "MOE_OFFLOAD_FAST_DECODE"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the families this path covers."""
+
+    window_from_config: bool  # sliding window: config.sliding_window (else the attention module's attribute)
+    router_weights_bf16: bool  # the router casts its top-k weights to the model dtype (Mixtral keeps fp32)
+    always_renormalise: bool  # top-k weights renormalised whatever the config says (Mixtral)
+
+
+FAMILIES = {
+    "qwen3_moe": Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False),
+    "qwen2_moe": Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False),
+    "olmoe": Family(window_from_config=True, router_weights_bf16=True, always_renormalise=False),
+    "mixtral": Family(window_from_config=True, router_weights_bf16=False, always_renormalise=True),
+}
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class _Layer:
+    idx: int
+    args: tuple  # decode_layer_bf16's weight arguments, in order (see DecodePlan.forward)
+    moe: object | None  # the MoE block (router inside the fused call) or None
+    experts: object | None
+    state: object | None  # the experts module's executor state
+    mlp: object | None  # a dense layer's MLP module
+    shared: object | None  # (shared_expert, shared_expert_gate) of a Qwen2-MoE block
+    top_k: int = 0
+    norm_topk: bool = False
+
+
+class DecodePlan:
+    """Built once per engine by ``build``; ``forward`` runs one decode-only step."""
+
+    def __init__(self, model, executor, family: Family, layers: list[_Layer], eps: float, bs: int, pool):
+        self.model, self.executor, self.family = model, executor, family
+        self.layers, self.eps, self.bs, self.pool = layers, eps, bs, pool
+        inner = model.model
+        self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
+        self.lm_head = model.lm_head
+        self.steps = 0
+
+    # -- eligibility --------------------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, model, executor, pool) -> "DecodePlan | None":
+        """The plan for this model, or None (with the reason logged at debug) where the module path must run."""
+        why = cls._refuse(model, executor)
+        if why:
+            log.debug("fused decode path off", reason=why, model_type=getattr(model.config, "model_type", ""))
+            return None
+        cfg = model.config
+        fam = FAMILIES[cfg.model_type]
+        eps = float(model.model.norm.variance_epsilon)
+        layers = []
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (qn, kn) if n is not None]
+            if any(float(n.variance_epsilon) != eps for n in norms):
+                log.debug("fused decode path off", reason="norms with different eps")
+                return None
+            if fam.window_from_config:
+                window = getattr(cfg, "sliding_window", None)
+            else:
+                window = getattr(attn, "sliding_window", None)
+            mlp = layer.mlp
+            experts = getattr(mlp, "experts", None)
+            state = getattr(experts, "_moe_offload", None) if experts is not None else None
+            moe = mlp if state is not None and hasattr(mlp, "gate") and hasattr(mlp.gate, "weight") else None
+            if experts is not None and moe is None:
+                log.debug("fused decode path off", reason=f"layer {i}: experts not served by the executor")
+                return None
+            shared = None
+            if moe is not None and hasattr(mlp, "shared_expert"):
+                shared = (mlp.shared_expert, mlp.shared_expert_gate)
+            args = (
+                layer.input_layernorm.weight, eps,
+                attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias,
+                qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+            )
+            tail = (float(attn.scaling), int(window or 0), attn.o_proj.weight, attn.o_proj.bias,
+                    layer.post_attention_layernorm.weight)
+            lay = _Layer(i, (args, tail), moe, experts, state, None if moe is not None else mlp, shared)
+            if moe is not None:
+                lay.top_k = int(mlp.gate.top_k)
+                lay.norm_topk = fam.always_renormalise or bool(getattr(mlp.gate, "norm_topk_prob", False))
+            layers.append(lay)
+        return cls(model, executor, fam, layers, eps, pool.block_size, pool)
+
+    @staticmethod
+    def _refuse(model, executor) -> str:
+        if not enabled_by_env():
+            return f"{ENV}=0"
+        cfg = model.config
+        if getattr(cfg, "model_type", "") not in FAMILIES:
+            return "family not covered"
+        if executor is None:
+            return "no offload executor"
+        inner = getattr(model, "model", None)
+        if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
+            return "unexpected module layout"
+        if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+            return "no linear LM head"
+        weights = [p for n, p in model.named_parameters() if ".experts." not in n]
+        if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in weights):
+            return "not bf16 on the CPU"
+        if getattr(cfg, "clip_qkv", None) is not None:
+            return "clip_qkv"
+        for layer in inner.layers:
+            attn = layer.self_attn
+            if not all(isinstance(getattr(attn, a, None), torch.nn.Linear) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                return "attention without q/k/v/o projections"
+        head_dim = inner.layers[0].self_attn.head_dim
+        probe = torch.zeros(1, 1, cfg.hidden_size, dtype=torch.bfloat16)
+        cos, _ = inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long))
+        if cos.shape[-1] != head_dim:
+            return "partial rotary"
+        if not cpu_kernels.load():
+            return "kernels unavailable"
+        return ""
+
+    # -- one step -----------------------------------------------------------------------------------------------
+    def forward(self, ids: list[int], lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
+        """One decode token per sequence: ids [M], lens[t] = its context length including the token, blocks[t] its
+        block table. Returns logits [M, V]."""
+        M = len(ids)
+        nb = max(len(b) for b in blocks)
+        table = torch.tensor([b + [b[0]] * (nb - len(b)) for b in blocks], dtype=torch.long)
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        pos = lens_t.sub(1).unsqueeze(0)  # [1, M]
+        h = self.embed(torch.tensor(ids, dtype=torch.long))  # [M, H]
+        cos, sin = self.rotary(h, pos)  # [1, M, D]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        ex = self.executor
+        ex.begin_forward()
+        op = torch.ops.moe_offload.decode_layer_bf16
+        add = None
+        rw_bf16 = self.family.router_weights_bf16
+        for lay in self.layers:
+            (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
+            kp, vp = self._pools(lay.idx, wk, wv)
+            router = lay.moe.gate.weight if lay.moe is not None else None
+            h, x2, idx, w = op(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kp, vp, table, lens_t,
+                               self.bs, scaling, window, wo, bo, ln2, router, lay.top_k, lay.norm_topk, rw_bf16)
+            if lay.moe is not None:
+                out = ex.forward(lay.state, lay.experts, x2, idx, w)
+                if lay.shared is not None:
+                    se, gate = lay.shared
+                    out = out + torch.sigmoid(gate(x2)) * se(x2)
+            else:
+                out = lay.mlp(x2.unsqueeze(0))[0]
+            add = out.contiguous()
+        x = torch.ops.moe_offload.rmsnorm_bf16(h, add, self.norm.weight, self.eps)
+        self.steps += 1
+        return self.lm_head(x)  # [M, V]
+
+    def _pools(self, idx: int, wk, wv):
+        pools = self.pool.layers.get(idx)
+        if pools is None:  # first write of this layer (the module path creates it the same way)
+            attn = self.model.model.layers[idx].self_attn
+            hd = attn.head_dim
+            k = torch.empty(1, wk.shape[0] // hd, 1, hd, dtype=torch.bfloat16)
+            v = torch.empty(1, wv.shape[0] // hd, 1, hd, dtype=torch.bfloat16)
+            pools = self.pool.layer(idx, k, v)
+        return pools

@@ -1,0 +1,121 @@
+"""The fused decode path (fastpath.py, decode_kernels.py) against the module path it replaces.
+
+Both paths run the same decode step from the same KV state (the module path last, so the trajectory is the
+module path's) on tiny bf16 checkpoints of every covered family, several sequences of different lengths in one
+step. Why it could fail: a wrong rotary half, a q/k norm over the wrong width, a KV row written to the wrong slot
+or read from the wrong block, a head mapped to the wrong KV head, a router that renormalises when the family does
+not (or keeps fp32 weights when it casts), a missed bias or shared expert: each moves logits far beyond rounding.
+
+The two paths round at the same places and use the same projection kernels; where a step's routes agree the
+logits come out identical on this CPU (the bound below leaves room for another ISA's sums). The router logits
+are summed in another order than torch's matmul, so a near-tie between two experts can go the other way in a
+step now and then (seen: 1 step in 11, in one family); then that step's logits differ, as any route change does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_offload.engines.base import SamplingParams
+from moe_offload.engines.offload import cpu_kernels, fastpath
+from moe_offload.engines.offload.engine import build_offload_engine
+from offload_helpers import FAMILIES
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels cannot be built here")
+
+PROMPTS = ([3, 17, 42, 9, 88, 5, 61, 23], [7, 7, 100, 2], list(range(50, 90)))
+
+
+def _compare_steps(engine, steps: int) -> list[tuple[float, bool]]:
+    """Run decode steps; at each decode-only step compute logits on both paths, recording the routes each took.
+    Returns (max |fast - module| / max |module|, routes agree) per compared step."""
+    out = []
+    plan, ex = engine.fast, engine.executor
+    for _ in range(steps):
+        sched = engine.scheduler.schedule()
+        if not sched:
+            break
+        with torch.inference_mode():
+            if all(n == 1 for _, n in sched):
+                ex.capture(True)
+                fast = engine._forward_fast(sched).float()
+                engine.fast = None
+                try:
+                    ref = engine._forward_paged(sched).float()
+                finally:
+                    engine.fast = plan
+                routes = ex.captured()
+                ex.capture(False)
+                assert fast.shape == ref.shape == (len(sched), ref.shape[1])
+                out.append((float((fast - ref).abs().max() / ref.abs().max()), routes[0] == routes[1]))
+                logits = ref
+            else:
+                logits = engine._forward_paged(sched)
+            engine._emit(sched, logits)
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(fastpath.FAMILIES))
+def test_fused_decode_matches_module_path(checkpoints, family):
+    engine = build_offload_engine(checkpoints(family), dtype="bfloat16", policy="static", fraction=0.5, block_size=4)
+    try:
+        assert engine.fast is not None, family
+        gens = [engine.start(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS]
+        steps = _compare_steps(engine, 40)
+    finally:
+        engine.close()
+    assert [len(g.drain()) for g in gens] == [12, 12, 12]
+    assert len(steps) >= 8  # decode-only steps with all three sequences (different lengths, several blocks each)
+    agreed = [gap for gap, same in steps if same]
+    assert len(agreed) >= len(steps) - 2, steps
+    assert max(agreed) < 1e-3, steps
+
+
+def test_single_sequence_steps_use_the_plan_and_keep_stats(checkpoints):
+    engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16", policy="lru", fraction=0.25)
+    try:
+        gen = engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=10, ignore_eos=True))
+        toks = list(gen)
+        assert engine.fast.steps == 9  # every step after the prefill
+        assert len(toks) == 10
+        assert gen.stats.hits + gen.stats.misses == (4 + 9) * 2 * 2  # 4 prompt + 9 decode tokens x 2 layers x top-2
+        assert gen.stats.bytes_moved  # lru at 0.25 fetches: the executor ran with the plan's routes
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in fastpath.FAMILIES])
+def test_uncovered_families_keep_the_module_path(checkpoints, family):
+    engine = build_offload_engine(checkpoints(family), dtype="bfloat16")
+    try:
+        assert engine.fast is None
+    finally:
+        engine.close()
+
+
+def test_fp32_and_the_switch_keep_the_module_path(checkpoints, monkeypatch):
+    engine = build_offload_engine(checkpoints("qwen3_moe"))  # the checkpoint's fp32
+    try:
+        assert engine.fast is None
+    finally:
+        engine.close()
+    monkeypatch.setenv(fastpath.ENV, "0")
+    engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16")
+    try:
+        assert engine.fast is None
+    finally:
+        engine.close()
+
+
+def test_decode_layer_rejects_a_context_beyond_its_blocks():
+    H, D, Hkv = 32, 8, 2
+    bf = dict(dtype=torch.bfloat16)
+    w = lambda r, c: torch.zeros(r, c, **bf)  # noqa: E731
+    h = torch.zeros(1, H, **bf)
+    pool = torch.zeros(8, Hkv, D, **bf)
+    args = (h, None, torch.ones(H, **bf), 1e-6, w(4 * D, H), w(Hkv * D, H), w(Hkv * D, H), None, None, None, None, None,
+            torch.ones(1, D, **bf), torch.zeros(1, D, **bf), pool, pool.clone(), torch.tensor([[0]]), torch.tensor([9]),
+            4, 0.35, 0, w(H, 4 * D), None, torch.ones(H, **bf), None, 2, True, True)
+    with pytest.raises(RuntimeError, match="lens"):
+        torch.ops.moe_offload.decode_layer_bf16(*args)
