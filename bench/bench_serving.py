@@ -3,8 +3,9 @@
     python bench/bench_serving.py --backend cpu --model DIR [--tokens 64] [--levels 1,4,8,16] [--json]
     python bench/bench_serving.py --bench-model [--llamacpp]   # the benchmark model of bench_engine.py, + llama.cpp
 
-Starts a worker (and a gateway in front of it) on loopback in this process, warms up, then measures from the
-client side over HTTP, streamed, greedy, ``ignore_eos``:
+Starts a worker on loopback (for a model: `moe-offload worker` in its own process, as deployed, so the clients'
+Python does not share the worker's interpreter; the mock backend or --in-process: in this process), and with a
+gateway in front of it, warms up, then measures from the client side over HTTP, streamed, greedy, ``ignore_eos``:
 * for each concurrency level N: N clients start together, each one request of --tokens tokens; aggregate
   decode tok/s = the sum of each request's decode rate ((tokens - 1) / (last token - first token)), as
   llama-batched-bench's S_TG; TTFT p50/p99, inter-token latency p50/p99, wall-clock throughput;
@@ -103,6 +104,42 @@ def overhead(direct: str, via: str, n: int = 200) -> dict:
             "overhead_p50_ms": statistics.median(g) - statistics.median(d)}
 
 
+class WorkerProcess:
+    """`moe-offload worker` in a child process on a free loopback port; ``url`` once it answers."""
+
+    def __init__(self, model: str | None, backend: str, max_num_seqs: int):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "moe_offload.cli", "worker", "--backend", backend, "--port", str(port),
+               "--max-num-seqs", str(max_num_seqs), "--max-queue", "256", "--served-model-name", "bench"]
+        if model:
+            cmd += ["--model", model]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited ({self.proc.returncode}): {self.proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("worker did not start within 300 s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
 def served_copy(model_dir: Path) -> Path:
     """``model_dir`` as a servable checkpoint: the benchmark model has no tokenizer, so a sibling directory links its
     files and adds a word-level tokenizer of one word per id ("t0" ... "t{V-1}", space-joined): every token then
@@ -135,6 +172,7 @@ def main() -> None:
     ap.add_argument("--mock-ms-per-token", type=float, default=5.0)
     ap.add_argument("--llamacpp", action="store_true", help="also run llama.cpp's llama-batched-bench on the same weights")
     ap.add_argument("--no-gateway", action="store_true")
+    ap.add_argument("--in-process", action="store_true", help="the worker in this process (the clients share its GIL)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     levels = tuple(int(x) for x in a.levels.split(","))
@@ -152,9 +190,12 @@ def main() -> None:
     res = {"backend": a.backend, "model": a.model or ("mock" if a.backend == "mock" else "demo"), "tokens": a.tokens}
     if a.backend != "mock":
         res["generate_ms_per_token"] = [generate_ms_per_token(a.model, a.backend, a.tokens)]
-    # a factory, as `moe-offload worker` passes: the engine is built on the thread that runs it
-    w = worker.start_server(worker.create_app(lambda: backend.build_engine(a.model, None, **opts), model_name="bench",
-                                              tiers=backend.tiers(), max_queue=256))
+    res["worker"] = "in-process" if a.in_process or a.backend == "mock" else "process"
+    if res["worker"] == "process":
+        w = WorkerProcess(a.model, a.backend, max(levels))
+    else:  # a factory, as `moe-offload worker` passes: the engine is built on the thread that runs it
+        w = worker.start_server(worker.create_app(lambda: backend.build_engine(a.model, None, **opts), model_name="bench",
+                                                  tiers=backend.tiers(), max_queue=256))
     g = None if a.no_gateway else worker.start_server(gateway.create_app([w.url], health_interval=5.0))
     try:
         for _ in range(2):  # warm-up
@@ -178,7 +219,8 @@ def main() -> None:
     if a.json:
         print(json.dumps(res, indent=2))
         return
-    print(f"backend {res['backend']} model {res['model']}, {a.tokens} tokens per request, streamed, greedy")
+    print(f"backend {res['backend']} model {res['model']}, {a.tokens} tokens per request, streamed, greedy, "
+          "worker " + ("in the clients' process" if res["worker"] == "in-process" else "in its own process"))
     if "generate_ms_per_token" in res:
         gen = res["generate_ms_per_token"]
         one = next(r for r in res["sweep"] if r["clients"] == 1) if 1 in levels else None

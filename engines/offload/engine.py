@@ -344,7 +344,12 @@ class OffloadEngine(Engine):
         ex.stats.forwards += 1
         ex.stats.forward_s += time.perf_counter() - t0
         self._book(sched, before, ex.token_stats)
-        return logits
+        # rows for the sequences that sample (as _forward_paged keeps them): a one-token prefill chunk that does not
+        # end its prompt has none
+        keep = [i for i, (seq, _) in enumerate(sched) if seq.computed + 1 == len(seq.tokens)]
+        if len(keep) == len(sched):
+            return logits
+        return logits[keep] if keep else None
 
     def _layout(self, sched) -> kv.StepContext:
         """The step's key layout: decode sequences first, each padded to the longest; then each prefill chunk's

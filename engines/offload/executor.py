@@ -161,6 +161,9 @@ class Executor:
 
         if not self._cuda and kernels.fused_experts_ok(module, state.store.tensors[0], hidden_states):
             return self._forward_fused(state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0)
+        if not self._cuda and kernels.fused_experts_q_ok(module, state.store.tensors[0], hidden_states):
+            return self._forward_fused(state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0,
+                                       quantized=True)
         rows = _Rows(hidden_states, perm, K, T)
         out: list = [None] * K if T == 1 else None  # T == 1: outputs by k
         proj = None if T == 1 else torch.empty(T * K, hidden_states.shape[-1], dtype=state.store.compute_dtype, device=hidden_states.device)
@@ -212,21 +215,29 @@ class Executor:
             st["host_experts"] += t4 - t3
         return result
 
-    def _forward_fused(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0):
-        """CPU, bf16, transformers' silu gate, no biases: each tier's pairs through one kernel call
-        (moe_experts_bf16), written straight into their (token, k) rows; the same numbers as the per-expert path."""
+    def _forward_fused(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0,
+                       quantized=False):
+        """CPU, transformers' silu gate, no biases: each tier's pairs through one kernel call, written straight into
+        their (token, k) rows; the same numbers as the per-expert path. bf16: moe_experts_bf16 (any number of
+        tokens); int8/fp8 (``quantized``, one token): experts_mlp_q."""
         T, K = top_k_index.shape
         cache = state.cache
-        x = hidden_states.to(torch.bfloat16).contiguous()  # [T, H]
+        x = hidden_states.contiguous() if quantized else hidden_states.to(torch.bfloat16).contiguous()  # [T, H]
         if T == 1:  # groups are (expert, k, 1): pair s = k
             tok, perm = self._one_token_pairs(K)
         else:
             tok = perm // K  # [S] token of each expert-sorted pair
-        proj = torch.empty(T * K, x.shape[1], dtype=torch.bfloat16)  # [S, H] by (token, k)
+        proj = torch.empty(T * K, x.shape[1], dtype=x.dtype)  # [S, H] by (token, k)
         call = torch.ops.moe_offload.moe_experts_bf16
 
         def run(groups, weights):
-            if groups:
+            if not groups:
+                return
+            if quantized:  # one token: group g = (expert, k, 1) goes to row k
+                y = torch.ops.moe_offload.experts_mlp_q(x, [w[0] for w in weights], [w[4] for w in weights],
+                                                        [w[1] for w in weights], [w[5] for w in weights])
+                proj.index_copy_(0, torch.tensor([g[1] for g in groups]), y)
+            else:
                 call(x, [w[0] for w in weights], [w[1] for w in weights], tok, perm, [g[1] for g in groups],
                      [g[2] for g in groups], proj)
 

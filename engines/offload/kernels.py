@@ -93,6 +93,14 @@ def fused_experts_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
     transformers' silu gate on concatenated gate|up, no biases, no post-expert norm."""
     return (not getattr(module, "has_bias", False) and not module.has_post_expert_norm and x.dim() == 2
             and _fast(x, w, module.is_transposed) and _is_silu_concat(module))
+def fused_experts_q_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
+    """One token's int8/fp8 experts can go through moe_offload::experts_mlp_q (one call per tier): CPU, silu gate on
+    a concatenated gate|up, no biases, no post-expert norm, kernels built."""
+    return (x.dim() == 2 and x.shape[0] == 1 and w.dtype in (torch.int8, torch.float8_e4m3fn) and w.is_cpu and x.is_cpu
+            and x.dtype in (torch.bfloat16, torch.float32) and not getattr(module, "has_bias", False)
+            and not module.has_post_expert_norm and _is_silu_concat(module) and cpu_kernels.load())
+
+
 def gate_up_split(module, rows: int) -> int:
     """Row where a quantized gate|up's second half starts, for formats that keep the halves' scales apart (fp8):
     rows // 2 for a concatenated gate|up (DeepSeek ships gate_proj and up_proj as two tensors), else 0 (none)."""

@@ -119,3 +119,27 @@ def test_decode_layer_rejects_a_context_beyond_its_blocks():
             4, 0.35, 0, w(H, 4 * D), None, torch.ones(H, **bf), None, 2, True, True)
     with pytest.raises(RuntimeError, match="lens"):
         torch.ops.moe_offload.decode_layer_bf16(*args)
+
+
+def test_one_token_prefill_chunks_in_a_fused_step(checkpoints):
+    # max_num_batched_tokens=2: while A decodes, B's prompt goes in one-token chunks beside it, so fused steps hold
+    # a row that samples (A) and a prefill row that writes B's KV and samples nothing until B's prompt ends; both
+    # sequences must come out as on the module path
+    def run(fused: bool):
+        engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16", max_num_batched_tokens=2,
+                                      max_num_seqs=2)
+        if not fused:
+            engine.fast = None
+        try:
+            a = engine.start([5, 6], SamplingParams(max_tokens=12, ignore_eos=True))
+            engine.step()
+            b = engine.start([9, 10, 11, 12, 13, 14], SamplingParams(max_tokens=4, ignore_eos=True))
+            while engine.step():
+                pass
+            return a.drain(), b.drain(), engine.fast.steps if fused else 0
+        finally:
+            engine.close()
+
+    a, b, steps = run(True)
+    assert steps >= 10 and len(a) == 12 and len(b) == 4
+    assert (a, b) == run(False)[:2]

@@ -194,6 +194,33 @@ def test_expert_mlp(ops, fmt, H, I, xdtype):
     torch.testing.assert_close(y.double(), chain.double(), rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("H,I,K", [(77, 45, 3), (1024, 512, 8)])
+@pytest.mark.parametrize("xdtype", [torch.float32, BF])
+def test_experts_mlp_is_bit_identical_to_one_expert_at_a_time(ops, fmt, H, I, K, xdtype):
+    # one call for a token's K experts (what the executor makes per tier) must give each expert's row exactly as
+    # expert_mlp_q alone: the two parallel passes split rows over threads differently, never the sums
+    weights = []
+    for k in range(K):
+        up, us = quant.quantize(_rand(2 * I, H, seed=H + k), fmt, I)
+        dn, ds = quant.quantize(_rand(H, I, seed=I + k), fmt)
+        weights.append((up, us, dn, ds))
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(K)).to(xdtype)
+    y = ops.experts_mlp_q(x, [w[0] for w in weights], [w[1] for w in weights], [w[2] for w in weights],
+                          [w[3] for w in weights])
+    assert y.shape == (K, H) and y.dtype == xdtype
+    for k, (up, us, dn, ds) in enumerate(weights):
+        assert torch.equal(y[k], ops.expert_mlp_q(x, up, us, dn, ds)[0]), k
+
+
+def test_experts_mlp_rejects_mixed_formats(ops):
+    up, us = quant.quantize(_rand(32, 16), "int8", 16)
+    dn, ds = quant.quantize(_rand(16, 16), "int8")
+    up8, us8 = quant.quantize(_rand(32, 16), "fp8", 16)
+    with pytest.raises(RuntimeError, match="one format"):
+        ops.experts_mlp_q(torch.randn(1, 16), [up, up8], [us, us8], [dn, dn], [ds, ds])
+
+
 def _experts_module(family="qwen3_moe", H=64, I=32, E=4):
     from transformers import GptOssConfig, Qwen3MoeConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts

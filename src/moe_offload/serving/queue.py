@@ -64,6 +64,24 @@ class Job:
             raise APIError(504, "request timed out (the worker's --request-timeout)", code="timeout") from None
 
 
+def _deliver(items: list[tuple["Job", tuple]]) -> None:
+    """Hand a step's events to their jobs' event loops: one wake-up per loop, not one per token (engine thread)."""
+    by_loop: dict = {}
+    for job, item in items:
+        by_loop.setdefault(job.loop, []).append((job, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+            for job, _ in batch:
+                job.cancelled.set()
+
+
+def _put_all(batch: list[tuple["Job", tuple]]) -> None:
+    for job, item in batch:
+        job.events.put_nowait(item)
+
+
 class EngineRunner:
     """Owns the engine and its thread. ``engine`` is an Engine, or a zero-argument factory (which also lets a crash
     rebuild it). ``max_queue``: requests waiting (not yet running) beyond which new ones get 429."""
@@ -211,6 +229,13 @@ class EngineRunner:
 
     def _drain(self) -> None:
         now = time.perf_counter()
+        tokens: list[tuple[Job, tuple]] = []  # this step's tokens of every job: one hand-over to the event loop
+        try:
+            self._drain_into(tokens, now)
+        finally:
+            _deliver(tokens)
+
+    def _drain_into(self, tokens: list, now: float) -> None:
         for job, gen in list(self._active.items()):
             self._started(job, gen)
             if gen.prompt_logprobs is not None and not job.prompt_sent and (gen.pending or gen.done):
@@ -218,8 +243,11 @@ class EngineRunner:
                 job.prompt_sent = True
             lps = gen.logprobs
             for token in gen.drain():
-                job.push(("token", token, now, lps[job.sent] if lps is not None and job.sent < len(lps) else None))
+                tokens.append((job, ("token", token, now, lps[job.sent] if lps is not None and job.sent < len(lps) else None)))
                 job.sent += 1
+            if gen.error is not None or gen.done:  # the tokens go before the job's last event
+                _deliver(tokens)
+                tokens.clear()
             if gen.error is not None:
                 if not isinstance(gen.error, OffloadError):
                     raise gen.error  # not a user error: the engine crashed (the loop restarts it)
