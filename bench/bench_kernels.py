@@ -7,7 +7,9 @@ Every measurement cycles through enough distinct weight copies (>= 256 MiB) that
 weights from DRAM, as a decode step does; GB/s = weight bytes read / time per call. The reference is the
 read bandwidth of a large fp32 sum (as bench/bench_engine.py measures it). Quantized rows count the stored bytes
 (weights + scales) and compare with torch on the same stored expert: dequantize, then the F.linear chain (the path
-the engine takes for more than 16 tokens). Prints a markdown table.
+the engine takes for more than 16 tokens). The "one call" rows compare a token's experts (or a batched step's routed
+pairs) in one kernel call against one call per expert (or per pair): the GB/s count each weight read once.
+Prints a markdown table.
 Legend: H hidden 1024, I expert intermediate 512, V vocab 32000, K = 8 experts per token.
 """
 
@@ -126,6 +128,36 @@ def main(argv: list[str] | None = None) -> int:
         k = measure(kern, qs, qb, repeats)
         t = measure(deq, qs[: max(2, len(qs) // 8)], qb, max(1, repeats // 3))
         rows.append((f"one expert, {fmt}" + (" fused" if fmt != "mxfp4" else ""), f"[{2 * I}, {H}] + [{H}, {I}]", qb, k, t))
+        if fmt != "mxfp4":  # a token's K experts in one call (the executor's one-token path) vs K fused calls
+            qg = [qs[i : i + K] for i in range(0, len(qs) - K + 1, K)]
+            k = measure(lambda g: ops.experts_mlp_q(x, [w[0] for w in g], [w[1] for w in g], [w[2] for w in g],
+                                                    [w[3] for w in g]), qg, K * qb, repeats)
+            t = measure(lambda g: [ops.expert_mlp_q(x, *w) for w in g], qg, K * qb, repeats)
+            rows.append((f"{K} experts {fmt}, one call (vs {K} fused calls)", f"{K} x expert", K * qb, k, t))
+
+    # A batched decode step's layer: T tokens' random top-K routes over 64 bf16 experts through moe_experts_bf16
+    # (each routed expert read once for all its tokens) against the same pairs one expert at a time (expert_mlp_bf16
+    # per token and expert: what a loop over pairs reads).
+    E = 64
+    layers = copies(lambda: [(torch.randn(2 * I, H, dtype=torch.bfloat16), torch.randn(H, I, dtype=torch.bfloat16))
+                             for _ in range(E)], E * nb)
+    for T in (1, 8, 16):
+        g = torch.Generator().manual_seed(T)
+        xt = torch.randn(T, H, dtype=torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        srt, perm = torch.sort(idx.reshape(-1), stable=True)
+        uniq, counts = torch.unique_consecutive(srt, return_counts=True)
+        starts = (torch.cumsum(counts, 0) - counts).tolist()
+        experts, counts = uniq.tolist(), counts.tolist()
+        tok, out = perm // K, torch.empty(T * K, H, dtype=torch.bfloat16)
+        read = len(experts) * nb
+        k = measure(lambda lay: ops.moe_experts_bf16(xt, [lay[e][0] for e in experts], [lay[e][1] for e in experts],
+                                                     tok, perm, starts, counts, out), layers, read, repeats)
+        pairs = idx.tolist()
+        t = measure(lambda lay: [ops.expert_mlp_bf16(xt[i : i + 1], lay[e][0], lay[e][1])
+                                 for i in range(T) for e in pairs[i]], layers, read, max(1, repeats // 3))
+        rows.append((f"layer of {T} token(s): {len(experts)} of {E} experts, one call (vs per pair)",
+                     f"{len(experts)} x expert", read, k, t))
 
     info = cpu_kernels.info()
     print(f"Command: `python bench/bench_kernels.py{' --quick' if args.quick else ''}`  ")
