@@ -222,35 +222,46 @@ std::vector<at::Tensor> decode_layer_bf16(
     std::memcpy(vp + row * Nk, v, Nk * sizeof(uint16_t));
   }
 
-  // attention: one task per (token, query head); scores and the weighted sum in fp32
+  // attention: one task per (token, KV head, slice of its query heads), so each key and value row is read once for
+  // all the query heads that share it (GQA) and a long context streams its KV once per layer; the heads are sliced
+  // only when there are fewer (token, KV head) pairs than threads. Per head: scores, softmax and the weighted sum in
+  // fp32, in position order (a head's numbers do not depend on the slicing).
   std::vector<uint16_t> attn(M * Nq);
   const int64_t groups = Hq / Hkv;
-  at::parallel_for(0, M * Hq, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> sc, o(D);
+  const int64_t slices = std::min<int64_t>(groups, std::max<int64_t>(1, (at::get_num_threads() + M * Hkv - 1) / (M * Hkv)));
+  const int64_t per = (groups + slices - 1) / slices;
+  at::parallel_for(0, M * Hkv * slices, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> sc, o;
     for (int64_t u = b; u < e; ++u) {
-      const int64_t t = u / Hq, a = u % Hq, g = a / groups, L = lp[t];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      const uint16_t* q = qkv.data() + t * N3 + a * D;
+      const int64_t t = u / (Hkv * slices), g = (u / slices) % Hkv, a0 = g * groups + (u % slices) * per;
+      const int64_t a1 = std::min(a0 + per, (g + 1) * groups), G = a1 - a0, L = lp[t];
+      if (G <= 0) continue;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - lo;
+      const uint16_t* q = qkv.data() + t * N3 + a0 * D;  // G query heads, consecutive
       const int64_t* tb = bp + t * NB;
-      sc.resize(L - lo);
-      float mx = -std::numeric_limits<float>::infinity();
+      sc.assign(G * n, 0.0f);
+      o.assign(G * D, 0.0f);
       for (int64_t l = lo; l < L; ++l) {
-        const int64_t row = tb[l / bs] * bs + l % bs;
-        const float s = dot_row(kp + (row * Hkv + g) * D, q, D) * float(scaling);
-        sc[l - lo] = s;
-        mx = std::max(mx, s);
+        const uint16_t* kr = kp + ((tb[l / bs] * bs + l % bs) * Hkv + g) * D;
+        for (int64_t h = 0; h < G; ++h) sc[h * n + l - lo] = dot_row(kr, q + h * D, D) * float(scaling);
       }
-      float sum = 0.0f;
-      for (auto& s : sc) { s = std::exp(s - mx); sum += s; }
-      std::fill(o.begin(), o.end(), 0.0f);
+      for (int64_t h = 0; h < G; ++h) {
+        float* sh = sc.data() + h * n;
+        float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sh[i]);
+        for (int64_t i = 0; i < n; ++i) { sh[i] = std::exp(sh[i] - mx); sum += sh[i]; }
+        for (int64_t i = 0; i < n; ++i) sh[i] /= sum;
+      }
       for (int64_t l = lo; l < L; ++l) {
-        const int64_t row = tb[l / bs] * bs + l % bs;
-        const uint16_t* vr = vp + (row * Hkv + g) * D;
-        const float pw = sc[l - lo] / sum;
-        for (int64_t d = 0; d < D; ++d) o[d] += pw * bf2f(vr[d]);
+        const uint16_t* vr = vp + ((tb[l / bs] * bs + l % bs) * Hkv + g) * D;
+        for (int64_t h = 0; h < G; ++h) {
+          const float pw = sc[h * n + l - lo];
+          float* oh = o.data() + h * D;
+          for (int64_t d = 0; d < D; ++d) oh[d] += pw * bf2f(vr[d]);
+        }
       }
-      uint16_t* out = attn.data() + t * Nq + a * D;
-      for (int64_t d = 0; d < D; ++d) out[d] = f2bf(o[d]);
+      uint16_t* out = attn.data() + t * Nq + a0 * D;
+      for (int64_t i = 0; i < G * D; ++i) out[i] = f2bf(o[i]);
     }
   });
 

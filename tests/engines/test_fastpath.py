@@ -6,10 +6,13 @@ step. Why it could fail: a wrong rotary half, a q/k norm over the wrong width, a
 or read from the wrong block, a head mapped to the wrong KV head, a router that renormalises when the family does
 not (or keeps fp32 weights when it casts), a missed bias or shared expert: each moves logits far beyond rounding.
 
-The two paths round at the same places and use the same projection kernels; where a step's routes agree the
-logits come out identical on this CPU (the bound below leaves room for another ISA's sums). The router logits
-are summed in another order than torch's matmul, so a near-tie between two experts can go the other way in a
-step now and then (seen: 1 step in 11, in one family); then that step's logits differ, as any route change does.
+The two paths round at the same places and use the same projection kernels; attention sums in fp32 in another
+order than torch's matmuls, which after the bf16 rounding of its output usually gives the same bits and now and
+then one unit in the last place. So where a step's routes agree, the logits come out identical in most steps
+(the median bound) and within half a percent in the rest (seen: 0.49 %, once); a real mistake (a window off by
+one, a wrong rotary half) moves every step by more. The router logits are summed in another order than torch's
+matmul too, so a near-tie between two experts can go the other way in a step now and then (seen: 1 step in 11);
+then that step's logits differ, as any route change does.
 """
 
 from __future__ import annotations
@@ -25,6 +28,13 @@ from offload_helpers import FAMILIES
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the CPU kernels cannot be built here")
 
 PROMPTS = ([3, 17, 42, 9, 88, 5, 61, 23], [7, 7, 100, 2], list(range(50, 90)))
+
+
+def _check(steps: list[tuple[float, bool]]) -> None:
+    agreed = sorted(gap for gap, same in steps if same)
+    assert len(steps) >= 8 and len(agreed) >= len(steps) - 2, steps  # decode-only steps, few route flips
+    assert agreed[len(agreed) // 2] < 1e-3, steps  # most steps: the same logits
+    assert agreed[-1] < 2e-2, steps  # the rest: a last-place difference, not a different computation
 
 
 def _compare_steps(engine, steps: int) -> list[tuple[float, bool]]:
@@ -66,10 +76,7 @@ def test_fused_decode_matches_module_path(checkpoints, family):
     finally:
         engine.close()
     assert [len(g.drain()) for g in gens] == [12, 12, 12]
-    assert len(steps) >= 8  # decode-only steps with all three sequences (different lengths, several blocks each)
-    agreed = [gap for gap, same in steps if same]
-    assert len(agreed) >= len(steps) - 2, steps
-    assert max(agreed) < 1e-3, steps
+    _check(steps)  # decode-only steps with all three sequences (different lengths, several blocks each)
 
 
 def test_single_sequence_steps_use_the_plan_and_keep_stats(checkpoints):
@@ -143,3 +150,25 @@ def test_one_token_prefill_chunks_in_a_fused_step(checkpoints):
     a, b, steps = run(True)
     assert steps >= 10 and len(a) == 12 and len(b) == 4
     assert (a, b) == run(False)[:2]
+
+
+def test_sliding_window_and_grouped_heads(tmp_path):
+    # a window shorter than the prompts (keys outside it must drop out) and 8 query heads on 2 KV heads (each
+    # task reads a KV row once for its 4 query heads)
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from offload_helpers import COMMON
+
+    torch.manual_seed(7)
+    cfg = MixtralConfig(**(COMMON | {"num_attention_heads": 8, "head_dim": 4}), num_hidden_layers=2, intermediate_size=16,
+                        num_local_experts=8, num_experts_per_tok=2, sliding_window=8)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    engine = build_offload_engine(str(tmp_path / "m"), dtype="bfloat16", block_size=4)
+    try:
+        assert engine.fast is not None and engine.fast.layers[0].args[1][1] == 8  # the window reaches the kernel
+        gens = [engine.start(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS]
+        steps = _compare_steps(engine, 40)
+    finally:
+        engine.close()
+    assert [len(g.drain()) for g in gens] == [12, 12, 12]
+    _check(steps)
