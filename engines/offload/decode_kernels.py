@@ -46,6 +46,9 @@ DECODE_SOURCE = r"""
 #include <cstring>
 #include <limits>
 #include <vector>
+#if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -76,6 +79,63 @@ inline void rmsnorm_inplace(uint16_t* v, const uint16_t* w, int64_t n, double ep
   std::vector<float> f(n);
   for (int64_t j = 0; j < n; ++j) f[j] = bf2f(v[j]);
   rmsnorm_row(f.data(), w, n, eps, v);
+}
+
+#if defined(MOE_AVX512BF16)
+extern "C" __m512 Sleef_expf16_u10(__m512);  // torch's own vectorised exp (exported by libtorch_cpu; 1-ulp accuracy)
+#endif
+
+// s = softmax(s) in place, fp32 (max subtracted first)
+inline void softmax_row(float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+  int64_t i = 0;
+#if defined(MOE_AVX512BF16)
+  __m512 vmx = _mm512_set1_ps(mx);
+  for (; i + 16 <= n; i += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + i));
+  mx = _mm512_reduce_max_ps(vmx);
+  for (int64_t j = i; j < n; ++j) mx = std::max(mx, s[j]);
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 vs = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
+    _mm512_storeu_ps(s + i, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+  for (int64_t j = i; j < n; ++j) { s[j] = std::exp(s[j] - mx); sum += s[j]; }
+  const __m512 d = _mm512_set1_ps(sum);
+  for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_div_ps(_mm512_loadu_ps(s + i), d));
+  for (; i < n; ++i) s[i] /= sum;
+#else
+  for (; i < n; ++i) mx = std::max(mx, s[i]);
+  for (i = 0; i < n; ++i) { s[i] = std::exp(s[i] - mx); sum += s[i]; }
+  for (i = 0; i < n; ++i) s[i] /= sum;
+#endif
+}
+
+#ifndef PF_ROWS
+#define PF_ROWS 16
+#endif
+inline void prefetch_row(const uint16_t* p, int64_t n) {  // every cache line of n bf16 values
+#if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * 2; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+#else
+  (void)p; (void)n;
+#endif
+}
+
+// o[d] += a * v[d] over D values (v bf16): a value row into a head's fp32 output
+inline void axpy_bf16(float* o, float a, const uint16_t* v, int64_t D) {
+  int64_t d = 0;
+#if defined(MOE_AVX512BF16)
+  const __m512 av = _mm512_set1_ps(a);
+  for (; d + 16 <= D; d += 16) {
+    const __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + d))), 16));
+    _mm512_storeu_ps(o + d, _mm512_fmadd_ps(av, vv, _mm512_loadu_ps(o + d)));
+  }
+#endif
+  for (; d < D; ++d) o[d] += a * bf2f(v[d]);
 }
 
 // rows [begin, end) of the stacked matrices (a row index below cut[0] reads ws[0], ...): out[t, i] for M tokens
@@ -241,24 +301,19 @@ std::vector<at::Tensor> decode_layer_bf16(
       const int64_t* tb = bp + t * NB;
       sc.assign(G * n, 0.0f);
       o.assign(G * D, 0.0f);
+      // KV rows of one head are D values every Hkv * D: a stride the hardware prefetcher follows badly, so each
+      // row PF_ROWS positions ahead is requested in software (2048 positions from DRAM: 530 -> 233 us per layer)
+      auto row_of = [&](int64_t l) { return (tb[l / bs] * bs + l % bs) * Hkv + g; };
       for (int64_t l = lo; l < L; ++l) {
-        const uint16_t* kr = kp + ((tb[l / bs] * bs + l % bs) * Hkv + g) * D;
+        if (l + PF_ROWS < L) prefetch_row(kp + row_of(l + PF_ROWS) * D, D);
+        const uint16_t* kr = kp + row_of(l) * D;
         for (int64_t h = 0; h < G; ++h) sc[h * n + l - lo] = dot_row(kr, q + h * D, D) * float(scaling);
       }
-      for (int64_t h = 0; h < G; ++h) {
-        float* sh = sc.data() + h * n;
-        float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sh[i]);
-        for (int64_t i = 0; i < n; ++i) { sh[i] = std::exp(sh[i] - mx); sum += sh[i]; }
-        for (int64_t i = 0; i < n; ++i) sh[i] /= sum;
-      }
+      for (int64_t h = 0; h < G; ++h) softmax_row(sc.data() + h * n, n);
       for (int64_t l = lo; l < L; ++l) {
-        const uint16_t* vr = vp + ((tb[l / bs] * bs + l % bs) * Hkv + g) * D;
-        for (int64_t h = 0; h < G; ++h) {
-          const float pw = sc[h * n + l - lo];
-          float* oh = o.data() + h * D;
-          for (int64_t d = 0; d < D; ++d) oh[d] += pw * bf2f(vr[d]);
-        }
+        if (l + PF_ROWS < L) prefetch_row(vp + row_of(l + PF_ROWS) * D, D);
+        const uint16_t* vr = vp + row_of(l) * D;
+        for (int64_t h = 0; h < G; ++h) axpy_bf16(o.data() + h * D, sc[h * n + l - lo], vr, D);
       }
       uint16_t* out = attn.data() + t * Nq + a0 * D;
       for (int64_t i = 0; i < G * D; ++i) out[i] = f2bf(o[i]);
