@@ -20,15 +20,18 @@ One token per row of h: M sequences each decoding one token; token t is at posit
 context is positions [0, lens[t]) of the sequence whose pool rows are blocks[t, p / bs] * bs + p % bs.
 
 Op (namespace ``moe_offload``, compiled with cpu_kernels.SOURCE: one library, one build):
-  decode_layer_bf16(h, add?, ln1, eps, wq, wk, wv, bq?, bk?, bv?, qn?, kn?, cos [M, D], sin [M, D],
+  decode_layer_bf16(h, add?, ln1, eps, wq, wk, wv, bq?, bk?, bv?, qn?, kn?, cos [M, RD], sin [M, RD] (RD <= D: partial),
                     kpool [R, Hkv, D] (mutated), vpool [R, Hkv, D] (mutated), blocks [M, NB] int64,
-                    lens [M] int64, bs, scaling, window, wo, bo?, ln2, wr?, top_k, norm_topk, w_bf16)
-                    -> [h2, x2, ids, w]
+                    lens [M] int64, bs, scaling, window, wo, bo?, ln2, wr?, top_k, norm_topk, w_bf16,
+                    sinks? [Hq], rb? [E], norm_mode, router_mode) -> [h2, x2, ids, w]
       qn / kn: per-head norms ([D], Qwen3) or over the whole projection ([Hq*D] / [Hkv*D], OLMoE).
       window: 0 or a sliding window (keys at positions > pos - window). wr None: no router (a dense layer),
       ids and w are then empty. w is bf16 (w_bf16) or fp32, as the family's router leaves it.
-  rmsnorm_bf16(h [M, H], add? [M, H], w [H], eps) -> [M, H]          (the model's final norm)
-Legend: M tokens, H hidden, Hq/Hkv query/KV heads, D head dim, R pool rows, NB blocks per sequence, bs block
+      sinks: one attention-sink logit per query head (gpt-oss; attention then rounds as the eager bf16 path does).
+      rb: the router's bias. norm_mode 0: bf16(w * bf16(x / rms)), 1: bf16(w * (x / rms)) (gpt-oss).
+      router_mode 0: softmax over all experts, top-k (renormalised if norm_topk); 1: top-k logits, softmax over them.
+  rmsnorm_bf16(h [M, H], add? [M, H], w [H], eps, norm_mode=0) -> [M, H]          (the model's final norm)
+Legend: M tokens, H hidden, Hq/Hkv query/KV heads, D head dim, RD rotary dims, R pool rows, NB blocks per sequence, bs block
 size, E experts, K top-k.
 """
 
@@ -66,12 +69,16 @@ const uint16_t* opt_vec(const std::optional<at::Tensor>& t, int64_t n, const cha
   return ptr(*t);
 }
 
-// y = bf16(w * bf16(x / rms(x))) over n features (transformers' RMSNorm in bf16: normalise in fp32, round, scale).
-inline void rmsnorm_row(const float* x, const uint16_t* w, int64_t n, double eps, uint16_t* y) {
+// y = bf16(w * bf16(x / rms(x))) over n features (transformers' RMSNorm in bf16: normalise in fp32, round, scale);
+// norm_mode 1: y = bf16(w * (x / rms(x))), one rounding (gpt-oss scales in fp32).
+inline void rmsnorm_row(const float* x, const uint16_t* w, int64_t n, double eps, uint16_t* y, int64_t norm_mode = 0) {
   double ss = 0.0;
   for (int64_t j = 0; j < n; ++j) ss += double(x[j]) * double(x[j]);
   const float r = 1.0f / std::sqrt(float(ss / double(n)) + float(eps));
-  for (int64_t j = 0; j < n; ++j) y[j] = f2bf(bf2f(w[j]) * rbf(x[j] * r));
+  if (norm_mode == 1)
+    for (int64_t j = 0; j < n; ++j) y[j] = f2bf(bf2f(w[j]) * (x[j] * r));
+  else
+    for (int64_t j = 0; j < n; ++j) y[j] = f2bf(bf2f(w[j]) * rbf(x[j] * r));
 }
 
 // the same, in place over a bf16 vector (q/k norms)
@@ -177,7 +184,8 @@ std::vector<at::Tensor> decode_layer_bf16(
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kpool, const at::Tensor& vpool,
     const at::Tensor& blocks, const at::Tensor& lens, int64_t bs, double scaling, int64_t window,
     const at::Tensor& wo, const std::optional<at::Tensor>& bo, const at::Tensor& ln2,
-    const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16) {
+    const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rb, int64_t norm_mode, int64_t router_mode) {
   TORCH_CHECK(h.dim() == 2, "decode_layer_bf16 h: expected [M, H], got ", h.sizes());
   check_bf16(h, -1, "decode_layer_bf16 h");
   const int64_t M = h.size(0), H = h.size(1);
@@ -206,8 +214,12 @@ std::vector<at::Tensor> decode_layer_bf16(
   const int64_t qnw = qn.has_value() ? qn->numel() : 0, knw = kn.has_value() ? kn->numel() : 0;
   TORCH_CHECK(qnw == 0 || qnw == D || qnw == Nq, "qn: expected ", D, " or ", Nq, " elements, got ", qnw);
   TORCH_CHECK(knw == 0 || knw == D || knw == Nk, "kn: expected ", D, " or ", Nk, " elements, got ", knw);
-  check_bf16(cos, M * D, "cos");
-  check_bf16(sin, M * D, "sin");
+  // rotary over the first R dims of each head (R = D, or partial rotary), rotate_half within them
+  const int64_t RD = cos.dim() == 2 ? cos.size(1) : -1;
+  TORCH_CHECK(RD > 0 && RD <= D && RD % 2 == 0 && cos.size(0) == M, "cos: expected [M, R] with R even and <= ", D,
+              ", got ", cos.sizes());
+  check_bf16(cos, M * RD, "cos");
+  check_bf16(sin, M * RD, "sin");
   TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 2 && blocks.size(0) == M && blocks.is_contiguous(),
               "blocks: expected contiguous int64 [M, NB]");
   TORCH_CHECK(lens.scalar_type() == at::kLong && lens.numel() == M && lens.is_contiguous(), "lens: expected int64 [M]");
@@ -240,7 +252,7 @@ std::vector<at::Tensor> decode_layer_bf16(
       hi[t * H + j] = f2bf(v);
       f[j] = v;
     }
-    rmsnorm_row(f.data(), ptr(ln1), H, eps, x1.data() + t * H);
+    rmsnorm_row(f.data(), ptr(ln1), H, eps, x1.data() + t * H, norm_mode);
   }
 
   // q, k, v in one pass over their rows
@@ -254,14 +266,14 @@ std::vector<at::Tensor> decode_layer_bf16(
   uint16_t* vp = reinterpret_cast<uint16_t*>(vpool.data_ptr());
   const uint16_t* cp = ptr(cos);
   const uint16_t* sp = ptr(sin);
-  const int64_t half = D / 2;
-  std::vector<uint16_t> tmp(D);
+  const int64_t half = RD / 2;
+  std::vector<uint16_t> tmp(RD);
   auto rope = [&](uint16_t* v, const uint16_t* c, const uint16_t* s) {
-    for (int64_t d = 0; d < D; ++d) {
+    for (int64_t d = 0; d < RD; ++d) {
       const float rot = d < half ? -bf2f(v[d + half]) : bf2f(v[d - half]);
       tmp[d] = f2bf(rbf(bf2f(v[d]) * bf2f(c[d])) + rbf(rot * bf2f(s[d])));
     }
-    std::memcpy(v, tmp.data(), D * sizeof(uint16_t));
+    std::memcpy(v, tmp.data(), RD * sizeof(uint16_t));
   };
   for (int64_t t = 0; t < M; ++t) {
     uint16_t* q = qkv.data() + t * N3;
@@ -271,11 +283,11 @@ std::vector<at::Tensor> decode_layer_bf16(
     if (knw == Nk) rmsnorm_inplace(k, knp, Nk, eps);
     for (int64_t a = 0; a < Hq; ++a) {
       if (qnw == D) rmsnorm_inplace(q + a * D, qnp, D, eps);
-      rope(q + a * D, cp + t * D, sp + t * D);
+      rope(q + a * D, cp + t * RD, sp + t * RD);
     }
     for (int64_t a = 0; a < Hkv; ++a) {
       if (knw == D) rmsnorm_inplace(k + a * D, knp, D, eps);
-      rope(k + a * D, cp + t * D, sp + t * D);
+      rope(k + a * D, cp + t * RD, sp + t * RD);
     }
     const int64_t p = lp[t] - 1, row = bp[t * NB + p / bs] * bs + p % bs;
     std::memcpy(kp + row * Nk, k, Nk * sizeof(uint16_t));
@@ -288,6 +300,8 @@ std::vector<at::Tensor> decode_layer_bf16(
   // fp32, in position order (a head's numbers do not depend on the slicing).
   std::vector<uint16_t> attn(M * Nq);
   const int64_t groups = Hq / Hkv;
+  const uint16_t* skp = opt_vec(sinks, Hq, "sinks");
+  const float score_mul = skp ? 1.0f : float(scaling);  // with sinks the scaling is applied (and rounded) below
   const int64_t slices = std::min<int64_t>(groups, std::max<int64_t>(1, (at::get_num_threads() + M * Hkv - 1) / (M * Hkv)));
   const int64_t per = (groups + slices - 1) / slices;
   at::parallel_for(0, M * Hkv * slices, 1, [&](int64_t b, int64_t e) {
@@ -307,9 +321,24 @@ std::vector<at::Tensor> decode_layer_bf16(
       for (int64_t l = lo; l < L; ++l) {
         if (l + PF_ROWS < L) prefetch_row(kp + row_of(l + PF_ROWS) * D, D);
         const uint16_t* kr = kp + row_of(l) * D;
-        for (int64_t h = 0; h < G; ++h) sc[h * n + l - lo] = dot_row(kr, q + h * D, D) * float(scaling);
+        for (int64_t h = 0; h < G; ++h) sc[h * n + l - lo] = dot_row(kr, q + h * D, D) * score_mul;
       }
-      for (int64_t h = 0; h < G; ++h) softmax_row(sc.data() + h * n, n);
+      if (skp == nullptr) {
+        for (int64_t h = 0; h < G; ++h) softmax_row(sc.data() + h * n, n);
+      } else {  // attention sinks, as the module path's eager bf16 attention rounds: scores, shift, probabilities
+        for (int64_t h = 0; h < G; ++h) {
+          float* sh = sc.data() + h * n;
+          const float sink = bf2f(skp[a0 + h]);
+          float mx = sink, sum = 0.0f;
+          for (int64_t i = 0; i < n; ++i) {
+            sh[i] = rbf(rbf(sh[i]) * float(scaling));  // the bf16 matmul's rounding, then the bf16 scaling
+            mx = std::max(mx, sh[i]);
+          }
+          for (int64_t i = 0; i < n; ++i) { sh[i] = std::exp(rbf(sh[i] - mx)); sum += sh[i]; }
+          sum += std::exp(rbf(sink - mx));
+          for (int64_t i = 0; i < n; ++i) sh[i] = rbf(sh[i] / sum);
+        }
+      }
       for (int64_t l = lo; l < L; ++l) {
         if (l + PF_ROWS < L) prefetch_row(vp + row_of(l + PF_ROWS) * D, D);
         const uint16_t* vr = vp + row_of(l) * D;
@@ -333,7 +362,7 @@ std::vector<at::Tensor> decode_layer_bf16(
       h2p[t * H + j] = f2bf(v);
       f[j] = v;
     }
-    rmsnorm_row(f.data(), ptr(ln2), H, eps, x2p + t * H);
+    rmsnorm_row(f.data(), ptr(ln2), H, eps, x2p + t * H, norm_mode);
   }
 
   // router: logits (bf16, as F.linear rounds) -> softmax in fp32 -> top-k -> renormalise -> bf16
@@ -341,13 +370,26 @@ std::vector<at::Tensor> decode_layer_bf16(
   at::Tensor wts = at::empty({wr.has_value() ? M : 0, top_k}, w_bf16 ? h.options() : h.options().dtype(at::kFloat));
   if (wr.has_value()) {
     std::vector<uint16_t> logits(M * E);
-    project({ptr(*wr)}, {wr->stride(0)}, {nullptr}, {E}, x2p, M, H, logits.data());
+    project({ptr(*wr)}, {wr->stride(0)}, {opt_vec(rb, E, "router bias")}, {E}, x2p, M, H, logits.data());
     int64_t* ip = ids.data_ptr<int64_t>();
     uint16_t* wp = w_bf16 ? reinterpret_cast<uint16_t*>(wts.data_ptr()) : nullptr;
     float* wf = w_bf16 ? nullptr : wts.data_ptr<float>();
     std::vector<float> pr(E);
     std::vector<int64_t> order(E);
-    for (int64_t t = 0; t < M; ++t) {
+    for (int64_t t = 0; t < M && router_mode == 1; ++t) {  // top-k of the logits, then softmax over those (gpt-oss)
+      for (int64_t e = 0; e < E; ++e) { pr[e] = bf2f(logits[t * E + e]); order[e] = e; }
+      std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                        [&](int64_t a, int64_t b) { return pr[a] > pr[b] || (pr[a] == pr[b] && a < b); });
+      const float mx = pr[order[0]];
+      float sum = 0.0f;
+      for (int64_t k = 0; k < top_k; ++k) sum += std::exp(pr[order[k]] - mx);
+      for (int64_t k = 0; k < top_k; ++k) {
+        ip[t * top_k + k] = order[k];
+        const float v = std::exp(pr[order[k]] - mx) / sum;
+        if (wp) wp[t * top_k + k] = f2bf(v); else wf[t * top_k + k] = v;
+      }
+    }
+    for (int64_t t = 0; t < M && router_mode == 0; ++t) {  // softmax over all experts, top-k, renormalised or not
       float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
       for (int64_t e = 0; e < E; ++e) mx = std::max(mx, bf2f(logits[t * E + e]));
       for (int64_t e = 0; e < E; ++e) { pr[e] = std::exp(bf2f(logits[t * E + e]) - mx); sum += pr[e]; }
@@ -366,7 +408,8 @@ std::vector<at::Tensor> decode_layer_bf16(
   return {h2, x2, ids, wts};
 }
 
-at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps) {
+at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
+                        int64_t norm_mode) {
   TORCH_CHECK(h.dim() == 2, "rmsnorm_bf16 h: expected [M, H], got ", h.sizes());
   check_bf16(h, -1, "rmsnorm_bf16 h");
   const int64_t M = h.size(0), H = h.size(1);
@@ -379,7 +422,7 @@ at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& ad
   for (int64_t t = 0; t < M; ++t) {
     for (int64_t j = 0; j < H; ++j)
       f[j] = ap ? rbf(bf2f(hp[t * H + j]) + bf2f(ap[t * H + j])) : bf2f(hp[t * H + j]);
-    rmsnorm_row(f.data(), ptr(w), H, eps, reinterpret_cast<uint16_t*>(y.data_ptr()) + t * H);
+    rmsnorm_row(f.data(), ptr(w), H, eps, reinterpret_cast<uint16_t*>(y.data_ptr()) + t * H, norm_mode);
   }
   return y;
 }
@@ -390,8 +433,9 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.def("decode_layer_bf16(Tensor h, Tensor? add, Tensor ln1, float eps, Tensor wq, Tensor wk, Tensor wv, Tensor? bq, "
         "Tensor? bk, Tensor? bv, Tensor? qn, Tensor? kn, Tensor cos, Tensor sin, Tensor(a!) kpool, Tensor(b!) vpool, "
         "Tensor blocks, Tensor lens, int bs, float scaling, int window, Tensor wo, Tensor? bo, Tensor ln2, Tensor? wr, "
-        "int top_k, bool norm_topk, bool w_bf16) -> Tensor[]");
-  m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps) -> Tensor");
+        "int top_k, bool norm_topk, bool w_bf16, Tensor? sinks=None, Tensor? rb=None, int norm_mode=0, "
+        "int router_mode=0) -> Tensor[]");
+  m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps, int norm_mode=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
@@ -405,14 +449,14 @@ def register_fakes(register_fake) -> None:
     """Shape functions of the fused decode ops (called by cpu_kernels after a build)."""
 
     def layer(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kpool, vpool, blocks, lens, bs, scaling,
-              window, wo, bo, ln2, wr, top_k, norm_topk, w_bf16):
+              window, wo, bo, ln2, wr, top_k, norm_topk, w_bf16, sinks=None, rb=None, norm_mode=0, router_mode=0):
         m = h.shape[0] if wr is not None else 0
         import torch
 
         return [h.new_empty(h.shape), h.new_empty(h.shape), h.new_empty((m, top_k), dtype=torch.long),
                 h.new_empty((m, top_k), dtype=h.dtype if w_bf16 else torch.float32)]
 
-    def norm(h, add, w, eps):
+    def norm(h, add, w, eps, norm_mode=0):
         return h.new_empty(h.shape)
 
     for op, fn in (("decode_layer_bf16", layer), ("rmsnorm_bf16", norm)):

@@ -66,7 +66,7 @@ def _compare_steps(engine, steps: int) -> list[tuple[float, bool]]:
     return out
 
 
-@pytest.mark.parametrize("family", sorted(fastpath.FAMILIES))
+@pytest.mark.parametrize("family", sorted(f for f, fam in fastpath.FAMILIES.items() if fam.router))
 def test_fused_decode_matches_module_path(checkpoints, family):
     engine = build_offload_engine(checkpoints(family), dtype="bfloat16", policy="static", fraction=0.5, block_size=4)
     try:
@@ -77,6 +77,41 @@ def test_fused_decode_matches_module_path(checkpoints, family):
         engine.close()
     assert [len(g.drain()) for g in gens] == [12, 12, 12]
     _check(steps)  # decode-only steps with all three sequences (different lengths, several blocks each)
+
+
+@pytest.mark.parametrize("family", sorted(f for f, fam in fastpath.FAMILIES.items() if fam.router is None))
+def test_attention_fused_families_with_their_own_moe_blocks(tmp_path, family):
+    # families whose routers stay modules (sigmoid scores, correction biases, groups, shared experts) and whose
+    # attention varies (partial rotary, q/k norms, biases): the tiny checkpoints of tests/engines/families.py
+    import families
+
+    engine = build_offload_engine(families.build(family, tmp_path), dtype="bfloat16", block_size=4)
+    try:
+        assert engine.fast is not None, family
+        assert all(lay.router is None for lay in engine.fast.layers)
+        ids = families.PROMPT_IDS
+        prompts = [list(ids[:8]), list(ids[10:14]), list(ids[20:60])]
+        gens = [engine.start(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+        steps = _compare_steps(engine, 40)
+    finally:
+        engine.close()
+    assert [len(g.drain()) for g in gens] == [12, 12, 12]
+    _check(steps)
+
+
+def test_gpt_oss_mxfp4_as_shipped_takes_the_fused_path(quantized_checkpoints):
+    # the release layout: MXFP4 experts kept as stored (the executor's per-expert kernels), attention and router
+    # dequantized to bf16 and run by the fused call (sinks, biases, alternating sliding/full layers)
+    engine = build_offload_engine(quantized_checkpoints("gpt_oss_mxfp4"), dtype="bfloat16", block_size=4)
+    try:
+        assert engine.fast is not None
+        assert engine.executor.layers[0].store.format == "mxfp4"
+        gens = [engine.start(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS]
+        steps = _compare_steps(engine, 40)
+    finally:
+        engine.close()
+    assert [len(g.drain()) for g in gens] == [12, 12, 12]
+    _check(steps)
 
 
 def test_single_sequence_steps_use_the_plan_and_keep_stats(checkpoints):
