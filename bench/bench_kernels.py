@@ -159,6 +159,20 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"layer of {T} token(s): {len(experts)} of {E} experts, one call (vs per pair)",
                      f"{len(experts)} x expert", read, k, t))
 
+    # One expert with M tokens (a prefill chunk's expert): the few-token kernel against torch's GEMM chain. The
+    # executor sends an expert with more than kernels.KERNEL_MAX_GROUP tokens to torch: this row is why.
+    for M in (8, 16, 64):
+        xm = torch.randn(M, H, dtype=torch.bfloat16)
+        ar, om = torch.arange(M), torch.empty(M, H, dtype=torch.bfloat16)
+        def chain_m(w, xm=xm):
+            g, u = F.linear(xm, w[0]).chunk(2, dim=-1)
+            return F.linear(F.silu(g) * u, w[1])
+
+        k = measure(lambda w: ops.moe_experts_bf16(xm, [w[0]], [w[1]], ar, ar, [0], [M], om), ex, nb, repeats)
+        t = measure(chain_m, ex, nb, repeats)
+        rows.append((f"one expert, {M} tokens (weights read once; compute grows with M)", f"[{2 * I}, {H}] + [{H}, {I}]",
+                     nb, k, t))
+
     info = cpu_kernels.info()
     print(f"Command: `python bench/bench_kernels.py{' --quick' if args.quick else ''}`  ")
     print(f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -275,6 +275,16 @@ def llama_bench(gguf, tokens: int, *, depth: int = 0, threads: int = 2, repetiti
     return {"ms_per_token": ms, "tok_s": rec["avg_ts"], "raw": rec}
 
 
+def llama_prefill(gguf, n: int, *, threads: int = 2, tools: LlamaCpp | None = None, cache: Path = CACHE) -> float:
+    """llama-bench prompt processing of ``n`` tokens (``-p n -n 0``): tok/s."""
+    tools = tools or ensure_llamacpp(cache)
+    r = _run([tools.bench, "-m", gguf, "-p", n, "-n", "0", "-t", threads, "-r", "1", "-o", "json"])
+    pp = [x for x in json.loads(r.stdout) if x.get("n_prompt", 0) > 0 and x.get("n_gen", 0) == 0]
+    if not pp:
+        raise RuntimeError(f"llama-bench printed no prompt-processing record: {r.stdout[:500]}")
+    return float(pp[0]["avg_ts"])
+
+
 def batched_bench(gguf, batch_sizes, tokens: int, *, prompt: int = 128, threads: int = 2,
                   tools: LlamaCpp | None = None, cache: Path = CACHE) -> list[dict]:
     """llama-batched-bench: one run per entry of ``batch_sizes``, that many parallel sequences of ``prompt``
@@ -315,6 +325,42 @@ def engine_decode(engine, prompt: list[int], tokens: int) -> list[float]:
     for _ in gen:
         pass
     return list(gen.stats.token_ms)
+
+
+def engine_prefill(engine, prompt: list[int]) -> float:
+    """tok/s of the engine's prefill of ``prompt`` (its first step's chunks up to the first token)."""
+    from moe_offload.engines.base import SamplingParams
+
+    gen = engine.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    for _ in gen:
+        pass
+    return len(prompt) / gen.stats.prefill_ms * 1000
+
+
+def prefill_side_by_side(path: Path, tools: LlamaCpp, n: int, rounds: int, threads: int, cache: Path) -> dict:
+    """Prompt processing of ``n`` tokens, llama.cpp bf16 and this engine (bf16, every expert resident), interleaved
+    per round: tok/s per round."""
+    import torch
+
+    from bench_engine import prompt_ids
+    from moe_offload.engines.offload.engine import build_offload_engine
+    from moe_offload.spec import ModelSpec
+
+    gguf = to_gguf(path, "bf16", cache=cache, tools=tools)
+    torch.set_num_threads(threads)
+    vocab = ModelSpec.from_hf_config(path).vocab_size
+    e = build_offload_engine(path, policy="static", fraction=1.0, dtype="bfloat16", max_num_batched_tokens=max(512, n))
+    try:
+        engine_prefill(e, prompt_ids(16, vocab))  # warm-up
+        runs: dict[str, list[float]] = {}
+        for r in range(rounds):
+            runs.setdefault("llama.cpp llama-bench bf16", []).append(llama_prefill(gguf, n, threads=threads, tools=tools))
+            prompt = [(t + r) % vocab for t in prompt_ids(n, vocab)]  # another prompt each round: no cached prefix
+            runs.setdefault("moe-offload bf16, fraction 1", []).append(engine_prefill(e, prompt))
+            log(f"prefill round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in runs.items()))
+        return runs
+    finally:
+        e.close()
 
 
 def bound_bytes(model_dir) -> int:
@@ -385,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-version", default=VERSION, help=f"llama-cpp-python sdist version (default {VERSION})")
     ap.add_argument("--jobs", type=int, default=2, help="compile jobs for the first build (default 2)")
     ap.add_argument("--build-only", action="store_true", help="build llama.cpp (and convert --model-dir if given), then stop")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="also compare prompt processing of N tokens (llama-bench -p N) with the engine's prefill")
     args = ap.parse_args(argv)
     tokens = args.tokens or (4 if args.quick else 64)
     context = args.context or (8 if args.quick else 128)
@@ -415,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             sizes = [int(b) for b in args.batched.split(",") if b]
             batched = batched_bench(to_gguf(path, "bf16", cache=args.cache, tools=tools), sizes, tokens,
                                     prompt=context, threads=args.threads, tools=tools)
+        prefill = prefill_side_by_side(path, tools, args.prefill, rounds, args.threads, args.cache) if args.prefill else {}
         bw = read_bandwidth()
         nbytes = bound_bytes(path)
 
@@ -437,6 +486,14 @@ def main(argv: list[str] | None = None) -> int:
         m = statistics.median(v)
         print(f"| {k} | {' / '.join(f'{x:.2f}' for x in v)} | {m:.2f} | {bound / m:.0%} | {m / ref:.2f} |")
     print(f"\nThe last column is ms/token over {ref_key}'s median: <= 1.00 is as fast or faster.")
+    if prefill:
+        print(f"\nPrompt processing, {args.prefill} tokens (tok/s, higher is faster; interleaved rounds):\n")
+        print("| configuration | tok/s per round | median | / llama.cpp |")
+        print("|---|---|---:|---:|")
+        pref = statistics.median(prefill["llama.cpp llama-bench bf16"])
+        for k, v in prefill.items():
+            print(f"| {k} | {' / '.join(f'{x:.1f}' for x in v)} | {statistics.median(v):.1f} | "
+                  f"{statistics.median(v) / pref:.2f} |")
     if batched:
         print("\nllama-batched-bench, bf16 (aggregate decode tok/s over parallel sequences):\n")
         print("| parallel sequences | decode tok/s | vs 1 sequence |")

@@ -238,8 +238,18 @@ class Executor:
                                                         [w[1] for w in weights], [w[5] for w in weights])
                 proj.index_copy_(0, torch.tensor([g[1] for g in groups]), y)
             else:
-                call(x, [w[0] for w in weights], [w[1] for w in weights], tok, perm, [g[1] for g in groups],
-                     [g[2] for g in groups], proj)
+                # an expert with more than KERNEL_MAX_GROUP tokens (prefill) goes through torch's GEMM, faster there
+                # than the few-token dot kernel (kernels.KERNEL_MAX_GROUP says why 16); the rest in one call
+                small = [i for i, g in enumerate(groups) if g[2] <= kernels.KERNEL_MAX_GROUP]
+                if small:
+                    call(x, [weights[i][0] for i in small], [weights[i][1] for i in small], tok, perm,
+                         [groups[i][1] for i in small], [groups[i][2] for i in small], proj)
+                if len(small) < len(groups):
+                    big = set(range(len(groups))) - set(small)
+                    for i in sorted(big):
+                        e, start, n = groups[i]
+                        y = expert_forward(module, x.index_select(0, tok[start : start + n]), *weights[i])
+                        proj.index_copy_(0, perm[start : start + n], y)
 
         t1 = time.perf_counter()
         run([g for g, _ in hits], [cache.weights[s] for _, s in hits])

@@ -86,6 +86,11 @@ def expert_forward(
 # Up to this many tokens a weight goes through moe_offload::gemm_bf16 (one read of each row for all tokens);
 # beyond, torch's GEMM (prefill).
 GEMM_MAX_TOKENS = 16
+# An expert with more tokens than this in one step (a prefill chunk) leaves moe_experts_bf16 for torch's GEMM
+# (expert_forward): at 64 tokens torch is about 3x faster, at 8-16 the two are even (bench/bench_kernels.py).
+# 16, not lower: a decode step of up to 16 sequences routes at most 16 tokens to an expert, so its rows stay the
+# one-token path's bit for bit (a request's tokens do not depend on the traffic beside it).
+KERNEL_MAX_GROUP = GEMM_MAX_TOKENS
 
 
 def fused_experts_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:

@@ -207,3 +207,34 @@ def test_sliding_window_and_grouped_heads(tmp_path):
         engine.close()
     assert [len(g.drain()) for g in gens] == [12, 12, 12]
     _check(steps)
+
+
+def test_prefill_sends_experts_with_many_tokens_to_torch_gemm(checkpoints, monkeypatch):
+    # a 96-token prompt routes 20+ tokens to some experts of the tiny model: those go through expert_forward's
+    # torch GEMM, the rest through one moe_experts_bf16 call; the logits agree with everything through the kernel
+    from moe_offload.engines.offload import executor as executor_mod
+    from moe_offload.engines.offload import kernels
+
+    prompt = [(7 * i) % 120 + 3 for i in range(96)]
+
+    def last_logits():
+        engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16")
+        try:
+            sched = engine.scheduler
+            engine.start(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+            step = sched.schedule()
+            with torch.inference_mode():
+                return engine._forward_paged(step).float()
+        finally:
+            engine.close()
+
+    sizes = []
+    real = executor_mod.expert_forward
+    monkeypatch.setattr(executor_mod, "expert_forward", lambda m, x, *w, **k: sizes.append(x.shape[0]) or real(m, x, *w, **k))
+    split = last_logits()
+    assert sizes and min(sizes) > kernels.KERNEL_MAX_GROUP  # only the big groups left the kernel
+    sizes.clear()
+    monkeypatch.setattr(kernels, "KERNEL_MAX_GROUP", 10**9)
+    kernel_only = last_logits()
+    assert not sizes
+    torch.testing.assert_close(split, kernel_only, rtol=0.03, atol=0.03 * kernel_only.abs().max().item())
