@@ -112,7 +112,8 @@ class DecodePlan:
     def _build(cls, model, executor, pool) -> "DecodePlan | None":
         why = cls._refuse(model, executor)
         if why:
-            log.debug("fused decode path off", reason=why, model_type=getattr(model.config, "model_type", ""))
+            log.info("fused decode path off: decode steps run transformers' modules", reason=why,
+                     model_type=getattr(model.config, "model_type", ""))
             return None
         cfg = model.config
         fam = FAMILIES[cfg.model_type]
@@ -162,6 +163,8 @@ class DecodePlan:
                 lay.top_k = int(router.top_k)
                 lay.norm_topk = fam.always_renormalise or bool(getattr(router, "norm_topk_prob", False))
             layers.append(lay)
+        log.info("fused decode path on", model_type=cfg.model_type, layers=len(layers),
+                 router="fused" if fam.router else "module")
         return cls(model, executor, fam, layers, eps, pool.block_size, pool)
 
     @staticmethod
