@@ -37,6 +37,22 @@ def _check(steps: list[tuple[float, bool]]) -> None:
     assert agreed[-1] < 2e-2, steps  # the rest: a last-place difference, not a different computation
 
 
+def _run_both_paths(path: str, prompts=PROMPTS, expect=None, **options) -> None:
+    """Three sequences of different lengths (several KV blocks each) on ``path`` in bf16; every decode-only step
+    compared on both paths (``_check``). ``expect(engine)`` asserts what the plan must look like first."""
+    engine = build_offload_engine(path, dtype="bfloat16", block_size=4, **options)
+    try:
+        assert engine.fast is not None, path
+        if expect is not None:
+            expect(engine)
+        gens = [engine.start(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+        steps = _compare_steps(engine, 40)
+    finally:
+        engine.close()
+    assert [len(g.drain()) for g in gens] == [12, 12, 12]
+    _check(steps)
+
+
 def _compare_steps(engine, steps: int) -> list[tuple[float, bool]]:
     """Run decode steps; at each decode-only step compute logits on both paths, recording the routes each took.
     Returns (max |fast - module| / max |module|, routes agree) per compared step."""
@@ -68,15 +84,7 @@ def _compare_steps(engine, steps: int) -> list[tuple[float, bool]]:
 
 @pytest.mark.parametrize("family", sorted(f for f, fam in fastpath.FAMILIES.items() if fam.router))
 def test_fused_decode_matches_module_path(checkpoints, family):
-    engine = build_offload_engine(checkpoints(family), dtype="bfloat16", policy="static", fraction=0.5, block_size=4)
-    try:
-        assert engine.fast is not None, family
-        gens = [engine.start(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS]
-        steps = _compare_steps(engine, 40)
-    finally:
-        engine.close()
-    assert [len(g.drain()) for g in gens] == [12, 12, 12]
-    _check(steps)  # decode-only steps with all three sequences (different lengths, several blocks each)
+    _run_both_paths(checkpoints(family), policy="static", fraction=0.5)
 
 
 @pytest.mark.parametrize("family", sorted(f for f, fam in fastpath.FAMILIES.items() if fam.router is None))
@@ -85,33 +93,21 @@ def test_attention_fused_families_with_their_own_moe_blocks(tmp_path, family):
     # attention varies (partial rotary, q/k norms, biases): the tiny checkpoints of tests/engines/families.py
     import families
 
-    engine = build_offload_engine(families.build(family, tmp_path), dtype="bfloat16", block_size=4)
-    try:
-        assert engine.fast is not None, family
+    ids = families.PROMPT_IDS
+
+    def expect(engine):
         assert all(lay.router is None for lay in engine.fast.layers)
-        ids = families.PROMPT_IDS
-        prompts = [list(ids[:8]), list(ids[10:14]), list(ids[20:60])]
-        gens = [engine.start(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
-        steps = _compare_steps(engine, 40)
-    finally:
-        engine.close()
-    assert [len(g.drain()) for g in gens] == [12, 12, 12]
-    _check(steps)
+
+    _run_both_paths(families.build(family, tmp_path), [list(ids[:8]), list(ids[10:14]), list(ids[20:60])], expect)
 
 
 def test_gpt_oss_mxfp4_as_shipped_takes_the_fused_path(quantized_checkpoints):
     # the release layout: MXFP4 experts kept as stored (the executor's per-expert kernels), attention and router
     # dequantized to bf16 and run by the fused call (sinks, biases, alternating sliding/full layers)
-    engine = build_offload_engine(quantized_checkpoints("gpt_oss_mxfp4"), dtype="bfloat16", block_size=4)
-    try:
-        assert engine.fast is not None
+    def expect(engine):
         assert engine.executor.layers[0].store.format == "mxfp4"
-        gens = [engine.start(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS]
-        steps = _compare_steps(engine, 40)
-    finally:
-        engine.close()
-    assert [len(g.drain()) for g in gens] == [12, 12, 12]
-    _check(steps)
+
+    _run_both_paths(quantized_checkpoints("gpt_oss_mxfp4"), expect=expect)
 
 
 def test_single_sequence_steps_use_the_plan_and_keep_stats(checkpoints):
@@ -198,15 +194,11 @@ def test_sliding_window_and_grouped_heads(tmp_path):
     cfg = MixtralConfig(**(COMMON | {"num_attention_heads": 8, "head_dim": 4}), num_hidden_layers=2, intermediate_size=16,
                         num_local_experts=8, num_experts_per_tok=2, sliding_window=8)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
-    engine = build_offload_engine(str(tmp_path / "m"), dtype="bfloat16", block_size=4)
-    try:
-        assert engine.fast is not None and engine.fast.layers[0].args[1][1] == 8  # the window reaches the kernel
-        gens = [engine.start(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in PROMPTS]
-        steps = _compare_steps(engine, 40)
-    finally:
-        engine.close()
-    assert [len(g.drain()) for g in gens] == [12, 12, 12]
-    _check(steps)
+
+    def expect(engine):
+        assert engine.fast.layers[0].args[1][1] == 8  # the window reaches the kernel
+
+    _run_both_paths(str(tmp_path / "m"), expect=expect)
 
 
 def test_prefill_sends_experts_with_many_tokens_to_torch_gemm(checkpoints, monkeypatch):
