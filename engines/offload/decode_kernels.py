@@ -89,7 +89,9 @@ inline void rmsnorm_inplace(uint16_t* v, const uint16_t* w, int64_t n, double ep
 }
 
 #if defined(MOE_AVX512BF16)
-extern "C" __m512 Sleef_expf16_u10(__m512);  // torch's own vectorised exp (exported by libtorch_cpu; 1-ulp accuracy)
+// torch's own vectorised exp (libtorch_cpu exports it; 1-ulp accuracy). Weak: a torch build without it leaves the
+// pointer null and softmax_row takes the scalar loop, instead of the whole library failing to load.
+extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
 #endif
 
 // s = softmax(s) in place, fp32 (max subtracted first)
@@ -97,6 +99,12 @@ inline void softmax_row(float* s, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
   int64_t i = 0;
 #if defined(MOE_AVX512BF16)
+  if (Sleef_expf16_u10 == nullptr) {
+    for (; i < n; ++i) mx = std::max(mx, s[i]);
+    for (i = 0; i < n; ++i) { s[i] = std::exp(s[i] - mx); sum += s[i]; }
+    for (i = 0; i < n; ++i) s[i] /= sum;
+    return;
+  }
   __m512 vmx = _mm512_set1_ps(mx);
   for (; i + 16 <= n; i += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + i));
   mx = _mm512_reduce_max_ps(vmx);
@@ -130,6 +138,23 @@ inline void prefetch_row(const uint16_t* p, int64_t n) {  // every cache line of
 #else
   (void)p; (void)n;
 #endif
+}
+
+// The k largest of v[0..n) as torch.topk picks them on the CPU (ATen's TopKImpl.h): (value, index) pairs in index
+// order, partial_sort when k * 64 <= n, else nth_element and a sort of the first k - 1, with the same comparator.
+// Equal values then come out in the same order as on the module path (ties are common in bf16 router logits).
+inline void torch_topk(const float* v, int64_t n, int64_t k, std::vector<std::pair<float, int64_t>>& q) {
+  q.resize(n);
+  for (int64_t j = 0; j < n; ++j) q[j] = {v[j], j};
+  auto greater = [](const std::pair<float, int64_t>& x, const std::pair<float, int64_t>& y) {
+    return (std::isnan(x.first) && !std::isnan(y.first)) || (x.first > y.first);
+  };
+  if (k * 64 <= n) {
+    std::partial_sort(q.begin(), q.begin() + k, q.end(), greater);
+  } else {
+    std::nth_element(q.begin(), q.begin() + k - 1, q.end(), greater);
+    std::sort(q.begin(), q.begin() + k - 1, greater);
+  }
 }
 
 // o[d] += a * v[d] over D values (v bf16): a value row into a head's fp32 output
@@ -279,8 +304,9 @@ std::vector<at::Tensor> decode_layer_bf16(
     uint16_t* q = qkv.data() + t * N3;
     uint16_t* k = q + Nq;
     uint16_t* v = k + Nk;
-    if (qnw == Nq) rmsnorm_inplace(q, qnp, Nq, eps);
-    if (knw == Nk) rmsnorm_inplace(k, knp, Nk, eps);
+    // a norm of D values is per head (with one head, D == the whole projection: normalised once, not twice)
+    if (qnw == Nq && qnw != D) rmsnorm_inplace(q, qnp, Nq, eps);
+    if (knw == Nk && knw != D) rmsnorm_inplace(k, knp, Nk, eps);
     for (int64_t a = 0; a < Hq; ++a) {
       if (qnw == D) rmsnorm_inplace(q + a * D, qnp, D, eps);
       rope(q + a * D, cp + t * RD, sp + t * RD);
@@ -375,17 +401,16 @@ std::vector<at::Tensor> decode_layer_bf16(
     uint16_t* wp = w_bf16 ? reinterpret_cast<uint16_t*>(wts.data_ptr()) : nullptr;
     float* wf = w_bf16 ? nullptr : wts.data_ptr<float>();
     std::vector<float> pr(E);
-    std::vector<int64_t> order(E);
+    std::vector<std::pair<float, int64_t>> top;
     for (int64_t t = 0; t < M && router_mode == 1; ++t) {  // top-k of the logits, then softmax over those (gpt-oss)
-      for (int64_t e = 0; e < E; ++e) { pr[e] = bf2f(logits[t * E + e]); order[e] = e; }
-      std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
-                        [&](int64_t a, int64_t b) { return pr[a] > pr[b] || (pr[a] == pr[b] && a < b); });
-      const float mx = pr[order[0]];
-      float sum = 0.0f;
-      for (int64_t k = 0; k < top_k; ++k) sum += std::exp(pr[order[k]] - mx);
+      for (int64_t e = 0; e < E; ++e) pr[e] = bf2f(logits[t * E + e]);
+      torch_topk(pr.data(), E, top_k, top);
+      float mx = top[0].first, sum = 0.0f;
+      for (int64_t k = 1; k < top_k; ++k) mx = std::max(mx, top[k].first);
+      for (int64_t k = 0; k < top_k; ++k) sum += std::exp(top[k].first - mx);
       for (int64_t k = 0; k < top_k; ++k) {
-        ip[t * top_k + k] = order[k];
-        const float v = std::exp(pr[order[k]] - mx) / sum;
+        ip[t * top_k + k] = top[k].second;
+        const float v = std::exp(top[k].first - mx) / sum;
         if (wp) wp[t * top_k + k] = f2bf(v); else wf[t * top_k + k] = v;
       }
     }
@@ -393,14 +418,13 @@ std::vector<at::Tensor> decode_layer_bf16(
       float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
       for (int64_t e = 0; e < E; ++e) mx = std::max(mx, bf2f(logits[t * E + e]));
       for (int64_t e = 0; e < E; ++e) { pr[e] = std::exp(bf2f(logits[t * E + e]) - mx); sum += pr[e]; }
-      for (int64_t e = 0; e < E; ++e) { pr[e] /= sum; order[e] = e; }
-      std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
-                        [&](int64_t a, int64_t b) { return pr[a] > pr[b] || (pr[a] == pr[b] && a < b); });
+      for (int64_t e = 0; e < E; ++e) pr[e] /= sum;
+      torch_topk(pr.data(), E, top_k, top);
       float tot = 0.0f;
-      for (int64_t k = 0; k < top_k; ++k) tot += pr[order[k]];
+      for (int64_t k = 0; k < top_k; ++k) tot += top[k].first;
       for (int64_t k = 0; k < top_k; ++k) {
-        ip[t * top_k + k] = order[k];
-        const float v = norm_topk ? pr[order[k]] / tot : pr[order[k]];
+        ip[t * top_k + k] = top[k].second;
+        const float v = norm_topk ? top[k].first / tot : top[k].first;
         if (wp) wp[t * top_k + k] = f2bf(v); else wf[t * top_k + k] = v;
       }
     }

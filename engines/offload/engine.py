@@ -269,7 +269,7 @@ class OffloadEngine(Engine):
         close = getattr(self.executor, "close", None) or getattr(self.offloaded, "close", None)
         if close:
             close()
-        self.model = self.offloaded = self.executor = None
+        self.model = self.offloaded = self.executor = self.fast = None  # the plan holds the model's weights too
         gc.collect()
 
     # -- one step -------------------------------------------------------------------------------------------

@@ -196,8 +196,14 @@ class DecodePlan:
             for m in (attn, layer.input_layernorm, layer.post_attention_layernorm):
                 if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in m.parameters()):
                     return "not bf16 on the CPU"
-        if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in (model.lm_head.weight, inner.norm.weight)):
+        if any(p.dtype != torch.bfloat16 or p.device.type != "cpu"
+               for p in (model.lm_head.weight, inner.norm.weight, inner.embed_tokens.weight)):
             return "not bf16 on the CPU"
+        for layer in inner.layers:  # q/k norms the kernel knows: per head, or over the whole projection
+            attn = layer.self_attn
+            for norm, proj in ((getattr(attn, "q_norm", None), attn.q_proj), (getattr(attn, "k_norm", None), attn.k_proj)):
+                if norm is not None and norm.weight.numel() not in (attn.head_dim, proj.out_features):
+                    return f"a q/k norm of {norm.weight.numel()} values"
         head_dim = inner.layers[0].self_attn.head_dim
         probe = torch.zeros(1, 1, cfg.hidden_size, dtype=torch.bfloat16)
         cos, _ = inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long))

@@ -149,7 +149,8 @@ class active:
 def paged_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """Registered attention function. query [1, Hq, N, D]; key/value [1, Hk, X, D] in the step's key layout."""
     step: StepContext = _active.step
-    window = kwargs.get("sliding_window")
+    # the layer's window: passed by most families; Qwen2-MoE keeps it on the module only (its mask applies it)
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
     q = query[0]  # [Hq, N, D]
     if step.probe:

@@ -185,3 +185,28 @@ def test_prompt_logprobs_are_the_same_when_the_prompt_is_prefilled_in_chunks(che
     for x, y in zip(a.prompt_logprobs[1:] + a.logprobs, b.prompt_logprobs[1:] + b.logprobs):
         assert (x.token, x.rank, [t for t, _ in x.top]) == (y.token, y.rank, [t for t, _ in y.top])
         assert abs(x.logprob - y.logprob) < 1e-4
+
+
+def test_a_window_kept_on_the_attention_module_is_applied(tmp_path):
+    # Qwen2-MoE with use_sliding_window passes no sliding_window to the attention function (its mask applies the
+    # window, the module keeps it as an attribute): the paged path must find it there, or long prompts attend to
+    # keys transformers masks out
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    from offload_helpers import COMMON
+
+    torch.manual_seed(1234)
+    cfg = Qwen2MoeConfig(**COMMON, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                         use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    path = str(tmp_path / "m")
+    expected = [greedy(stock(path), p, n)[0] for p, n in zip(PROMPTS, LENGTHS)]
+    engine = build_offload_engine(path, max_num_batched_tokens=16)
+    try:
+        assert any(getattr(layer.self_attn, "sliding_window", None) == 4 for layer in engine.model.model.layers)
+        out, _ = run_staggered(engine)
+    finally:
+        engine.close()
+    assert out == expected

@@ -201,6 +201,59 @@ def test_sliding_window_and_grouped_heads(tmp_path):
     _run_both_paths(str(tmp_path / "m"), expect=expect)
 
 
+def test_one_kv_head_and_a_window_on_the_module(tmp_path):
+    # one KV head (its per-head k norm is the whole projection: normalised once) and Qwen2-MoE's window that only
+    # the attention module holds
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen3MoeConfig
+
+    from offload_helpers import COMMON
+
+    torch.manual_seed(5)
+    mqa = Qwen3MoeConfig(**(COMMON | {"num_key_value_heads": 1}), num_hidden_layers=2, intermediate_size=64,
+                         moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    win = Qwen2MoeConfig(**COMMON, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                         use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    for name, cfg in (("mqa", mqa), ("win", win)):
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / name)
+        _run_both_paths(str(tmp_path / name))
+
+
+def test_router_ties_are_broken_as_torch_topk_breaks_them():
+    # experts with identical router rows tie exactly; the fused router must pick among them as torch.topk does on
+    # the module path (both of its algorithms: nth_element for k * 64 > E, partial_sort otherwise)
+    bf = dict(dtype=torch.bfloat16)
+    H, D, Hkv = 64, 16, 2
+    g = torch.Generator().manual_seed(3)
+    w = lambda r, c: (torch.randn(r, c, generator=g) * 0.2).to(torch.bfloat16)  # noqa: E731
+    pool = torch.zeros(8, Hkv, D, **bf)
+    for E, k in ((8, 3), (256, 2), (256, 4)):
+        wr = w(E, H) * 0.01  # small logits, but for two tied groups of opposite sign: one of them tops each token
+        wr[0] = w(1, H)[0]
+        wr[1:6] = wr[0]  # experts 0-5 tie
+        wr[E - 3 :] = -wr[0]  # and the last three
+        h = w(5, H)
+        args = (h, None, torch.ones(H, **bf), 1e-6, w(4 * D, H), w(Hkv * D, H), w(Hkv * D, H), None, None, None, None,
+                None, torch.ones(5, D, **bf), torch.zeros(5, D, **bf), pool.clone(), pool.clone(),
+                torch.tensor([[0]] * 5), torch.tensor([1] * 5), 8, 0.25, 0, w(H, 4 * D), None, torch.ones(H, **bf),
+                wr, k, True, True)
+        _, x2, ids, _ = torch.ops.moe_offload.decode_layer_bf16(*args)
+        probs = torch.softmax(torch.ops.moe_offload.gemm_bf16(x2, wr).float(), dim=-1)
+        assert torch.equal(ids, torch.topk(probs, k, dim=-1).indices), (E, k)
+
+
+def test_close_releases_the_model(checkpoints):
+    import gc
+    import weakref
+
+    engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16")
+    assert engine.fast is not None
+    model = weakref.ref(engine.model)
+    engine.close()
+    gc.collect()
+    assert model() is None  # the plan held the model's weights too
+
+
 def test_prefill_sends_experts_with_many_tokens_to_torch_gemm(checkpoints, monkeypatch):
     # a 96-token prompt routes 20+ tokens to some experts of the tiny model: those go through expert_forward's
     # torch GEMM, the rest through one moe_experts_bf16 call; the logits agree with everything through the kernel
