@@ -123,6 +123,14 @@ def take_from_module(module: torch.nn.Module, pin: bool, stored: tuple | None = 
 
         rows = store.tensors[0].shape[2 if module.is_transposed else 1]
         store = convert(store, convert_to, transposed=module.is_transposed, split=gate_up_split(module, rows))
+    elif (stored is None and not pin and module.is_transposed and store.tensors[0].dtype == torch.bfloat16
+          and store.tensors[1] is not None):
+        # bf16 experts in transformers' [in, out] layout (gpt-oss) on a CPU engine: kept as [out, in] rows, the layout
+        # the bf16 kernels stream (torch's one-row GEMM on [in, out] reads ~20 GB/s); the module then reads as an
+        # untransposed one (its experts are only ever computed from the store)
+        up, down = (t.transpose(1, 2).contiguous() for t in store.tensors[:2])
+        store = LayerStore((up, down, *store.tensors[2:]), store.compute_dtype)
+        module.is_transposed = False
     if pin:  # one layer at a time: peak extra host memory is one layer's experts
         store = LayerStore(tuple(t.pin_memory() if t is not None else None for t in store.tensors), store.compute_dtype)
     for name, t in zip(module_tensor_names(module), store.tensors):

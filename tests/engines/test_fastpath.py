@@ -283,3 +283,27 @@ def test_prefill_sends_experts_with_many_tokens_to_torch_gemm(checkpoints, monke
     kernel_only = last_logits()
     assert not sizes
     torch.testing.assert_close(split, kernel_only, rtol=0.03, atol=0.03 * kernel_only.abs().max().item())
+
+
+def test_bf16_experts_stored_in_out_in_rows_for_the_kernels(checkpoints):
+    # gpt-oss keeps its experts as [in, out]; a bf16 CPU engine stores them as [out, in] rows (what the bf16 kernels
+    # stream) and must still compute what transformers computes: the prompt's next-token logits against the fp32
+    # reference, and the first greedy token
+    from offload_helpers import greedy, stock
+
+    path = checkpoints("gpt_oss")
+    ref_tokens, ref_logits = greedy(stock(path), PROMPTS[0], 1)
+    engine = build_offload_engine(path, dtype="bfloat16")
+    try:
+        module = engine.model.model.layers[0].mlp.experts
+        store = engine.executor.layers[0].store
+        cfg = engine.model.config
+        assert not module.is_transposed
+        assert tuple(store.tensors[0].shape) == (cfg.num_local_experts, 2 * cfg.intermediate_size, cfg.hidden_size)
+        engine.start(PROMPTS[0], SamplingParams(max_tokens=1, ignore_eos=True))
+        with torch.inference_mode():
+            logits = engine._forward_paged(engine.scheduler.schedule()).float()
+    finally:
+        engine.close()
+    assert int(logits[-1].argmax()) == ref_tokens[0]
+    torch.testing.assert_close(logits[-1], ref_logits[0], rtol=0.05, atol=0.05 * ref_logits.abs().max().item())
