@@ -394,10 +394,12 @@ def side_by_side(path: Path, tools: LlamaCpp, outtypes, fractions, tokens: int, 
     prompt = prompt_ids(context, ModelSpec.from_hf_config(path).vocab_size)
     engines = {}
     try:
-        for x in expert_dtypes:
+        for x in expert_dtypes:  # "int8", or "int8+dense": --expert-dtype int8 --dense-dtype int8
+            ed, *more = x.split("+")
             for f in fractions:
                 e = build_offload_engine(path, policy="static", fraction=f, dtype="bfloat16",
-                                         expert_dtype=None if x == "bf16" else x)
+                                         expert_dtype=None if ed == "bf16" else ed,
+                                         dense_dtype="int8" if "dense" in more else None)
                 engines[f"moe-offload {x}, fraction {f:g}, static"] = e
                 engine_decode(e, prompt, 2)  # warm-up (llama-bench warms up by itself)
         runs: dict[str, list[float]] = {}
@@ -425,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads on both sides (default 2)")
     ap.add_argument("--outtypes", default="bf16,q8_0", help="GGUF types for llama.cpp (default bf16,q8_0)")
     ap.add_argument("--fractions", default="1.0,0.25", help="engine resident fractions, static policy (default 1.0,0.25)")
-    ap.add_argument("--expert-dtypes", default="bf16", help="engine expert formats, e.g. bf16,int8 (--expert-dtype)")
+    ap.add_argument("--expert-dtypes", default="bf16",
+                    help="engine expert formats, e.g. bf16,int8 (--expert-dtype); int8+dense adds --dense-dtype int8")
     ap.add_argument("--batched", default="", help="also run llama-batched-bench bf16 at these parallel sequences (1,4,8,16)")
     ap.add_argument("--cache", type=Path, default=CACHE, help=f"build and GGUF cache (default {CACHE})")
     ap.add_argument("--llama-version", default=VERSION, help=f"llama-cpp-python sdist version (default {VERSION})")

@@ -23,13 +23,15 @@ Op (namespace ``moe_offload``, compiled with cpu_kernels.SOURCE: one library, on
   decode_layer_bf16(h, add?, ln1, eps, wq, wk, wv, bq?, bk?, bv?, qn?, kn?, cos [M, RD], sin [M, RD] (RD <= D: partial),
                     kpool [R, Hkv, D] (mutated), vpool [R, Hkv, D] (mutated), blocks [M, NB] int64,
                     lens [M] int64, bs, scaling, window, wo, bo?, ln2, wr?, top_k, norm_topk, w_bf16,
-                    sinks? [Hq], rb? [E], norm_mode, router_mode) -> [h2, x2, ids, w]
+                    sinks? [Hq], rb? [E], norm_mode, router_mode, sq?, sk?, sv?, so?) -> [h2, x2, ids, w]
       qn / kn: per-head norms ([D], Qwen3) or over the whole projection ([Hq*D] / [Hkv*D], OLMoE).
       window: 0 or a sliding window (keys at positions > pos - window). wr None: no router (a dense layer),
       ids and w are then empty. w is bf16 (w_bf16) or fp32, as the family's router leaves it.
       sinks: one attention-sink logit per query head (gpt-oss; attention then rounds as the eager bf16 path does).
       rb: the router's bias. norm_mode 0: bf16(w * bf16(x / rms)), 1: bf16(w * (x / rms)) (gpt-oss).
       router_mode 0: softmax over all experts, top-k (renormalised if norm_topk); 1: top-k logits, softmax over them.
+      sq/sk/sv/so: fp32 per-row scales of int8 wq/wk/wv/wo (``--dense-dtype int8``; quant.QuantLinear): the
+      projections then run as gemv_q does (activations quantized per token in blocks of 32), bit for bit.
   rmsnorm_bf16(h [M, H], add? [M, H], w [H], eps, norm_mode=0) -> [M, H]          (the model's final norm)
 Legend: M tokens, H hidden, Hq/Hkv query/KV heads, D head dim, RD rotary dims, R pool rows, NB blocks per sequence, bs block
 size, E experts, K top-k.
@@ -196,6 +198,29 @@ void project(const std::vector<const uint16_t*>& ws, const std::vector<int64_t>&
   });
 }
 
+// the same with int8 weights (per-row fp32 scales, quant_kernels.py): activations quantized per token as gemv_q does,
+// each output exactly gemv_q's (same row dots, bias added in fp32, one rounding)
+void project_q(const std::vector<moe_quant::Weight>& ws, const std::vector<const uint16_t*>& bs,
+               const std::vector<int64_t>& cut, const uint16_t* x, int64_t M, int64_t n, uint16_t* out) {
+  at::Tensor xt = at::empty({M, n}, at::TensorOptions().dtype(at::kBFloat16));  // prepare() reads a tensor
+  std::memcpy(xt.data_ptr(), x, M * n * sizeof(uint16_t));
+  moe_quant::Tokens t;
+  moe_quant::prepare(xt, M, n, 'q', t);
+  const int64_t N = cut.back();
+  at::parallel_for(0, N, std::max<int64_t>(1, moe_quant::grain(ws[0].ld) / M), [&](int64_t s, int64_t e) {
+    size_t m = 0;
+    int64_t lo = 0;
+    for (int64_t i = s; i < e; ++i) {
+      while (i >= cut[m]) lo = cut[m++];
+      const int64_t r = i - lo;
+      for (int64_t tok = 0; tok < M; ++tok) {
+        const float v = moe_quant::row_dot(ws[m], r, t, tok) + (bs[m] ? bf2f(bs[m][r]) : 0.0f);
+        out[tok * N + i] = f2bf(v);
+      }
+    }
+  });
+}
+
 void check_w(const at::Tensor& w, int64_t rows, int64_t cols, const char* what) {
   check_weight(w, what);
   TORCH_CHECK(w.size(0) == rows && w.size(1) == cols, what, ": expected [", rows, ", ", cols, "], got ", w.sizes());
@@ -210,7 +235,9 @@ std::vector<at::Tensor> decode_layer_bf16(
     const at::Tensor& blocks, const at::Tensor& lens, int64_t bs, double scaling, int64_t window,
     const at::Tensor& wo, const std::optional<at::Tensor>& bo, const at::Tensor& ln2,
     const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rb, int64_t norm_mode, int64_t router_mode) {
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rb, int64_t norm_mode, int64_t router_mode,
+    const std::optional<at::Tensor>& sq, const std::optional<at::Tensor>& sk, const std::optional<at::Tensor>& sv,
+    const std::optional<at::Tensor>& so) {
   TORCH_CHECK(h.dim() == 2, "decode_layer_bf16 h: expected [M, H], got ", h.sizes());
   check_bf16(h, -1, "decode_layer_bf16 h");
   const int64_t M = h.size(0), H = h.size(1);
@@ -223,13 +250,30 @@ std::vector<at::Tensor> decode_layer_bf16(
   const int64_t R = kpool.size(0), Hkv = kpool.size(1), D = kpool.size(2), Dv = vpool.size(2);
   TORCH_CHECK(vpool.size(0) == R && vpool.size(1) == Hkv && Dv == D, "vpool: expected the shape of kpool ", kpool.sizes(),
               ", got ", vpool.sizes());
-  check_weight(wq, "wq");
+  const bool q8 = sq.has_value();  // int8 q/k/v/o with per-row scales (all four, or none)
+  TORCH_CHECK(q8 == sk.has_value() && q8 == sv.has_value() && q8 == so.has_value(),
+              "sq/sk/sv/so: expected all four scales (int8 q/k/v/o) or none");
+  TORCH_CHECK(wq.dim() == 2, "wq: expected 2-D, got ", wq.sizes());
   const int64_t Nq = wq.size(0), Nk = Hkv * D, Hq = Nq / D;
   TORCH_CHECK(Nq % D == 0 && Hq % Hkv == 0, "wq: ", Nq, " rows are not a multiple of ", Hkv, " KV heads of ", D);
-  check_w(wq, Nq, H, "wq");
-  check_w(wk, Nk, H, "wk");
-  check_w(wv, Nk, H, "wv");
-  check_w(wo, H, Nq, "wo");
+  std::vector<moe_quant::Weight> qw;
+  if (q8) {
+    const at::Tensor* w4[4] = {&wq, &wk, &wv, &wo};
+    const std::optional<at::Tensor>* s4[4] = {&sq, &sk, &sv, &so};
+    const int64_t rows[4] = {Nq, Nk, Nk, H}, cols[4] = {H, H, H, Nq};
+    const char* names[4] = {"wq", "wk", "wv", "wo"};
+    for (int i = 0; i < 4; ++i) {
+      TORCH_CHECK(w4[i]->scalar_type() == at::kChar && w4[i]->dim() == 2 && w4[i]->size(0) == rows[i] && w4[i]->size(1) == cols[i],
+                  names[i], ": expected int8 [", rows[i], ", ", cols[i], "] with its scales, got ", w4[i]->scalar_type(), " ",
+                  w4[i]->sizes());
+      qw.push_back(moe_quant::weight_of(*w4[i], **s4[i], 0, names[i]));
+    }
+  } else {
+    check_w(wq, Nq, H, "wq");
+    check_w(wk, Nk, H, "wk");
+    check_w(wv, Nk, H, "wv");
+    check_w(wo, H, Nq, "wo");
+  }
   const uint16_t* bqp = opt_vec(bq, Nq, "bq");
   const uint16_t* bkp = opt_vec(bk, Nk, "bk");
   const uint16_t* bvp = opt_vec(bv, Nk, "bv");
@@ -283,8 +327,11 @@ std::vector<at::Tensor> decode_layer_bf16(
   // q, k, v in one pass over their rows
   const int64_t N3 = Nq + 2 * Nk;
   std::vector<uint16_t> qkv(M * N3);
-  project({ptr(wq), ptr(wk), ptr(wv)}, {wq.stride(0), wk.stride(0), wv.stride(0)}, {bqp, bkp, bvp},
-          {Nq, Nq + Nk, N3}, x1.data(), M, H, qkv.data());
+  if (q8)
+    project_q({qw[0], qw[1], qw[2]}, {bqp, bkp, bvp}, {Nq, Nq + Nk, N3}, x1.data(), M, H, qkv.data());
+  else
+    project({ptr(wq), ptr(wk), ptr(wv)}, {wq.stride(0), wk.stride(0), wv.stride(0)}, {bqp, bkp, bvp},
+            {Nq, Nq + Nk, N3}, x1.data(), M, H, qkv.data());
 
   // q/k norms, rotary (q*cos + rotate_half(q)*sin, each product and the sum rounded), k/v into the pool
   uint16_t* kp = reinterpret_cast<uint16_t*>(kpool.data_ptr());
@@ -377,7 +424,10 @@ std::vector<at::Tensor> decode_layer_bf16(
 
   // o_proj, residual, second norm
   std::vector<uint16_t> o(M * H);
-  project({ptr(wo)}, {wo.stride(0)}, {bop}, {H}, attn.data(), M, Nq, o.data());
+  if (q8)
+    project_q({qw[3]}, {bop}, {H}, attn.data(), M, Nq, o.data());
+  else
+    project({ptr(wo)}, {wo.stride(0)}, {bop}, {H}, attn.data(), M, Nq, o.data());
   at::Tensor h2 = at::empty({M, H}, h.options());
   at::Tensor x2 = at::empty({M, H}, h.options());
   uint16_t* h2p = reinterpret_cast<uint16_t*>(h2.data_ptr());
@@ -458,7 +508,7 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
         "Tensor? bk, Tensor? bv, Tensor? qn, Tensor? kn, Tensor cos, Tensor sin, Tensor(a!) kpool, Tensor(b!) vpool, "
         "Tensor blocks, Tensor lens, int bs, float scaling, int window, Tensor wo, Tensor? bo, Tensor ln2, Tensor? wr, "
         "int top_k, bool norm_topk, bool w_bf16, Tensor? sinks=None, Tensor? rb=None, int norm_mode=0, "
-        "int router_mode=0) -> Tensor[]");
+        "int router_mode=0, Tensor? sq=None, Tensor? sk=None, Tensor? sv=None, Tensor? so=None) -> Tensor[]");
   m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps, int norm_mode=0) -> Tensor");
 }
 
@@ -473,7 +523,8 @@ def register_fakes(register_fake) -> None:
     """Shape functions of the fused decode ops (called by cpu_kernels after a build)."""
 
     def layer(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kpool, vpool, blocks, lens, bs, scaling,
-              window, wo, bo, ln2, wr, top_k, norm_topk, w_bf16, sinks=None, rb=None, norm_mode=0, router_mode=0):
+              window, wo, bo, ln2, wr, top_k, norm_topk, w_bf16, sinks=None, rb=None, norm_mode=0, router_mode=0,
+              sq=None, sk=None, sv=None, so=None):
         m = h.shape[0] if wr is not None else 0
         import torch
 

@@ -34,7 +34,8 @@ from moe_offload.errors import ConfigError, EngineError
 from moe_offload.log import get_logger
 
 POLICIES = ("static", "lru", "hybrid")
-BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "expert_dtype", "hybrid_threshold", "cache", "block_size",
+BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "expert_dtype", "dense_dtype", "hybrid_threshold", "cache",
+                 "block_size",
                  "kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
 CACHES = ("paged", "dynamic")
 DEFAULT_KV_CPU = 4 * 2**30  # bytes: the KV budget on a cpu device unless kv_cache_memory says otherwise
@@ -573,6 +574,7 @@ def build_offload_engine(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 512,
     expert_dtype: str | None = None,
+    dense_dtype: str | None = None,
     **unknown,
 ) -> OffloadEngine:
     """Load ``model_path`` (default: the demo model, built on first use) with the offload executor.
@@ -583,7 +585,8 @@ def build_offload_engine(
     which hybrid fetches. cache: "paged" (block pool, batched steps) or "dynamic" (per sequence, the model's own
     cache). block_size, kv_cache_memory (bytes), max_model_len, max_num_seqs, max_num_batched_tokens: the KV
     budget and the scheduler, as vLLM names them (KVCacheConfig, SchedulerConfig). expert_dtype: "int8" | "fp8" | "bf16" | None
-    (experts as the checkpoint stores them; see loader.load_model).
+    (experts as the checkpoint stores them; see loader.load_model). dense_dtype: "int8" | "bf16" | None (attention
+    projections and LM head; see loader.load_model).
     """
     if unknown:
         raise ConfigError(f"unknown engine option(s) {', '.join(sorted(unknown))}; valid: {', '.join(BUILD_OPTIONS)}")
@@ -605,7 +608,7 @@ def build_offload_engine(
     resolved = _resolve_placement(path, placement, fraction, policy, backend, dtype)
     offloaded = load_model(
         str(path), resolved, policy=policy, device=device, dtype=dtype, hybrid_threshold=hybrid_threshold,
-        expert_dtype=expert_dtype,
+        expert_dtype=expert_dtype, dense_dtype=dense_dtype,
     )
     return OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache,
                          kv_config=kv_config, scheduler=sched)

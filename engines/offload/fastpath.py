@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_offload.engines.offload import cpu_kernels
+from moe_offload.engines.offload.quant import QuantLinear
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -83,6 +84,7 @@ class _Layer:
     router: object | None = None  # [E, H]
     router_bias: object | None = None  # [E]
     sinks: object | None = None  # [Hq]
+    scales: tuple = (None, None, None, None)  # int8 q/k/v/o: fp32 row scales
 
 
 class DecodePlan:
@@ -144,16 +146,20 @@ class DecodePlan:
             shared = None
             if moe is not None and hasattr(mlp, "shared_expert"):
                 shared = (mlp.shared_expert, mlp.shared_expert_gate)
+            q8 = isinstance(attn.q_proj, QuantLinear)  # --dense-dtype int8: int8 rows and their scales
+            w_of = (lambda m: m.weight_q) if q8 else (lambda m: m.weight)
             args = (
                 layer.input_layernorm.weight, eps,
-                attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                w_of(attn.q_proj), w_of(attn.k_proj), w_of(attn.v_proj),
                 attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias,
                 qn.weight if qn is not None else None, kn.weight if kn is not None else None,
             )
-            tail = (float(attn.scaling), int(window or 0), attn.o_proj.weight, attn.o_proj.bias,
+            tail = (float(attn.scaling), int(window or 0), w_of(attn.o_proj), attn.o_proj.bias,
                     layer.post_attention_layernorm.weight)
             lay = _Layer(i, (args, tail), moe, experts, state, None if moe is not None else mlp, shared)
             lay.sinks = getattr(attn, "sinks", None)
+            if q8:
+                lay.scales = tuple(getattr(attn, a).weight_scale for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
             if moe is not None:
                 if any(t is not None and t.dtype != torch.bfloat16 for t in (router.weight, getattr(router, "bias", None))):
                     log.debug("fused decode path off", reason=f"layer {i}: router not bf16")
@@ -179,14 +185,15 @@ class DecodePlan:
         inner = getattr(model, "model", None)
         if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return "unexpected module layout"
-        if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+        if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, QuantLinear)):
             return "no linear LM head"
         if getattr(cfg, "clip_qkv", None) is not None:
             return "clip_qkv"
         for layer in inner.layers:
             attn = getattr(layer, "self_attn", None)
-            if not all(isinstance(getattr(attn, a, None), torch.nn.Linear) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
-                return "attention without q/k/v/o projections"
+            kinds = {type(getattr(attn, a, None)) for a in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            if kinds not in ({torch.nn.Linear}, {QuantLinear}):
+                return "attention without q/k/v/o projections (all nn.Linear, or all int8)"
             if not all(hasattr(getattr(layer, a, None), "variance_epsilon") for a in ("input_layernorm",
                                                                                     "post_attention_layernorm")):
                 return "not the two RMSNorms around attention"
@@ -196,8 +203,9 @@ class DecodePlan:
             for m in (attn, layer.input_layernorm, layer.post_attention_layernorm):
                 if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in m.parameters()):
                     return "not bf16 on the CPU"
-        if any(p.dtype != torch.bfloat16 or p.device.type != "cpu"
-               for p in (model.lm_head.weight, inner.norm.weight, inner.embed_tokens.weight)):
+        if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in (inner.norm.weight, inner.embed_tokens.weight)):
+            return "not bf16 on the CPU"
+        if isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight.dtype != torch.bfloat16:
             return "not bf16 on the CPU"
         for layer in inner.layers:  # q/k norms the kernel knows: per head, or over the whole projection
             attn = layer.self_attn
@@ -240,7 +248,7 @@ class DecodePlan:
             kp, vp = self._pools(lay.idx, wk, wv)
             h, x2, idx, w = op(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kp, vp, table, lens_t,
                                self.bs, scaling, window, wo, bo, ln2, lay.router, lay.top_k, lay.norm_topk, rw_bf16,
-                               lay.sinks, lay.router_bias, fam.norm_mode, fam.router_mode)
+                               lay.sinks, lay.router_bias, fam.norm_mode, fam.router_mode, *lay.scales)
             if lay.moe is not None:
                 out = ex.forward(lay.state, lay.experts, x2, idx, w)
                 if lay.shared is not None:

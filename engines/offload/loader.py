@@ -67,6 +67,7 @@ def load_model(
     dtype: str | None = None,
     hybrid_threshold: int | None = None,
     expert_dtype: str | None = None,
+    dense_dtype: str | None = None,
 ) -> OffloadedModel:
     """Load checkpoint ``path`` with ``placement`` (None: every expert resident) under miss ``policy``.
 
@@ -75,6 +76,8 @@ def load_model(
     ``hybrid_threshold``: tokens per expert and step at which ``hybrid`` fetches instead of computing on the host.
     ``expert_dtype``: None keeps the experts as the checkpoint stores them (float, or MXFP4 / FP8 kept quantized);
     "int8" | "fp8" quantizes a float checkpoint's experts at load; "bf16" casts (float) or dequantizes (quantized).
+    ``dense_dtype``: "int8" also holds the attention projections and the LM head as int8 rows (quant.QuantLinear;
+    bf16 compute on the cpu only); None or "bf16" keeps them in the compute dtype.
     Raises ModelError (bad checkpoint, dense model), PlacementError (placement for another model, slots that do
     not fit), ConfigError (bad option) before any large allocation.
     """
@@ -85,6 +88,8 @@ def load_model(
         raise ConfigError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
         raise ConfigError(f"expert_dtype: expected one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
+    if dense_dtype is not None and dense_dtype not in quant.DENSE_DTYPES:
+        raise ConfigError(f"dense_dtype: expected one of {', '.join(quant.DENSE_DTYPES)}, got {dense_dtype!r}")
     dev = resolve_device(device)
     root = check_checkpoint(path)
 
@@ -94,6 +99,9 @@ def load_model(
     torch_dtype = DTYPES[dtype] if dtype else None
     cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
     compute_dtype = torch_dtype or (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None)
+    if dense_dtype == "int8" and (dev.type != "cpu" or compute_dtype not in (None, torch.bfloat16)):
+        raise ConfigError(f"dense_dtype int8: needs bf16 compute on the cpu, got {compute_dtype} on {dev} "
+                          "(give --dtype bfloat16, or leave the dense weights as they are)")
     acc_tier, host_tier, layout = plan_layers(experts, placement, dev)
     if dev.type == "cuda":
         _check_cuda_fit(dev, experts, layout, dense_bytes)
@@ -130,6 +138,11 @@ def load_model(
     executor.finish_setup()
     _install_hooks(model, executor, [m for _, m, _ in stores], modules)
     kernels.prepare(model, stores[0][2].tensors[0].dtype if stores else None)  # bf16 CPU GEMV kernels (MOE_OFFLOAD_KERNELS=0: off)
+    if dense_dtype == "int8":
+        if dev.type != "cpu" or model.dtype != torch.bfloat16:
+            raise ConfigError(f"dense_dtype int8: needs bf16 compute on the cpu, got {model.dtype} on {dev} "
+                              "(give --dtype bfloat16, or leave the dense weights as they are)")
+        quant.quantize_dense(model)
     from moe_offload.log import get_logger
 
     get_logger("moe_offload.loader").info("experts_loaded", checkpoint=str(root), checkpoint_format=method or "float",

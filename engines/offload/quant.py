@@ -148,3 +148,56 @@ def weight_bytes(fmt: str, R: int, K: int, split: int = 0, float_bytes: int = 2)
     from moe_offload.spec import stored_weight_bytes
 
     return stored_weight_bytes(fmt, R, K, split, float_bytes)
+
+
+# -- --dense-dtype int8: the model's own attention projections and LM head held as int8 --------------------------
+DENSE_DTYPES = ("int8", "bf16")
+
+
+class QuantLinear(torch.nn.Module):
+    """An ``nn.Linear`` held as int8 rows with fp32 per-row scales (``quantize_int8``), for ``--dense-dtype int8``.
+
+    Up to 16 tokens (decode) go through ``moe_offload::gemv_q``, the int8 kernel the experts use (activations
+    quantized per token in blocks of 32); more tokens (prefill) through ``F.linear`` on the dequantized weight.
+    The bias keeps its dtype."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        q, s = quantize_int8(linear.weight.detach())
+        self.register_buffer("weight_q", q)
+        self.register_buffer("weight_scale", s)
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from moe_offload.engines.offload import cpu_kernels
+        from moe_offload.engines.offload.quant_kernels import MAX_TOKENS
+
+        if (x.is_cpu and x.dtype in (torch.bfloat16, torch.float32) and 0 < x.numel() <= MAX_TOKENS * self.in_features
+                and cpu_kernels.load()):
+            return torch.ops.moe_offload.gemv_q(x, self.weight_q, self.weight_scale, self.bias, 0)
+        return torch.nn.functional.linear(x, dequantize_int8(self.weight_q, self.weight_scale, x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+DENSE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def quantize_dense(model: torch.nn.Module) -> int:
+    """Replace the attention projections (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` of every ``self_attn``) and
+    the LM head by ``QuantLinear``; returns how many. Embeddings, norms, routers and shared experts stay as they are."""
+    n = 0
+    for name, module in list(model.named_modules()):
+        if name.endswith("self_attn"):
+            for attr in DENSE_NAMES:
+                lin = getattr(module, attr, None)
+                if type(lin) is torch.nn.Linear:
+                    setattr(module, attr, QuantLinear(lin))
+                    n += 1
+    head = getattr(model, "lm_head", None)
+    if type(head) is torch.nn.Linear:
+        model.lm_head = QuantLinear(head)
+        n += 1
+    return n

@@ -53,7 +53,7 @@ def engine_options(cfg) -> dict[str, Any]:
                    mock_hit=cfg.mock_hit, engine=cfg.engine, data=cfg.data, env=cfg.env, max_num_seqs=cfg.max_num_seqs,
                    max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
                    block_size=cfg.block_size, kv_cache_memory=parse_size(kv, "kv_cache_memory") if kv is not None else None,
-                   expert_dtype=cfg.expert_dtype)
+                   expert_dtype=cfg.expert_dtype, dense_dtype=cfg.dense_dtype)
 
 
 def build(cfg, log):

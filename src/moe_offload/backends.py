@@ -64,7 +64,7 @@ BATCHING_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
 
 
 def engine_options(backend: str, *, policy=None, fraction=None, mock_ms=None, mock_hit=None, engine=None, data=None,
-                   env=None, expert_dtype=None, **batching) -> dict:
+                   env=None, expert_dtype=None, dense_dtype=None, **batching) -> dict:
     """The build_engine options each built-in backend takes, from the CLI's or the runner's settings (None: unset).
     ``batching``: the offload engine's scheduler and KV budget (BATCHING_OPTIONS, vLLM's names)."""
     unknown = set(batching) - set(BATCHING_OPTIONS)
@@ -74,7 +74,8 @@ def engine_options(backend: str, *, policy=None, fraction=None, mock_ms=None, mo
         return {k: v for k, v in (("ms_per_token", mock_ms), ("hit_rate", mock_hit)) if v is not None}
     if backend == "rngd":
         return {k: v for k, v in (("engine", engine), ("data", data), ("env", env)) if v}
-    opts = {k: v for k, v in (("policy", policy), ("fraction", fraction), ("expert_dtype", expert_dtype))
+    opts = {k: v for k, v in (("policy", policy), ("fraction", fraction), ("expert_dtype", expert_dtype),
+                              ("dense_dtype", dense_dtype))
             if v is not None and v != ""}
     return opts | {k: v for k, v in batching.items() if v is not None}
 

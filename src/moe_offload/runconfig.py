@@ -31,6 +31,7 @@ class RunConfig:
     max_model_len: int | None = None  # cpu/cuda: longest prompt + output
     block_size: int | None = None  # cpu/cuda: tokens per KV block
     expert_dtype: str | None = None  # int8 | fp8 | bf16 (offload engines; None: as the checkpoint stores them)
+    dense_dtype: str | None = None  # int8 | bf16 (cpu offload engine: attention projections and LM head; None: as loaded)
     engine: str | None = None  # external engine binary (rngd)
     data: str | None = None  # the external engine's input directory
     role: str = "worker"
@@ -107,6 +108,8 @@ class RunConfig:
                 raise ContractError("config.kv_cache_memory", "a memory size (bytes, or e.g. 2GiB)", self.kv_cache_memory) from None
         if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
             raise ContractError("config.expert_dtype", " | ".join(EXPERT_DTYPES), self.expert_dtype)
+        if self.dense_dtype is not None and self.dense_dtype not in ("int8", "bf16"):
+            raise ContractError("config.dense_dtype", "int8 | bf16", self.dense_dtype)
         if self.fraction is not None and not 0 <= self.fraction <= 1:
             raise ContractError("config.fraction", "a fraction in 0..1", self.fraction)
         from moe_offload.serving.classify import CLASSES

@@ -99,3 +99,25 @@ def test_runner_config_key():
         RunConfig.parse({"expert_dtype": "int4"})
     assert engine_options("cpu", expert_dtype="fp8") == {"expert_dtype": "fp8"}
     assert "expert_dtype" not in engine_options("mock", expert_dtype="fp8")
+
+
+def test_dense_dtype_key_and_options():
+    from moe_offload.backends import engine_options
+    from moe_offload.runconfig import RunConfig
+
+    assert RunConfig.parse({"dense_dtype": "int8"}).dense_dtype == "int8"
+    with pytest.raises(ContractError, match="config.dense_dtype"):
+        RunConfig.parse({"dense_dtype": "fp8"})
+    assert engine_options("cpu", expert_dtype="int8", dense_dtype="int8") == {"expert_dtype": "int8", "dense_dtype": "int8"}
+    assert "dense_dtype" not in engine_options("mock", dense_dtype="int8")
+
+
+def test_generate_dense_dtype_int8_needs_bf16(demo_model_dir, capsys):
+    rc = main(["generate", "--model", str(demo_model_dir), "--prompt", "hello", "--max-tokens", "2",
+               "--dense-dtype", "int8"])  # the demo checkpoint computes in fp32
+    _, err = capsys.readouterr()
+    assert rc != 0 and "dense_dtype int8: needs bf16 compute on the cpu" in err and err.count("\n") == 1
+    rc = main(["generate", "--model", str(demo_model_dir), "--prompt", "hello", "--max-tokens", "3", "--ignore-eos",
+               "--dtype", "bfloat16", "--expert-dtype", "int8", "--dense-dtype", "int8", "--json"])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and len(json.loads(out)["token_ids"]) == 3

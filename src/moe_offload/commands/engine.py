@@ -10,6 +10,8 @@ import click
 from moe_offload.errors import ConfigError, ModelError
 
 POLICY_HELP = "Miss policy: static (misses computed on the host), lru (misses copied into slots), hybrid (by tokens per expert)."
+DENSE_DTYPE_HELP = ("Attention projections and LM head: int8 holds them as int8 rows with per-row scales (bf16 "
+                    "compute on cpu; decode reads half the bytes), bf16 keeps them (default: as loaded).")
 EXPERT_DTYPE_HELP = ("Experts in memory: int8 (per-channel) or fp8 (128x128 blocks) quantizes a bf16/fp32 checkpoint's "
                      "experts at load; bf16 dequantizes an MXFP4/FP8 checkpoint's (default: as the checkpoint stores them).")
 
@@ -39,6 +41,7 @@ def _require_tokenizer(path: Path) -> None:
 
 
 def _engine_options(fn):
+    fn = click.option("--dense-dtype", type=click.Choice(["int8", "bf16"]), help=DENSE_DTYPE_HELP)(fn)
     fn = click.option("--expert-dtype", type=click.Choice(["int8", "fp8", "bf16"]), help=EXPERT_DTYPE_HELP)(fn)
     fn = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype (default: the checkpoint's).")(fn)
     fn = click.option("--placement", "placement", help="Placement JSON (from `moe-offload plan`); excludes --fraction.")(fn)
@@ -49,7 +52,7 @@ def _engine_options(fn):
 
 
 def _build(model: Path, backend: str, policy: str, fraction: float | None, placement: str | None, dtype: str | None,
-           expert_dtype: str | None = None):
+           expert_dtype: str | None = None, dense_dtype: str | None = None):
     from moe_offload.backends import get_backend
 
     if fraction is not None and not 0.0 <= fraction <= 1.0:
@@ -59,6 +62,8 @@ def _build(model: Path, backend: str, policy: str, fraction: float | None, place
     options = {"policy": policy, "fraction": fraction, "dtype": dtype}
     if expert_dtype:
         options["expert_dtype"] = expert_dtype
+    if dense_dtype:
+        options["dense_dtype"] = dense_dtype
     return get_backend(backend).build_engine(str(model), placement, **options)
 
 
@@ -96,8 +101,8 @@ def demo_model(out: str | None, seed: int) -> None:
 @click.option("--seed", type=int, help="Sampling seed (same seed, same tokens).")
 @click.option("--ignore-eos", is_flag=True, help="Keep going after an end-of-sequence token.")
 @click.option("--json", "as_json", is_flag=True, help="Print the token ids, text and stats as JSON.")
-def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placement, dtype, expert_dtype, temperature, top_p,
-             top_k, seed, ignore_eos, as_json) -> None:
+def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype,
+             temperature, top_p, top_k, seed, ignore_eos, as_json) -> None:
     """Generate text with the offload engine; stats go to stderr (or into --json)."""
     from moe_offload.engines.base import SamplingParams
 
@@ -106,7 +111,7 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
     _quiet()
     path = _model_dir(model)
     _require_tokenizer(path)
-    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype)
+    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype)
     try:
         ids = _encode(engine, prompt, chat)
         gen = engine.generate(ids, params)
@@ -211,7 +216,8 @@ def capture_routes(engine, prompts: list[list[int]], max_tokens: int = 1) -> tup
 @click.option("--chat", is_flag=True, help="Send each prompt through the chat template.")
 @_engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
-def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction, placement, dtype, expert_dtype, as_json) -> None:
+def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype,
+                as_json) -> None:
     """Record the top-k expert ids per MoE layer per token over a prompt set (a routes file for `plan`)."""
     from moe_offload.cli import emit
     from moe_offload.profile import Routes, save_routes
@@ -223,7 +229,7 @@ def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction
     _quiet()
     path = _model_dir(model)
     _require_tokenizer(path)
-    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype)
+    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype)
     try:
         spec = ModelSpec.from_hf_config(str(path))
         layers, per_prompt = capture_routes(engine, [_encode(engine, p, chat) for p, _ in rows], max_tokens)

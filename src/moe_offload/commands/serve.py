@@ -21,6 +21,8 @@ def _worker_options(fn):
         click.option("--fraction", type=float, help="Resident fraction of each layer's experts (cpu/cuda, without --placement)."),
         click.option("--expert-dtype", type=click.Choice(["int8", "fp8", "bf16"]),
                      help="cpu/cuda: experts in memory as int8/fp8 (quantized at load) or bf16 (default: as stored)."),
+        click.option("--dense-dtype", type=click.Choice(["int8", "bf16"]),
+                     help="cpu: attention projections and LM head as int8 rows too (bf16 compute; default: as loaded)."),
         click.option("--mock-ms-per-token", type=float, default=5.0, show_default=True, help="mock backend: decode time per token."),
         click.option("--mock-hit-rate", type=float, default=0.85, show_default=True, help="mock backend: simulated hit rate."),
         click.option("--engine", "engine_bin", help="rngd backend: the external engine binary (JSON-lines protocol)."),
@@ -48,7 +50,8 @@ def _worker_options(fn):
     return fn
 
 
-def _run_worker(backend_name: str, model: str | None, *, host, port, placement, policy, fraction, expert_dtype, mock_ms_per_token,
+def _run_worker(backend_name: str, model: str | None, *, host, port, placement, policy, fraction, expert_dtype, dense_dtype,
+                mock_ms_per_token,
                 mock_hit_rate, engine_bin, engine_data, served_model_name, api_key, max_queue, request_timeout, max_body_bytes, gateway_url,
                 gateway_token, advertise_url, banner: bool, max_num_seqs=None, max_num_batched_tokens=None, kv_cache_memory=None,
                 max_model_len=None, block_size=None, generation_config: str = "auto", tool_call_parser: str = "auto") -> None:
@@ -67,7 +70,8 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
         placement_obj = Placement.from_json(Path(placement).read_text())
     from moe_offload.units import parse_size
 
-    options = backends.engine_options(backend_name, policy=policy, fraction=fraction, expert_dtype=expert_dtype, mock_ms=mock_ms_per_token,
+    options = backends.engine_options(backend_name, policy=policy, fraction=fraction, expert_dtype=expert_dtype,
+                                      dense_dtype=dense_dtype, mock_ms=mock_ms_per_token,
                                       mock_hit=mock_hit_rate, engine=engine_bin, data=engine_data, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                       block_size=block_size,
