@@ -172,21 +172,15 @@ inline void axpy_bf16(float* o, float a, const uint16_t* v, int64_t D) {
   for (; d < D; ++d) o[d] += a * bf2f(v[d]);
 }
 
-// rows [begin, end) of the stacked matrices (a row index below cut[0] reads ws[0], ...): out[t, i] for M tokens
+// rows [begin, end) of the stacked matrices (a row index below cut[0] reads ws[0], ...): out[t, i] for M tokens,
+// each matrix's part through gemm_range (the rows gemm_bf16 computes, bit for bit)
 void stacked_rows(const std::vector<const uint16_t*>& ws, const std::vector<int64_t>& lds,
                   const std::vector<const uint16_t*>& bs, const std::vector<int64_t>& cut,
                   const uint16_t* x, int64_t M, int64_t n, int64_t begin, int64_t end, uint16_t* out, int64_t N) {
-  std::vector<const uint16_t*> xs(M);
-  std::vector<float> acc(M);
-  for (int64_t t = 0; t < M; ++t) xs[t] = x + t * n;
-  size_t m = 0;
   int64_t lo = 0;
-  for (int64_t i = begin; i < end; ++i) {
-    while (i >= cut[m]) lo = cut[m++];
-    const int64_t r = i - lo;
-    dot_many(ws[m] + r * lds[m], xs.data(), M, n, acc.data());
-    const uint16_t* b = bs[m];
-    for (int64_t t = 0; t < M; ++t) out[t * N + i] = f2bf(b ? acc[t] + bf2f(b[r]) : acc[t]);
+  for (size_t m = 0; m < cut.size(); lo = cut[m++]) {
+    const int64_t b = std::max(begin, lo), e = std::min(end, cut[m]);
+    if (b < e) gemm_range(ws[m], lds[m], x, n, M, n, bs[m], b - lo, e - lo, out + lo, N);
   }
 }
 

@@ -339,11 +339,8 @@ class OffloadEngine(Engine):
         ex = self.executor
         ex.per_token = len(sched) > 1
         before = _snapshot(ex)
-        t0 = time.perf_counter()
         logits = self.fast.forward([seq.tokens[seq.computed] for seq, _ in sched],
                                    [seq.computed + 1 for seq, _ in sched], [seq.blocks for seq, _ in sched])
-        ex.stats.forwards += 1
-        ex.stats.forward_s += time.perf_counter() - t0
         self._book(sched, before, ex.token_stats)
         # rows for the sequences that sample (as _forward_paged keeps them): a one-token prefill chunk that does not
         # end its prompt has none

@@ -123,6 +123,11 @@ class Executor:
         if self._capturing:
             self._records.append({})
 
+    def end_forward(self, t0: float) -> None:
+        """A model forward that began at perf_counter ``t0`` has ended (the module hooks' and the fused path's)."""
+        self.stats.forwards += 1
+        self.stats.forward_s += time.perf_counter() - t0
+
     # ---- the per-layer path ----
     def forward(self, state: LayerState, module, hidden_states, top_k_index, top_k_weights):
         t0 = time.perf_counter()
@@ -208,11 +213,7 @@ class Executor:
         if T == 1:
             proj = torch.cat(out)  # [K, H]
         result = self._combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, copied)
-        if self.timing:
-            st = self.stats.stage_s
-            st["device_experts"] += (t2 - t1) + fetch_compute_s
-            st["fetch"] += (t3 - t2) - fetch_compute_s
-            st["host_experts"] += t4 - t3
+        self._stages(t1, t2, t3, t4, fetch_compute_s)
         return result
 
     def _forward_fused(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0,
@@ -244,11 +245,9 @@ class Executor:
                 if small:
                     call(x, [weights[i][0] for i in small], [weights[i][1] for i in small], tok, perm,
                          [groups[i][1] for i in small], [groups[i][2] for i in small], proj)
-                if len(small) < len(groups):
-                    big = set(range(len(groups))) - set(small)
-                    for i in sorted(big):
-                        e, start, n = groups[i]
-                        y = expert_forward(module, x.index_select(0, tok[start : start + n]), *weights[i])
+                for (_, start, n), w in zip(groups, weights):
+                    if n > kernels.KERNEL_MAX_GROUP:
+                        y = expert_forward(module, x.index_select(0, tok[start : start + n]), *w)
                         proj.index_copy_(0, perm[start : start + n], y)
 
         t1 = time.perf_counter()
@@ -266,12 +265,17 @@ class Executor:
         run(host, [state.store.expert(g[0]) for g in host])
         t4 = time.perf_counter()
         result = self._combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, len(fetch))
+        self._stages(t1, t2, t3, t4, fetch_s)
+        return result
+
+    def _stages(self, t1, t2, t3, t4, fetch_compute_s):
+        """Book a layer's stage times: hits [t1, t2) and the compute of fetched experts are device time, the rest of
+        [t2, t3) is fetching, [t3, t4) host experts."""
         if self.timing:
             st = self.stats.stage_s
-            st["device_experts"] += (t2 - t1) + fetch_s
-            st["fetch"] += (t3 - t2) - fetch_s
+            st["device_experts"] += (t2 - t1) + fetch_compute_s
+            st["fetch"] += (t3 - t2) - fetch_compute_s
             st["host_experts"] += t4 - t3
-        return result
 
     def _combine(self, state, proj, hidden_states, top_k_index, top_k_weights, hits, host, fetched):
         """sum_k w[t,k] * y[t,k] over proj [S, H] in (token, k) order (as transformers does), and the layer's counts."""

@@ -21,6 +21,7 @@ rows the module path writes, so the two paths mix freely within a sequence.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -199,6 +200,9 @@ class DecodePlan:
                 return "not the two RMSNorms around attention"
             if not hasattr(layer, "mlp"):
                 return "no mlp"
+            for norm, proj in ((getattr(attn, "q_norm", None), attn.q_proj), (getattr(attn, "k_norm", None), attn.k_proj)):
+                if norm is not None and norm.weight.numel() not in (attn.head_dim, proj.out_features):
+                    return f"a q/k norm of {norm.weight.numel()} values"  # per head, or over the projection
             # what the fused call reads must be bf16 on the CPU (a router's fp32 correction bias may stay fp32)
             for m in (attn, layer.input_layernorm, layer.post_attention_layernorm):
                 if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in m.parameters()):
@@ -207,11 +211,6 @@ class DecodePlan:
             return "not bf16 on the CPU"
         if isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight.dtype != torch.bfloat16:
             return "not bf16 on the CPU"
-        for layer in inner.layers:  # q/k norms the kernel knows: per head, or over the whole projection
-            attn = layer.self_attn
-            for norm, proj in ((getattr(attn, "q_norm", None), attn.q_proj), (getattr(attn, "k_norm", None), attn.k_proj)):
-                if norm is not None and norm.weight.numel() not in (attn.head_dim, proj.out_features):
-                    return f"a q/k norm of {norm.weight.numel()} values"
         head_dim = inner.layers[0].self_attn.head_dim
         probe = torch.zeros(1, 1, cfg.hidden_size, dtype=torch.bfloat16)
         cos, _ = inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long))
@@ -238,6 +237,7 @@ class DecodePlan:
             cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         ex = self.executor
+        t0 = time.perf_counter()
         ex.begin_forward()
         op = torch.ops.moe_offload.decode_layer_bf16
         add = None
@@ -245,7 +245,8 @@ class DecodePlan:
         rw_bf16 = fam.router_weights_bf16
         for lay in self.layers:
             (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
-            kp, vp = self._pools(lay.idx, wk, wv)
+            hd = self.head_dim
+            kp, vp = self.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
             h, x2, idx, w = op(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kp, vp, table, lens_t,
                                self.bs, scaling, window, wo, bo, ln2, lay.router, lay.top_k, lay.norm_topk, rw_bf16,
                                lay.sinks, lay.router_bias, fam.norm_mode, fam.router_mode, *lay.scales)
@@ -259,15 +260,7 @@ class DecodePlan:
                 out = (out[0] if isinstance(out, tuple) else out)[0]
             add = out.contiguous()
         x = torch.ops.moe_offload.rmsnorm_bf16(h, add, self.norm.weight, self.eps, fam.norm_mode)
+        logits = self.lm_head(x)  # [M, V]
+        ex.end_forward(t0)
         self.steps += 1
-        return self.lm_head(x)  # [M, V]
-
-    def _pools(self, idx: int, wk, wv):
-        pools = self.pool.layers.get(idx)
-        if pools is None:  # first write of this layer (the module path creates it the same way)
-            attn = self.model.model.layers[idx].self_attn
-            hd = attn.head_dim
-            k = torch.empty(1, wk.shape[0] // hd, 1, hd, dtype=torch.bfloat16)
-            v = torch.empty(1, wv.shape[0] // hd, 1, hd, dtype=torch.bfloat16)
-            pools = self.pool.layer(idx, k, v)
-        return pools
+        return logits

@@ -98,6 +98,8 @@ def fused_experts_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
     transformers' silu gate on concatenated gate|up, no biases, no post-expert norm."""
     return (not getattr(module, "has_bias", False) and not module.has_post_expert_norm and x.dim() == 2
             and _fast(x, w, module.is_transposed) and _is_silu_concat(module))
+
+
 def fused_experts_q_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
     """One token's int8/fp8 experts can go through moe_offload::experts_mlp_q (one call per tier): CPU, silu gate on
     a concatenated gate|up, no biases, no post-expert norm, kernels built."""

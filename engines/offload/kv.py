@@ -89,12 +89,17 @@ class KVPool:
         self._free.extend(reversed(blocks))
 
     def layer(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``idx``'s pools for the step's new rows k/v [1, Hkv, N, D] (created at first use)."""
+        return self.layer_of(idx, k.shape[1], k.shape[3], v.shape[1], v.shape[3], k.dtype)
+
+    def layer_of(self, idx: int, k_heads: int, k_dim: int, v_heads: int, v_dim: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``idx``'s (key, value) pools [rows, heads, dim], created at first use (the fused path asks by shape)."""
         pools = self.layers.get(idx)
         if pools is None:
             rows = self.num_blocks * self.block_size
             # torch.empty commits no pages: resident memory grows with the rows actually written
-            pools = (torch.empty(rows, k.shape[1], k.shape[3], dtype=k.dtype, device=self.device),
-                     torch.empty(rows, v.shape[1], v.shape[3], dtype=v.dtype, device=self.device))
+            pools = (torch.empty(rows, k_heads, k_dim, dtype=dtype, device=self.device),
+                     torch.empty(rows, v_heads, v_dim, dtype=dtype, device=self.device))
             self.layers[idx] = pools
         return pools
 

@@ -384,9 +384,7 @@ def _install_hooks(model, executor: Executor, experts_modules, modules) -> None:
         state["t0"] = time.perf_counter()
 
     def post(_m, _args, _out):
-        st = stats_ref.stats
-        st.forwards += 1
-        st.forward_s += time.perf_counter() - state["t0"]
+        stats_ref.end_forward(state["t0"])
 
     model.register_forward_pre_hook(pre)
     model.register_forward_hook(post)

@@ -44,10 +44,7 @@ class Job:
         self.started = False
 
     def push(self, item: tuple) -> None:  # engine thread
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
-            self.cancelled.set()
+        _deliver([(self, item)])
 
     def cancel(self) -> None:
         self.cancelled.set()
