@@ -66,7 +66,7 @@ def main() -> None:
         from bench_engine import build_model
 
         a.model = str(build_model(Path.home() / ".cache" / "moe-offload" / "bench-model"))
-    from moe_offload.engines.offload.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.engine import build_offload_engine
 
     engine = build_offload_engine(a.model, max_num_seqs=max(int(s) for s in a.streams.split(",")))
     model = engine.model
@@ -75,7 +75,7 @@ def main() -> None:
     for n in (int(s) for s in a.streams.split(",")):
         batch = prompts(n)
         t_ours, ids_ours = ours(engine, batch, a.tokens)
-        from moe_offload.engines.offload import kv
+        from moe_offload.engines.offload.runtime import kv
 
         old = kv.set_attention(model, "sdpa")  # transformers picks its paged variant of this
         try:

@@ -41,7 +41,7 @@ def build_model(out: Path, seed: int = 0) -> Path:
 
 def measure(path: Path, policy: str, fraction: float, prompt: list[int], tokens: int, repeats: int, device: str):
     from moe_offload.engines.base import SamplingParams
-    from moe_offload.engines.offload.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.engine import build_offload_engine
 
     engine = build_offload_engine(path, policy=policy, fraction=fraction, dtype="bfloat16", device=device,
                                   backend="cuda" if device.startswith("cuda") else "cpu")
@@ -89,8 +89,8 @@ def main() -> int:
 
     logging.disable_progress_bar()
     from moe_offload.commands.costmodel import calibration_text
-    from moe_offload.costmodel import Calibration, predict
-    from moe_offload.spec import ModelSpec
+    from moe_offload.control.costmodel import Calibration, predict
+    from moe_offload.control.spec import ModelSpec
 
     tmp = None
     if args.model_dir is None:
@@ -101,7 +101,7 @@ def main() -> int:
     if args.calibration:
         cal = Calibration.load(args.calibration)
     else:
-        from moe_offload.engines.offload.calibrate import calibrate
+        from moe_offload.engines.offload.tools.calibrate import calibrate
 
         t0 = time.perf_counter()
         cal = calibrate(args.device, spec)

@@ -60,7 +60,7 @@ def build_model(out: Path, seed: int = 0, shape: dict | None = None) -> Path:
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
     """Best-of read bandwidth in bytes/s of a sum over a ``gib`` GiB fp32 tensor (the calibration's measurement)."""
-    from moe_offload.engines.offload.calibrate import read_bandwidth as measure
+    from moe_offload.engines.offload.tools.calibrate import read_bandwidth as measure
 
     return measure(torch.device("cpu"), int(gib * 2**30), repeats)
 
@@ -86,7 +86,7 @@ def stored_expert_bytes(path: Path, expert_dtype: str | None) -> int | None:
     """One expert of every MoE layer as the engine holds it with ``--expert-dtype`` (None: as loaded)."""
     if expert_dtype is None:
         return None
-    from moe_offload.spec import ModelSpec
+    from moe_offload.control.spec import ModelSpec
 
     spec = ModelSpec.from_hf_config(path).with_expert_dtype(expert_dtype)
     return spec.expert_bytes * spec.num_moe_layers
@@ -137,7 +137,7 @@ def bench_stock(path: Path, prompt: list[int], tokens: int, repeats: int) -> dic
 def bench_engine(path: Path, prompt: list[int], tokens: int, repeats: int, policy: str, fraction: float,
                  expert_dtype: str | None = None) -> dict:
     from moe_offload.engines.base import SamplingParams
-    from moe_offload.engines.offload.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.engine import build_offload_engine
 
     engine = build_offload_engine(path, policy=policy, fraction=fraction, dtype="bfloat16", expert_dtype=expert_dtype)
     try:
@@ -169,7 +169,7 @@ def ab_compare(path: Path, prompt: list[int], rounds: int, block: int = 8, exper
     from transformers import AutoModelForCausalLM
 
     from moe_offload.engines.base import SamplingParams
-    from moe_offload.engines.offload.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.engine import build_offload_engine
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     engine = build_offload_engine(path, policy="static", fraction=1.0, dtype="bfloat16", expert_dtype=expert_dtype)
@@ -203,7 +203,7 @@ def ab_compare(path: Path, prompt: list[int], rounds: int, block: int = 8, exper
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_offload.engines.offload.calibrate import cpu_name
+    from moe_offload.engines.offload.tools.calibrate import cpu_name
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 decode tokens, 16-token prompt, 1 repeat")

@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    from moe_offload.engines.offload.calibrate import cpu_name
-    from moe_offload.engines.offload.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.tools.calibrate import cpu_name
 
     torch.set_num_threads(args.threads)
     rounds, tokens = (2, 8) if args.quick else (args.rounds, args.tokens)

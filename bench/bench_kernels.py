@@ -28,7 +28,7 @@ H, I, V, K = 1024, 512, 32000, 8
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
-    from moe_offload.engines.offload.calibrate import read_bandwidth as measure
+    from moe_offload.engines.offload.tools.calibrate import read_bandwidth as measure
 
     return measure(torch.device("cpu"), int(gib * 2**30), repeats)
 
@@ -52,16 +52,16 @@ def copies(make, nbytes: int, total: int = 256 << 20) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_offload.engines.offload.calibrate import cpu_name
+    from moe_offload.engines.offload.tools.calibrate import cpu_name
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     repeats = 3 if args.quick else 9
-    from moe_offload.engines.offload import cpu_kernels
+    from moe_offload.engines.offload.kernels import jit
 
-    if not cpu_kernels.load():
-        print(f"kernels unavailable: {cpu_kernels.info()}", file=sys.stderr)
+    if not jit.load():
+        print(f"kernels unavailable: {jit.info()}", file=sys.stderr)
         return 1
     ops = torch.ops.moe_offload
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append((f"{K} experts, one call (vs {K} fused calls)", f"{K} x expert", K * nb, k, t))
 
     # Quantized experts: the stored bytes one decode token streams (weights + scales), per format.
-    from moe_offload.engines.offload import quant
+    from moe_offload.engines.offload.loading import quant
 
     for fmt in ("int8", "fp8", "mxfp4"):
         def make(fmt=fmt):
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"one expert, {M} tokens (weights read once; compute grows with M)", f"[{2 * I}, {H}] + [{H}, {I}]",
                      nb, k, t))
 
-    info = cpu_kernels.info()
+    info = jit.info()
     print(f"Command: `python bench/bench_kernels.py{' --quick' if args.quick else ''}`  ")
     print(f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"kernel variant {info.get('variant')}  ")

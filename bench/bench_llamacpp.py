@@ -341,10 +341,10 @@ def prefill_side_by_side(path: Path, tools: LlamaCpp, n: int, rounds: int, threa
     """Prompt processing of ``n`` tokens, llama.cpp bf16 and this engine (bf16, every expert resident), interleaved
     per round: tok/s per round."""
     import torch
-
     from bench_engine import prompt_ids
-    from moe_offload.engines.offload.engine import build_offload_engine
-    from moe_offload.spec import ModelSpec
+
+    from moe_offload.control.spec import ModelSpec
+    from moe_offload.engines.offload.runtime.engine import build_offload_engine
 
     gguf = to_gguf(path, "bf16", cache=cache, tools=tools)
     torch.set_num_threads(threads)
@@ -366,7 +366,7 @@ def prefill_side_by_side(path: Path, tools: LlamaCpp, n: int, rounds: int, threa
 def bound_bytes(model_dir) -> int:
     """Bytes one decode token must read (the cost model's count): every non-expert weight but the embedding
     table (one row), plus top-k experts per MoE layer."""
-    from moe_offload.spec import ModelSpec
+    from moe_offload.control.spec import ModelSpec
 
     s = ModelSpec.from_hf_config(model_dir)
     return s.dense_bytes + s.lm_head_bytes + s.hidden_size * s.dtype_bytes + s.num_moe_layers * s.top_k * s.expert_bytes
@@ -384,10 +384,10 @@ def side_by_side(path: Path, tools: LlamaCpp, outtypes, fractions, tokens: int, 
     """Mean ms/token of each configuration in each round; the configurations alternate within a round, so all
     see the same background load."""
     import torch
-
     from bench_engine import prompt_ids
-    from moe_offload.engines.offload.engine import build_offload_engine
-    from moe_offload.spec import ModelSpec
+
+    from moe_offload.control.spec import ModelSpec
+    from moe_offload.engines.offload.runtime.engine import build_offload_engine
 
     ggufs = {t: to_gguf(path, t, cache=cache, tools=tools) for t in outtypes}
     torch.set_num_threads(threads)
@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.disable_progress_bar()
     from bench_engine import SHAPE, build_model, read_bandwidth
-    from moe_offload.engines.offload.calibrate import cpu_name
+
+    from moe_offload.engines.offload.tools.calibrate import cpu_name
 
     with tempfile.TemporaryDirectory(prefix="bench-llamacpp-") as tmp:
         path = build_model(args.model_dir or Path(tmp), shape=QUICK_SHAPE if args.quick else SHAPE)

@@ -30,10 +30,10 @@ def main() -> None:
 
     from test_spec_published import DEEPSEEK_V3  # the public config values
 
-    from moe_offload import placement as P
     from moe_offload.cli import main as cli
-    from moe_offload.profile import Profile, load_routes, save_routes, synthetic_routes
-    from moe_offload.spec import ModelSpec
+    from moe_offload.control import placement as P
+    from moe_offload.control.profile import Profile, load_routes, save_routes, synthetic_routes
+    from moe_offload.control.spec import ModelSpec
 
     os.makedirs(args.workdir, exist_ok=True)
     cfg_path = os.path.join(args.workdir, "config.json")

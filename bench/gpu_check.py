@@ -40,7 +40,7 @@ def check_device(device: str) -> str:
 
 
 def check_tiny_exactness(device: str) -> str:
-    from moe_offload.engines.offload.selfcheck import exactness
+    from moe_offload.engines.offload.tools.selfcheck import exactness
 
     return exactness(device, tokens=16, fractions=(0.0, 0.25, 0.5, 1.0))
 
@@ -87,8 +87,8 @@ def decode_ms(model, device: str, tokens: int) -> float:
 def speed_checks(device: str, layers: int, tokens: int, failures: list) -> None:
     from transformers import AutoModelForCausalLM
 
-    from moe_offload.engines.offload.loader import load_model
-    from moe_offload.engines.offload.selfcheck import fraction_placement
+    from moe_offload.engines.offload.loading.loader import load_model
+    from moe_offload.engines.offload.tools.selfcheck import fraction_placement
 
     with tempfile.TemporaryDirectory() as tmp:
         path = bench_checkpoint(tmp, layers)

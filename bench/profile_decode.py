@@ -48,7 +48,7 @@ _SHARED = ("shared_expert", "shared_experts", "shared_mlp", "shared_expert_gate"
 
 def stage_map(model) -> dict[torch.nn.Module, str]:
     """Each module worth timing -> its stage. Parents get a glue stage (their time less their children's)."""
-    from moe_offload.engines.offload.loader import is_experts_module
+    from moe_offload.engines.offload.loading.loader import is_experts_module
 
     out: dict[torch.nn.Module, str] = {model: "LM head"}  # the CausalLM wrapper's own time: the logits slice
     base = getattr(model, "base_model", None)
@@ -147,7 +147,7 @@ class StageTimer:
 def _patch_sampling(timer: StageTimer):
     """Time the engine's per-step sampling (``sample`` in the engine module: every sequence of a step at once);
     None when the engine samples elsewhere (sampling is then in the loop)."""
-    import moe_offload.engines.offload.engine as engine_module
+    import moe_offload.engines.offload.runtime.engine as engine_module
 
     original = getattr(engine_module, "sample", None)
     if original is None:
@@ -262,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable_progress_bar()
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_engine import SHAPE, build_model, prompt_ids
-    from moe_offload.engines.offload.calibrate import cpu_name
-    from moe_offload.engines.offload.engine import build_offload_engine
+
+    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.tools.calibrate import cpu_name
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="profile-decode-") as tmp:

@@ -1,4 +1,4 @@
-"""Write README.md's supported-family table from the results of tests/engines/test_families.py.
+"""Write README.md's supported-family table from the results of tests/engines/offload/test_families.py.
 
     python scripts/family_table.py                   # run the family tests (a few minutes), then rewrite the table
     python scripts/family_table.py --results F.json  # from a results file written by an earlier run
@@ -25,7 +25,7 @@ END = "<!-- family-table:end -->"
 
 def run_tests(out: Path) -> int:
     env = dict(os.environ, MOE_OFFLOAD_FAMILY_RESULTS=str(out))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", str(ROOT / "tests/engines/test_families.py")]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", str(ROOT / "tests/engines/offload/test_families.py")]
     return subprocess.call(cmd, cwd=ROOT, env=env)
 
 
@@ -41,7 +41,7 @@ def _spec_cell(r: dict) -> str:
 def table(payload: dict) -> str:
     results, skipped = payload["results"], payload["not_generative"]
     lines = [
-        f"Generated from `tests/engines/test_families.py` with transformers {payload['transformers']}: every family "
+        f"Generated from `tests/engines/offload/test_families.py` with transformers {payload['transformers']}: every family "
         "whose modeling file uses the experts interface, as a tiny random checkpoint; greedy tokens of the engine "
         "at `--fraction 0.25` against transformers' `generate`, fp32. *spec* compares `moe-offload spec`'s "
         "parameter count of the tiny config with transformers' (tiny widths magnify what it only estimates).",

@@ -15,7 +15,7 @@ def test_every_cli_command_is_in_the_readme():
 
 
 def test_every_runner_config_key_is_named_in_the_readme():
-    from moe_offload.runconfig import RunConfig
+    from moe_offload.airm.config import RunConfig
 
     readme = (ROOT / "README.md").read_text()
     missing = [k for k in RunConfig.keys() if f"`{k}`" not in readme]
@@ -34,7 +34,7 @@ def test_readme_family_table_lists_every_family_of_the_installed_transformers():
     # drops a MoE family makes it stale, and this says so without running the (minutes-long) family tests.
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("families", ROOT / "tests/engines/families.py")
+    spec = importlib.util.spec_from_file_location("families", ROOT / "tests/engines/offload/families.py")
     families = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(families)
     readme = (ROOT / "README.md").read_text()

@@ -1,10 +1,15 @@
-"""The offload executor for transformers MoE models: expert store, slot caches, miss policies, route capture.
+"""The offload engine: one data plane for every transformers MoE family, in four rooms.
 
-    loader.load_model(path, placement, policy=, device=, dtype=, hybrid_threshold=, expert_dtype=) -> OffloadedModel
-    OffloadedModel.executor: Executor (stats.snapshot()/reset(), capture(bool)/captured(), tier_names)
+    loading/   checkpoint --inspect, load_model--> transformers model + Executor (experts as stored: bf16 | int8 | fp8 | mxfp4)
+    experts/   [router] -> [split hits/misses] -> [hits on the accelerator || misses on the host] -> [combine]
+               executor (the registered experts function), store (host tier), slots (accelerator tier), policies, stats
+    kernels/   expert_forward and the compiled CPU ops it dispatches to (JIT-built for this CPU's ISA)
+    runtime/   OffloadEngine: scheduler -> model runner (paged KV, fused decode path) -> sampling -> tokens + stats
+    tools/     calibrate (measured cost-model inputs), selfcheck (the exactness run of selftest / gpu_check)
 
-Modules: loader (checkpoint -> model + executor), checkpoint (quantized checkpoints read as stored),
-executor (the registered experts function), kernels (the one expert kernel), quant (expert formats: int8,
-fp8, mxfp4), cpu_kernels / quant_kernels (compiled CPU kernels), store (host store), slots (slot caches), policies, stats,
-cuda (CUDA-only pieces), selfcheck (the selftest/gpu_check exactness run), engine (the Engine, runtime side).
+    build_offload_engine(path, placement | fraction, policy=) -> OffloadEngine      (runtime/engine.py)
+    load_model(path, placement, policy=, device=, dtype=, expert_dtype=) -> OffloadedModel   (loading/loader.py)
+
+The control plane (moe_offload.control) decides what is resident; this package executes that decision and
+measures what happened. Nothing here is imported by the control plane.
 """

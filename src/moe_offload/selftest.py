@@ -57,17 +57,17 @@ def _mock() -> str:
 
 @check("executor")
 def _executor() -> str:
-    from moe_offload.engines.offload.selfcheck import exactness
+    from moe_offload.engines.offload.tools.selfcheck import exactness
 
     return exactness("cpu", tokens=4, fractions=(0.5,))
 
 
 @check("control plane")
 def _control_plane() -> str:
-    from moe_offload.budget import plan_budget
-    from moe_offload.placement import plan, simulate
-    from moe_offload.profile import Profile, synthetic_routes
-    from moe_offload.spec import ModelSpec
+    from moe_offload.control.budget import plan_budget
+    from moe_offload.control.placement import plan, simulate
+    from moe_offload.control.profile import Profile, synthetic_routes
+    from moe_offload.control.spec import ModelSpec
 
     mixtral = {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
@@ -90,7 +90,7 @@ def _demo_model() -> str:
 
     from moe_offload.demo import build_demo_model
     from moe_offload.engines.base import SamplingParams
-    from moe_offload.engines.offload.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.engine import build_offload_engine
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_demo_model(tmp)
@@ -132,9 +132,9 @@ def _serving() -> str:
 @check("cost model")
 def _cost_model() -> str:
     # Assumed GPU-like numbers (no measurement: `moe-offload calibrate` measures); checks the model, in milliseconds.
-    from moe_offload import placement as P
-    from moe_offload.costmodel import Calibration, predict
-    from moe_offload.spec import ModelSpec
+    from moe_offload.control import placement as P
+    from moe_offload.control.costmodel import Calibration, predict
+    from moe_offload.control.spec import ModelSpec
     from rm_core import MemoryTier
 
     spec = ModelSpec.from_hf_config(dict(model_type="qwen3_moe", hidden_size=256, num_hidden_layers=4,
@@ -151,14 +151,14 @@ def _cost_model() -> str:
 def _kernels() -> str:
     import torch
 
-    from moe_offload.engines.offload import cpu_kernels
+    from moe_offload.engines.offload.kernels import jit
 
-    if not cpu_kernels.load():
-        return f"bf16 CPU kernels off ({cpu_kernels.info().get('error') or 'disabled'}); F.linear fallback"
+    if not jit.load():
+        return f"bf16 CPU kernels off ({jit.info().get('error') or 'disabled'}); F.linear fallback"
     w = (torch.randn(257, 1031) / 32).to(torch.bfloat16)  # odd sizes: masked tails, uneven thread split
     x = torch.randn(1031).to(torch.bfloat16)
     torch.testing.assert_close(torch.ops.moe_offload.gemv_bf16(x, w).float(), w.float() @ x.float(), rtol=8e-3, atol=1e-2)
-    return f"bf16 CPU GEMV ({cpu_kernels.info()['variant']}) matches the fp32 reference"
+    return f"bf16 CPU GEMV ({jit.info()['variant']}) matches the fp32 reference"
 
 
 def run_all(echo: Callable[[str], None]) -> int:

@@ -3,7 +3,7 @@
 import pytest
 
 from moe_offload import cli
-from moe_offload.power import parse_furiosa_smi, parse_nvidia_smi
+from moe_offload.airm.power import parse_furiosa_smi, parse_nvidia_smi
 from rm_core import ContractError, Workload, registry
 
 

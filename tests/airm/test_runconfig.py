@@ -2,7 +2,7 @@
 
 import pytest
 
-from moe_offload.runconfig import RunConfig
+from moe_offload.airm.config import RunConfig
 from rm_core import ContractError
 
 

@@ -25,8 +25,8 @@ def _hooks(model) -> int:
 
 
 def test_stages_add_up_to_the_step(profile_decode, demo_model_dir):
-    import moe_offload.engines.offload.engine as engine_module
-    from moe_offload.engines.offload.engine import build_offload_engine
+    import moe_offload.engines.offload.runtime.engine as engine_module
+    from moe_offload.engines.offload.runtime.engine import build_offload_engine
 
     engine = build_offload_engine(demo_model_dir, policy="static", fraction=0.5, dtype="bfloat16")
     try:

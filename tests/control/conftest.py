@@ -2,7 +2,7 @@
 
 import pytest
 
-from moe_offload.spec import ModelSpec
+from moe_offload.control.spec import ModelSpec
 from rm_core import MemoryTier
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from moe_offload.cli import main
-from moe_offload.profile import Profile, save_routes, synthetic_routes
+from moe_offload.control.profile import Profile, save_routes, synthetic_routes
 
 from .conftest import moe_config
 
@@ -94,7 +94,7 @@ def test_control_plane_imports_neither_torch_nor_numpy():
     import subprocess
     import sys
 
-    code = ("import sys, moe_offload.spec, moe_offload.profile, moe_offload.placement, moe_offload.budget, "
+    code = ("import sys, moe_offload.control.spec, moe_offload.control.profile, moe_offload.control.placement, moe_offload.control.budget, "
             "moe_offload.commands.plan; print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"

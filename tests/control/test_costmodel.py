@@ -7,11 +7,20 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from moe_offload import placement as P
-from moe_offload.costmodel import (NEVER, QUANTITIES, Calibration, Quantity, choose, hybrid_threshold, predict, rank)
+from moe_offload.control import placement as P
+from moe_offload.control.costmodel import (
+    NEVER,
+    QUANTITIES,
+    Calibration,
+    Quantity,
+    choose,
+    hybrid_threshold,
+    predict,
+    rank,
+)
+from moe_offload.control.profile import Profile, synthetic_routes
+from moe_offload.control.spec import ModelSpec
 from moe_offload.errors import ConfigError, PlacementError
-from moe_offload.profile import Profile, synthetic_routes
-from moe_offload.spec import ModelSpec
 
 from .conftest import moe_config
 
@@ -161,7 +170,7 @@ def test_rank_is_sorted_and_full_residency_has_one_candidate(spec, one_tier):
 
 
 def test_policies_threshold_from_calibration(spec, tmp_path, monkeypatch, capsys):
-    from moe_offload.engines.offload import policies
+    from moe_offload.engines.offload.experts import policies
 
     monkeypatch.delenv(policies.CALIBRATION_ENV, raising=False)
     assumed = policies.default_hybrid_threshold(spec.expert_bytes, spec.expert_params, "cuda")
@@ -221,7 +230,7 @@ def test_cli_predict_and_plan_auto(tmp_path):
 
 def test_calibrate_on_cpu_is_positive_and_finite(tmp_path):
     pytest.importorskip("torch")
-    from moe_offload.engines.offload.calibrate import calibrate
+    from moe_offload.engines.offload.tools.calibrate import calibrate
 
     spec = ModelSpec.from_hf_config(moe_config())
     cal = calibrate("cpu", spec, quick=True)

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from moe_offload import placement as P
 from moe_offload.cli import main
-from moe_offload.costmodel import predict
-from moe_offload.hardware import BUILTIN
-from moe_offload.spec import ModelSpec
+from moe_offload.control import placement as P
+from moe_offload.control.costmodel import predict
+from moe_offload.control.hardware import BUILTIN
+from moe_offload.control.spec import ModelSpec
 
 DATA = Path(__file__).parent / "data"
 MOE_100B = DATA / "moe-100b-npu"

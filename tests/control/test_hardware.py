@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from moe_offload import placement as P
 from moe_offload.cli import main
-from moe_offload.costmodel import _ASSUMED, QUANTITIES, expert_bytes_per_param, predict
+from moe_offload.control import placement as P
+from moe_offload.control.costmodel import _ASSUMED, QUANTITIES, expert_bytes_per_param, predict
+from moe_offload.control.hardware import ASSUMPTIONS, BUILTIN, HardwareProfile, load_hardware
+from moe_offload.control.spec import ModelSpec
 from moe_offload.errors import ConfigError
-from moe_offload.hardware import ASSUMPTIONS, BUILTIN, HardwareProfile, load_hardware
-from moe_offload.spec import ModelSpec
 
 from .conftest import moe_config
 

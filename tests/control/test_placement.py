@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from moe_offload import placement as P
+from moe_offload.control import placement as P
+from moe_offload.control.profile import Profile, Routes, synthetic_routes
+from moe_offload.control.spec import ModelSpec
 from moe_offload.errors import ConfigError, PlacementError
-from moe_offload.profile import Profile, Routes, synthetic_routes
-from moe_offload.spec import ModelSpec
 from rm_core import MemoryTier, Placement
 
 from .conftest import moe_config
@@ -141,7 +141,7 @@ def test_lru_prediction_close_to_replay_on_independent_routes(spec, one_tier):
 
 
 def test_for_miss_policy_gives_each_engine_policy_slots_to_work_with():
-    from moe_offload.placement import for_miss_policy
+    from moe_offload.control.placement import for_miss_policy
 
     assert for_miss_policy("static", 4, 16) == "top"
     assert for_miss_policy("lru", 4, 16) == "lru"

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from moe_offload.budget import parse_size, plan_budget
+from moe_offload.control.budget import parse_size, plan_budget
+from moe_offload.control.profile import Profile, Routes, load_routes, save_routes, synthetic_routes
+from moe_offload.control.spec import ModelSpec
 from moe_offload.errors import ConfigError, PlacementError
-from moe_offload.profile import Profile, Routes, load_routes, save_routes, synthetic_routes
-from moe_offload.spec import ModelSpec
 
 from .conftest import moe_config
 from .test_spec_published import GPT_OSS_120B, QWEN3_30B_A3B

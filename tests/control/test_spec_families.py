@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from moe_offload.spec import ModelSpec  # noqa: E402
+from moe_offload.control.spec import ModelSpec  # noqa: E402
 
 SMALL = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
              intermediate_size=96, moe_intermediate_size=32)

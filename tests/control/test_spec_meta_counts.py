@@ -10,7 +10,7 @@ import json
 import pytest
 
 from moe_offload.cli import main
-from moe_offload.spec import ModelSpec
+from moe_offload.control.spec import ModelSpec
 
 from .published_configs import PUBLISHED
 from .test_spec_published import GPT_OSS_120B
@@ -25,7 +25,7 @@ _counts: dict[str, tuple[int, list[int]]] = {}
 def transformers_count(name: str) -> tuple[int, list[int]]:
     """(parameters + e_score_correction_bias elements, MoE layers) of the meta model transformers builds."""
     if name not in _counts:
-        from moe_offload.engines.offload.architecture import experts_modules, model_class, text_path
+        from moe_offload.engines.offload.loading.architecture import experts_modules, model_class, text_path
 
         cfg = {k: v for k, v in CONFIGS[name].items() if k != "quantization_config"}  # count weights, not scales
         config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
@@ -103,7 +103,7 @@ def test_unknown_layer_kinds_are_carried_through_and_reported(config_dir):
     assert spec.kv_unknown_kinds == ("compressed_sparse_attention", "hybrid")
     assert spec.kv_bytes_per_token == 2 * spec.kv_bytes_per_token_layer(0)
     assert any("compressed_sparse_attention" in e for e in spec.estimated)
-    from moe_offload.budget import plan_budget
+    from moe_offload.control.budget import plan_budget
 
     text = plan_budget(spec, ["80GiB"], context=4096).text()
     assert "KV cache of layer kinds compressed_sparse_attention, hybrid (2 layers) unknown: not counted" in text

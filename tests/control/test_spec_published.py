@@ -7,8 +7,8 @@ to 1.5 %; active counts are therefore checked within 2 %.
 
 import pytest
 
+from moe_offload.control.spec import ModelSpec
 from moe_offload.errors import ConfigError, ModelError
-from moe_offload.spec import ModelSpec
 
 MIXTRAL_8X7B = {
     "model_type": "mixtral", "_name_or_path": "mistralai/Mixtral-8x7B-v0.1", "vocab_size": 32000, "hidden_size": 4096,
@@ -165,7 +165,7 @@ def test_unsupported_quantization_is_named():
 
 def test_a_budget_buys_slots_by_stored_bytes():
     # an 80 GiB accelerator: gpt-oss-120b's MXFP4 experts fit several times more slots than bf16 ones would
-    from moe_offload.budget import plan_budget
+    from moe_offload.control.budget import plan_budget
 
     oss = ModelSpec.from_hf_config(GPT_OSS_120B)
     mxfp4 = plan_budget(oss, ["40GiB"], context=4096).accelerators[0]

@@ -12,7 +12,7 @@ import click
 @click.argument("config", nargs=-1, metavar="[KEY=VALUE]...")
 def airm(kind: str, model: str, as_json: bool, config: tuple[str, ...]) -> None:
     """Run the ai-rm workload `npu-offload` (decode prints one --metric line per measurement)."""
-    from moe_offload.airm import run
+    from moe_offload.airm.runner import run
     from rm_core import ContractError, Workload
 
     options = {}

@@ -20,7 +20,7 @@ def _fmt(name: str, value: float) -> str:
 
 
 def calibration_text(cal, spec=None) -> str:
-    from moe_offload.costmodel import FIELD_HELP, NEVER, hybrid_threshold
+    from moe_offload.control.costmodel import FIELD_HELP, NEVER, hybrid_threshold
 
     lines = [f"calibration for {cal.device}: {cal.label()}"]
     for name in FIELD_HELP:
@@ -40,12 +40,12 @@ HARDWARE_HELP = ("A hardware profile instead of --calibration: a built-in name (
 
 def load_calibration_option(path: str | None, device: str = "cuda", hardware: str | None = None):
     """--calibration FILE, or --hardware NAME|FILE, or the assumed defaults for ``device`` when neither is given."""
-    from moe_offload.costmodel import Calibration
+    from moe_offload.control.costmodel import Calibration
 
     if path and hardware:
         raise ConfigError("give one of --calibration FILE or --hardware NAME|FILE, not both")
     if hardware:
-        from moe_offload.hardware import load_hardware
+        from moe_offload.control.hardware import load_hardware
 
         return load_hardware(hardware).calibration()
     return Calibration.load(path) if path else Calibration.assumed(device)
@@ -55,7 +55,7 @@ def parse_expert_dtype(value: str | None):
     """--expert-dtype: a format name (bf16 spelled out: bfloat16) or bytes per parameter."""
     if value is None:
         return None
-    from moe_offload.costmodel import expert_bytes_per_param
+    from moe_offload.control.costmodel import expert_bytes_per_param
 
     try:
         number = float(value)
@@ -75,7 +75,7 @@ def parse_expert_dtype(value: str | None):
 def calibrate_cmd(device: str, model: str | None, out: str | None, quick: bool, expert_dtype: str | None, as_json: bool) -> None:
     """Measure read bandwidth, expert kernel, host->device copy and per-layer overhead (a few seconds)."""
     from moe_offload.cli import emit
-    from moe_offload.spec import ModelSpec
+    from moe_offload.control.spec import ModelSpec
 
     if expert_dtype and not model:
         raise ConfigError("--expert-dtype needs --model (the expert shape to measure in that format)")
@@ -83,7 +83,7 @@ def calibrate_cmd(device: str, model: str | None, out: str | None, quick: bool, 
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    from moe_offload.engines.offload.calibrate import calibrate
+    from moe_offload.engines.offload.tools.calibrate import calibrate
 
     cal = calibrate(device, spec, quick=quick)
     text = calibration_text(cal, spec)
@@ -125,14 +125,12 @@ def prediction_rows(preds) -> list[str]:
 def predict_cmd(model, placement_path, fraction, policy, calibration_path, hardware, device, profile_path, hit_rate, tokens,
                 context, expert_dtype, as_json) -> None:
     """Predicted ms/token of a placement under each miss policy, with its breakdown (a prediction, not a measurement)."""
-    from moe_offload import placement as P
     from moe_offload.cli import emit
-    from moe_offload.costmodel import MISS_POLICIES, predict
-    from moe_offload.profile import Profile
-    from moe_offload.spec import ModelSpec
+    from moe_offload.control import placement as P
+    from moe_offload.control.costmodel import MISS_POLICIES, predict
+    from moe_offload.control.profile import Profile
+    from moe_offload.control.spec import EXPERT_DTYPES, ModelSpec
     from rm_core import Placement
-
-    from moe_offload.spec import EXPERT_DTYPES
 
     spec = ModelSpec.from_hf_config(model)
     if expert_dtype in EXPERT_DTYPES:  # what the engine's --expert-dtype holds: the spec prices it
@@ -172,7 +170,7 @@ def predict_cmd(model, placement_path, fraction, policy, calibration_path, hardw
 def hardware_cmd(name: str | None, as_json: bool) -> None:
     """The built-in hardware profiles, or one profile (a name or a JSON file) with the source of every number."""
     from moe_offload.cli import emit
-    from moe_offload.hardware import ASSUMPTIONS, BUILTIN, load_hardware
+    from moe_offload.control.hardware import ASSUMPTIONS, BUILTIN, load_hardware
 
     if name is None:
         lines = ["hardware profiles (datasheet peaks x assumed efficiencies; `moe-offload hardware NAME` for sources):"]

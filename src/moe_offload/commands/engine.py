@@ -148,7 +148,7 @@ def _experts(engine) -> dict:
     """How the engine holds the experts (format, bytes as stored); {} for engines without an offload executor."""
     if getattr(engine, "executor", None) is None or not hasattr(engine.executor, "layers"):
         return {}
-    from moe_offload.engines.offload.loader import expert_summary
+    from moe_offload.engines.offload.loading.loader import expert_summary
 
     return expert_summary(engine.executor)
 
@@ -220,8 +220,8 @@ def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction
                 as_json) -> None:
     """Record the top-k expert ids per MoE layer per token over a prompt set (a routes file for `plan`)."""
     from moe_offload.cli import emit
-    from moe_offload.profile import Routes, save_routes
-    from moe_offload.spec import ModelSpec
+    from moe_offload.control.profile import Routes, save_routes
+    from moe_offload.control.spec import ModelSpec
 
     if not (out.endswith(".safetensors") or out.endswith(".json")):
         raise ConfigError(f"--out: expected a .safetensors or .json path, got {out!r}")

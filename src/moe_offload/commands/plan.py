@@ -16,7 +16,7 @@ def expert_dtype_option(fn):
 
 
 def _spec(model: str, expert_dtype: str | None = None):
-    from moe_offload.spec import ModelSpec
+    from moe_offload.control.spec import ModelSpec
 
     return ModelSpec.from_hf_config(model).with_expert_dtype(expert_dtype)
 
@@ -37,7 +37,7 @@ def _machine_tiers(backend: str | None, hardware: str | None):
     if backend:
         return _backend_tiers(backend)
     if hardware:
-        from moe_offload.hardware import load_hardware
+        from moe_offload.control.hardware import load_hardware
 
         return load_hardware(hardware).tiers()
     return None
@@ -62,7 +62,7 @@ def _budget_options(fn):
 def spec_cmd(model: str, expert_dtype: str | None, as_json: bool) -> None:
     """Model shape: layers, experts, parameters (total/active) and bytes per component."""
     from moe_offload.cli import emit
-    from moe_offload.units import format_count, format_size
+    from moe_offload.control.units import format_count, format_size
 
     s = _spec(model, expert_dtype)
     fmt = s.expert_format or s.dtype
@@ -116,8 +116,8 @@ def budget_cmd(model, accelerators, backend, hardware, context, batch, reserve, 
 
 def _budget(spec, accelerators, tiers, context, batch, reserve, layout):
     """plan_budget over the --accelerator sizes plus the accelerators of ``tiers`` (a backend's or a profile's)."""
-    from moe_offload.budget import plan_budget
-    from moe_offload.placement import accelerator_tiers, host_tier_name
+    from moe_offload.control.budget import plan_budget
+    from moe_offload.control.placement import accelerator_tiers, host_tier_name
 
     host = None
     if tiers:
@@ -173,9 +173,9 @@ def _slot_tiers(spec, slots: list[int]):
 def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, context, batch, reserve, layout, policy,
              calibration_path, hardware, seed, out, replay, expert_dtype, as_json) -> None:
     """Place experts on accelerators and print the predicted hit rate per tier."""
-    from moe_offload import placement as P
     from moe_offload.cli import emit
-    from moe_offload.profile import Profile, load_routes
+    from moe_offload.control import placement as P
+    from moe_offload.control.profile import Profile, load_routes
 
     spec = _spec(model, expert_dtype)
     auto = policy == "auto"
@@ -215,7 +215,7 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
 
         cal = load_calibration_option(calibration_path, "cpu" if backend == "cpu" else "cuda", hardware)
     if auto:
-        from moe_offload.costmodel import rank
+        from moe_offload.control.costmodel import rank
 
         ranked = rank(spec, tiers, profile, cal, slots=slot_map, seed=seed)
         placement = ranked[0][1]
@@ -254,7 +254,7 @@ def _rates(rates, host: str | None) -> str:
 def _predicted(spec, placement, profile, cal, ranked, result) -> list[str]:
     """Cost-model lines (labelled predicted): the ranking for auto, else each miss policy on this placement."""
     from moe_offload.commands.costmodel import prediction_rows
-    from moe_offload.costmodel import MISS_POLICIES, predict
+    from moe_offload.control.costmodel import MISS_POLICIES, predict
 
     preds = [p for _, _, p in ranked] or [predict(spec, placement, m, cal, profile=profile) for m in MISS_POLICIES]
     result["calibration"] = cal.label()

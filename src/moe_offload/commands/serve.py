@@ -68,7 +68,7 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
         from rm_core import Placement
 
         placement_obj = Placement.from_json(Path(placement).read_text())
-    from moe_offload.units import parse_size
+    from moe_offload.control.units import parse_size
 
     options = backends.engine_options(backend_name, policy=policy, fraction=fraction, expert_dtype=expert_dtype,
                                       dense_dtype=dense_dtype, mock_ms=mock_ms_per_token,

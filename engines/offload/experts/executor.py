@@ -1,0 +1,362 @@
+"""The offload executor: the experts function every transformers MoE layer calls.
+
+    [router: top_k_index, top_k_weights]  (transformers, unchanged)
+      -> [split: hit (expert in a slot) | miss (home: host store)]
+      -> [hits on the accelerator || misses by policy: host compute | fetch into a slot, then compute]
+      -> [combine in (token, k) order: sum_k w[t,k] * y[t,k]]  (fixed order: deterministic, as transformers)
+
+Legend: T tokens, K top-k, H hidden, E experts, S = T*K routed token-expert pairs.
+On CUDA the device work (hits, fetches) is launched first and runs while the
+host thread computes the misses, so host compute overlaps accelerator compute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_offload.engines.offload.experts import policies
+from moe_offload.engines.offload.experts.slots import SlotCache
+from moe_offload.engines.offload.experts.stats import ExecutorStats
+from moe_offload.engines.offload.experts.store import LayerStore
+from moe_offload.engines.offload.kernels import dispatch
+from moe_offload.engines.offload.kernels.dispatch import expert_forward
+
+IMPLEMENTATION = "moe_offload"
+# Marks an experts module the executor does not serve (a vision tower's experts, a layer's image-token experts):
+# it runs transformers' own eager forward on its resident weights.
+RESIDENT = object()
+
+
+@dataclass
+class LayerState:
+    """What one experts module needs at run time (hung on the module as ``_moe_offload``)."""
+
+    executor: "Executor"
+    pos: int  # index into executor.layers / stats rows
+    layer: int  # decoder layer index (as in the Placement)
+    store: LayerStore
+    cache: SlotCache
+    expert_bytes: int
+    events: dict = field(default_factory=dict)  # CUDA: slot -> event after its last use
+
+
+def offload_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The function registered as experts implementation ``moe_offload`` (self: the experts module)."""
+    state = getattr(self, "_moe_offload", None)
+    if state is RESIDENT:
+        return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+    if state is None:
+        raise RuntimeError(
+            "experts_implementation='moe_offload' needs a model loaded by moe_offload.engines.offload.loading.loader.load_model"
+        )
+    return state.executor.forward(state, self, hidden_states, top_k_index, top_k_weights)
+
+
+def register() -> None:
+    """Register the experts implementation with transformers (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(IMPLEMENTATION, offload_experts_forward)
+
+
+class Executor:
+    """State of the registered experts function for one loaded model.
+
+    ``stats``: ExecutorStats (``snapshot()``, ``reset()``); ``tier_names``: (accelerator tier, host tier);
+    ``capture(True)`` records every forward's routes, read back with ``captured()``.
+    """
+
+    def __init__(self, device: torch.device, policy: str, tier_names: tuple[str, str], hybrid_threshold: int | None):
+        self.device = device
+        self.policy = policies.check_policy(policy)
+        self.tier_names = tier_names
+        self.layers: list[LayerState] = []
+        self.hybrid_threshold = hybrid_threshold  # None until layers are known (default from the cost estimate)
+        self.stats = ExecutorStats([], *tier_names)
+        self.timing = True
+        self._capturing = False
+        self._records: list[dict[int, list[list[int]]]] = []
+        self._copier = None
+        self._cuda = device.type == "cuda"
+        # per-token attribution of a batched step (the engine sets per_token when a step holds several sequences):
+        # token_stats [T, 2] = routed pairs of each token served from a slot hit / computed on the host
+        self.per_token = False
+        self.token_stats: torch.Tensor | None = None
+        # dry: a forward that must leave no trace (the engine's load-time probe): misses are computed on the host,
+        # nothing is fetched or touched, so the slot caches start the first request as the placement left them
+        self.dry = False
+        self._pairs1: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # K -> (tok, perm) of a one-token layer
+
+    # ---- set-up (loader) ----
+    def attach(self, module: torch.nn.Module, layer: int, store: LayerStore, cache: SlotCache) -> LayerState:
+        state = LayerState(self, len(self.layers), layer, store, cache, store.expert_bytes)
+        self.layers.append(state)
+        object.__setattr__(module, "_moe_offload", state)
+        return state
+
+    def finish_setup(self) -> None:
+        self.stats = ExecutorStats([s.layer for s in self.layers], *self.tier_names)
+        if self.hybrid_threshold is None and self.layers:
+            s = self.layers[0]
+            self.hybrid_threshold = policies.default_hybrid_threshold(s.expert_bytes, s.store.expert_params, self.device.type)
+        if self._cuda:
+            from moe_offload.engines.offload.experts.cuda import CudaCopier
+
+            self._copier = CudaCopier(self.device)
+
+    # ---- route capture ----
+    def capture(self, enabled: bool) -> None:
+        """Start (clearing earlier records) or stop recording top-k expert ids per forward and layer."""
+        if enabled:
+            self._records = []
+        self._capturing = enabled
+
+    def captured(self) -> list[dict[int, list[list[int]]]]:
+        """One dict per forward call: {decoder layer index: top_k_index as [T, K] int lists}."""
+        return self._records
+
+    def begin_forward(self) -> None:
+        self.token_stats = None
+        if self._capturing:
+            self._records.append({})
+
+    def end_forward(self, t0: float) -> None:
+        """A model forward that began at perf_counter ``t0`` has ended (the module hooks' and the fused path's)."""
+        self.stats.forwards += 1
+        self.stats.forward_s += time.perf_counter() - t0
+
+    # ---- the per-layer path ----
+    def forward(self, state: LayerState, module, hidden_states, top_k_index, top_k_weights):
+        t0 = time.perf_counter()
+        T, K = top_k_index.shape
+        cache = state.cache
+        ids = top_k_index.reshape(-1).tolist()  # S ints (the one host sync per layer on CUDA)
+        if self._capturing:
+            if not self._records:
+                self._records.append({})
+            self._records[-1][state.layer] = [ids[i : i + K] for i in range(0, T * K, K)]
+
+        # ---- split: group routed pairs by expert, in ascending expert order (fixed) ----
+        if T == 1:
+            groups = [(e, k, 1) for e, k in sorted(zip(ids, range(K)))]  # top-k ids are distinct
+            perm = None
+        else:
+            sorted_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)  # [S]
+            uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+            groups, start = [], 0
+            for e, c in zip(uniq.tolist(), counts.tolist()):
+                groups.append((e, start, c))
+                start += c
+        slot_of = cache.slot_of
+        hits, fetch, host = [], [], []
+        for g in groups:
+            s = slot_of[g[0]]
+            if s >= 0:
+                hits.append((g, s))
+            elif not self.dry and policies.fetches(self.policy, g[2], cache.dynamic, self.hybrid_threshold):
+                fetch.append(g)
+            else:
+                host.append(g)
+        if not self.dry:
+            for _, s in hits:
+                cache.touch(s)
+
+        if not self._cuda and dispatch.fused_experts_ok(module, state.store.tensors[0], hidden_states):
+            return self._forward_fused(state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0)
+        if not self._cuda and dispatch.fused_experts_q_ok(module, state.store.tensors[0], hidden_states):
+            return self._forward_fused(state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0,
+                                       quantized=True)
+        rows = _Rows(hidden_states, perm, K, T)
+        out: list = [None] * K if T == 1 else None  # T == 1: outputs by k
+        proj = None if T == 1 else torch.empty(T * K, hidden_states.shape[-1], dtype=state.store.compute_dtype, device=hidden_states.device)
+        host_x = rows.to_host_async() if host and self._cuda else None
+
+        # ---- hits on the accelerator ----
+        t1 = time.perf_counter()
+        for g, s in hits:
+            self._compute(state, module, rows, g, cache.weights[s], out, proj, slot=s)
+        t2 = time.perf_counter()
+
+        # ---- misses fetched into dynamic slots (LRU), each computed right after its copy ----
+        fetch_compute_s = 0.0
+        copied = 0
+        for g in fetch:
+            s = cache.fetch(g[0], self._copy_fn(state), state.store.expert(g[0]))
+            copied += 1
+            tc = time.perf_counter()
+            self._compute(state, module, rows, g, cache.weights[s], out, proj, slot=s)
+            fetch_compute_s += time.perf_counter() - tc
+        t3 = time.perf_counter()
+
+        # ---- misses computed on the host from the store (overlaps the device work launched above on CUDA) ----
+        if host:
+            hrows = rows if not self._cuda else _Rows(host_x(), rows.perm_host(), K, T)
+            host_out = [] if self._cuda else None
+            for g in host:
+                y = expert_forward(module, hrows.select(g), *state.store.expert(g[0]), post_norm=not self._cuda)
+                if self._cuda:
+                    host_out.append((g, y))
+                else:
+                    self._place(rows, g, y, out, proj)
+            if self._cuda:
+                for g, y in host_out:
+                    y = y.to(self.device, non_blocking=True)
+                    if module.has_post_expert_norm:  # its weights are on the accelerator
+                        y = module.post_expert_norm(y)
+                    self._place(rows, g, y, out, proj)
+        t4 = time.perf_counter()
+
+        # ---- combine: as transformers does, sum over k of w * y in (token, k) order ----
+        if T == 1:
+            proj = torch.cat(out)  # [K, H]
+        result = self._combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, copied)
+        self._stages(t1, t2, t3, t4, fetch_compute_s)
+        return result
+
+    def _forward_fused(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0,
+                       quantized=False):
+        """CPU, transformers' silu gate, no biases: each tier's pairs through one kernel call, written straight into
+        their (token, k) rows; the same numbers as the per-expert path. bf16: moe_experts_bf16 (any number of
+        tokens); int8/fp8 (``quantized``, one token): experts_mlp_q."""
+        T, K = top_k_index.shape
+        cache = state.cache
+        x = hidden_states.contiguous() if quantized else hidden_states.to(torch.bfloat16).contiguous()  # [T, H]
+        if T == 1:  # groups are (expert, k, 1): pair s = k
+            tok, perm = self._one_token_pairs(K)
+        else:
+            tok = perm // K  # [S] token of each expert-sorted pair
+        proj = torch.empty(T * K, x.shape[1], dtype=x.dtype)  # [S, H] by (token, k)
+        call = torch.ops.moe_offload.moe_experts_bf16
+
+        def run(groups, weights):
+            if not groups:
+                return
+            if quantized:  # one token: group g = (expert, k, 1) goes to row k
+                y = torch.ops.moe_offload.experts_mlp_q(x, [w[0] for w in weights], [w[4] for w in weights],
+                                                        [w[1] for w in weights], [w[5] for w in weights])
+                proj.index_copy_(0, torch.tensor([g[1] for g in groups]), y)
+            else:
+                # an expert with more than KERNEL_MAX_GROUP tokens (prefill) goes through torch's GEMM, faster there
+                # than the few-token dot kernel (dispatch.KERNEL_MAX_GROUP says why 16); the rest in one call
+                small = [i for i, g in enumerate(groups) if g[2] <= dispatch.KERNEL_MAX_GROUP]
+                if small:
+                    call(x, [weights[i][0] for i in small], [weights[i][1] for i in small], tok, perm,
+                         [groups[i][1] for i in small], [groups[i][2] for i in small], proj)
+                for (_, start, n), w in zip(groups, weights):
+                    if n > dispatch.KERNEL_MAX_GROUP:
+                        y = expert_forward(module, x.index_select(0, tok[start : start + n]), *w)
+                        proj.index_copy_(0, perm[start : start + n], y)
+
+        t1 = time.perf_counter()
+        run([g for g, _ in hits], [cache.weights[s] for _, s in hits])
+        t2 = time.perf_counter()
+        # fetched experts in chunks of the dynamic slot count: a later fetch must not evict one not yet computed
+        fetch_s = 0.0
+        for i in range(0, len(fetch), max(cache.dynamic, 1)):
+            chunk = fetch[i : i + max(cache.dynamic, 1)]
+            slots = [cache.fetch(g[0], _copy_sync, state.store.expert(g[0])) for g in chunk]
+            tc = time.perf_counter()
+            run(chunk, [cache.weights[s] for s in slots])
+            fetch_s += time.perf_counter() - tc
+        t3 = time.perf_counter()
+        run(host, [state.store.expert(g[0]) for g in host])
+        t4 = time.perf_counter()
+        result = self._combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, len(fetch))
+        self._stages(t1, t2, t3, t4, fetch_s)
+        return result
+
+    def _stages(self, t1, t2, t3, t4, fetch_compute_s):
+        """Book a layer's stage times: hits [t1, t2) and the compute of fetched experts are device time, the rest of
+        [t2, t3) is fetching, [t3, t4) host experts."""
+        if self.timing:
+            st = self.stats.stage_s
+            st["device_experts"] += (t2 - t1) + fetch_compute_s
+            st["fetch"] += (t3 - t2) - fetch_compute_s
+            st["host_experts"] += t4 - t3
+
+    def _combine(self, state, proj, hidden_states, top_k_index, top_k_weights, hits, host, fetched):
+        """sum_k w[t,k] * y[t,k] over proj [S, H] in (token, k) order (as transformers does), and the layer's counts."""
+        T, K = top_k_index.shape
+        weighted = proj * top_k_weights.reshape(-1, 1)  # [S, H]
+        result = weighted.view(T, K, -1).sum(dim=1).to(hidden_states.dtype)  # [T, H]
+        hit_pairs = sum(g[2] for g, _ in hits)
+        if self.per_token and T > 1:
+            self._count_tokens(top_k_index, [g[0] for g, _ in hits], [g[0] for g in host])
+        self.stats.add(state.pos, hit_pairs, T * K - hit_pairs, sum(g[2] for g in host), fetched,
+                       fetched * state.expert_bytes)
+        return result
+
+    def _one_token_pairs(self, K):
+        if K not in self._pairs1:
+            self._pairs1[K] = (torch.zeros(K, dtype=torch.long), torch.arange(K))
+        return self._pairs1[K]
+
+    def _count_tokens(self, top_k_index, hit_experts, host_experts):
+        """Add this layer's hit / host pairs per token to token_stats [T, 2]."""
+        T = top_k_index.shape[0]
+        if self.token_stats is None or self.token_stats.shape[0] != T:
+            self.token_stats = torch.zeros(T, 2, dtype=torch.int64)
+        code = torch.zeros(int(top_k_index.max()) + 1, dtype=torch.int8)  # per expert: 1 hit, 2 host, 0 fetched
+        if hit_experts:
+            code[hit_experts] = 1
+        if host_experts:
+            code[host_experts] = 2
+        c = code[top_k_index.cpu()]  # [T, K]
+        self.token_stats[:, 0] += (c == 1).sum(dim=1)
+        self.token_stats[:, 1] += (c == 2).sum(dim=1)
+
+    def _compute(self, state, module, rows, g, weights, out, proj, slot):
+        y = expert_forward(module, rows.select(g), *weights)
+        self._place(rows, g, y, out, proj)
+        if self._cuda and slot >= 0:
+            state.events[slot] = self._copier.record()
+
+    @staticmethod
+    def _place(rows, g, y, out, proj):
+        if proj is None:
+            out[g[1]] = y  # T == 1: g = (expert, k, 1)
+        else:
+            proj.index_copy_(0, rows.positions(g), y.to(proj.dtype))
+
+    def _copy_fn(self, state):
+        if self._cuda:
+            return lambda slot, dst, src: self._copier.copy(dst, src, state.events.get(slot))
+        return _copy_sync
+
+
+def _copy_sync(slot, dst, src):
+    for d, s in zip(dst, src):
+        if d is not None:
+            d.copy_(s)
+
+
+class _Rows:
+    """Which hidden-state rows a group of routed pairs reads and where its outputs go."""
+
+    def __init__(self, x, perm, K, T, tok=None):
+        self.x, self.perm, self.K, self.T = x, perm, K, T
+        self.tok = tok if tok is not None else (perm // K if perm is not None else None)  # [S] token of each sorted pair
+        self._k_index = {}
+
+    def select(self, g):
+        e, start, n = g
+        if self.perm is None:  # T == 1: every group is the one token
+            return self.x
+        return self.x.index_select(0, self.tok[start : start + n])  # [n, H]
+
+    def positions(self, g):
+        e, start, n = g
+        return self.perm[start : start + n]
+
+    def perm_host(self):
+        return self.perm.cpu() if self.perm is not None else None
+
+    def to_host_async(self):
+        """Start copying the hidden states to the host; returns a function that waits and gives them."""
+        from moe_offload.engines.offload.experts.cuda import to_host_async
+
+        return to_host_async(self.x)

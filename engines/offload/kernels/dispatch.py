@@ -1,0 +1,258 @@
+"""The one expert kernel: a set of tokens through one expert.
+
+Every path (accelerator slots, host store, fetched slots) calls ``expert_forward``,
+so where host and accelerator share device type and precision the results are
+bit-identical and greedy output does not depend on the resident fraction.
+
+    one bf16 token on the CPU --> moe_offload::expert_mlp_bf16 (silu gate, concatenated gate|up)
+                              |   moe_offload::gemv_bf16 x2 around the module's own gate (other gates)
+    2..16 bf16 tokens on the CPU (a batched decode step) --> moe_offload::gemm_bf16 x2 around the gate
+    quantized weights (int8 | fp8 | mxfp4, the format is the stored dtype; quant.py):
+      1..16 tokens on the CPU --> moe_offload::expert_mlp_q (one token, silu gate, int8/fp8)
+                              |   moe_offload::gemv_q x2 around the module's own gate (biases, gpt-oss, mxfp4)
+      more tokens, CUDA, kernels off --> dequantize the expert to x's dtype, then the float path (a GEMM)
+    anything else (prefill, fp32, CUDA, transposed layout) --> two F.linear calls around the module's gate
+
+The custom ops (cpu_kernels.py) stream each weight once at memory bandwidth; F.linear is what
+transformers' experts implementations compute. ``patch_linears`` sends the model's one-token bf16
+nn.Linear calls (attention projections, LM head) to the same GEMV. MOE_OFFLOAD_KERNELS=0 turns both off.
+
+Legend: N tokens routed to this expert, H hidden, I intermediate (2I gate+up).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from moe_offload.engines.offload.kernels import jit
+from moe_offload.engines.offload.kernels.quant_src import MAX_TOKENS
+from moe_offload.engines.offload.loading import quant
+
+
+def expert_forward(
+    module: torch.nn.Module,
+    x: torch.Tensor,  # [N, H]
+    up: torch.Tensor,  # [2I, H] ([H, 2I] when module.is_transposed and not quantized); [I, H] without a gate
+    down: torch.Tensor,  # [H, I] ([I, H] when transposed and not quantized)
+    up_bias: torch.Tensor | None = None,  # [2I]
+    down_bias: torch.Tensor | None = None,  # [H]
+    up_scale: torch.Tensor | None = None,  # quantized up: int8 [2I], fp8 [RB, CB], mxfp4 uint8 [2I, H/32]
+    down_scale: torch.Tensor | None = None,  # quantized down: int8 [H], fp8 [..], mxfp4 [H, I/32]
+    post_norm: bool = True,
+) -> torch.Tensor:
+    """Unweighted output [N, H] of one expert; the routing weight is applied by the caller's combine.
+    ``post_norm=False`` leaves the module's post-expert norm (whose weights live on the accelerator) to the caller.
+    The arguments are the expert's stored tensors in store order (store.WEIGHT_NAMES)."""
+    if up.dtype in quant.FORMAT_OF_DTYPE:
+        y = _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale)  # [N, H] in x's dtype
+        if post_norm and module.has_post_expert_norm:
+            y = module.post_expert_norm(y)
+        return y
+    x = x.to(up.dtype)
+    if x.shape[0] == 1 and _fast(x, up, module.is_transposed):
+        y = _one_token(module, x, up, down, up_bias, down_bias)  # [1, H]
+        if post_norm and module.has_post_expert_norm:
+            y = module.post_expert_norm(y)
+        return y
+    if x.shape[0] <= GEMM_MAX_TOKENS and _fast(x, up, module.is_transposed):
+        # a few tokens (a batched decode step): each weight row read once for all of them
+        h = torch.ops.moe_offload.gemm_bf16(x, up, up_bias if _bias_ok(up_bias) else None)  # [N, 2I]
+        if up_bias is not None and not _bias_ok(up_bias):
+            h = h + up_bias
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [N, I]
+        y = torch.ops.moe_offload.gemm_bf16(h.to(down.dtype), down, down_bias if _bias_ok(down_bias) else None)  # [N, H]
+        if down_bias is not None and not _bias_ok(down_bias):
+            y = y + down_bias
+        if post_norm and module.has_post_expert_norm:
+            y = module.post_expert_norm(y)
+        return y
+    if module.is_transposed:
+        h = x @ up  # [N, 2I]
+    else:
+        h = F.linear(x, up)  # [N, 2I]
+    if up_bias is not None:
+        h = h + up_bias
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [N, I]
+    y = h @ down if module.is_transposed else F.linear(h, down)  # [N, H]
+    if down_bias is not None:
+        y = y + down_bias
+    if post_norm and module.has_post_expert_norm:
+        y = module.post_expert_norm(y)
+    return y
+
+
+# Up to this many tokens a weight goes through moe_offload::gemm_bf16 (one read of each row for all tokens);
+# beyond, torch's GEMM (prefill).
+GEMM_MAX_TOKENS = 16
+# An expert with more tokens than this in one step (a prefill chunk) leaves moe_experts_bf16 for torch's GEMM
+# (expert_forward): at 64 tokens torch is about 3x faster, at 8-16 the two are even (bench/bench_kernels.py).
+# 16, not lower: a decode step of up to 16 sequences routes at most 16 tokens to an expert, so its rows stay the
+# one-token path's bit for bit (a request's tokens do not depend on the traffic beside it).
+KERNEL_MAX_GROUP = GEMM_MAX_TOKENS
+
+
+def fused_experts_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
+    """The whole layer's pairs can go through moe_offload::moe_experts_bf16: bf16 CPU weights in [out, in] rows,
+    transformers' silu gate on concatenated gate|up, no biases, no post-expert norm."""
+    return (not getattr(module, "has_bias", False) and not module.has_post_expert_norm and x.dim() == 2
+            and _fast(x, w, module.is_transposed) and _is_silu_concat(module))
+
+
+def fused_experts_q_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
+    """One token's int8/fp8 experts can go through moe_offload::experts_mlp_q (one call per tier): CPU, silu gate on
+    a concatenated gate|up, no biases, no post-expert norm, kernels built."""
+    return (x.dim() == 2 and x.shape[0] == 1 and w.dtype in (torch.int8, torch.float8_e4m3fn) and w.is_cpu and x.is_cpu
+            and x.dtype in (torch.bfloat16, torch.float32) and not getattr(module, "has_bias", False)
+            and not module.has_post_expert_norm and _is_silu_concat(module) and jit.load())
+
+
+def gate_up_split(module, rows: int) -> int:
+    """Row where a quantized gate|up's second half starts, for formats that keep the halves' scales apart (fp8):
+    rows // 2 for a concatenated gate|up (DeepSeek ships gate_proj and up_proj as two tensors), else 0 (none)."""
+    return rows // 2 if module.has_gate and getattr(module, "is_concatenated", True) else 0
+
+
+def _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale) -> torch.Tensor:
+    """One expert from stored quantized tensors; x [N, H] -> [N, H] in x's dtype (the compute dtype)."""
+    split = gate_up_split(module, up.shape[0]) if up.dtype == torch.float8_e4m3fn else 0
+    if (x.is_cpu and up.is_cpu and x.shape[0] <= MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float32)
+            and jit.load() and not (torch.is_grad_enabled() and x.requires_grad)):
+        ops = torch.ops.moe_offload
+        if (x.shape[0] == 1 and up.dtype != torch.uint8 and up_bias is None and down_bias is None
+                and _is_silu_concat(module)):
+            return ops.expert_mlp_q(x, up, up_scale, down, down_scale)
+        h = ops.gemv_q(x, up, up_scale, up_bias, split)  # [N, 2I]
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [N, I]
+        return ops.gemv_q(h, down, down_scale, down_bias, 0)  # [N, H]
+    # a tile per expert: the stored weights in x's dtype (fp32 products as transformers' dequantizing loaders make)
+    w_up = quant.dequantize(up, up_scale, split, x.dtype)  # [2I, H]
+    h = F.linear(x, w_up, up_bias.to(x.dtype) if up_bias is not None else None)
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    w_down = quant.dequantize(down, down_scale, 0, x.dtype)  # [H, I]
+    return F.linear(h, w_down, down_bias.to(x.dtype) if down_bias is not None else None)
+
+
+def kernels_active() -> bool:
+    """True when the bf16 CPU kernels are built and on (MOE_OFFLOAD_KERNELS not 0, ``jit.set_enabled``)."""
+    return jit.load()
+
+
+def _fast(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> bool:
+    # Checked per expert on the hot path, so only what decides the path (the op validates shapes and strides):
+    # bf16 CPU weights in [out, in] rows (gpt-oss style [in, out] weights keep F.linear), nothing autograd
+    # would have to differentiate (the ops have no backward), kernels built and on.
+    return (
+        w.dtype == torch.bfloat16
+        and not transposed
+        and w.is_cpu
+        and jit.load()
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+    )
+
+
+def _one_token(module, x, up, down, up_bias, down_bias) -> torch.Tensor:
+    """One token [1, H] through one expert with the bf16 GEMV kernels: [1, H]."""
+    ops = torch.ops.moe_offload
+    if _is_silu_concat(module) and _bias_ok(up_bias) and _bias_ok(down_bias):
+        return ops.expert_mlp_bf16(x, up, down, up_bias, down_bias)
+    h = ops.gemv_bf16(x, up, up_bias if _bias_ok(up_bias) else None)  # [1, 2I]
+    if up_bias is not None and not _bias_ok(up_bias):
+        h = h + up_bias
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [1, I]
+    y = ops.gemv_bf16(h.to(down.dtype), down, down_bias if _bias_ok(down_bias) else None)  # [1, H]
+    if down_bias is not None and not _bias_ok(down_bias):
+        y = y + down_bias
+    return y
+
+
+def _bias_ok(b: torch.Tensor | None) -> bool:
+    return b is None or (b.dtype == torch.bfloat16 and b.device.type == "cpu" and b.is_contiguous())
+
+
+def _is_silu_concat(module) -> bool:
+    """The module's gate is transformers' default (silu(gate) * up, gate rows first), which the fused op computes."""
+    if not module.has_gate or not getattr(module, "is_concatenated", True):
+        return False
+    if getattr(module._apply_gate, "__func__", None) is not _default_gate():  # a family's own gate (or an instance's)
+        return False
+    act = getattr(module, "act_fn", None)
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _default_gate():
+    global _DEFAULT_GATE
+    if _DEFAULT_GATE is None:
+        from transformers.integrations.moe import _default_apply_gate
+
+        _DEFAULT_GATE = _default_apply_gate
+    return _DEFAULT_GATE
+
+
+_DEFAULT_GATE = None
+
+
+def experts_one_token(module, x: torch.Tensor, weights: list[tuple], post_norm: bool = True) -> torch.Tensor | None:
+    """Several experts of one token in one call: ``weights`` = [(up, down, up_bias, down_bias)] (slot or store views).
+
+    Returns [K, H] whose row k is bit-identical to ``expert_forward(module, x, *weights[k])`` (so callers may
+    mix both freely without breaking exactness), or None where only ``expert_forward`` applies (biases,
+    another gate, several tokens, not bf16 on the CPU, kernels off).
+    """
+    if x.shape[0] != 1 or not weights or not _fast(x, weights[0][0], module.is_transposed) or not _is_silu_concat(module):
+        return None
+    if any(w[2] is not None or w[3] is not None for w in weights):
+        return None
+    y = torch.ops.moe_offload.experts_mlp_bf16(x.to(torch.bfloat16).reshape(-1), [w[0] for w in weights], [w[1] for w in weights])
+    if post_norm and module.has_post_expert_norm:
+        y = module.post_expert_norm(y)
+    return y  # [K, H]
+
+
+# -- the model's own one-token linear layers ----------------------------------------------------------------
+def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # x [.., in] -> [.., out]; one token goes to the GEMV kernel, everything else (prefill) to F.linear.
+    if x.dtype == torch.bfloat16 and _fast(x, self.weight, False):
+        if x.numel() == self.in_features:
+            return torch.ops.moe_offload.gemv_bf16(x, self.weight, self.bias)
+        if x.numel() <= GEMM_MAX_TOKENS * self.in_features:  # a batched decode step
+            return torch.ops.moe_offload.gemm_bf16(x, self.weight, self.bias)
+    return F.linear(x, self.weight, self.bias)
+
+
+def patch_linears(model: torch.nn.Module) -> int:
+    """Route one-token calls of ``model``'s bf16 CPU nn.Linear layers to ``moe_offload::gemv_bf16``.
+
+    Returns how many layers were patched (0 when the kernels are off or unavailable). The swap is an
+    instance-level ``forward``, so state dicts, hooks and prefill are unchanged; ``unpatch_linears`` undoes it.
+    """
+    found = [m for m in model.modules() if type(m) is torch.nn.Linear and _linear_ok(m)]
+    if not found or not jit.load():
+        return 0
+    for m in found:
+        m.forward = types.MethodType(_linear_forward, m)
+    return len(found)
+
+
+def unpatch_linears(model: torch.nn.Module) -> int:
+    n = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and getattr(m.forward, "__func__", None) is _linear_forward:
+            del m.forward
+            n += 1
+    return n
+
+
+def _linear_ok(m: torch.nn.Linear) -> bool:
+    w, b = m.weight, m.bias
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.stride(-1) == 1 and _bias_ok(b)
+
+
+def prepare(model: torch.nn.Module, expert_dtype: torch.dtype | None) -> int:
+    """At load time: build the kernels now (not inside the first decode step) when the experts are bf16 or
+    quantized, and patch the model's one-token bf16 CPU linears. Returns how many linears were patched."""
+    if expert_dtype == torch.bfloat16 or expert_dtype in quant.FORMAT_OF_DTYPE:
+        jit.load()
+    return patch_linears(model)

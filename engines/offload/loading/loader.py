@@ -1,0 +1,410 @@
+"""Load a local HF MoE checkpoint for the offload executor.
+
+    checkpoint dir --validate (files, MoE layers, placement, memory)--> from_pretrained on the host
+        (a quantized checkpoint, MXFP4 / FP8: checkpoint.py reads the experts as stored, transformers the rest)
+      -> routed experts of each layer moved into the host store (pinned on CUDA), detached from the model,
+         in their stored format or converted by --expert-dtype (int8 / fp8 quantized per expert, bf16)
+      -> non-expert weights to the accelerator (model.to(device): the experts are no longer parameters)
+      -> per MoE layer a SlotCache on the accelerator: the Placement's pinned experts + dynamic slots
+
+Why experts never touch the accelerator first: transformers loads the checkpoint on
+the host (its default device); we then take the expert tensors out of the module's
+parameters before anything moves to the accelerator. On a CPU run those loaded
+tensors *are* the host store (no second copy); on CUDA each layer is copied into
+pinned memory and its unpinned original freed, one layer at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_offload.control import vocab
+from moe_offload.engines.offload.experts import policies
+from moe_offload.engines.offload.experts.executor import IMPLEMENTATION, RESIDENT, Executor, register
+from moe_offload.engines.offload.experts.slots import SlotCache
+from moe_offload.engines.offload.experts.store import module_tensor_names, take_from_module
+from moe_offload.engines.offload.kernels import dispatch
+from moe_offload.engines.offload.loading import architecture, checkpoint, quant
+from moe_offload.errors import ConfigError, ModelError, PlacementError
+from rm_core import Placement
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+EXPERT_DTYPES = tuple(vocab.EXPERT_DTYPES)  # --expert-dtype: quantize a float checkpoint's experts at load, or dequantize
+
+
+@dataclass
+class OffloadedModel:
+    """A transformers model whose routed experts run through the offload executor."""
+
+    model: Any  # transformers PreTrainedModel, eval mode, non-expert weights on ``device``
+    config: Any
+    executor: Executor
+    placement: Placement | None
+    device: torch.device
+    policy: str
+
+
+@dataclass(frozen=True)
+class ExpertsInfo:
+    """An experts module found on the meta model: where it is and what one of its experts weighs."""
+
+    name: str
+    layer: int
+    num_experts: int
+    expert_bytes: int
+
+
+def load_model(
+    path: str,
+    placement: Placement | None,
+    *,
+    policy: str = "static",
+    device: str = "cpu",
+    dtype: str | None = None,
+    hybrid_threshold: int | None = None,
+    expert_dtype: str | None = None,
+    dense_dtype: str | None = None,
+) -> OffloadedModel:
+    """Load checkpoint ``path`` with ``placement`` (None: every expert resident) under miss ``policy``.
+
+    ``device``: "cpu" or "cuda[:N]". ``dtype``: "float32" | "bfloat16" | "float16" | None (checkpoint's): the
+    compute dtype and the dtype of every non-expert weight.
+    ``hybrid_threshold``: tokens per expert and step at which ``hybrid`` fetches instead of computing on the host.
+    ``expert_dtype``: None keeps the experts as the checkpoint stores them (float, or MXFP4 / FP8 kept quantized);
+    "int8" | "fp8" quantizes a float checkpoint's experts at load; "bf16" casts (float) or dequantizes (quantized).
+    ``dense_dtype``: "int8" also holds the attention projections and the LM head as int8 rows (quant.QuantLinear;
+    bf16 compute on the cpu only); None or "bf16" keeps them in the compute dtype.
+    Raises ModelError (bad checkpoint, dense model), PlacementError (placement for another model, slots that do
+    not fit), ConfigError (bad option) before any large allocation.
+    """
+    policies.check_policy(policy)
+    if hybrid_threshold is not None and (isinstance(hybrid_threshold, bool) or not isinstance(hybrid_threshold, int) or hybrid_threshold < 1):
+        raise ConfigError(f"hybrid_threshold: expected an integer >= 1, got {hybrid_threshold!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
+        raise ConfigError(f"expert_dtype: expected one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
+    if dense_dtype is not None and dense_dtype not in vocab.DENSE_DTYPES:
+        raise ConfigError(f"dense_dtype: expected one of {', '.join(vocab.DENSE_DTYPES)}, got {dense_dtype!r}")
+    dev = resolve_device(device)
+    root = check_checkpoint(path)
+
+    config, experts, dense_bytes = inspect_checkpoint(root, dtype, expert_dtype)
+    method = checkpoint.quant_method(config, str(root))
+    read_as, convert_to = expert_target(method, expert_dtype)
+    torch_dtype = DTYPES[dtype] if dtype else None
+    cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
+    compute_dtype = torch_dtype or (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None)
+    if dense_dtype == "int8" and (dev.type != "cpu" or compute_dtype not in (None, torch.bfloat16)):
+        raise ConfigError(f"dense_dtype int8: needs bf16 compute on the cpu, got {compute_dtype} on {dev} "
+                          "(give --dtype bfloat16, or leave the dense weights as they are)")
+    acc_tier, host_tier, layout = plan_layers(experts, placement, dev)
+    if dev.type == "cuda":
+        _check_cuda_fit(dev, experts, layout, dense_bytes)
+
+    register()
+    stored: dict = {}
+    if method is not None:
+        model, stored = _load_quantized(root, config, experts, method, read_as, compute_dtype or torch.float32)
+    else:
+        kwargs = {"experts_implementation": IMPLEMENTATION}
+        if torch_dtype is not None:
+            kwargs["dtype"] = torch_dtype
+        # The text path only: an omni model's speech talker is not loaded, its thinker is what runs.
+        kwargs.update(architecture.text_only(config))
+        model = architecture.text_path(architecture.model_class(config).from_pretrained(root, **kwargs))
+    model.eval()
+
+    executor = Executor(dev, policy, (acc_tier, host_tier), hybrid_threshold)
+    modules = dict(model.named_modules())
+    _, others = architecture.experts_modules(model)
+    for name in others:  # experts the text path never routes to: resident, transformers' own forward
+        object.__setattr__(modules[name], "_moe_offload", RESIDENT)
+    stores = []
+    for info in experts:
+        module = modules[info.name]
+        store = take_from_module(module, pin=dev.type == "cuda", stored=stored.pop(info.name, None), convert_to=convert_to)
+        stores.append((info, module, store))
+    if dev.type != "cpu":
+        model.to(dev)  # non-expert weights only: the experts were detached above
+    for info, module, store in stores:
+        pinned, dynamic = layout[info.layer]
+        cache = SlotCache(store, pinned, dynamic, dev, alias_pinned=dev.type == "cpu")
+        executor.attach(module, info.layer, store, cache)
+    executor.finish_setup()
+    _install_hooks(model, executor, [m for _, m, _ in stores], modules)
+    dispatch.prepare(model, stores[0][2].tensors[0].dtype if stores else None)  # bf16 CPU GEMV kernels (MOE_OFFLOAD_KERNELS=0: off)
+    if dense_dtype == "int8":
+        if dev.type != "cpu" or model.dtype != torch.bfloat16:
+            raise ConfigError(f"dense_dtype int8: needs bf16 compute on the cpu, got {model.dtype} on {dev} "
+                              "(give --dtype bfloat16, or leave the dense weights as they are)")
+        quant.quantize_dense(model)
+    from moe_offload.log import get_logger
+
+    get_logger("moe_offload.loader").info("experts_loaded", checkpoint=str(root), checkpoint_format=method or "float",
+                                          **expert_summary(executor))
+    return OffloadedModel(model, model.config, executor, placement, dev, policy)
+
+
+def expert_summary(executor: Executor) -> dict:
+    """{"expert_format", "expert_bytes" (one expert as stored), "host_store_bytes" (every expert once, as stored),
+    "slot_bytes" (accelerator buffers the slots allocated; pinned CPU slots alias the store)}."""
+    layers = executor.layers
+    return {
+        "expert_format": layers[0].store.format if layers else "",
+        "expert_bytes": layers[0].store.expert_bytes if layers else 0,
+        "host_store_bytes": sum(s.store.nbytes for s in layers),
+        "slot_bytes": sum(s.cache.buffer_bytes for s in layers),
+    }
+
+
+def resolve_device(device: str) -> torch.device:
+    """torch.device of "cpu" or "cuda[:N]"; ConfigError for anything else, BackendUnavailable without the GPU."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda":
+        from moe_offload.engines.offload.experts.cuda import check_device
+
+        check_device(dev)
+        dev = torch.device("cuda", dev.index or 0)
+    return dev
+
+
+def check_checkpoint(path: str) -> Path:
+    """A directory with config.json and every safetensors shard its index names; else ModelError."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelError(f"model: expected a checkpoint directory, got {path!r} (not a directory)")
+    if not (root / "config.json").is_file():
+        raise ModelError(f"{root}: expected config.json in the checkpoint directory, found none")
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ModelError(f"{index}: expected a JSON object with a weight_map, got an unreadable file ({e})") from None
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (root / s).is_file()]
+        if missing:
+            raise ModelError(f"{root}: missing {len(missing)} of {len(shards)} safetensors shards named by the index: {', '.join(missing[:3])}")
+    elif not any(root.glob("*.safetensors")):
+        raise ModelError(f"{root}: expected model.safetensors or a sharded index, found no safetensors files")
+    return root
+
+
+_INSPECTED: dict[tuple, tuple] = {}  # (path, config mtime, dtype) -> inspect_checkpoint's answer; the last few
+
+
+def inspect_checkpoint(root: str | Path, dtype: str | None = None, expert_dtype: str | None = None
+                       ) -> tuple[Any, list[ExpertsInfo], int]:
+    """(transformers config, experts modules, non-expert bytes) of checkpoint ``root`` loaded in ``dtype``
+    (None: the checkpoint's), each expert priced as the store will hold it (its quantized format, or
+    ``expert_dtype``). ModelError for a config transformers cannot read or a model without experts.
+    Remembered per path, config.json mtime and dtype: building an engine asks for its placement and again for
+    loading, and the meta model need not be built twice."""
+    root = Path(root)
+    key = (str(root), (root / "config.json").stat().st_mtime_ns, dtype, expert_dtype)
+    if key in _INSPECTED:
+        return _INSPECTED[key]
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(root)
+    except (ValueError, OSError, KeyError) as e:
+        raise ModelError(f"{root}: config.json cannot be read by transformers: {e}") from None
+    cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
+    torch_dtype = DTYPES[dtype] if dtype else (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None)
+    method = checkpoint.quant_method(config, str(root))
+    read_as, convert_to = expert_target(method, expert_dtype)
+    priced_as = convert_to or (method if read_as == "stored" else "bfloat16")
+    experts, dense_bytes = inspect_model(config, torch_dtype, priced_as)
+    if not experts:
+        raise ModelError(f"{root}: dense model (model_type {config.model_type!r}): no routed experts modules to offload")
+    while len(_INSPECTED) >= 4:
+        _INSPECTED.pop(next(iter(_INSPECTED)))
+    _INSPECTED[key] = (config, experts, dense_bytes)
+    return config, experts, dense_bytes
+
+
+def expert_target(method: str | None, expert_dtype: str | None) -> tuple[str, str | None]:
+    """(how a quantized checkpoint's experts are read: "stored" | "float" (dequantized to bf16), what the store is
+    converted to: None | "int8" | "fp8" | "bfloat16") for checkpoint quant ``method`` and ``--expert-dtype``."""
+    if expert_dtype is None:
+        return "stored", None
+    if method is None:
+        return "stored", {"int8": "int8", "fp8": "fp8", "bf16": "bfloat16"}[expert_dtype]
+    if expert_dtype == "bf16":
+        return "float", None
+    if expert_dtype == method:
+        return "stored", None
+    raise ConfigError(f"expert_dtype {expert_dtype!r}: this checkpoint's experts are {method}; expected bf16 "
+                      f"(dequantize at load) or {method} / unset (keep them as stored)")
+
+
+def _load_quantized(root: Path, config, experts: list[ExpertsInfo], method: str, read_as: str, dtype: torch.dtype):
+    """(model with placeholder experts, {experts module: (up, down, up_scale, down_scale)}): checkpoint.py's split
+    load. transformers loads everything but the routed experts' weights, which are read here as stored."""
+    cls = architecture.model_class(config)
+    with torch.device("meta"):
+        meta = architecture.text_path(cls._from_config(config, dtype=dtype))
+    modules = dict(meta.named_modules())
+    with checkpoint.Files(root) as files:
+        sources = checkpoint.find_sources(meta, experts, files.keys(), method)
+        float_dtype = torch.bfloat16
+        stored = {i.name: checkpoint.read_layer(files, sources[i.name], modules[i.name], i.num_experts, method, read_as,
+                                                float_dtype) for i in experts}
+        skip = set().union(*(s.keys(method) for s in sources.values()))
+        state_dict = checkpoint.rest_state_dict(files, skip, method, dtype)
+        state_dict.update(checkpoint.placeholders(meta, experts, dtype))
+        cfg = copy.deepcopy(config)
+        del cfg.quantization_config  # no transformers quantizer: the experts are handled here, the rest is float now
+        # with a state dict transformers takes no path: name and generation config are set from the directory below
+        model = type(meta).from_pretrained(None, config=cfg, state_dict=state_dict, dtype=dtype,
+                                           experts_implementation=IMPLEMENTATION)
+    model.config.name_or_path = str(root)
+    if (root / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(root)
+    return model, stored
+
+
+def find_experts(config, dtype: torch.dtype | None = None) -> list[ExpertsInfo]:
+    """Experts modules of the model ``config`` describes, found on the meta device (no memory)."""
+    return inspect_model(config, dtype)[0]
+
+
+def inspect_model(config, dtype: torch.dtype | None = None, fmt: str | None = None) -> tuple[list[ExpertsInfo], int]:
+    """(experts modules the executor serves, bytes of all other parameters of the text path) of the model
+    ``config`` describes, built on the meta device with the class ``load_model`` loads it with. ``fmt`` ("int8" |
+    "fp8" | "mxfp4" | a float dtype name): price each expert as stored in it (default: ``dtype``)."""
+    cls = architecture.model_class(config)
+    if architecture.text_only(config):
+        config = copy.deepcopy(config)
+        for k, v in architecture.text_only(config).items():
+            setattr(config, k, v)
+    try:
+        with torch.device("meta"):
+            meta = cls._from_config(config, **({"dtype": dtype} if dtype else {}))
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        raise ModelError(f"model_type {config.model_type!r}: transformers cannot build {cls.__name__} from this config: {e}") from None
+    model = architecture.text_path(meta)
+    found = []
+    routed = 0  # bytes of the routed experts as the meta model holds them (float)
+    for e in architecture.experts_modules(model)[0]:
+        tensors = [getattr(e.module, n) for n in module_tensor_names(e.module) if n is not None]
+        nbytes = sum(t[0].numel() * t.element_size() for t in tensors)
+        routed += nbytes * tensors[0].shape[0]
+        if fmt is not None:
+            nbytes = priced_expert_bytes(e.module, tensors, fmt)
+        found.append(ExpertsInfo(e.name, e.layer, int(tensors[0].shape[0]), nbytes))
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return found, total - routed
+
+
+def priced_expert_bytes(module, tensors: list, fmt: str) -> int:
+    """Bytes of one expert of ``module`` (meta ``tensors``: up, down, biases) stored in ``fmt``: a quantized format
+    (weights; biases keep their dtype) or a float dtype name."""
+    up, down, *biases = tensors
+    bias = sum(b[0].numel() * b.element_size() for b in biases)
+    float_bytes = torch.empty((), dtype=getattr(torch, fmt)).element_size() if fmt not in quant.QUANTIZED else 0
+    total = bias  # biases keep their dtype in every format
+    for i, w in enumerate((up, down)):
+        R, K = (w.shape[2], w.shape[1]) if module.is_transposed else (w.shape[1], w.shape[2])
+        split = dispatch.gate_up_split(module, R) if i == 0 and fmt == "fp8" else 0
+        total += quant.weight_bytes(fmt, R, K, split, float_bytes)
+    return total
+
+
+is_experts_module = architecture.is_experts_module
+
+
+def plan_layers(experts: list[ExpertsInfo], placement: Placement | None, dev: torch.device):
+    """(accelerator tier, host tier, {layer: (pinned expert ids, dynamic slots)}); PlacementError if it does not fit the model."""
+    device_name = f"{dev.type}:{dev.index or 0}"
+    if placement is None:
+        return device_name, "host", {i.layer: (list(range(i.num_experts)), 0) for i in experts}
+    layers = {i.layer: i for i in experts}
+    placed = {lp.layer for lp in placement.layers}
+    if placed != set(layers):
+        raise PlacementError(
+            f"placement for model {placement.model!r} covers MoE layers {sorted(placed)}, "
+            f"expected this model's MoE layers {sorted(layers)}"
+        )
+    used = {t for lp in placement.layers for t in lp.slots if lp.slots[t] > 0}
+    candidates = [t.name for t in placement.tiers if t.accelerator is not None]
+    if len(used) > 1:
+        raise PlacementError(f"placement uses slots on {len(used)} accelerator tiers {sorted(used)}, expected one per executor")
+    acc = next(iter(used)) if used else (candidates[0] if candidates else device_name)
+    host = placement.host_tier or "host"
+    layout = {}
+    for lp in placement.layers:
+        info = layers[lp.layer]
+        if lp.num_experts != info.num_experts:
+            raise PlacementError(
+                f"placement layer {lp.layer}: {lp.num_experts} experts, expected this model's {info.num_experts}"
+            )
+        pinned = lp.pinned(acc)
+        slots = lp.slots.get(acc, len(pinned))
+        layout[lp.layer] = (pinned, slots - len(pinned))
+    return acc, host, layout
+
+
+def _check_cuda_fit(dev: torch.device, experts: list[ExpertsInfo], layout, dense_bytes: int) -> None:
+    """Slots + non-expert weights must fit the device's free memory (activations and KV cache come on top)."""
+    from moe_offload.engines.offload.experts.cuda import free_bytes
+
+    slots = sum(i.expert_bytes * (len(layout[i.layer][0]) + layout[i.layer][1]) for i in experts)
+    free = free_bytes(dev)
+    if slots + dense_bytes > free:
+        raise PlacementError(
+            f"expert slots ({slots / 2**30:.2f} GiB) + non-expert weights ({dense_bytes / 2**30:.2f} GiB) need "
+            f"{(slots + dense_bytes) / 2**30:.2f} GiB on {dev}, but only {free / 2**30:.2f} GiB is free; "
+            "lower the fraction or the slots"
+        )
+
+
+def _install_hooks(model, executor: Executor, experts_modules, modules) -> None:
+    """Forward boundaries (capture records, total time) and router timing, via module hooks."""
+    import time
+
+    stats_ref = executor
+    state = {"t0": 0.0, "r0": 0.0}
+
+    def pre(_m, _args):
+        stats_ref.begin_forward()
+        state["t0"] = time.perf_counter()
+
+    def post(_m, _args, _out):
+        stats_ref.end_forward(state["t0"])
+
+    model.register_forward_pre_hook(pre)
+    model.register_forward_hook(post)
+
+    def rpre(_m, _args):
+        state["r0"] = time.perf_counter()
+
+    def rpost(_m, _args, _out):
+        if stats_ref.timing:
+            stats_ref.stats.stage_s["router"] += time.perf_counter() - state["r0"]
+
+    names = {id(m): n for n, m in modules.items()}
+    for m in experts_modules:
+        parent_name = names[id(m)].rsplit(".", 1)[0]
+        for child in ("gate", "router"):
+            router = modules.get(f"{parent_name}.{child}")
+            if router is not None and router is not m:
+                router.register_forward_pre_hook(rpre)
+                router.register_forward_hook(rpost)
+                break

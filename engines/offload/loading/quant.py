@@ -1,0 +1,202 @@
+"""Expert weight formats: what one stored projection is, how to make it and how to read it back in torch.
+
+    bf16/fp16/fp32 w [R, K]                                      (as transformers loads it; gpt-oss [K, R])
+    int8   (q int8 [R, K],              scale fp32 [R])          --expert-dtype int8: per output row
+    fp8    (q float8_e4m3fn [R, K],     scale fp32 [RB, CB])     DeepSeek-V3 / --expert-dtype fp8: 128x128 blocks
+    mxfp4  (blocks uint8 [R, K/2],      scales uint8 [R, K/32])  gpt-oss: e2m1 pairs + E8M0 per 32
+
+A quantized projection is always stored [R, K] (output rows, as a GEMV reads them), whatever the family's
+float layout. The format of a stored tensor is its dtype: int8 -> int8, float8_e4m3fn -> fp8, uint8 -> mxfp4.
+``dequantize`` is the fp32 meaning of every format; the kernels (quant_kernels.py) compute with exactly these
+weights (fp8, mxfp4) or with int8 activations on top (int8); a concatenated gate|up quantized in fp8 keeps its
+halves' block grids apart (``split`` = I), as DeepSeek's separate gate_proj / up_proj tensors do.
+
+Legend: E experts, R output rows, K input features, RB/CB row/column blocks (ceil(R/128), ceil(K/128)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_offload.control.vocab import FP8_BLOCK, MX_BLOCK
+from moe_offload.control.vocab import QUANTIZED_FORMATS as QUANTIZED
+
+FP8_MAX = 448.0  # largest finite e4m3fn
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FORMAT_OF_DTYPE = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "mxfp4"}
+
+
+def format_of(t: torch.Tensor) -> str | None:
+    """"int8" | "fp8" | "mxfp4" for a stored quantized weight, None for a float one."""
+    return FORMAT_OF_DTYPE.get(t.dtype)
+
+
+def _blocks(n: int, b: int) -> int:
+    return -(-n // b)
+
+
+# ---- int8: per output row -------------------------------------------------------------------------------------------
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [.., R, K] float -> (q int8 [.., R, K], scale fp32 [.., R]); symmetric, |q| <= 127 (no -128: the VNNI kernel
+    negates weights by the sign of x)."""
+    wf = w.float()
+    scale = wf.abs().amax(dim=-1) / 127.0  # [.., R]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(wf / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return (q.float() * scale.unsqueeze(-1)).to(dtype)
+
+
+# ---- fp8 e4m3, 128x128 blocks ----------------------------------------------------------------------------------------
+def quantize_fp8(w: torch.Tensor, split: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [.., R, K] float -> (q float8_e4m3fn [.., R, K], scale fp32 [.., RB, CB]) with scale = block amax / 448, the
+    DeepSeek-V3 recipe. ``split`` S (0 < S < R): rows [0, S) and [S, R) are quantized as two matrices and their
+    block rows concatenated (a gate|up built from separate gate and up weights)."""
+    if 0 < split < w.shape[-2]:
+        qa, sa = quantize_fp8(w[..., :split, :])
+        qb, sb = quantize_fp8(w[..., split:, :])
+        return torch.cat([qa, qb], dim=-2), torch.cat([sa, sb], dim=-2)
+    *lead, R, K = w.shape
+    RB, CB = _blocks(R, FP8_BLOCK), _blocks(K, FP8_BLOCK)
+    wf = torch.zeros(*lead, RB * FP8_BLOCK, CB * FP8_BLOCK, dtype=torch.float32, device=w.device)
+    wf[..., :R, :K] = w.float()
+    blocks = wf.view(*lead, RB, FP8_BLOCK, CB, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(-3, -1)) / FP8_MAX  # [.., RB, CB]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (blocks / safe[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(*lead, RB * FP8_BLOCK, CB * FP8_BLOCK)[..., :R, :K].contiguous(), scale
+
+
+def fp8_block_rows(R: int, split: int = 0) -> torch.Tensor:
+    """[R] the scale row each weight row reads (see quantize_fp8's split)."""
+    r = torch.arange(R)
+    if 0 < split < R:
+        return torch.where(r < split, r // FP8_BLOCK, _blocks(split, FP8_BLOCK) + (r - split) // FP8_BLOCK)
+    return r // FP8_BLOCK
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, split: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """q [.., R, K] e4m3 * its block scale, in fp32 (then ``dtype``): what transformers' Fp8Dequantize computes."""
+    R, K = q.shape[-2:]
+    rows = fp8_block_rows(R, split).to(q.device)
+    cols = torch.arange(K, device=q.device) // FP8_BLOCK
+    s = scale[..., rows, :][..., cols]  # [.., R, K]
+    return (q.float() * s).to(dtype)
+
+
+# ---- mxfp4 (gpt-oss) -------------------------------------------------------------------------------------------------
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """blocks uint8 [.., R, K/2] + scales uint8 [.., R, K/32] -> [.., R, K]: FP4_VALUES[nibble] * 2^(scale - 127),
+    low nibble = even element (transformers' convert_moe_packed_tensors, without its final transpose)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    b = blocks.to(torch.int64)
+    vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)  # [.., R, K]
+    exp = scales.to(torch.int32) - 127
+    vals = torch.ldexp(vals.unflatten(-1, (-1, MX_BLOCK)), exp.unsqueeze(-1).float()).flatten(-2)
+    return vals.to(dtype)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [.., R, K] (K % 32 == 0) -> (blocks uint8 [.., R, K/2], scales uint8 [.., R, K/32]): per block of 32 the
+    smallest power of two that brings the block's amax within 6, then the nearest e2m1 value (ties to the smaller magnitude).
+    The gpt-oss release format; used by the tests to write real-layout checkpoints."""
+    *lead, R, K = w.shape
+    if K % MX_BLOCK:
+        raise ValueError(f"mxfp4: expected input features divisible by {MX_BLOCK}, got {K}")
+    wf = w.float().reshape(*lead, R, K // MX_BLOCK, MX_BLOCK)
+    amax = wf.abs().amax(dim=-1)  # [.., R, K/32]
+    exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.full_like(amax, -127.0)).clamp_(-127, 127)
+    scaled = wf / torch.exp2(exp).unsqueeze(-1)
+    mags = torch.tensor(FP4_VALUES[:8], dtype=torch.float32, device=w.device)
+    code = (scaled.abs().unsqueeze(-1) - mags).abs().argmin(dim=-1)  # nearest magnitude (first on ties)
+    code = code | ((scaled < 0).to(torch.int64) << 3)
+    code = code.reshape(*lead, R, K)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+# ---- one stored projection -> float --------------------------------------------------------------------------------
+def dequantize(w: torch.Tensor, scale: torch.Tensor | None, split: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """The float [R, K] (or [.., R, K]) a stored projection means; float weights pass through (cast to ``dtype``)."""
+    fmt = format_of(w)
+    if fmt == "int8":
+        return dequantize_int8(w, scale, dtype)
+    if fmt == "fp8":
+        return dequantize_fp8(w, scale, split, dtype)
+    if fmt == "mxfp4":
+        return dequantize_mxfp4(w, scale, dtype)
+    return w.to(dtype)
+
+
+def quantize(w: torch.Tensor, fmt: str, split: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [.., R, K] float -> (stored weight, scale) in ``fmt`` ("int8" | "fp8" | "mxfp4")."""
+    if fmt == "int8":
+        return quantize_int8(w)
+    if fmt == "fp8":
+        return quantize_fp8(w, split)
+    if fmt == "mxfp4":
+        return quantize_mxfp4(w)
+    raise ValueError(f"quantize: expected one of {', '.join(QUANTIZED)}, got {fmt!r}")
+
+
+def weight_bytes(fmt: str, R: int, K: int, split: int = 0, float_bytes: int = 2) -> int:
+    """Stored bytes of one [R, K] projection in ``fmt`` (a float dtype: ``float_bytes`` per weight): the control
+    plane's formula (spec.stored_weight_bytes), so the planner and the engine count the same bytes."""
+    from moe_offload.control.vocab import stored_weight_bytes
+
+    return stored_weight_bytes(fmt, R, K, split, float_bytes)
+
+
+# -- --dense-dtype int8: the model's own attention projections and LM head held as int8 --------------------------
+
+
+class QuantLinear(torch.nn.Module):
+    """An ``nn.Linear`` held as int8 rows with fp32 per-row scales (``quantize_int8``), for ``--dense-dtype int8``.
+
+    Up to 16 tokens (decode) go through ``moe_offload::gemv_q``, the int8 kernel the experts use (activations
+    quantized per token in blocks of 32); more tokens (prefill) through ``F.linear`` on the dequantized weight.
+    The bias keeps its dtype."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        q, s = quantize_int8(linear.weight.detach())
+        self.register_buffer("weight_q", q)
+        self.register_buffer("weight_scale", s)
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from moe_offload.engines.offload.kernels import jit
+        from moe_offload.engines.offload.kernels.quant_src import MAX_TOKENS
+
+        if (x.is_cpu and x.dtype in (torch.bfloat16, torch.float32) and 0 < x.numel() <= MAX_TOKENS * self.in_features
+                and jit.load()):
+            return torch.ops.moe_offload.gemv_q(x, self.weight_q, self.weight_scale, self.bias, 0)
+        return torch.nn.functional.linear(x, dequantize_int8(self.weight_q, self.weight_scale, x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+DENSE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def quantize_dense(model: torch.nn.Module) -> int:
+    """Replace the attention projections (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` of every ``self_attn``) and
+    the LM head by ``QuantLinear``; returns how many. Embeddings, norms, routers and shared experts stay as they are."""
+    n = 0
+    for name, module in list(model.named_modules()):
+        if name.endswith("self_attn"):
+            for attr in DENSE_NAMES:
+                lin = getattr(module, attr, None)
+                if type(lin) is torch.nn.Linear:
+                    setattr(module, attr, QuantLinear(lin))
+                    n += 1
+    head = getattr(model, "lm_head", None)
+    if type(head) is torch.nn.Linear:
+        model.lm_head = QuantLinear(head)
+        n += 1
+    return n

@@ -1,0 +1,266 @@
+"""The fused decode path: a decode step (every scheduled sequence decoding one token) without transformers' modules.
+
+    ids [M] -> embedding -> rotary cos/sin (the model's own rotary module: every rope scaling it knows)
+      -> per layer: moe_offload::decode_layer_bf16 (norm, q/k/v, q/k norms, rotary, paged KV write, attention,
+         o_proj, residual, norm, router top-k; decode_kernels.py)
+         -> the offload executor with those top-k ids and weights (tiers, fetches, statistics: unchanged)
+         (+ the shared expert, or the dense MLP of a layer without experts, through its own modules)
+      -> final norm (moe_offload::rmsnorm_bf16) -> LM head -> logits [M, V]
+
+Why: the module path spends about as long in small torch ops as in reading weights (docs/benchmarks.md,
+decode-step profile); this path makes one call per layer for everything but the experts.
+
+When: bf16 weights on the CPU with the kernels built, the paged KV cache, a decode-only step, and a family
+whose layers this path reproduces (``FAMILIES``: qwen3_moe, qwen2_moe, olmoe, mixtral, gpt_oss with the router
+fused too; glm4_moe, dots1, hy_v3, solar_open, minimax_m2 with attention and norms fused and the MoE block run as
+its module; the roundings of each family's module path are mirrored); anything else,
+a prefill chunk, fp32, CUDA, MOE_OFFLOAD_FAST_DECODE=0 run the module path). The KV rows it writes are the
+rows the module path writes, so the two paths mix freely within a sequence.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moe_offload.engines.offload.kernels import jit
+from moe_offload.engines.offload.loading.quant import QuantLinear
+from moe_offload.log import get_logger
+
+log = get_logger("moe_offload.fastpath")
+
+ENV = "MOE_OFFLOAD_FAST_DECODE"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the families this path covers."""
+
+    window_from_config: bool  # sliding window: config.sliding_window (else the attention module's attribute)
+    router_weights_bf16: bool  # the router casts its top-k weights to the model dtype (Mixtral keeps fp32)
+    always_renormalise: bool  # top-k weights renormalised whatever the config says (Mixtral)
+    router: str | None = "gate"  # the MoE block's router module; None: the block runs as a module (its own router,
+    # shared experts and glue; the executor still serves its experts), only attention and norms are fused
+    router_mode: int = 0  # 0: softmax over all experts, then top-k; 1: top-k logits, then softmax over them
+    norm_mode: int = 0  # 0: bf16(w * bf16(x / rms)); 1: bf16(w * (x / rms)) (gpt-oss scales in fp32)
+    rope: str = "full"  # "full": rotate_half over the head; "halves": gpt-oss's cos/sin of D/2 over the two halves;
+    # "partial": rotate_half over the first cos.shape[-1] dims, the rest passes (partial_rotary_factor)
+
+
+FAMILIES = {
+    "qwen3_moe": Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False),
+    "qwen2_moe": Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False),
+    "olmoe": Family(window_from_config=True, router_weights_bf16=True, always_renormalise=False),
+    "mixtral": Family(window_from_config=True, router_weights_bf16=False, always_renormalise=True),
+    # attention sinks, q/k/v/o and router biases, sliding and full layers alternating, rotary over halves; the
+    # experts (biases, clamped swiglu, MXFP4 as shipped) stay with the executor
+    "gpt_oss": Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False, router="router",
+                      router_mode=1, norm_mode=1, rope="halves"),
+}
+# Families whose attention and norms this path reproduces but whose routers it does not (sigmoid scores, correction
+# biases, expert groups, shared experts): the fused call does attention and norms, the MoE block runs as its module.
+MODULE_MLP = Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False, router=None,
+                    rope="partial")
+FAMILIES.update({name: MODULE_MLP for name in ("glm4_moe", "dots1", "hy_v3", "solar_open", "minimax_m2")})
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class _Layer:
+    idx: int
+    args: tuple  # decode_layer_bf16's weight arguments, in order (see DecodePlan.forward)
+    moe: object | None  # the MoE block (router inside the fused call) or None
+    experts: object | None
+    state: object | None  # the experts module's executor state
+    mlp: object | None  # a dense layer's MLP module
+    shared: object | None  # (shared_expert, shared_expert_gate) of a Qwen2-MoE block
+    top_k: int = 0
+    norm_topk: bool = False
+    router: object | None = None  # [E, H]
+    router_bias: object | None = None  # [E]
+    sinks: object | None = None  # [Hq]
+    scales: tuple = (None, None, None, None)  # int8 q/k/v/o: fp32 row scales
+
+
+class DecodePlan:
+    """Built once per engine by ``build``; ``forward`` runs one decode-only step."""
+
+    def __init__(self, model, executor, family: Family, layers: list[_Layer], eps: float, bs: int, pool):
+        self.model, self.executor, self.family = model, executor, family
+        self.layers, self.eps, self.bs, self.pool = layers, eps, bs, pool
+        inner = model.model
+        self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
+        self.lm_head = model.lm_head
+        self.head_dim = inner.layers[0].self_attn.head_dim
+        self.steps = 0
+
+    # -- eligibility --------------------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, model, executor, pool) -> "DecodePlan | None":
+        """The plan for this model, or None (with the reason logged at debug) where the module path must run.
+        Never raises: a layout it does not expect means the module path."""
+        try:
+            return cls._build(model, executor, pool)
+        except (AttributeError, TypeError, ValueError, RuntimeError) as e:
+            log.debug("fused decode path off", reason=f"{type(e).__name__}: {e}")
+            return None
+
+    @classmethod
+    def _build(cls, model, executor, pool) -> "DecodePlan | None":
+        why = cls._refuse(model, executor)
+        if why:
+            log.info("fused decode path off: decode steps run transformers' modules", reason=why,
+                     model_type=getattr(model.config, "model_type", ""))
+            return None
+        cfg = model.config
+        fam = FAMILIES[cfg.model_type]
+        eps = float(model.model.norm.variance_epsilon)
+        layers = []
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (qn, kn) if n is not None]
+            if any(float(n.variance_epsilon) != eps for n in norms):
+                log.debug("fused decode path off", reason="norms with different eps")
+                return None
+            if fam.window_from_config:
+                window = getattr(cfg, "sliding_window", None)
+            else:
+                window = getattr(attn, "sliding_window", None)
+            mlp = layer.mlp
+            experts = getattr(mlp, "experts", None)
+            state = getattr(experts, "_moe_offload", None) if experts is not None else None
+            router = getattr(mlp, fam.router, None) if fam.router else None
+            moe = mlp if state is not None and hasattr(router, "weight") else None
+            if experts is not None and state is None:
+                log.debug("fused decode path off", reason=f"layer {i}: experts not served by the executor")
+                return None
+            if fam.router and experts is not None and moe is None:
+                log.debug("fused decode path off", reason=f"layer {i}: no {fam.router}.weight")
+                return None
+            shared = None
+            if moe is not None and hasattr(mlp, "shared_expert"):
+                shared = (mlp.shared_expert, mlp.shared_expert_gate)
+            q8 = isinstance(attn.q_proj, QuantLinear)  # --dense-dtype int8: int8 rows and their scales
+            w_of = (lambda m: m.weight_q) if q8 else (lambda m: m.weight)
+            args = (
+                layer.input_layernorm.weight, eps,
+                w_of(attn.q_proj), w_of(attn.k_proj), w_of(attn.v_proj),
+                attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias,
+                qn.weight if qn is not None else None, kn.weight if kn is not None else None,
+            )
+            tail = (float(attn.scaling), int(window or 0), w_of(attn.o_proj), attn.o_proj.bias,
+                    layer.post_attention_layernorm.weight)
+            lay = _Layer(i, (args, tail), moe, experts, state, None if moe is not None else mlp, shared)
+            lay.sinks = getattr(attn, "sinks", None)
+            if q8:
+                lay.scales = tuple(getattr(attn, a).weight_scale for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            if moe is not None:
+                if any(t is not None and t.dtype != torch.bfloat16 for t in (router.weight, getattr(router, "bias", None))):
+                    log.debug("fused decode path off", reason=f"layer {i}: router not bf16")
+                    return None
+                lay.router = router.weight
+                lay.router_bias = getattr(router, "bias", None)
+                lay.top_k = int(router.top_k)
+                lay.norm_topk = fam.always_renormalise or bool(getattr(router, "norm_topk_prob", False))
+            layers.append(lay)
+        log.info("fused decode path on", model_type=cfg.model_type, layers=len(layers),
+                 router="fused" if fam.router else "module")
+        return cls(model, executor, fam, layers, eps, pool.block_size, pool)
+
+    @staticmethod
+    def _refuse(model, executor) -> str:
+        if not enabled_by_env():
+            return f"{ENV}=0"
+        cfg = model.config
+        if getattr(cfg, "model_type", "") not in FAMILIES:
+            return "family not covered"
+        if executor is None:
+            return "no offload executor"
+        inner = getattr(model, "model", None)
+        if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
+            return "unexpected module layout"
+        if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, QuantLinear)):
+            return "no linear LM head"
+        if getattr(cfg, "clip_qkv", None) is not None:
+            return "clip_qkv"
+        for layer in inner.layers:
+            attn = getattr(layer, "self_attn", None)
+            kinds = {type(getattr(attn, a, None)) for a in ("q_proj", "k_proj", "v_proj", "o_proj")}
+            if kinds not in ({torch.nn.Linear}, {QuantLinear}):
+                return "attention without q/k/v/o projections (all nn.Linear, or all int8)"
+            if not all(hasattr(getattr(layer, a, None), "variance_epsilon") for a in ("input_layernorm",
+                                                                                    "post_attention_layernorm")):
+                return "not the two RMSNorms around attention"
+            if not hasattr(layer, "mlp"):
+                return "no mlp"
+            for norm, proj in ((getattr(attn, "q_norm", None), attn.q_proj), (getattr(attn, "k_norm", None), attn.k_proj)):
+                if norm is not None and norm.weight.numel() not in (attn.head_dim, proj.out_features):
+                    return f"a q/k norm of {norm.weight.numel()} values"  # per head, or over the projection
+            # what the fused call reads must be bf16 on the CPU (a router's fp32 correction bias may stay fp32)
+            for m in (attn, layer.input_layernorm, layer.post_attention_layernorm):
+                if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in m.parameters()):
+                    return "not bf16 on the CPU"
+        if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in (inner.norm.weight, inner.embed_tokens.weight)):
+            return "not bf16 on the CPU"
+        if isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight.dtype != torch.bfloat16:
+            return "not bf16 on the CPU"
+        head_dim = inner.layers[0].self_attn.head_dim
+        probe = torch.zeros(1, 1, cfg.hidden_size, dtype=torch.bfloat16)
+        cos, _ = inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long))
+        rope = FAMILIES[cfg.model_type].rope
+        if not (cos.shape[-1] == head_dim or (rope == "halves" and 2 * cos.shape[-1] == head_dim)
+                or (rope == "partial" and cos.shape[-1] < head_dim and cos.shape[-1] % 2 == 0)):
+            return f"rotary of {cos.shape[-1]} dims on heads of {head_dim}"
+        if not jit.load():
+            return "kernels unavailable"
+        return ""
+
+    # -- one step -----------------------------------------------------------------------------------------------
+    def forward(self, ids: list[int], lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
+        """One decode token per sequence: ids [M], lens[t] = its context length including the token, blocks[t] its
+        block table. Returns logits [M, V]."""
+        M = len(ids)
+        nb = max(len(b) for b in blocks)
+        table = torch.tensor([b + [b[0]] * (nb - len(b)) for b in blocks], dtype=torch.long)
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        pos = lens_t.sub(1).unsqueeze(0)  # [1, M]
+        h = self.embed(torch.tensor(ids, dtype=torch.long))  # [M, H]
+        cos, sin = self.rotary(h, pos)  # [1, M, D] (gpt-oss: [1, M, D/2], applied to the two halves)
+        if self.family.rope == "halves":  # the same products as rotate_half over [cos, cos], [sin, sin]
+            cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        ex = self.executor
+        t0 = time.perf_counter()
+        ex.begin_forward()
+        op = torch.ops.moe_offload.decode_layer_bf16
+        add = None
+        fam = self.family
+        rw_bf16 = fam.router_weights_bf16
+        for lay in self.layers:
+            (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
+            hd = self.head_dim
+            kp, vp = self.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
+            h, x2, idx, w = op(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kp, vp, table, lens_t,
+                               self.bs, scaling, window, wo, bo, ln2, lay.router, lay.top_k, lay.norm_topk, rw_bf16,
+                               lay.sinks, lay.router_bias, fam.norm_mode, fam.router_mode, *lay.scales)
+            if lay.moe is not None:
+                out = ex.forward(lay.state, lay.experts, x2, idx, w)
+                if lay.shared is not None:
+                    se, gate = lay.shared
+                    out = out + torch.sigmoid(gate(x2)) * se(x2)
+            else:  # a dense layer's MLP, or a MoE block run as its module (its experts still go to the executor)
+                out = lay.mlp(x2.unsqueeze(0))
+                out = (out[0] if isinstance(out, tuple) else out)[0]
+            add = out.contiguous()
+        x = torch.ops.moe_offload.rmsnorm_bf16(h, add, self.norm.weight, self.eps, fam.norm_mode)
+        logits = self.lm_head(x)  # [M, V]
+        ex.end_forward(t0)
+        self.steps += 1
+        return logits

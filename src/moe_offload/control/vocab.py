@@ -1,0 +1,52 @@
+"""The shared vocabulary: formats, block sizes, bytes per weight and policy names, defined once.
+
+Imported by the control plane (spec, budget, costmodel), the CLI's options, the ai-rm config, the loader and the
+kernels' Python side, so that the planner, the engine and the cost model name and count the same things.
+Pure Python: no torch (the engine maps formats to torch dtypes itself).
+"""
+
+from __future__ import annotations
+
+# -- what happens to a routed expert that is not resident ------------------------------------------------------
+MISS_POLICIES = ("static", "lru", "hybrid")  # compute on the host | copy into a slot (LRU) | per expert, by cost
+
+# -- stored formats of expert weights -------------------------------------------------------------------------------
+# Float dtype names -> bytes per weight (the spellings configs and users write).
+DTYPE_BYTES = {
+    "float32": 4, "fp32": 4, "float": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "int8": 1,
+}
+# Quantized expert formats the engine keeps as stored: int8 + an fp32 scale per row; fp8 e4m3 + an fp32 scale per
+# FP8_BLOCK x FP8_BLOCK block (DeepSeek's layout); mxfp4: two 4-bit weights per byte + an E8M0 scale per MX_BLOCK.
+QUANTIZED_FORMATS = ("int8", "fp8", "mxfp4")
+FP8_BLOCK = 128
+MX_BLOCK = 32
+# --expert-dtype choices -> the expert format they give (quantize a float checkpoint at load, or keep bf16).
+EXPERT_DTYPES = {"int8": "int8", "fp8": "fp8", "bf16": "bfloat16"}
+# --dense-dtype choices: attention projections and LM head as int8 rows, or as bf16.
+DENSE_DTYPES = ("int8", "bf16")
+
+# Stored bytes per parameter of a routed expert, scales included, for the cost model's `expert_dtype`: a checkpoint
+# whose experts are stored in another format than its config's dtype, or "what if the experts were int8".
+# q8_0 (GGUF): blocks of 32 int8 weights + one fp16 scale = 34/32; q4_0: 16 bytes of nibbles + fp16 scale = 18/32;
+# mxfp4: 16 bytes of fp4 + one E8M0 scale = 17/32. int8 and fp8 carry a scale per channel or per 128x128 block,
+# under 0.2 % of the weights at these widths: not counted.
+EXPERT_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0,
+                      "q8_0": 34 / 32, "q4_0": 18 / 32, "mxfp4": 17 / 32}
+
+
+def stored_weight_bytes(fmt: str, rows: int, cols: int, split: int = 0, float_bytes: int = 2) -> int:
+    """Bytes of one [rows, cols] weight stored in ``fmt``: int8 + an fp32 scale per row; fp8 e4m3 + an fp32 scale
+    per 128x128 block (``split``: a gate|up whose halves have their own block grids); mxfp4 two weights per byte +
+    an E8M0 byte per 32; a float format: ``float_bytes`` per weight."""
+    def blocks(n, b):
+        return -(-n // b)
+
+    if fmt == "int8":
+        return rows * cols + 4 * rows
+    if fmt == "fp8":
+        rb = blocks(split, FP8_BLOCK) + blocks(rows - split, FP8_BLOCK) if 0 < split < rows else blocks(rows, FP8_BLOCK)
+        return rows * cols + 4 * rb * blocks(cols, FP8_BLOCK)
+    if fmt == "mxfp4":
+        return rows * cols // 2 + rows * cols // MX_BLOCK
+    return rows * cols * float_bytes

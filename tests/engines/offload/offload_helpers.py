@@ -1,0 +1,148 @@
+"""Shared helpers of the offload executor tests: tiny checkpoints of several MoE families, placements
+from a resident fraction, a greedy loop, stock references.
+
+Each family is built with transformers' own config class (hidden 32, 2-3 layers, 8 experts, top-2)
+so the whole folder runs in a few minutes on 2 cores."""
+
+from __future__ import annotations
+
+import torch
+
+from rm_core import LayerPlacement, MemoryTier, Placement
+
+E = 8  # routed experts per layer in every tiny model
+COMMON = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              max_position_embeddings=256, initializer_range=0.1, dtype="float32", eos_token_id=None,
+              bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+
+
+def _configs():
+    from transformers import (
+        DeepseekV3Config,
+        GptOssConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+        SolarOpenConfig,
+    )
+
+    c = COMMON
+    return {
+        "qwen3_moe": lambda: Qwen3MoeConfig(**c, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=16,
+                                            num_experts=E, num_experts_per_tok=2, norm_topk_prob=True),
+        "qwen2_moe": lambda: Qwen2MoeConfig(**c, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=16,
+                                            shared_expert_intermediate_size=32, num_experts=E, num_experts_per_tok=2),
+        "mixtral": lambda: MixtralConfig(**c, num_hidden_layers=2, intermediate_size=16, num_local_experts=E,
+                                         num_experts_per_tok=2),
+        "olmoe": lambda: OlmoeConfig(**{k: v for k, v in c.items() if k != "head_dim"}, num_hidden_layers=2,
+                                     intermediate_size=16, num_experts=E, num_experts_per_tok=2),
+        # first layer dense, grouped routing (2 groups, pick 1), scaled weights
+        "deepseek_v3": lambda: DeepseekV3Config(**{k: v for k, v in c.items() if k != "head_dim"} | {"num_key_value_heads": 4},
+                                                num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=16,
+                                                n_routed_experts=E, n_shared_experts=1, num_experts_per_tok=2,
+                                                first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                                kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                                v_head_dim=8),
+        # transposed fused tensors, biases, clamped swiglu gate on interleaved gate/up
+        "gpt_oss": lambda: GptOssConfig(**c, num_hidden_layers=2, intermediate_size=16, num_local_experts=E,
+                                        num_experts_per_tok=2, sliding_window=16,
+                                        layer_types=["sliding_attention", "full_attention"]),
+        "solar_open": lambda: SolarOpenConfig(**c, num_hidden_layers=2, moe_intermediate_size=16, n_routed_experts=E,
+                                              n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                              routed_scaling_factor=1.5),
+    }
+
+
+FAMILIES = tuple(_configs())
+
+
+def build_checkpoint(family: str, root) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(_configs()[family]())
+    if family == "gpt_oss":  # transformers zero-initialises the router bias; make it matter
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.mlp.router.bias, std=0.5)
+    path = root / family
+    model.save_pretrained(path)
+    return str(path)
+
+ACC = MemoryTier("acc:0", "device-hbm", 2**34, accelerator="test/cpu:0")
+HOST = MemoryTier("host", "host-dram", 2**35)
+
+
+def placement(layers: list[int], num_experts: int, fraction: float, policy: str, seed: int = 0) -> Placement:
+    """A placement keeping round(fraction * E) slots per layer:
+    static pins them all; lru keeps them all dynamic; hybrid pins half and keeps half dynamic.
+    Pinned experts are a per-layer pseudo-random subset, so hits and misses mix."""
+    n = round(fraction * num_experts)
+    lps = []
+    for layer in layers:
+        g = torch.Generator().manual_seed(seed * 1000 + layer)
+        order = torch.randperm(num_experts, generator=g).tolist()
+        npin = {"static": n, "lru": 0, "hybrid": n // 2}[policy]
+        pinned = set(order[:npin])
+        home = tuple(ACC.name if e in pinned else HOST.name for e in range(num_experts))
+        lps.append(LayerPlacement(layer, home, {ACC.name: n}))
+    return Placement("test", (ACC, HOST), tuple(lps), policy)
+
+
+def moe_layers(path: str) -> tuple[list[int], int]:
+    from transformers import AutoConfig
+
+    from moe_offload.engines.offload.loading.loader import find_experts
+
+    infos = find_experts(AutoConfig.from_pretrained(path))
+    return [i.layer for i in infos], infos[0].num_experts
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], n: int, device="cpu"):
+    """n greedy tokens with a KV cache; returns (tokens, fp32 logits [n, vocab])."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    x = torch.tensor([prompt], device=device)
+    tokens, logits = [], []
+    for _ in range(n):
+        out = model(x, past_key_values=cache, use_cache=True)
+        last = out.logits[:, -1].float()
+        logits.append(last.cpu())
+        x = last.argmax(-1, keepdim=True)
+        tokens.append(int(x))
+    return tokens, torch.cat(logits)
+
+
+def stock(path: str, device: str = "cpu"):
+    """transformers' own implementation: stock from_pretrained, default experts implementation."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+
+
+def run_in_variant(variant: str, body: str) -> None:
+    """Run ``body`` (Python; ``torch``, ``jit`` and ``ops`` = torch.ops.moe_offload in scope) in a fresh
+    process with the kernels built for ISA ``variant`` (ops register once per process); skip where the CPU lacks
+    it (the build would pick another variant). Fails with the child's stderr."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from moe_offload.engines.offload.kernels import jit
+
+    needs = next(v[1] for v in jit.VARIANTS if v[0] == variant)
+    if not set(needs) <= jit.cpu_flags():
+        pytest.skip(f"CPU lacks {variant}")
+    code = f"""
+import torch
+from moe_offload.engines.offload.kernels import jit
+assert jit.load() and jit.info()["variant"] == {variant!r}, jit.info()
+ops = torch.ops.moe_offload
+""" + body
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, jit.ENV: variant}, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
