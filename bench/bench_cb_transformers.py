@@ -25,7 +25,7 @@ def prompts(n: int, length: int = 16) -> list[list[int]]:
 
 
 def ours(engine, batch: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
-    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.params import SamplingParams
 
     t0 = time.perf_counter()
     gens = [engine.start(p, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in batch]
@@ -66,7 +66,7 @@ def main() -> None:
         from bench_engine import build_model
 
         a.model = str(build_model(Path.home() / ".cache" / "moe-offload" / "bench-model"))
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
 
     engine = build_offload_engine(a.model, max_num_seqs=max(int(s) for s in a.streams.split(",")))
     model = engine.model

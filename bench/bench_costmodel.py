@@ -40,8 +40,8 @@ def build_model(out: Path, seed: int = 0) -> Path:
 
 
 def measure(path: Path, policy: str, fraction: float, prompt: list[int], tokens: int, repeats: int, device: str):
-    from moe_offload.engines.base import SamplingParams
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+    from moe_offload.engines.params import SamplingParams
 
     engine = build_offload_engine(path, policy=policy, fraction=fraction, dtype="bfloat16", device=device,
                                   backend="cuda" if device.startswith("cuda") else "cpu")
@@ -89,7 +89,8 @@ def main() -> int:
 
     logging.disable_progress_bar()
     from moe_offload.commands.costmodel import calibration_text
-    from moe_offload.control.costmodel import Calibration, predict
+    from moe_offload.control.calibration import Calibration
+    from moe_offload.control.costmodel import predict
     from moe_offload.control.spec import ModelSpec
 
     tmp = None

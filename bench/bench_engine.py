@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from moe_offload.control.vocab import EXPERT_DTYPES, MISS_POLICIES
+
 SHAPE = dict(
     hidden_size=1024,
     intermediate_size=2048,
@@ -39,7 +41,7 @@ SHAPE = dict(
     max_position_embeddings=4096,
 )
 FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
-POLICIES = ("static", "lru", "hybrid")
+POLICIES = MISS_POLICIES
 
 
 def build_model(out: Path, seed: int = 0, shape: dict | None = None) -> Path:
@@ -136,8 +138,8 @@ def bench_stock(path: Path, prompt: list[int], tokens: int, repeats: int) -> dic
 
 def bench_engine(path: Path, prompt: list[int], tokens: int, repeats: int, policy: str, fraction: float,
                  expert_dtype: str | None = None) -> dict:
-    from moe_offload.engines.base import SamplingParams
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+    from moe_offload.engines.params import SamplingParams
 
     engine = build_offload_engine(path, policy=policy, fraction=fraction, dtype="bfloat16", expert_dtype=expert_dtype)
     try:
@@ -168,8 +170,8 @@ def ab_compare(path: Path, prompt: list[int], rounds: int, block: int = 8, exper
     process, so both see the same background load: the fair ratio on a busy machine."""
     from transformers import AutoModelForCausalLM
 
-    from moe_offload.engines.base import SamplingParams
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+    from moe_offload.engines.params import SamplingParams
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     engine = build_offload_engine(path, policy="static", fraction=1.0, dtype="bfloat16", expert_dtype=expert_dtype)
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, help="build (or reuse) the model here instead of a temp dir")
     ap.add_argument("--no-stock", action="store_true", help="skip stock transformers (and the A/B)")
     ap.add_argument("--ab-rounds", type=int, help="interleaved stock/ours rounds of 8 tokens (default 8; quick 2; 0 = skip)")
-    ap.add_argument("--expert-dtype", choices=("int8", "fp8", "bf16"),
+    ap.add_argument("--expert-dtype", choices=tuple(EXPERT_DTYPES),
                     help="the engine's experts: quantized at load (int8 | fp8) or bf16; stock stays bf16")
     args = ap.parse_args(argv)
     from transformers.utils import logging

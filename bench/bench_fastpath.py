@@ -6,7 +6,7 @@
 
     family config (mid-size widths below, random bf16 weights, built once under ~/.cache/moe-offload/fastpath-*)
       -> build_offload_engine (bf16, every expert resident, static) -> per round: decode --tokens tokens after a
-         --context-token prompt with the fused path, then with it switched off (engine.fast = None), same engine
+         --context-token prompt with the fused path, then with it switched off (engine.runner.fast = None), same engine
       -> median ms/token per configuration, and the ratio
 
 Both runs use the same weights, KV pool, executor and kernels: the difference is transformers' modules (the
@@ -71,7 +71,7 @@ def build(family: str, quick: bool) -> Path:
 
 
 def decode_ms(engine, prompt: list[int], tokens: int) -> float:
-    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.params import SamplingParams
 
     gen = engine.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
     for _ in gen:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
     from moe_offload.engines.offload.tools.calibrate import cpu_name
 
     torch.set_num_threads(args.threads)
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         path = build(family, args.quick)
         engine = build_offload_engine(str(path), dtype="bfloat16", policy="static", fraction=1.0)
         try:
-            plan = engine.fast
+            plan = engine.runner.fast
             if plan is None:
                 print(f"{family}: the fused path does not cover this model (see the load log)", file=sys.stderr)
                 continue
@@ -111,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             decode_ms(engine, prompt, 2)  # warm-up
             fused, modules = [], []
             for _ in range(rounds):
-                engine.fast = plan
+                engine.runner.fast = plan
                 fused.append(decode_ms(engine, prompt, tokens))
-                engine.fast = None
+                engine.runner.fast = None
                 modules.append(decode_ms(engine, prompt, tokens))
-            engine.fast = plan
+            engine.runner.fast = plan
             rows.append((family, fused, modules))
         finally:
             engine.close()

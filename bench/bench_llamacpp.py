@@ -319,7 +319,7 @@ def batched_bench(gguf, batch_sizes, tokens: int, *, prompt: int = 128, threads:
 
 def engine_decode(engine, prompt: list[int], tokens: int) -> list[float]:
     """ms of each of ``tokens`` decode steps of ``engine`` (greedy, after a prefill of ``prompt``)."""
-    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.params import SamplingParams
 
     gen = engine.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
     for _ in gen:
@@ -329,7 +329,7 @@ def engine_decode(engine, prompt: list[int], tokens: int) -> list[float]:
 
 def engine_prefill(engine, prompt: list[int]) -> float:
     """tok/s of the engine's prefill of ``prompt`` (its first step's chunks up to the first token)."""
-    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.params import SamplingParams
 
     gen = engine.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
     for _ in gen:
@@ -344,7 +344,7 @@ def prefill_side_by_side(path: Path, tools: LlamaCpp, n: int, rounds: int, threa
     from bench_engine import prompt_ids
 
     from moe_offload.control.spec import ModelSpec
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
 
     gguf = to_gguf(path, "bf16", cache=cache, tools=tools)
     torch.set_num_threads(threads)
@@ -387,7 +387,7 @@ def side_by_side(path: Path, tools: LlamaCpp, outtypes, fractions, tokens: int, 
     from bench_engine import prompt_ids
 
     from moe_offload.control.spec import ModelSpec
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
 
     ggufs = {t: to_gguf(path, t, cache=cache, tools=tools) for t in outtypes}
     torch.set_num_threads(threads)

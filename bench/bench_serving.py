@@ -147,7 +147,7 @@ def served_copy(model_dir: Path) -> Path:
     out = model_dir.with_name(model_dir.name + "-served")
     if (out / "tokenizer.json").is_file():
         return out
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
@@ -183,7 +183,7 @@ def main() -> None:
         a.model, a.backend = str(served_copy(build_model(Path.home() / ".cache" / "moe-offload" / "bench-model"))), "cpu"
 
     from moe_offload.backends import get_backend
-    from moe_offload.serving import gateway, worker
+    from moe_offload.serving import gateway, server, worker
 
     backend = get_backend(a.backend)
     opts = {"ms_per_token": a.mock_ms_per_token} if a.backend == "mock" else {"max_num_seqs": max(levels)}
@@ -194,9 +194,9 @@ def main() -> None:
     if res["worker"] == "process":
         w = WorkerProcess(a.model, a.backend, max(levels))
     else:  # a factory, as `moe-offload worker` passes: the engine is built on the thread that runs it
-        w = worker.start_server(worker.create_app(lambda: backend.build_engine(a.model, None, **opts), model_name="bench",
+        w = server.start_server(worker.create_app(lambda: backend.build_engine(a.model, None, **opts), model_name="bench",
                                                   tiers=backend.tiers(), max_queue=256))
-    g = None if a.no_gateway else worker.start_server(gateway.create_app([w.url], health_interval=5.0))
+    g = None if a.no_gateway else server.start_server(gateway.create_app([w.url], health_interval=5.0))
     try:
         for _ in range(2):  # warm-up
             one_stream(w.url, "t1 t2 t3 t4", 8)

@@ -48,7 +48,7 @@ _SHARED = ("shared_expert", "shared_experts", "shared_mlp", "shared_expert_gate"
 
 def stage_map(model) -> dict[torch.nn.Module, str]:
     """Each module worth timing -> its stage. Parents get a glue stage (their time less their children's)."""
-    from moe_offload.engines.offload.loading.loader import is_experts_module
+    from moe_offload.engines.offload.loading.architecture import is_experts_module
 
     out: dict[torch.nn.Module, str] = {model: "LM head"}  # the CausalLM wrapper's own time: the logits slice
     base = getattr(model, "base_model", None)
@@ -145,11 +145,11 @@ class StageTimer:
 
 
 def _patch_sampling(timer: StageTimer):
-    """Time the engine's per-step sampling (``sample`` in the engine module: every sequence of a step at once);
-    None when the engine samples elsewhere (sampling is then in the loop)."""
-    import moe_offload.engines.offload.runtime.engine as engine_module
+    """Time the engine's per-step sampling (``sample`` in the runtime's output module: every sequence of a step at
+    once); None when the engine samples elsewhere (sampling is then in the loop)."""
+    import moe_offload.engines.offload.runtime.output as output_module
 
-    original = getattr(engine_module, "sample", None)
+    original = getattr(output_module, "sample", None)
     if original is None:
         return None
 
@@ -160,8 +160,8 @@ def _patch_sampling(timer: StageTimer):
         finally:
             timer.add("sampling", time.perf_counter() - t0)
 
-    engine_module.sample = timed
-    return lambda: setattr(engine_module, "sample", original)
+    output_module.sample = timed
+    return lambda: setattr(output_module, "sample", original)
 
 
 def _executor_stage_ms(engine) -> dict[str, float]:
@@ -172,7 +172,7 @@ def _executor_stage_ms(engine) -> dict[str, float]:
 def decode(engine, prompt: list[int], tokens: int, timer: StageTimer | None = None):
     """One request of ``tokens`` decode steps after the prompt; with ``timer``, steps after the first token are
     recorded. Returns (engine step times in ms, the executor's stage ms over the decode steps)."""
-    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.params import SamplingParams
 
     gen = engine.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
     it = iter(gen)
@@ -192,9 +192,11 @@ def decode(engine, prompt: list[int], tokens: int, timer: StageTimer | None = No
 def profile(engine, prompt: list[int], tokens: int) -> dict:
     """Per-stage medians (ms per decode step) with and without hooks, on the module path (hooks see modules; the
     fused decode path calls none), and the fused path's step where the engine has one."""
-    plan = getattr(engine, "fast", None)
+    runner = getattr(engine, "runner", None)  # the offload engine's model runner holds the fused plan
+    plan = getattr(runner, "fast", None)
     fused_ms = statistics.median(decode(engine, prompt, tokens)[0]) if plan is not None else None
-    engine.fast = None
+    if plan is not None:
+        runner.fast = None
     try:
         plain_ms, _ = decode(engine, prompt, tokens)
         timer = StageTimer(engine.model, stage_map(engine.model))
@@ -207,8 +209,8 @@ def profile(engine, prompt: list[int], tokens: int) -> dict:
             if unpatch:
                 unpatch()
     finally:
-        if hasattr(engine, "fast"):
-            engine.fast = plan
+        if plan is not None:
+            runner.fast = plan
     steps = timer.steps
     med = {s: statistics.median(st.get(s, 0.0) for st in steps) * 1000 for s in STAGES}
     mean = {s: statistics.fmean(st.get(s, 0.0) for st in steps) * 1000 for s in STAGES}
@@ -225,7 +227,7 @@ def torch_profile(engine, prompt: list[int], tokens: int, rows: int = 25) -> str
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.params import SamplingParams
 
     gen = engine.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
     it = iter(gen)
@@ -235,7 +237,7 @@ def torch_profile(engine, prompt: list[int], tokens: int, rows: int = 25) -> str
             pass
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) or 1
-    path = "fused decode path" if getattr(engine, "fast", None) is not None else "module path"
+    path = "fused decode path" if getattr(getattr(engine, "runner", None), "fast", None) is not None else "module path"
     lines = [f"torch.profiler, {tokens} decode steps ({path}): top {rows} ops by self CPU time (per step)\n",
              "| op | calls/step | self ms/step | share |", "|---|---:|---:|---:|"]
     for e in events[:rows]:
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_engine import SHAPE, build_model, prompt_ids
 
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
     from moe_offload.engines.offload.tools.calibrate import cpu_name
 
     torch.set_num_threads(args.threads)

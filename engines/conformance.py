@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from moe_offload.engines.base import SamplingParams
+from moe_offload.engines.params import SamplingParams
 from moe_offload.engines.process import EngineProcess
 from moe_offload.errors import ConfigError
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from moe_offload.engines.base import StructuredOutput
+from moe_offload.engines.params import StructuredOutput
 from moe_offload.errors import ConfigError
 
 JSON_OPTIONS = {"whitespace_flexible": False}

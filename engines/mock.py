@@ -15,7 +15,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats, SamplingParams, TokenLogprob, sample_next
+from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats, TokenLogprob, sample_next
+from moe_offload.engines.params import SamplingParams
 from moe_offload.errors import ConfigError
 
 WORDS = ("the", "expert", "routes", "tokens", "to", "memory", "host", "cache", "fast", "model", "layer", "slot")

@@ -21,7 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from moe_offload.engines.base import ENGINE_FEATURES, Engine, EngineInfo, Generation, GenerationStats, SamplingParams
+from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats
+from moe_offload.engines.params import ENGINE_FEATURES, SamplingParams
 from moe_offload.errors import ConfigError, EngineError
 from rm_core import MemoryTier
 

@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any
 
-from moe_offload.engines.base import SamplingParams
+from moe_offload.engines.params import SamplingParams
 from moe_offload.errors import OffloadError
 from rm_core import ContractError
 

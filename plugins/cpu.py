@@ -29,7 +29,7 @@ class CpuBackend(Backend):
         ]
 
     def build_engine(self, model=None, placement=None, **options):
-        from moe_offload.engines.offload.runtime.engine import build_offload_engine
+        from moe_offload.engines.offload.runtime.build import build_offload_engine
 
         return build_offload_engine(model, placement, device="cpu", backend=self.name, **options)
 

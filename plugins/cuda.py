@@ -102,7 +102,7 @@ class CudaBackend(Backend):
 
     def build_engine(self, model=None, placement=None, **options):
         self.require()
-        from moe_offload.engines.offload.runtime.engine import build_offload_engine
+        from moe_offload.engines.offload.runtime.build import build_offload_engine
 
         return build_offload_engine(model, placement, device=options.pop("device", "cuda:0"), backend=self.name, **options)
 

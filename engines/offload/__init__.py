@@ -7,7 +7,7 @@
     runtime/   OffloadEngine: scheduler -> model runner (paged KV, fused decode path) -> sampling -> tokens + stats
     tools/     calibrate (measured cost-model inputs), selfcheck (the exactness run of selftest / gpu_check)
 
-    build_offload_engine(path, placement | fraction, policy=) -> OffloadEngine      (runtime/engine.py)
+    build_offload_engine(path, placement | fraction, policy=) -> OffloadEngine      (runtime/build.py)
     load_model(path, placement, policy=, device=, dtype=, expert_dtype=) -> OffloadedModel   (loading/loader.py)
 
 The control plane (moe_offload.control) decides what is resident; this package executes that decision and

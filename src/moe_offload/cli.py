@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import traceback
 from importlib import import_module
@@ -10,6 +9,7 @@ from importlib import import_module
 import click
 
 from moe_offload import __version__
+from moe_offload.commands.options import emit
 from moe_offload.errors import OffloadError
 from rm_core import PROTOCOL_VERSION, ContractError
 
@@ -34,11 +34,6 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
     log.configure(level="debug" if debug else None)
     ctx.obj = {"debug": debug}
-
-
-def emit(data, as_json: bool, text: str) -> None:
-    """Print JSON or the human text."""
-    click.echo(json.dumps(data, indent=2) if as_json else text)
 
 
 @cli.command()

@@ -46,7 +46,7 @@ def _backends() -> str:
 @check("mock engine")
 def _mock() -> str:
     from moe_offload.backends import get_backend
-    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.params import SamplingParams
 
     engine = get_backend("mock").build_engine("mock", ms_per_token=0)
     params = SamplingParams(max_tokens=8, temperature=0.8, seed=3)
@@ -89,8 +89,8 @@ def _demo_model() -> str:
     import tempfile
 
     from moe_offload.demo import build_demo_model
-    from moe_offload.engines.base import SamplingParams
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+    from moe_offload.engines.params import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_demo_model(tmp)
@@ -112,10 +112,10 @@ def _serving() -> str:
     import httpx
 
     from moe_offload.backends import get_backend
-    from moe_offload.serving import gateway, worker
+    from moe_offload.serving import gateway, server, worker
 
-    w = worker.start_server(worker.create_app(get_backend("mock").build_engine("mock", ms_per_token=0), model_name="mock"))
-    g = worker.start_server(gateway.create_app([w.url], health_interval=5.0))
+    w = server.start_server(worker.create_app(get_backend("mock").build_engine("mock", ms_per_token=0), model_name="mock"))
+    g = server.start_server(gateway.create_app([w.url], health_interval=5.0))
     try:
         body = {"model": "mock", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         r = httpx.post(g.url + "/v1/chat/completions", json=body, timeout=10)
@@ -133,7 +133,8 @@ def _serving() -> str:
 def _cost_model() -> str:
     # Assumed GPU-like numbers (no measurement: `moe-offload calibrate` measures); checks the model, in milliseconds.
     from moe_offload.control import placement as P
-    from moe_offload.control.costmodel import Calibration, predict
+    from moe_offload.control.calibration import Calibration
+    from moe_offload.control.costmodel import predict
     from moe_offload.control.spec import ModelSpec
     from rm_core import MemoryTier
 

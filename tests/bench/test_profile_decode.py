@@ -25,12 +25,12 @@ def _hooks(model) -> int:
 
 
 def test_stages_add_up_to_the_step(profile_decode, demo_model_dir):
-    import moe_offload.engines.offload.runtime.engine as engine_module
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    import moe_offload.engines.offload.runtime.output as output_module
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
 
     engine = build_offload_engine(demo_model_dir, policy="static", fraction=0.5, dtype="bfloat16")
     try:
-        sample = engine_module.sample
+        sample = output_module.sample
         hooks = _hooks(engine.model)
         stages = profile_decode.stage_map(engine.model)
         kinds = set(stages.values())
@@ -47,6 +47,6 @@ def test_stages_add_up_to_the_step(profile_decode, demo_model_dir):
             assert r["median"][s] > 0, s
         # half the experts resident: the executor computes misses on the host, and says so
         assert r["executor_split"].get("host_experts", 0) > 0
-        assert engine_module.sample is sample and _hooks(engine.model) == hooks
+        assert output_module.sample is sample and _hooks(engine.model) == hooks
     finally:
         engine.close()

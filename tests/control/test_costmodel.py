@@ -8,16 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from moe_offload.control import placement as P
-from moe_offload.control.costmodel import (
-    NEVER,
-    QUANTITIES,
-    Calibration,
-    Quantity,
-    choose,
-    hybrid_threshold,
-    predict,
-    rank,
-)
+from moe_offload.control.calibration import QUANTITIES, Calibration, Quantity
+from moe_offload.control.costmodel import NEVER, choose, hybrid_threshold, predict, rank
 from moe_offload.control.profile import Profile, synthetic_routes
 from moe_offload.control.spec import ModelSpec
 from moe_offload.errors import ConfigError, PlacementError

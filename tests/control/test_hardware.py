@@ -8,7 +8,8 @@ import pytest
 
 from moe_offload.cli import main
 from moe_offload.control import placement as P
-from moe_offload.control.costmodel import _ASSUMED, QUANTITIES, expert_bytes_per_param, predict
+from moe_offload.control.calibration import _ASSUMED, QUANTITIES
+from moe_offload.control.costmodel import expert_bytes_per_param, predict
 from moe_offload.control.hardware import ASSUMPTIONS, BUILTIN, HardwareProfile, load_hardware
 from moe_offload.control.spec import ModelSpec
 from moe_offload.errors import ConfigError

@@ -5,8 +5,8 @@ import textwrap
 
 import pytest
 
-from moe_offload.engines.base import SamplingParams
 from moe_offload.engines.conformance import CHECKS, run_checks
+from moe_offload.engines.params import SamplingParams
 from moe_offload.engines.process import EngineProcess
 from moe_offload.errors import EngineError
 
@@ -109,7 +109,6 @@ SILENT = textwrap.dedent(
 
 def test_an_engine_that_fails_its_start_is_not_left_running(tmp_path):
     import os
-    import time
 
     script, pid_file = tmp_path / "silent.py", tmp_path / "pid"
     script.write_text(SILENT)

@@ -2,8 +2,9 @@
 
 import pytest
 
-from moe_offload.engines.base import GenerationStats, SamplingParams
+from moe_offload.engines.base import GenerationStats
 from moe_offload.engines.mock import MockConfig, MockEngine
+from moe_offload.engines.params import SamplingParams
 from moe_offload.errors import ConfigError
 
 

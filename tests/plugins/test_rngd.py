@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from moe_offload.engines.base import SamplingParams
+from moe_offload.engines.params import SamplingParams
 from moe_offload.errors import ConfigError
 from moe_offload.plugins import rngd
 

@@ -100,10 +100,9 @@ def test_tpot_gauges_are_per_token_percentiles_as_in_the_airm_decode_run():
     # airm_tpot_* means "time per output token" (rm_core METRICS): percentiles over decode steps, the same
     # estimator as the ai-rm decode run -- not over per-request averages, which weigh a 2-token request
     # like a 1000-token one.
-    from rm_core.metrics import percentile
-
     from moe_offload.engines.base import GenerationStats
     from moe_offload.serving.metrics import WorkerMetrics
+    from rm_core.metrics import percentile
 
     m = WorkerMetrics("m", max_model_len=4096)
     long = GenerationStats(token_ms=[10.0] * 98, decode_ms=980.0, hits=1, misses=1)
@@ -129,10 +128,9 @@ def test_percentile_interpolates():
 def test_hit_rate_gauge_has_no_host_tier_series():
     # The engine reports the share of routed pairs per tier, the host's included; on a gauge named hit rate,
     # "host 0.41" reads as a 41 % hit rate when it is the miss share.
-    from rm_core import MemoryTier
-
     from moe_offload.engines.base import GenerationStats
     from moe_offload.serving.metrics import WorkerMetrics
+    from rm_core import MemoryTier
 
     tiers = [MemoryTier("cpu:0", "host-dram", 2**30, accelerator="vm/cpu:0"), MemoryTier("host", "host-dram", 2**30)]
     m = WorkerMetrics("m", max_model_len=64, tiers=tiers, predicted={"cpu:0": 0.7, "host": 0.3})
@@ -149,14 +147,15 @@ def test_closing_the_runner_aborts_the_running_generation():
     import asyncio
     import time
 
-    from moe_offload.engines.base import SamplingParams
     from moe_offload.engines.mock import MockConfig, MockEngine
+    from moe_offload.engines.params import SamplingParams
+    from moe_offload.serving.events import StartedEvent
     from moe_offload.serving.queue import EngineRunner
 
     async def main():
         runner = EngineRunner(MockEngine(MockConfig(ms_per_token=20)))
         job = runner.submit([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True))  # 20 s if left alone
-        assert (await job.next(asyncio.get_running_loop().time() + 10))[0] == "started"
+        assert isinstance(await job.next(asyncio.get_running_loop().time() + 10), StartedEvent)
         t0 = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(None, runner.close)
         return time.monotonic() - t0

@@ -101,7 +101,7 @@ def test_64_concurrent_requests_on_a_small_kv_budget_all_complete(serve, demo_mo
 
 
 def _kv_bytes_per_token(path) -> int:
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
 
     e = build_offload_engine(str(path), max_num_seqs=1, max_model_len=16)
     n = e.kv_bytes_per_token

@@ -18,7 +18,7 @@ from moe_offload.errors import ConfigError
 POLICIES = MISS_POLICIES
 
 # Fallback for the hybrid default when no calibration is given (ASSUMED, not measured; a measured
-# moe_offload.control.costmodel.Calibration replaces them): a fetch moves one expert over the bus; host
+# moe_offload.control.calibration.Calibration replaces them): a fetch moves one expert over the bus; host
 # compute costs ~2 flops per weight per token.
 BUS_BYTES_PER_S = {"cuda": 25e9, "cpu": 10e9}  # PCIe 4.0 x16 effective; a host memcpy for the cpu "bus"
 HOST_FLOPS_PER_S = 1e11  # a few cores of AVX2/AVX-512 GEMM
@@ -36,12 +36,13 @@ CALIBRATION_ENV = "MOE_OFFLOAD_CALIBRATION"  # path of a calibration JSON (`moe-
 def default_hybrid_threshold(expert_bytes: int, expert_params: int, device_type: str, calibration=None) -> int:
     """Tokens at which fetching one expert costs as much as computing them on the host.
 
-    With a calibration (a costmodel.Calibration or a JSON path; default: the file $MOE_OFFLOAD_CALIBRATION
+    With a calibration (a calibration.Calibration or a JSON path; default: the file $MOE_OFFLOAD_CALIBRATION
     names) for this device type: costmodel.hybrid_threshold, from its measured rates. Otherwise (with a
     warning when the calibration is for another device type) the assumed constants above: (expert_bytes / bus bandwidth) / (2 * params / host flops per token), at least 1."""
     cal = calibration if calibration is not None else os.environ.get(CALIBRATION_ENV) or None
     if cal is not None:
-        from moe_offload.control.costmodel import hybrid_threshold, load_calibration
+        from moe_offload.control.calibration import load_calibration
+        from moe_offload.control.costmodel import hybrid_threshold
 
         cal = load_calibration(cal)
         if cal.device_type == device_type:

@@ -1,5 +1,9 @@
 """Kernels: the one expert kernel and the compiled CPU ops behind it.
 
     dispatch.expert_forward(module, x [N, H], stored weights) --> torch.ops.moe_offload.* | F.linear
-    jit.load() --> builds csrc/ for this CPU's ISA at first use (cached), registers torch.ops.moe_offload
+    csrc/cpu/*.cpp, *.h --jit.load() (at first use, for this CPU's ISA; cached by the bytes)--> torch.ops.moe_offload
+    ops.py: every op's signature with shapes, its fake kernel, MAX_TOKENS
+
+csrc/cpu/: vec.h and quant.h (the ISA helpers, the only #ifs), common.h (checks, row loops, op declarations),
+gemm.cpp, moe.cpp, moe_quant.cpp, decode.cpp (one op family each), bindings.cpp (every m.def / m.impl).
 """

@@ -13,7 +13,7 @@ bit-identical and greedy output does not depend on the resident fraction.
       more tokens, CUDA, kernels off --> dequantize the expert to x's dtype, then the float path (a GEMM)
     anything else (prefill, fp32, CUDA, transposed layout) --> two F.linear calls around the module's gate
 
-The custom ops (cpu_kernels.py) stream each weight once at memory bandwidth; F.linear is what
+The custom ops (csrc/cpu/) stream each weight once at memory bandwidth; F.linear is what
 transformers' experts implementations compute. ``patch_linears`` sends the model's one-token bf16
 nn.Linear calls (attention projections, LM head) to the same GEMV. MOE_OFFLOAD_KERNELS=0 turns both off.
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_offload.engines.offload.kernels import jit
-from moe_offload.engines.offload.kernels.quant_src import MAX_TOKENS
+from moe_offload.engines.offload.kernels.ops import MAX_TOKENS
 from moe_offload.engines.offload.loading import quant
 
 

@@ -7,7 +7,7 @@
 
 A quantized projection is always stored [R, K] (output rows, as a GEMV reads them), whatever the family's
 float layout. The format of a stored tensor is its dtype: int8 -> int8, float8_e4m3fn -> fp8, uint8 -> mxfp4.
-``dequantize`` is the fp32 meaning of every format; the kernels (quant_kernels.py) compute with exactly these
+``dequantize`` is the fp32 meaning of every format; the kernels (kernels/csrc/cpu/quant.h) compute with exactly these
 weights (fp8, mxfp4) or with int8 activations on top (int8); a concatenated gate|up quantized in fp8 keeps its
 halves' block grids apart (``split`` = I), as DeepSeek's separate gate_proj / up_proj tensors do.
 
@@ -170,7 +170,7 @@ class QuantLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from moe_offload.engines.offload.kernels import jit
-        from moe_offload.engines.offload.kernels.quant_src import MAX_TOKENS
+        from moe_offload.engines.offload.kernels.ops import MAX_TOKENS
 
         if (x.is_cpu and x.dtype in (torch.bfloat16, torch.float32) and 0 < x.numel() <= MAX_TOKENS * self.in_features
                 and jit.load()):

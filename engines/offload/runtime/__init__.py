@@ -1,6 +1,12 @@
-"""Runtime: the engine loop around one model.
+"""Runtime: the engine loop around one model, in rooms as nano-vllm's engine/.
 
-    start(prompt) --> scheduler (admission, prefill chunks, preemption under the KV block budget)
-      --> one forward per step: paged KV (kv.py), fused decode layers (fastpath.py) or the model's modules
-      --> sampling per sequence (sampling.py) --> tokens, then stats (hits, bytes, ms/token)
+    build.py        checkpoint + options --control.resolve (placement) + loader--> OffloadEngine
+    engine.py       OffloadEngine: start(prompt) -> step() loop -> Generation; close, stats
+      scheduler.py    waiting / running sequences --schedule()--> SchedulerOutput (admission, prefill chunks,
+                      decode tokens first, preemption under the KV block budget)
+      model_runner.py SchedulerOutput --input layout (ids, positions, slot mapping, key layout)--> one forward:
+                      paged KV (kv.py), fused decode layers (fastpath.py), or per sequence --> logits
+      output.py       logits --sampling per sequence (sampling.py), stop / length checks--> tokens; finish
+      accounting.py   executor counters per forward --> each request's stats (hits, bytes, ms) --> engine totals
+    kv_budget.py    KVCacheConfig, bytes per token (probe), the pool's bytes --> KVPool (kv.py) + max_model_len
 """

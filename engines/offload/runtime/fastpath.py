@@ -2,7 +2,7 @@
 
     ids [M] -> embedding -> rotary cos/sin (the model's own rotary module: every rope scaling it knows)
       -> per layer: moe_offload::decode_layer_bf16 (norm, q/k/v, q/k norms, rotary, paged KV write, attention,
-         o_proj, residual, norm, router top-k; decode_kernels.py)
+         o_proj, residual, norm, router top-k; kernels/csrc/cpu/decode.cpp)
          -> the offload executor with those top-k ids and weights (tiers, fetches, statistics: unchanged)
          (+ the shared expert, or the dense MLP of a layer without experts, through its own modules)
       -> final norm (moe_offload::rmsnorm_bf16) -> LM head -> logits [M, V]

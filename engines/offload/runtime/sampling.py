@@ -24,7 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
-from moe_offload.engines.base import SamplingParams, TokenLogprob
+from moe_offload.engines.base import TokenLogprob
+from moe_offload.engines.params import SamplingParams
 
 PROMPT_LOGPROB_CHUNK = 256  # prompt positions per log_softmax: bounds the fp32 [chunk, V] temporary
 

@@ -1,7 +1,8 @@
 """The step scheduler: which sequences run in the next forward, and how many of their tokens.
 
     waiting (FIFO; preempted sequences go back to its front) --admit when blocks and seats allow-->
-    running --each step: every decode token, then prefill chunks up to the token budget--> Step
+    running --schedule(): every decode token, then prefill chunks up to the token budget--> SchedulerOutput
+      (scheduled [(sequence, tokens)] in forward order, decode and prefill token counts, preempted sequences)
     a running sequence that needs a block when none is free preempts the youngest running one
     (recompute: its blocks are freed, it is re-prefilled later from prompt + output so far)
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from moe_offload.errors import ConfigError
 
@@ -66,6 +67,37 @@ class Sequence:
         return not b or b[-1] - b[0] == len(b) - 1 and all(y == x + 1 for x, y in zip(b, b[1:]))
 
 
+class ScheduledSequence(NamedTuple):
+    """One sequence's part of a step: ``num_tokens`` of its tokens from ``seq.computed`` on."""
+
+    seq: Sequence
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step, as ``schedule()`` decides it (vLLM v1's ``SchedulerOutput``). ``scheduled``: forward order,
+    decode tokens first, then prefill chunks; ``preempted``: running sequences this call sent back to waiting."""
+
+    scheduled: tuple[ScheduledSequence, ...] = ()
+    num_decode_tokens: int = 0  # one per running sequence whose prompt is cached
+    num_prefill_tokens: int = 0  # prompt (or recompute) chunks
+    preempted: tuple[Sequence, ...] = ()
+
+    @property
+    def total_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def one_token_each(self) -> bool:
+        """Every sequence computes one token (a decode, or a one-token prefill chunk): the fused path's shape."""
+        return all(n == 1 for _, n in self.scheduled)
+
+
 class Scheduler:
     """Admission, chunking and preemption over a block pool (``pool``: free_blocks, blocks_for, allocate, free)."""
 
@@ -94,22 +126,24 @@ class Scheduler:
         seq.blocks = []
         seq.state = FINISHED
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """The next step: [(sequence, tokens to compute)]. Empty when there is nothing to do."""
+    def schedule(self) -> SchedulerOutput:
+        """The next step; ``is_empty`` when there is nothing to do."""
         budget = self.config.max_num_batched_tokens
-        step: list[tuple[Sequence, int]] = []
+        step: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
         # 1. one decode token for every running sequence that has its prompt cached, oldest first; when blocks
         #    run out the youngest running sequence is preempted (it is never one already in this step)
         for seq in [s for s in self.running if s.remaining == 1]:
-            if seq.state == RUNNING and self._grow(seq, seq.computed + 1):
-                step.append((seq, 1))
+            if seq.state == RUNNING and self._grow(seq, seq.computed + 1, preempted):
+                step.append(ScheduledSequence(seq, 1))
                 budget -= 1
+        decode = len(step)
         # 2. prefill chunks of running sequences, then of newly admitted ones (FIFO, no overtaking); a prefill
         #    chunk never preempts: it waits for blocks
         for seq in [s for s in self.running if s.remaining > 1]:
             n = self._chunk(seq, budget)
             if n and self._fits(seq, seq.computed + n):
-                step.append((seq, n))
+                step.append(ScheduledSequence(seq, n))
                 budget -= n
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -119,9 +153,9 @@ class Scheduler:
             self.waiting.popleft()
             seq.state = RUNNING
             self.running.append(seq)
-            step.append((seq, n))
+            step.append(ScheduledSequence(seq, n))
             budget -= n
-        return step
+        return SchedulerOutput(tuple(step), decode, sum(n for _, n in step[decode:]), tuple(preempted))
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         if self.config.chunked_prefill:
@@ -137,12 +171,13 @@ class Scheduler:
             seq.blocks += self.pool.allocate(need)
         return True
 
-    def _grow(self, seq: Sequence, tokens: int) -> bool:
-        """Blocks for ``tokens`` rows of ``seq``, preempting the youngest running sequences until they are free.
-        False when ``seq`` itself was the one preempted."""
+    def _grow(self, seq: Sequence, tokens: int, preempted: list[Sequence]) -> bool:
+        """Blocks for ``tokens`` rows of ``seq``, preempting the youngest running sequences (added to ``preempted``)
+        until they are free. False when ``seq`` itself was the one preempted."""
         while not self._fits(seq, tokens):
             victim = self.running[-1]
             self._preempt(victim)
+            preempted.append(victim)
             if victim is seq:
                 return False
         return True

@@ -25,7 +25,8 @@ from datetime import datetime, timezone
 
 import torch
 
-from moe_offload.control.costmodel import Calibration, Quantity
+from moe_offload.control.calibration import Calibration, Quantity
+from moe_offload.control.vocab import QUANTIZED_FORMATS
 from moe_offload.engines.offload.kernels.dispatch import expert_forward
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -198,9 +199,9 @@ def _tiny_step_ms(dev: torch.device, layers: int, top_k: int, tokens: int, runs:
     from transformers import Qwen3MoeConfig
 
     from moe_offload.demo import save_random_model
-    from moe_offload.engines.base import SamplingParams
     from moe_offload.engines.offload.loading.loader import load_model
     from moe_offload.engines.offload.runtime.engine import OffloadEngine
+    from moe_offload.engines.params import SamplingParams
 
     cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=max(8, top_k),
@@ -260,7 +261,7 @@ def calibrate(device: str = "cpu", spec=None, *, quick: bool = False, overhead: 
     k = spec.top_k if spec is not None else 8
     # quantized experts (a quantized checkpoint, or --expert-dtype) are measured in their format; the compute dtype
     # of a quantized checkpoint is its dtype
-    fmt = spec.expert_format if spec is not None and spec.expert_format in ("int8", "fp8", "mxfp4") else None
+    fmt = spec.expert_format if spec is not None and spec.expert_format in QUANTIZED_FORMATS else None
     ebytes = _expert_store(H, I, 1, dtype, fmt, "cpu").expert_bytes
     where = f"{dev}, {str(dtype).removeprefix('torch.')}" + (f", experts {fmt}" if fmt else "")
     t0 = time.perf_counter()

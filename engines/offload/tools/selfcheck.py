@@ -7,7 +7,8 @@ import tempfile
 import torch
 
 from moe_offload.control.vocab import MISS_POLICIES
-from moe_offload.engines.offload.loading.loader import find_experts, load_model
+from moe_offload.engines.offload.loading.inspection import find_experts
+from moe_offload.engines.offload.loading.loader import load_model
 from rm_core import LayerPlacement, MemoryTier, Placement
 
 

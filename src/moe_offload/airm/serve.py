@@ -77,7 +77,7 @@ def _start(app, host: str, port: int):
 
 
 def _worker(cfg, log, running: RunningWorkload) -> None:
-    from moe_offload.airm.runner import build
+    from moe_offload.airm.build import build
     from moe_offload.serving import worker
 
     backend, engine, tiers, model = build(cfg, log)
@@ -143,7 +143,7 @@ def serve(workload: Workload, cfg) -> RunningWorkload | None:
 
     if cfg.log:
         logmod.configure(level=cfg.log)
-    log = logmod.get_logger("moe_offload.airm.runner")
+    log = logmod.get_logger("moe_offload.airm")
     if workload.model and not cfg.model:
         cfg = type(cfg)(**{**cfg.__dict__, "model": workload.model})
     running = RunningWorkload(url="", role=cfg.role)

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import click
 
-from moe_offload.commands.plan import expert_dtype_option
+from moe_offload.commands.options import (
+    HARDWARE_HELP,
+    MODEL_HELP,
+    emit,
+    expert_dtype_option,
+    load_calibration_option,
+    prediction_rows,
+)
+from moe_offload.control.vocab import MISS_POLICIES
 from moe_offload.errors import ConfigError
 
-MODEL_HELP = "Checkpoint directory or config.json."
 UNITS = {"bytes_per_s": (1e9, "GB/s"), "flops_per_s": (1e9, "GFLOP/s"), "ms": (1.0, "ms")}
 
 
@@ -20,7 +27,8 @@ def _fmt(name: str, value: float) -> str:
 
 
 def calibration_text(cal, spec=None) -> str:
-    from moe_offload.control.costmodel import FIELD_HELP, NEVER, hybrid_threshold
+    from moe_offload.control.calibration import FIELD_HELP
+    from moe_offload.control.costmodel import NEVER, hybrid_threshold
 
     lines = [f"calibration for {cal.device}: {cal.label()}"]
     for name in FIELD_HELP:
@@ -34,21 +42,8 @@ def calibration_text(cal, spec=None) -> str:
     return "\n".join(lines)
 
 
-HARDWARE_HELP = ("A hardware profile instead of --calibration: a built-in name (`moe-offload hardware` lists them) "
-                 "or a JSON file; its numbers are datasheet peaks x stated efficiencies (assumed).")
 
 
-def load_calibration_option(path: str | None, device: str = "cuda", hardware: str | None = None):
-    """--calibration FILE, or --hardware NAME|FILE, or the assumed defaults for ``device`` when neither is given."""
-    from moe_offload.control.costmodel import Calibration
-
-    if path and hardware:
-        raise ConfigError("give one of --calibration FILE or --hardware NAME|FILE, not both")
-    if hardware:
-        from moe_offload.control.hardware import load_hardware
-
-        return load_hardware(hardware).calibration()
-    return Calibration.load(path) if path else Calibration.assumed(device)
 
 
 def parse_expert_dtype(value: str | None):
@@ -74,7 +69,6 @@ def parse_expert_dtype(value: str | None):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def calibrate_cmd(device: str, model: str | None, out: str | None, quick: bool, expert_dtype: str | None, as_json: bool) -> None:
     """Measure read bandwidth, expert kernel, host->device copy and per-layer overhead (a few seconds)."""
-    from moe_offload.cli import emit
     from moe_offload.control.spec import ModelSpec
 
     if expert_dtype and not model:
@@ -93,25 +87,15 @@ def calibrate_cmd(device: str, model: str | None, out: str | None, quick: bool, 
     emit(cal.to_dict(), as_json, text)
 
 
-def prediction_rows(preds) -> list[str]:
-    lines = []
-    for p in preds:
-        b = p.breakdown()
-        lines.append(f"  {p.policy:6} on {p.placement_policy:8} {p.ms_per_token:9.3f} ms/token ({p.tokens_per_s:7.1f} tok/s)"
-                     f"  device experts {b['device_experts_ms']:.3f}, host experts {b['host_experts_ms']:.3f}, "
-                     f"fetch {b['fetch_ms']:.3f}, dense {b['dense_ms']:.3f}, overhead {b['overhead_ms']:.3f}"
-                     + (f", overlap {b['overlap_ms']:.3f}" if b["overlap_ms"] else "")
-                     + f"; hit rate {p.accelerator_hit_rate:.1%}")
-    return lines
 
 
 @click.command("predict")
 @click.option("--model", required=True, help=MODEL_HELP)
 @click.option("--placement", "placement_path", default=None, help="Placement JSON (from `moe-offload plan --out`).")
 @click.option("--fraction", type=float, default=None, help="Or: this fraction of each layer's experts resident, as `generate --fraction` places them.")
-@click.option("--policy", type=click.Choice(["static", "lru", "hybrid", "all"]), default="all", show_default=True, help="Miss policy.")
+@click.option("--policy", type=click.Choice([*MISS_POLICIES, "all"]), default="all", show_default=True, help="Miss policy.")
 @click.option("--calibration", "calibration_path", default=None, help="Calibration JSON from `moe-offload calibrate` (default: assumed numbers, labelled so).")
-@click.option("--hardware", default=None, help=HARDWARE_HELP)
+@click.option("--hardware", default=None, help="Instead of --calibration. " + HARDWARE_HELP)
 @click.option("--device", default="cuda", show_default=True, help="Device type of the assumed calibration when neither --calibration nor --hardware is given.")
 @click.option("--profile", "profile_path", default=None, help="Routes file or profile counts: hit rates from it (default: uniform routing).")
 @click.option("--hit-rate", type=click.FloatRange(0, 1), default=None, help="Use this accelerator hit rate (e.g. a measured one).")
@@ -125,11 +109,11 @@ def prediction_rows(preds) -> list[str]:
 def predict_cmd(model, placement_path, fraction, policy, calibration_path, hardware, device, profile_path, hit_rate, tokens,
                 context, expert_dtype, as_json) -> None:
     """Predicted ms/token of a placement under each miss policy, with its breakdown (a prediction, not a measurement)."""
-    from moe_offload.cli import emit
     from moe_offload.control import placement as P
-    from moe_offload.control.costmodel import MISS_POLICIES, predict
+    from moe_offload.control.costmodel import predict
     from moe_offload.control.profile import Profile
-    from moe_offload.control.spec import EXPERT_DTYPES, ModelSpec
+    from moe_offload.control.spec import ModelSpec
+    from moe_offload.control.vocab import EXPERT_DTYPES
     from rm_core import Placement
 
     spec = ModelSpec.from_hf_config(model)
@@ -169,7 +153,6 @@ def predict_cmd(model, placement_path, fraction, policy, calibration_path, hardw
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def hardware_cmd(name: str | None, as_json: bool) -> None:
     """The built-in hardware profiles, or one profile (a name or a JSON file) with the source of every number."""
-    from moe_offload.cli import emit
     from moe_offload.control.hardware import ASSUMPTIONS, BUILTIN, load_hardware
 
     if name is None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from moe_offload.commands.options import DENSE_DTYPE_CHOICE, EXPERT_DTYPE_CHOICE, POLICY_CHOICE, emit
 from moe_offload.errors import ConfigError, ModelError
 
 POLICY_HELP = "Miss policy: static (misses computed on the host), lru (misses copied into slots), hybrid (by tokens per expert)."
@@ -41,12 +42,12 @@ def _require_tokenizer(path: Path) -> None:
 
 
 def _engine_options(fn):
-    fn = click.option("--dense-dtype", type=click.Choice(["int8", "bf16"]), help=DENSE_DTYPE_HELP)(fn)
-    fn = click.option("--expert-dtype", type=click.Choice(["int8", "fp8", "bf16"]), help=EXPERT_DTYPE_HELP)(fn)
+    fn = click.option("--dense-dtype", type=DENSE_DTYPE_CHOICE, help=DENSE_DTYPE_HELP)(fn)
+    fn = click.option("--expert-dtype", type=EXPERT_DTYPE_CHOICE, help=EXPERT_DTYPE_HELP)(fn)
     fn = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype (default: the checkpoint's).")(fn)
     fn = click.option("--placement", "placement", help="Placement JSON (from `moe-offload plan`); excludes --fraction.")(fn)
     fn = click.option("--fraction", type=float, help="Fraction 0..1 of each layer's experts resident on the accelerator (default 1.0).")(fn)
-    fn = click.option("--policy", type=click.Choice(["static", "lru", "hybrid"]), default="static", show_default=True, help=POLICY_HELP)(fn)
+    fn = click.option("--policy", type=POLICY_CHOICE, default="static", show_default=True, help=POLICY_HELP)(fn)
     fn = click.option("--backend", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True, help="Where the engine runs.")(fn)
     return fn
 
@@ -104,7 +105,7 @@ def demo_model(out: str | None, seed: int) -> None:
 def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype,
              temperature, top_p, top_k, seed, ignore_eos, as_json) -> None:
     """Generate text with the offload engine; stats go to stderr (or into --json)."""
-    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             ignore_eos=ignore_eos)
@@ -182,7 +183,7 @@ def capture_routes(engine, prompts: list[list[int]], max_tokens: int = 1) -> tup
 
     Returns (MoE layer indices, per prompt: rows [T][L][K] of expert ids, one row per token the model read).
     """
-    from moe_offload.engines.base import SamplingParams
+    from moe_offload.engines.params import SamplingParams
 
     executor = engine.executor
     if executor is None or not hasattr(executor, "capture"):
@@ -219,7 +220,6 @@ def capture_routes(engine, prompts: list[list[int]], max_tokens: int = 1) -> tup
 def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype,
                 as_json) -> None:
     """Record the top-k expert ids per MoE layer per token over a prompt set (a routes file for `plan`)."""
-    from moe_offload.cli import emit
     from moe_offload.control.profile import Routes, save_routes
     from moe_offload.control.spec import ModelSpec
 

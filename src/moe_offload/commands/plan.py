@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import click
 
+from moe_offload.commands.options import HARDWARE_HELP, MODEL_HELP, emit, expert_dtype_option
 from moe_offload.errors import ConfigError
-
-MODEL_HELP = "Checkpoint directory or config.json."
-EXPERT_DTYPE_HELP = ("Price the experts as the engine's --expert-dtype holds them: int8 | fp8 (quantized at load) or bf16 "
-                     "(default: as the checkpoint stores them, e.g. MXFP4 or FP8).")
-
-
-def expert_dtype_option(fn):
-    return click.option("--expert-dtype", type=click.Choice(["int8", "fp8", "bf16"]), default=None, help=EXPERT_DTYPE_HELP)(fn)
 
 
 def _spec(model: str, expert_dtype: str | None = None):
@@ -43,7 +36,6 @@ def _machine_tiers(backend: str | None, hardware: str | None):
     return None
 
 
-HARDWARE_HELP = "Size from (and predict for) a hardware profile: a built-in name (`moe-offload hardware`) or a JSON file."
 
 
 def _budget_options(fn):
@@ -61,7 +53,6 @@ def _budget_options(fn):
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def spec_cmd(model: str, expert_dtype: str | None, as_json: bool) -> None:
     """Model shape: layers, experts, parameters (total/active) and bytes per component."""
-    from moe_offload.cli import emit
     from moe_offload.control.units import format_count, format_size
 
     s = _spec(model, expert_dtype)
@@ -108,7 +99,6 @@ def spec_cmd(model: str, expert_dtype: str | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def budget_cmd(model, accelerators, backend, hardware, context, batch, reserve, layout, expert_dtype, as_json) -> None:
     """Per accelerator: what it holds, expert slots per layer, what stays on the host."""
-    from moe_offload.cli import emit
 
     b = _budget(_spec(model, expert_dtype), accelerators, _machine_tiers(backend, hardware), context, batch, reserve, layout)
     emit(b.to_dict(), as_json, b.text())
@@ -164,7 +154,7 @@ def _slot_tiers(spec, slots: list[int]):
               help="top | mix:H | global | lru | uniform | random | auto (fastest predicted miss + placement policy)")
 @click.option("--calibration", "calibration_path", default=None,
               help="Calibration JSON (`moe-offload calibrate`) for auto and the predicted ms/token (default: assumed numbers).")
-@click.option("--hardware", default=None, help=HARDWARE_HELP)
+@click.option("--hardware", default=None, help="Size from (and predict for) a hardware profile. " + HARDWARE_HELP)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random policy.")
 @click.option("--out", default=None, help="Write the rm-core Placement JSON here.")
 @click.option("--simulate", "replay", is_flag=True, help="Also replay the routes file through the placement (LRU slots).")
@@ -173,7 +163,6 @@ def _slot_tiers(spec, slots: list[int]):
 def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, context, batch, reserve, layout, policy,
              calibration_path, hardware, seed, out, replay, expert_dtype, as_json) -> None:
     """Place experts on accelerators and print the predicted hit rate per tier."""
-    from moe_offload.cli import emit
     from moe_offload.control import placement as P
     from moe_offload.control.profile import Profile, load_routes
 
@@ -211,7 +200,7 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
         tiers, slot_map = list(b.tiers), b.slots
     cal, ranked = None, []
     if auto or calibration_path or hardware:
-        from moe_offload.commands.costmodel import load_calibration_option
+        from moe_offload.commands.options import load_calibration_option
 
         cal = load_calibration_option(calibration_path, "cpu" if backend == "cpu" else "cuda", hardware)
     if auto:
@@ -253,8 +242,9 @@ def _rates(rates, host: str | None) -> str:
 
 def _predicted(spec, placement, profile, cal, ranked, result) -> list[str]:
     """Cost-model lines (labelled predicted): the ranking for auto, else each miss policy on this placement."""
-    from moe_offload.commands.costmodel import prediction_rows
-    from moe_offload.control.costmodel import MISS_POLICIES, predict
+    from moe_offload.commands.options import prediction_rows
+    from moe_offload.control.costmodel import predict
+    from moe_offload.control.vocab import MISS_POLICIES
 
     preds = [p for _, _, p in ranked] or [predict(spec, placement, m, cal, profile=profile) for m in MISS_POLICIES]
     result["calibration"] = cal.label()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 
 import click
+
+from moe_offload.commands.options import DENSE_DTYPE_CHOICE, EXPERT_DTYPE_CHOICE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -19,9 +20,9 @@ def _worker_options(fn):
         click.option("--placement", type=click.Path(exists=True, dir_okay=False), help="rm-core Placement JSON."),
         click.option("--policy", help="Miss policy for cpu/cuda: static | lru | hybrid."),
         click.option("--fraction", type=float, help="Resident fraction of each layer's experts (cpu/cuda, without --placement)."),
-        click.option("--expert-dtype", type=click.Choice(["int8", "fp8", "bf16"]),
+        click.option("--expert-dtype", type=EXPERT_DTYPE_CHOICE,
                      help="cpu/cuda: experts in memory as int8/fp8 (quantized at load) or bf16 (default: as stored)."),
-        click.option("--dense-dtype", type=click.Choice(["int8", "bf16"]),
+        click.option("--dense-dtype", type=DENSE_DTYPE_CHOICE,
                      help="cpu: attention projections and LM head as int8 rows too (bf16 compute; default: as loaded)."),
         click.option("--mock-ms-per-token", type=float, default=5.0, show_default=True, help="mock backend: decode time per token."),
         click.option("--mock-hit-rate", type=float, default=0.85, show_default=True, help="mock backend: simulated hit rate."),

@@ -1,6 +1,6 @@
 """Hardware profiles: machines nobody measured here, described by datasheet peaks times stated efficiencies.
 
-    HardwareProfile (built-in name | JSON file) --calibration()--> costmodel.Calibration (every quantity "assumed",
+    HardwareProfile (built-in name | JSON file) --calibration()--> calibration.Calibration (every quantity "assumed",
                                                                     its `how` naming the datasheet and the factor)
                                                 --tiers()--------> rm_core MemoryTiers (accelerators + host)
 
@@ -21,12 +21,14 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from importlib import resources
 from typing import Any, Mapping
 
-from moe_offload.control.costmodel import _ASSUMED, Calibration, Quantity
+from moe_offload.control.calibration import _ASSUMED, Calibration, Quantity
 from moe_offload.errors import ConfigError
 
 GiB = 1 << 30
@@ -191,108 +193,21 @@ def _positive(where: str, name: str, v) -> None:
 
 
 # ---- built-in profiles -----------------------------------------------------------------------------------
+# One JSON file per machine in data/hardware/ (the format `--hardware FILE` reads), each number with its source.
+# Shared derivations, for whoever adds a profile: PCIe Gen5 x16 = 32 GT/s x 16 lanes x 128/130 / 8 = 63.0 GB/s each
+# way, Gen3 x16 = 15.75 GB/s; the assumed server host is one socket of 8 channels DDR5-4800 (307 GB/s), 32 cores
+# at 2.0 GHz x 64 bf16 flop/cycle, 512 GiB. A decode process keeps its host threads on one NUMA node (threads on
+# both sockets would read half the experts over UPI), so a dual-socket host counts one socket's channels and cores.
 
-_PCIE5_X16 = 32e9 * 16 * 128 / 130 / 8  # 32 GT/s per lane, 128b/130b coding: 63.0 GB/s each way
-_PCIE3_X16 = 8e9 * 16 * 128 / 130 / 8  # 8 GT/s per lane, 128b/130b coding: 15.75 GB/s each way
-_SERVER_HOST = dict(
-    host_bytes_per_s=8 * 4800e6 * 8,  # 8 channels x DDR5-4800 x 8 bytes = 307 GB/s
-    host_cores=32,
-    host_flops_per_s=32 * 2.0e9 * 64,  # 32 cores x 2.0 GHz x 64 bf16 flop/cycle (one AVX-512 BF16 dot port)
-    host_memory_bytes=512 * GiB,
-)
-_SERVER_SOURCES = {
-    "host_bytes_per_s": "assumed host: one socket, 8 channels DDR5-4800, 307 GB/s",
-    "host_cores": "assumed host: 32 cores",
-    "host_flops_per_s": "assumed host: 32 cores x 2.0 GHz x 64 bf16 flop/cycle",
-    "host_memory_bytes": "assumed: 512 GiB",
-}
 
-BUILTIN: dict[str, HardwareProfile] = {p.name: p for p in (
-    HardwareProfile(
-        name="rngd-2x-xeon4410y",
-        title="2x Intel Xeon Silver 4410Y (DDR5) + 2x FuriosaAI RNGD (47.5 GiB each) on PCIe Gen5 x16",
-        device="rngd",
-        accelerators=(int(47.5 * GiB),) * 2,
-        device_bytes_per_s=1.5e12,
-        device_flops_per_s=256e12,
-        bus_bytes_per_s=_PCIE5_X16,
-        # One socket's channels and cores: a decode process runs its host threads on one NUMA node (threads on both
-        # would read half the experts over UPI), so the 12 cores, not the 8 channels, bound the host experts.
-        host_bytes_per_s=8 * 4000e6 * 8,
-        host_cores=12,
-        host_flops_per_s=12 * 2.0e9 * 64,
-        host_memory_bytes=512 * GiB,
-        sources={
-            "accelerators": "47.5 GiB usable of each card's 48 GB HBM3 (the published setup)",
-            "device_bytes_per_s": "FuriosaAI RNGD datasheet: HBM3 1.5 TB/s",
-            "device_flops_per_s": "FuriosaAI RNGD datasheet: 256 TFLOPS BF16",
-            "bus_bytes_per_s": "PCIe Gen5 x16: 32 GT/s x 16 lanes, 128b/130b = 63.0 GB/s each way",
-            "host_bytes_per_s": "Intel ARK, Xeon Silver 4410Y: 8 channels DDR5-4000 per socket = 256 GB/s; one socket used",
-            "host_cores": "Intel ARK, Xeon Silver 4410Y: 12 cores per socket, 2.0 GHz base; one socket used",
-            "host_flops_per_s": "12 cores x 2.0 GHz x 64 bf16 flop/cycle (one AVX-512 BF16 dot port assumed)",
-            "host_memory_bytes": "assumed: 512 GiB (8 DIMMs per socket); the published setup does not say",
-        },
-        notes=("single-stream decode runs the layers one card at a time: bandwidth is one card's",
-               "host experts on one socket: 12 cores x 10 GB/s = 120 GB/s bounds them, below 0.7 x 256 GB/s DRAM"),
-    ),
-    HardwareProfile(
-        name="rtx3060-pcie3",
-        title="NVIDIA GeForce RTX 3060 12 GB on PCIe 3.0 x16, desktop CPU with dual-channel DDR4-3200",
-        device="cuda",
-        accelerators=(12 * GiB,),
-        device_bytes_per_s=360e9,
-        device_flops_per_s=25.5e12,
-        bus_bytes_per_s=_PCIE3_X16,
-        host_bytes_per_s=2 * 3200e6 * 8,
-        host_cores=8,
-        host_flops_per_s=8 * 3.5e9 * 32,
-        host_memory_bytes=64 * GiB,
-        sources={
-            "accelerators": "NVIDIA RTX 3060 specifications: 12 GB GDDR6",
-            "device_bytes_per_s": "NVIDIA RTX 3060: 15 Gbps GDDR6 on a 192-bit bus = 360 GB/s",
-            "device_flops_per_s": "GA106, 28 SMs x 512 fp16/bf16 flop/clk with fp32 accumulate x 1.78 GHz boost",
-            "bus_bytes_per_s": "PCIe 3.0 x16: 8 GT/s x 16 lanes, 128b/130b = 15.75 GB/s each way",
-            "host_bytes_per_s": "assumed desktop: 2 channels DDR4-3200 = 51.2 GB/s",
-            "host_cores": "assumed desktop: 8 cores",
-            "host_flops_per_s": "8 cores x 3.5 GHz x 32 fp32 flop/cycle (AVX2, two FMA ports)",
-            "host_memory_bytes": "assumed: 64 GiB",
-        },
-    ),
-    HardwareProfile(
-        name="h100-pcie",
-        title="NVIDIA H100 PCIe 80 GB on PCIe Gen5 x16, one-socket DDR5 server",
-        device="cuda",
-        accelerators=(80 * 10**9,),
-        device_bytes_per_s=2.0e12,
-        device_flops_per_s=756e12,
-        bus_bytes_per_s=_PCIE5_X16,
-        **_SERVER_HOST,
-        sources={
-            "accelerators": "NVIDIA H100 datasheet (PCIe): 80 GB HBM2e",
-            "device_bytes_per_s": "NVIDIA H100 datasheet (PCIe): 2 TB/s",
-            "device_flops_per_s": "NVIDIA H100 datasheet (PCIe): 1,513 TFLOPS BF16 with sparsity = 756 dense",
-            "bus_bytes_per_s": "PCIe Gen5 x16: 63.0 GB/s each way",
-            **_SERVER_SOURCES,
-        },
-    ),
-    HardwareProfile(
-        name="h200-nvl",
-        title="NVIDIA H200 NVL 141 GB on PCIe Gen5 x16, one-socket DDR5 server",
-        device="cuda",
-        accelerators=(141 * 10**9,),
-        device_bytes_per_s=4.8e12,
-        device_flops_per_s=835e12,
-        bus_bytes_per_s=_PCIE5_X16,
-        **_SERVER_HOST,
-        sources={
-            "accelerators": "NVIDIA H200 datasheet (NVL): 141 GB HBM3e",
-            "device_bytes_per_s": "NVIDIA H200 datasheet (NVL): 4.8 TB/s",
-            "device_flops_per_s": "NVIDIA H200 datasheet (NVL): 1,671 TFLOPS BF16 with sparsity = 835 dense",
-            "bus_bytes_per_s": "PCIe Gen5 x16: 63.0 GB/s each way",
-            **_SERVER_SOURCES,
-        },
-    ),
-)}
+def _builtin() -> dict[str, HardwareProfile]:
+    root = resources.files("moe_offload.control") / "data" / "hardware"
+    files = sorted((f for f in root.iterdir() if f.name.endswith(".json")), key=lambda f: f.name)
+    return {(p := HardwareProfile.from_dict(json.loads(f.read_text(encoding="utf-8")), where=f.name)).name: p
+            for f in files}
+
+
+BUILTIN: dict[str, HardwareProfile] = _builtin()
 
 
 def load_hardware(source) -> HardwareProfile:
@@ -308,7 +223,7 @@ def load_hardware(source) -> HardwareProfile:
         return BUILTIN[text]
     if not os.path.isfile(text):
         raise ConfigError(f"--hardware {text}: expected a built-in profile ({', '.join(BUILTIN)}) or a JSON file")
-    from moe_offload.control.spec import read_json
+    from moe_offload.control.hf_config import read_json
 
     return HardwareProfile.from_dict(read_json(text), where=text)
 

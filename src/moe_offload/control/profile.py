@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from moe_offload.control.spec import read_json
+from moe_offload.control.hf_config import read_json
 from moe_offload.errors import ConfigError, PlacementError
 
 

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from moe_offload import __version__
@@ -34,9 +34,9 @@ from moe_offload.log import get_logger
 from moe_offload.serving import errors
 from moe_offload.serving.classify import CLASSES, classify, request_text
 from moe_offload.serving.errors import APIError
+from moe_offload.serving.http import CLASS_HEADER, DEFAULT_MAX_BODY, HIT_HEADER, check_api_key, read_body
 from moe_offload.serving.pool import WorkerEntry, WorkerPool
 from moe_offload.serving.protocol import parse_json
-from moe_offload.serving.worker import AFFINITY_HEADER, CLASS_HEADER, DEFAULT_MAX_BODY, HIT_HEADER, read_body
 
 log = get_logger("serving.gateway")
 TOKEN_ENV = "MOE_OFFLOAD_GATEWAY_TOKEN"
@@ -147,8 +147,6 @@ class Gateway:
     async def proxy(self, request: Request, path: str) -> Response:
         t0 = time.perf_counter()
         if self.api_key:
-            from moe_offload.serving.worker import check_api_key
-
             check_api_key(request, self.api_key)
         raw = await read_body(request, self.max_body_bytes)
         try:

@@ -21,10 +21,12 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from moe_offload.engines.base import Engine, SamplingParams
+from moe_offload.engines.base import Engine
+from moe_offload.engines.params import SamplingParams
 from moe_offload.errors import ConfigError, OffloadError
 from moe_offload.log import get_logger
 from moe_offload.serving.errors import APIError
+from moe_offload.serving.events import DoneEvent, ErrorEvent, JobEvent, PromptLogprobsEvent, StartedEvent, TokenEvent
 
 log = get_logger("serving.queue")
 SWITCH_INTERVAL_S = 0.0005
@@ -32,8 +34,8 @@ SWITCH_ENV = "MOE_OFFLOAD_SWITCH_INTERVAL"  # seconds; for A/B runs
 
 
 class Job:
-    """One generation as seen from the event loop: ``await next()`` gives ("token", id, t, TokenLogprob | None) ...
-    ("done", stats), with ("prompt_logprobs", list) before the first token when the request asked for them."""
+    """One generation as seen from the event loop: ``await next()`` gives the events of events.py: StartedEvent,
+    PromptLogprobsEvent (when the request asked), TokenEvent ..., then DoneEvent or ErrorEvent."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, ids: list[int], params: SamplingParams):
         self.loop, self.ids, self.params = loop, ids, params
@@ -43,13 +45,13 @@ class Job:
         self.prompt_sent = False
         self.started = False
 
-    def push(self, item: tuple) -> None:  # engine thread
+    def push(self, item: JobEvent) -> None:  # engine thread
         _deliver([(self, item)])
 
     def cancel(self) -> None:
         self.cancelled.set()
 
-    async def next(self, deadline: float) -> tuple:
+    async def next(self, deadline: float) -> JobEvent:
         """The next event; raises 504 at ``deadline`` (loop.time()) and cancels the generation."""
         remaining = deadline - self.loop.time()
         try:
@@ -61,7 +63,7 @@ class Job:
             raise APIError(504, "request timed out (the worker's --request-timeout)", code="timeout") from None
 
 
-def _deliver(items: list[tuple["Job", tuple]]) -> None:
+def _deliver(items: list[tuple[Job, JobEvent]]) -> None:
     """Hand a step's events to their jobs' event loops: one wake-up per loop, not one per token (engine thread)."""
     by_loop: dict = {}
     for job, item in items:
@@ -74,7 +76,7 @@ def _deliver(items: list[tuple["Job", tuple]]) -> None:
                 job.cancelled.set()
 
 
-def _put_all(batch: list[tuple["Job", tuple]]) -> None:
+def _put_all(batch: list[tuple[Job, JobEvent]]) -> None:
     for job, item in batch:
         job.events.put_nowait(item)
 
@@ -191,13 +193,13 @@ class EngineRunner:
             except Exception as e:  # noqa: BLE001 - an engine failure must not take the worker down
                 self._crashed(e)
         for job in list(self._active) + list(self._incoming):
-            job.push(("done", None))
+            job.push(DoneEvent(None))
 
     def _start(self, jobs: list[Job]) -> None:
         for job in jobs:
             if job.cancelled.is_set() or not self.ready:
-                job.push(("done", None) if self.ready else
-                         ("error", APIError(503, "the engine is down and could not be restarted", code="engine_down")))
+                job.push(DoneEvent(None) if self.ready else
+                         ErrorEvent(APIError(503, "the engine is down and could not be restarted", code="engine_down")))
                 continue
             try:
                 self._active[job] = self.engine.start(job.ids, job.params)
@@ -214,19 +216,19 @@ class EngineRunner:
         for job in [j for j in self._active if j.cancelled.is_set()]:
             gen = self._active.pop(job)
             gen.close()
-            job.push(("done", gen.stats))
+            job.push(DoneEvent(gen.stats))
 
     @staticmethod
     def _started(job: Job, gen) -> None:
-        """("started", t) once the engine has begun the request: at once for a batching engine, at its turn for a
+        """StartedEvent once the engine has begun the request: at once for a batching engine, at its turn for a
         serial one (whose generate() may still fail: then the job's first event is that error, an HTTP status)."""
         if not job.started and getattr(gen, "_open", None) is None and not (gen.error is not None and not gen.pending):
-            job.push(("started", time.perf_counter()))
+            job.push(StartedEvent(time.perf_counter()))
             job.started = True
 
     def _drain(self) -> None:
         now = time.perf_counter()
-        tokens: list[tuple[Job, tuple]] = []  # this step's tokens of every job: one hand-over to the event loop
+        tokens: list[tuple[Job, TokenEvent]] = []  # this step's tokens of every job: one hand-over to the event loop
         try:
             self._drain_into(tokens, now)
         finally:
@@ -236,11 +238,11 @@ class EngineRunner:
         for job, gen in list(self._active.items()):
             self._started(job, gen)
             if gen.prompt_logprobs is not None and not job.prompt_sent and (gen.pending or gen.done):
-                job.push(("prompt_logprobs", gen.prompt_logprobs))  # complete once the prefill gave a token
+                job.push(PromptLogprobsEvent(gen.prompt_logprobs))  # complete once the prefill gave a token
                 job.prompt_sent = True
             lps = gen.logprobs
             for token in gen.drain():
-                tokens.append((job, ("token", token, now, lps[job.sent] if lps is not None and job.sent < len(lps) else None)))
+                tokens.append((job, TokenEvent(token, now, lps[job.sent] if lps is not None and job.sent < len(lps) else None)))
                 job.sent += 1
             if gen.error is not None or gen.done:  # the tokens go before the job's last event
                 _deliver(tokens)
@@ -252,19 +254,19 @@ class EngineRunner:
                 self._fail(job, gen.error)
             elif gen.done:
                 del self._active[job]
-                job.push(("done", gen.stats))
+                job.push(DoneEvent(gen.stats))
 
     def _fail(self, job: Job, e: OffloadError) -> None:
         from moe_offload.serving.errors import from_offload
 
-        job.push(("error", from_offload(e)))
+        job.push(ErrorEvent(from_offload(e)))
 
     def _crashed(self, e: BaseException) -> None:  # engine thread
         log.error("engine failed; restarting it", error=f"{type(e).__name__}: {e}")
         self.ready = False
         err = APIError(503, f"the engine failed ({type(e).__name__}: {e}); it is being restarted"[:500], code="engine_failed")
         for job, gen in list(self._active.items()):
-            job.push(("error", err))
+            job.push(ErrorEvent(err))
             try:
                 if gen is not None:
                     gen.close()  # its blocks go back if the engine object is reused

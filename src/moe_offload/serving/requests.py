@@ -15,7 +15,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from moe_offload.engines.base import EngineInfo, SamplingParams, StructuredOutput
+from moe_offload.engines.base import EngineInfo
+from moe_offload.engines.params import SamplingParams, StructuredOutput
 from moe_offload.errors import ConfigError
 from moe_offload.serving import tools as toolcalls
 from moe_offload.serving.errors import APIError

@@ -329,7 +329,7 @@ def _scale_experts(model, factor: float) -> None:
 
 def build(family: str, root: Path, factor: float = 3.0) -> str:
     """Write the family's tiny checkpoint under ``root/family``; returns the path."""
-    from moe_offload.engines.offload.loading.architecture import decoder_layers, model_class
+    from moe_offload.engines.offload.loading.architecture import model_class
 
     config = tiny_config(family)
     with torch.device("meta"):  # a width the rules missed would allocate gigabytes: count first

@@ -92,7 +92,7 @@ def placement(layers: list[int], num_experts: int, fraction: float, policy: str,
 def moe_layers(path: str) -> tuple[list[int], int]:
     from transformers import AutoConfig
 
-    from moe_offload.engines.offload.loading.loader import find_experts
+    from moe_offload.engines.offload.loading.inspection import find_experts
 
     infos = find_experts(AutoConfig.from_pretrained(path))
     return [i.layer for i in infos], infos[0].num_experts

@@ -80,10 +80,10 @@ def test_unbuildable_families(family_checkpoints):
 def test_family_matches_transformers(family_checkpoints, family):
     from transformers import AutoConfig
 
-    from moe_offload.engines.base import SamplingParams
     from moe_offload.engines.offload.loading.architecture import model_class, text_path
-    from moe_offload.engines.offload.loading.loader import inspect_checkpoint
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.loading.inspection import inspect_checkpoint
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+    from moe_offload.engines.params import SamplingParams
 
     path = family_checkpoints(family)
     if isinstance(path, Exception):
@@ -138,7 +138,8 @@ def _check_spec(family: str, config, record: dict) -> None:
     parameter count against the meta model is recorded (tiny widths exaggerate what the spec does not price)."""
     from moe_offload.control import placement
     from moe_offload.control.budget import plan_budget
-    from moe_offload.control.spec import PRICED, ModelSpec
+    from moe_offload.control.hf_config import PRICED
+    from moe_offload.control.spec import ModelSpec
     from moe_offload.engines.offload.loading.architecture import model_class, text_path
     from rm_core import MemoryTier
 

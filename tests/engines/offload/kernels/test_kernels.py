@@ -1,4 +1,4 @@
-"""The bf16 CPU decode kernels (cpu_kernels.py) against plain fp32 references, and their wiring.
+"""The bf16 CPU decode kernels (csrc/cpu/gemm.cpp, moe.cpp) against plain fp32 references, and their wiring.
 
 References are written here as plain loops in fp32. The kernels accumulate in fp32 and round
 their outputs (and the expert's intermediates) to bf16 as the F.linear path does, so they differ
@@ -254,7 +254,7 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, capsys):
     import torch.utils.cpp_extension as ext
 
     saved = dict(jit._state)
-    monkeypatch.setattr(ext, "load_inline", lambda **kw: (_ for _ in ()).throw(RuntimeError("no compiler here")))
+    monkeypatch.setattr(ext, "load", lambda **kw: (_ for _ in ()).throw(RuntimeError("no compiler here")))
     jit._state.clear()
     try:
         assert jit.load() is False and jit.load() is False  # second call: cached, no second warning

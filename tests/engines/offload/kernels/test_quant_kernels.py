@@ -1,4 +1,4 @@
-"""The quantized-expert kernels (quant_kernels.py) against fp32 references written here, and their wiring.
+"""The quantized-expert kernels (csrc/cpu/moe_quant.cpp) against fp32 references written here, and their wiring.
 
 References: the fp32 weights each format means (quant.dequantize, itself checked against the format's
 definition below) times x, summed in fp64. fp8 and mxfp4 compute with exactly those weights, so they differ

@@ -9,8 +9,9 @@ from transformers import AutoConfig
 
 from moe_offload.engines.offload.experts.executor import RESIDENT
 from moe_offload.engines.offload.loading import architecture as arch
-from moe_offload.engines.offload.loading.loader import inspect_model, load_model
-from moe_offload.engines.offload.runtime.engine import build_offload_engine
+from moe_offload.engines.offload.loading.inspection import inspect_model
+from moe_offload.engines.offload.loading.loader import load_model
+from moe_offload.engines.offload.runtime.build import build_offload_engine
 from moe_offload.errors import ModelError
 
 

@@ -62,10 +62,10 @@ def test_slots_that_do_not_fit_the_gpu(checkpoints, monkeypatch):
     from transformers import AutoConfig
 
     from moe_offload.engines.offload.experts import cuda
-    from moe_offload.engines.offload.loading import loader
+    from moe_offload.engines.offload.loading import inspection, loader
 
     path = checkpoints("qwen3_moe")
-    experts, dense = loader.inspect_model(AutoConfig.from_pretrained(path))
+    experts, dense = inspection.inspect_model(AutoConfig.from_pretrained(path))
     _, _, layout = loader.plan_layers(experts, None, torch.device("cpu"))
     need = sum(i.expert_bytes * i.num_experts for i in experts) + dense
     monkeypatch.setattr(cuda, "free_bytes", lambda dev: need - 1)

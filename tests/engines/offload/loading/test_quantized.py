@@ -82,11 +82,11 @@ def test_expert_weights_are_never_materialised_as_floats(quantized_checkpoints, 
     # transformers loads everything but the routed experts; their parameters are zero-stride placeholders
     from transformers import AutoConfig
 
-    from moe_offload.engines.offload.loading import checkpoint, loader
+    from moe_offload.engines.offload.loading import checkpoint, inspection, loader
 
     path = quantized_checkpoints(name)
     config = AutoConfig.from_pretrained(path)
-    experts, _ = loader.inspect_model(config, torch.bfloat16)
+    experts, _ = inspection.inspect_model(config, torch.bfloat16)
     model, stored = loader._load_quantized(loader.Path(path), config, experts, checkpoint.quant_method(config), "stored",
                                            torch.bfloat16)
     modules = dict(model.named_modules())
@@ -146,7 +146,7 @@ def test_quantized_at_load_is_exact_across_fractions(checkpoints, family, expert
         from transformers import AutoConfig
 
         from moe_offload.control.spec import ModelSpec
-        from moe_offload.engines.offload.loading.loader import inspect_model
+        from moe_offload.engines.offload.loading.inspection import inspect_model
 
         spec = dataclasses.replace(ModelSpec.from_hf_config(path), dtype="bfloat16", dtype_bytes=2)  # as loaded (biases)
         assert inspect_model(AutoConfig.from_pretrained(path), torch.bfloat16, expert_dtype)[0][0].expert_bytes \

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from offload_helpers import FAMILIES, greedy, stock
 
-from moe_offload.engines.base import SamplingParams
-from moe_offload.engines.offload.runtime.engine import build_offload_engine
+from moe_offload.engines.offload.runtime.build import build_offload_engine
+from moe_offload.engines.params import SamplingParams
 from moe_offload.errors import ConfigError
 
 PROMPTS = ([3, 17, 42, 9, 88, 5, 61, 23], [7, 7, 100, 2], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70])

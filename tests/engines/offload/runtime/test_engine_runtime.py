@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from moe_offload.engines.base import SamplingParams
-from moe_offload.engines.offload.runtime.engine import build_offload_engine
+from moe_offload.engines.offload.runtime.build import build_offload_engine
+from moe_offload.engines.params import SamplingParams
 from moe_offload.errors import ConfigError, ModelError, PlacementError
 
 N = 16  # greedy tokens compared against stock generate()
@@ -215,19 +215,19 @@ def test_a_torch_failure_fails_the_request_not_the_engine(checkpoints):
 
     engine = build_offload_engine(checkpoints("qwen3_moe"))
     try:
-        real = engine._forward_paged
+        real = engine.runner.forward_paged
 
         def broken(sched):
-            if all(n == 1 for _, n in sched):  # decode steps fail, the prefill works
+            if all(n == 1 for _, n in sched.scheduled):  # decode steps fail, the prefill works
                 raise RuntimeError("simulated kernel failure")
             return real(sched)
 
-        engine._forward_paged = broken
+        engine.runner.forward_paged = broken
         gen = engine.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
         assert next(gen) >= 0
         with pytest.raises(EngineError, match="after 1 tokens: simulated kernel failure"):
             next(gen)
-        engine._forward_paged = real
+        engine.runner.forward_paged = real
         assert len(run(engine, PROMPT, max_tokens=3, ignore_eos=True)[0]) == 3
     finally:
         engine.close()

@@ -1,4 +1,4 @@
-"""The fused decode path (fastpath.py, decode_kernels.py) against the module path it replaces.
+"""The fused decode path (fastpath.py, kernels/csrc/cpu/decode.cpp) against the module path it replaces.
 
 Both paths run the same decode step from the same KV state (the module path last, so the trajectory is the
 module path's) on tiny bf16 checkpoints of every covered family, several sequences of different lengths in one
@@ -21,10 +21,10 @@ import pytest
 import torch
 from offload_helpers import FAMILIES
 
-from moe_offload.engines.base import SamplingParams
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.runtime import fastpath
-from moe_offload.engines.offload.runtime.engine import build_offload_engine
+from moe_offload.engines.offload.runtime.build import build_offload_engine
+from moe_offload.engines.params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not jit.load(), reason="the CPU kernels cannot be built here")
 
@@ -43,7 +43,7 @@ def _run_both_paths(path: str, prompts=PROMPTS, expect=None, **options) -> None:
     compared on both paths (``_check``). ``expect(engine)`` asserts what the plan must look like first."""
     engine = build_offload_engine(path, dtype="bfloat16", block_size=4, **options)
     try:
-        assert engine.fast is not None, path
+        assert engine.runner.fast is not None, path
         if expect is not None:
             expect(engine)
         gens = [engine.start(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
@@ -58,28 +58,29 @@ def _compare_steps(engine, steps: int) -> list[tuple[float, bool]]:
     """Run decode steps; at each decode-only step compute logits on both paths, recording the routes each took.
     Returns (max |fast - module| / max |module|, routes agree) per compared step."""
     out = []
-    plan, ex = engine.fast, engine.executor
+    runner, ex = engine.runner, engine.executor
+    plan = runner.fast
     for _ in range(steps):
         sched = engine.scheduler.schedule()
-        if not sched:
+        if sched.is_empty:
             break
         with torch.inference_mode():
-            if all(n == 1 for _, n in sched):
+            if all(n == 1 for _, n in sched.scheduled):
                 ex.capture(True)
-                fast = engine._forward_fast(sched).float()
-                engine.fast = None
+                fast = runner.forward_fast(sched).float()
+                runner.fast = None
                 try:
-                    ref = engine._forward_paged(sched).float()
+                    ref = runner.forward_paged(sched).float()
                 finally:
-                    engine.fast = plan
+                    runner.fast = plan
                 routes = ex.captured()
                 ex.capture(False)
-                assert fast.shape == ref.shape == (len(sched), ref.shape[1])
+                assert fast.shape == ref.shape == (len(sched.scheduled), ref.shape[1])
                 out.append((float((fast - ref).abs().max() / ref.abs().max()), routes[0] == routes[1]))
                 logits = ref
             else:
-                logits = engine._forward_paged(sched)
-            engine._emit(sched, logits)
+                logits = runner.forward_paged(sched)
+            engine.output.emit(sched, logits)
     return out
 
 
@@ -97,7 +98,7 @@ def test_attention_fused_families_with_their_own_moe_blocks(tmp_path, family):
     ids = families.PROMPT_IDS
 
     def expect(engine):
-        assert all(lay.router is None for lay in engine.fast.layers)
+        assert all(lay.router is None for lay in engine.runner.fast.layers)
 
     _run_both_paths(families.build(family, tmp_path), [list(ids[:8]), list(ids[10:14]), list(ids[20:60])], expect)
 
@@ -116,7 +117,7 @@ def test_single_sequence_steps_use_the_plan_and_keep_stats(checkpoints):
     try:
         gen = engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=10, ignore_eos=True))
         toks = list(gen)
-        assert engine.fast.steps == 9  # every step after the prefill
+        assert engine.runner.fast.steps == 9  # every step after the prefill
         assert len(toks) == 10
         assert gen.stats.hits + gen.stats.misses == (4 + 9) * 2 * 2  # 4 prompt + 9 decode tokens x 2 layers x top-2
         assert gen.stats.bytes_moved  # lru at 0.25 fetches: the executor ran with the plan's routes
@@ -128,7 +129,7 @@ def test_single_sequence_steps_use_the_plan_and_keep_stats(checkpoints):
 def test_uncovered_families_keep_the_module_path(checkpoints, family):
     engine = build_offload_engine(checkpoints(family), dtype="bfloat16")
     try:
-        assert engine.fast is None
+        assert engine.runner.fast is None
     finally:
         engine.close()
 
@@ -136,13 +137,13 @@ def test_uncovered_families_keep_the_module_path(checkpoints, family):
 def test_fp32_and_the_switch_keep_the_module_path(checkpoints, monkeypatch):
     engine = build_offload_engine(checkpoints("qwen3_moe"))  # the checkpoint's fp32
     try:
-        assert engine.fast is None
+        assert engine.runner.fast is None
     finally:
         engine.close()
     monkeypatch.setenv(fastpath.ENV, "0")
     engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16")
     try:
-        assert engine.fast is None
+        assert engine.runner.fast is None
     finally:
         engine.close()
 
@@ -168,14 +169,14 @@ def test_one_token_prefill_chunks_in_a_fused_step(checkpoints):
         engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16", max_num_batched_tokens=2,
                                       max_num_seqs=2)
         if not fused:
-            engine.fast = None
+            engine.runner.fast = None
         try:
             a = engine.start([5, 6], SamplingParams(max_tokens=12, ignore_eos=True))
             engine.step()
             b = engine.start([9, 10, 11, 12, 13, 14], SamplingParams(max_tokens=4, ignore_eos=True))
             while engine.step():
                 pass
-            return a.drain(), b.drain(), engine.fast.steps if fused else 0
+            return a.drain(), b.drain(), engine.runner.fast.steps if fused else 0
         finally:
             engine.close()
 
@@ -196,7 +197,7 @@ def test_sliding_window_and_grouped_heads(tmp_path):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
 
     def expect(engine):
-        assert engine.fast.layers[0].args[1][1] == 8  # the window reaches the kernel
+        assert engine.runner.fast.layers[0].args[1][1] == 8  # the window reaches the kernel
 
     _run_both_paths(str(tmp_path / "m"), expect=expect)
 
@@ -246,7 +247,7 @@ def test_close_releases_the_model(checkpoints):
     import weakref
 
     engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16")
-    assert engine.fast is not None
+    assert engine.runner.fast is not None
     model = weakref.ref(engine.model)
     engine.close()
     gc.collect()
@@ -268,7 +269,7 @@ def test_prefill_sends_experts_with_many_tokens_to_torch_gemm(checkpoints, monke
             engine.start(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
             step = sched.schedule()
             with torch.inference_mode():
-                return engine._forward_paged(step).float()
+                return engine.runner.forward_paged(step).float()
         finally:
             engine.close()
 
@@ -301,7 +302,7 @@ def test_bf16_experts_stored_in_out_in_rows_for_the_kernels(checkpoints):
         assert tuple(store.tensors[0].shape) == (cfg.num_local_experts, 2 * cfg.intermediate_size, cfg.hidden_size)
         engine.start(PROMPTS[0], SamplingParams(max_tokens=1, ignore_eos=True))
         with torch.inference_mode():
-            logits = engine._forward_paged(engine.scheduler.schedule()).float()
+            logits = engine.runner.forward_paged(engine.scheduler.schedule()).float()
     finally:
         engine.close()
     assert int(logits[-1].argmax()) == ref_tokens[0]
@@ -319,7 +320,7 @@ def test_dense_int8_on_both_paths_and_its_error_against_bf16(checkpoints):
     def expect(engine):
         assert isinstance(engine.model.lm_head, QuantLinear)
         assert isinstance(engine.model.model.layers[0].self_attn.q_proj, QuantLinear)
-        assert engine.fast.layers[0].scales[0] is not None
+        assert engine.runner.fast.layers[0].scales[0] is not None
 
     _run_both_paths(path, expect=expect, dense_dtype="int8")
 
@@ -328,7 +329,7 @@ def test_dense_int8_on_both_paths_and_its_error_against_bf16(checkpoints):
         try:
             engine.start(PROMPTS[2], SamplingParams(max_tokens=1, ignore_eos=True))
             with torch.inference_mode():
-                return engine._forward_paged(engine.scheduler.schedule()).float()[-1]
+                return engine.runner.forward_paged(engine.scheduler.schedule()).float()[-1]
         finally:
             engine.close()
 

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from moe_offload.engines.base import SamplingParams, StructuredOutput
 from moe_offload.engines.offload.runtime.sampling import SequenceState, prompt_logprobs, sample
+from moe_offload.engines.params import SamplingParams, StructuredOutput
 
 V = 8
 
@@ -146,7 +146,7 @@ def test_sampling_params_validate_new_fields():
 def test_engine_logprobs_match_transformers(checkpoints):
     from offload_helpers import greedy, stock
 
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
 
     path = checkpoints("qwen3_moe")
     prompt = [3, 17, 42, 9, 88, 5, 61, 23]
@@ -176,7 +176,7 @@ def test_engine_logprobs_match_transformers(checkpoints):
 
 @pytest.fixture(scope="module")
 def demo_engine(demo_model_dir):
-    from moe_offload.engines.offload.runtime.engine import build_offload_engine
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
 
     engine = build_offload_engine(str(demo_model_dir), policy="static", fraction=0.5)
     yield engine

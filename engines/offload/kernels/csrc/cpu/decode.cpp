@@ -1,59 +1,30 @@
-"""Fused decode kernels: a decoder layer's attention half and router in one call, for bf16 models on the CPU.
+// Fused decode kernels: a decoder layer's attention half and router in one call, for bf16 models on the CPU.
+//
+//   h [M, H] (+ add [M, H], the previous layer's MLP output)
+//     -> RMSNorm -> q/k/v projections (one parallel pass over the rows of all three) -> q/k norms -> rotary
+//     -> k, v rows written to the paged pool at each token's position -> attention over its context (GQA,
+//        optional sliding window) -> o_proj -> residual -> RMSNorm -> router: softmax, top-k (renormalised)
+//     -> h2 [M, H] (the residual stream), x2 [M, H] (the MLP's input), top-k ids [M, K] int64, weights [M, K]
+//
+// Why: a one-token decode step of a 16-layer MoE in transformers' modules is ~1500 small torch ops (norms in 6-7
+// ops, rotary, dtype copies, the cache update, the attention's set-up), each a few microseconds: ~9 ms of a 19 ms
+// step on a 2-core CPU, where the weight reads take ~10 ms. Here one call per layer does all of it; the experts stay
+// with the offload executor (tiers, fetches, statistics).
+//
+// Numbers: every intermediate is rounded to bf16 where the module path rounds (after each norm, projection, rotary
+// product and sum, attention output, residual add, router logits), the projections use the same dot products as
+// gemm_bf16 (bit-identical rows), and attention sums in fp32 as kv._decode_fp32 does (its summation order differs:
+// results agree to bf16 rounding, not bit for bit). Tested against the module path.
+//
+// One token per row of h: M sequences each decoding one token; token t is at position lens[t] - 1 and its context is
+// positions [0, lens[t]) of the sequence whose pool rows are blocks[t, p / bs] * bs + p % bs.
+// rmsnorm_bf16 is the model's final norm, as the layer computes its norms. Arguments: ops.py.
+// Legend: M tokens, H hidden, Hq/Hkv query/KV heads, D head dim, RD rotary dims, R pool rows, NB blocks per sequence,
+// bs block size, E experts, K top-k.
+#include "common.h"
+#include "quant.h"
 
-    h [M, H] (+ add [M, H], the previous layer's MLP output)
-      -> RMSNorm -> q/k/v projections (one parallel pass over the rows of all three) -> q/k norms -> rotary
-      -> k, v rows written to the paged pool at each token's position -> attention over its context (GQA,
-         optional sliding window) -> o_proj -> residual -> RMSNorm -> router: softmax, top-k (renormalised)
-      -> h2 [M, H] (the residual stream), x2 [M, H] (the MLP's input), top-k ids [M, K] int64, weights [M, K]
-
-Why: a one-token decode step of a 16-layer MoE in transformers' modules is ~1500 small torch ops (norms in 6-7
-ops, rotary, dtype copies, the cache update, the attention's set-up), each a few microseconds: ~9 ms of a 19 ms
-step on a 2-core CPU, where the weight reads take ~10 ms. Here one call per layer does all of it; the experts
-stay with the offload executor (tiers, fetches, statistics).
-
-Numbers: every intermediate is rounded to bf16 where the module path rounds (after each norm, projection,
-rotary product and sum, attention output, residual add, router logits), the projections use the same dot
-products as ``gemm_bf16`` (bit-identical rows), and attention sums in fp32 as ``kv._decode_fp32`` does (its
-summation order differs: results agree to bf16 rounding, not bit for bit). Tested against the module path.
-
-One token per row of h: M sequences each decoding one token; token t is at position lens[t] - 1 and its
-context is positions [0, lens[t]) of the sequence whose pool rows are blocks[t, p / bs] * bs + p % bs.
-
-Op (namespace ``moe_offload``, compiled with cpu_kernels.SOURCE: one library, one build):
-  decode_layer_bf16(h, add?, ln1, eps, wq, wk, wv, bq?, bk?, bv?, qn?, kn?, cos [M, RD], sin [M, RD] (RD <= D: partial),
-                    kpool [R, Hkv, D] (mutated), vpool [R, Hkv, D] (mutated), blocks [M, NB] int64,
-                    lens [M] int64, bs, scaling, window, wo, bo?, ln2, wr?, top_k, norm_topk, w_bf16,
-                    sinks? [Hq], rb? [E], norm_mode, router_mode, sq?, sk?, sv?, so?) -> [h2, x2, ids, w]
-      qn / kn: per-head norms ([D], Qwen3) or over the whole projection ([Hq*D] / [Hkv*D], OLMoE).
-      window: 0 or a sliding window (keys at positions > pos - window). wr None: no router (a dense layer),
-      ids and w are then empty. w is bf16 (w_bf16) or fp32, as the family's router leaves it.
-      sinks: one attention-sink logit per query head (gpt-oss; attention then rounds as the eager bf16 path does).
-      rb: the router's bias. norm_mode 0: bf16(w * bf16(x / rms)), 1: bf16(w * (x / rms)) (gpt-oss).
-      router_mode 0: softmax over all experts, top-k (renormalised if norm_topk); 1: top-k logits, softmax over them.
-      sq/sk/sv/so: fp32 per-row scales of int8 wq/wk/wv/wo (``--dense-dtype int8``; quant.QuantLinear): the
-      projections then run as gemv_q does (activations quantized per token in blocks of 32), bit for bit.
-  rmsnorm_bf16(h [M, H], add? [M, H], w [H], eps, norm_mode=0) -> [M, H]          (the model's final norm)
-Legend: M tokens, H hidden, Hq/Hkv query/KV heads, D head dim, RD rotary dims, R pool rows, NB blocks per sequence, bs block
-size, E experts, K top-k.
-"""
-
-from __future__ import annotations
-
-DECODE_SOURCE = r"""
-#include <ATen/core/Tensor.h>
-#include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <vector>
-#if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
-#include <immintrin.h>
-#endif
+namespace moe_cpu {
 
 namespace {
 
@@ -90,58 +61,6 @@ inline void rmsnorm_inplace(uint16_t* v, const uint16_t* w, int64_t n, double ep
   rmsnorm_row(f.data(), w, n, eps, v);
 }
 
-#if defined(MOE_AVX512BF16)
-// torch's own vectorised exp (libtorch_cpu exports it; 1-ulp accuracy). Weak: a torch build without it leaves the
-// pointer null and softmax_row takes the scalar loop, instead of the whole library failing to load.
-extern "C" __m512 Sleef_expf16_u10(__m512) __attribute__((weak));
-#endif
-
-// s = softmax(s) in place, fp32 (max subtracted first)
-inline void softmax_row(float* s, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
-  int64_t i = 0;
-#if defined(MOE_AVX512BF16)
-  if (Sleef_expf16_u10 == nullptr) {
-    for (; i < n; ++i) mx = std::max(mx, s[i]);
-    for (i = 0; i < n; ++i) { s[i] = std::exp(s[i] - mx); sum += s[i]; }
-    for (i = 0; i < n; ++i) s[i] /= sum;
-    return;
-  }
-  __m512 vmx = _mm512_set1_ps(mx);
-  for (; i + 16 <= n; i += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + i));
-  mx = _mm512_reduce_max_ps(vmx);
-  for (int64_t j = i; j < n; ++j) mx = std::max(mx, s[j]);
-  const __m512 m = _mm512_set1_ps(mx);
-  __m512 vs = _mm512_setzero_ps();
-  for (i = 0; i + 16 <= n; i += 16) {
-    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(s + i), m));
-    _mm512_storeu_ps(s + i, e);
-    vs = _mm512_add_ps(vs, e);
-  }
-  sum = _mm512_reduce_add_ps(vs);
-  for (int64_t j = i; j < n; ++j) { s[j] = std::exp(s[j] - mx); sum += s[j]; }
-  const __m512 d = _mm512_set1_ps(sum);
-  for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, _mm512_div_ps(_mm512_loadu_ps(s + i), d));
-  for (; i < n; ++i) s[i] /= sum;
-#else
-  for (; i < n; ++i) mx = std::max(mx, s[i]);
-  for (i = 0; i < n; ++i) { s[i] = std::exp(s[i] - mx); sum += s[i]; }
-  for (i = 0; i < n; ++i) s[i] /= sum;
-#endif
-}
-
-#ifndef PF_ROWS
-#define PF_ROWS 16
-#endif
-inline void prefetch_row(const uint16_t* p, int64_t n) {  // every cache line of n bf16 values
-#if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < n * 2; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-#else
-  (void)p; (void)n;
-#endif
-}
-
 // The k largest of v[0..n) as torch.topk picks them on the CPU (ATen's TopKImpl.h): (value, index) pairs in index
 // order, partial_sort when k * 64 <= n, else nth_element and a sort of the first k - 1, with the same comparator.
 // Equal values then come out in the same order as on the module path (ties are common in bf16 router logits).
@@ -157,19 +76,6 @@ inline void torch_topk(const float* v, int64_t n, int64_t k, std::vector<std::pa
     std::nth_element(q.begin(), q.begin() + k - 1, q.end(), greater);
     std::sort(q.begin(), q.begin() + k - 1, greater);
   }
-}
-
-// o[d] += a * v[d] over D values (v bf16): a value row into a head's fp32 output
-inline void axpy_bf16(float* o, float a, const uint16_t* v, int64_t D) {
-  int64_t d = 0;
-#if defined(MOE_AVX512BF16)
-  const __m512 av = _mm512_set1_ps(a);
-  for (; d + 16 <= D; d += 16) {
-    const __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + d))), 16));
-    _mm512_storeu_ps(o + d, _mm512_fmadd_ps(av, vv, _mm512_loadu_ps(o + d)));
-  }
-#endif
-  for (; d < D; ++d) o[d] += a * bf2f(v[d]);
 }
 
 // rows [begin, end) of the stacked matrices (a row index below cut[0] reads ws[0], ...): out[t, i] for M tokens,
@@ -192,7 +98,7 @@ void project(const std::vector<const uint16_t*>& ws, const std::vector<int64_t>&
   });
 }
 
-// the same with int8 weights (per-row fp32 scales, quant_kernels.py): activations quantized per token as gemv_q does,
+// the same with int8 weights (per-row fp32 scales, quant.h): activations quantized per token as gemv_q does,
 // each output exactly gemv_q's (same row dots, bias added in fp32, one rounding)
 void project_q(const std::vector<moe_quant::Weight>& ws, const std::vector<const uint16_t*>& bs,
                const std::vector<int64_t>& cut, const uint16_t* x, int64_t M, int64_t n, uint16_t* out) {
@@ -219,6 +125,8 @@ void check_w(const at::Tensor& w, int64_t rows, int64_t cols, const char* what) 
   check_weight(w, what);
   TORCH_CHECK(w.size(0) == rows && w.size(1) == cols, what, ": expected [", rows, ", ", cols, "], got ", w.sizes());
 }
+
+}  // namespace
 
 std::vector<at::Tensor> decode_layer_bf16(
     const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln1, double eps,
@@ -495,41 +403,4 @@ at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& ad
   return y;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
-  m.def("decode_layer_bf16(Tensor h, Tensor? add, Tensor ln1, float eps, Tensor wq, Tensor wk, Tensor wv, Tensor? bq, "
-        "Tensor? bk, Tensor? bv, Tensor? qn, Tensor? kn, Tensor cos, Tensor sin, Tensor(a!) kpool, Tensor(b!) vpool, "
-        "Tensor blocks, Tensor lens, int bs, float scaling, int window, Tensor wo, Tensor? bo, Tensor ln2, Tensor? wr, "
-        "int top_k, bool norm_topk, bool w_bf16, Tensor? sinks=None, Tensor? rb=None, int norm_mode=0, "
-        "int router_mode=0, Tensor? sq=None, Tensor? sk=None, Tensor? sv=None, Tensor? so=None) -> Tensor[]");
-  m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps, int norm_mode=0) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
-  m.impl("decode_layer_bf16", &decode_layer_bf16);
-  m.impl("rmsnorm_bf16", &rmsnorm_bf16);
-}
-"""
-
-
-def register_fakes(register_fake) -> None:
-    """Shape functions of the fused decode ops (called by cpu_kernels after a build)."""
-
-    def layer(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kpool, vpool, blocks, lens, bs, scaling,
-              window, wo, bo, ln2, wr, top_k, norm_topk, w_bf16, sinks=None, rb=None, norm_mode=0, router_mode=0,
-              sq=None, sk=None, sv=None, so=None):
-        m = h.shape[0] if wr is not None else 0
-        import torch
-
-        return [h.new_empty(h.shape), h.new_empty(h.shape), h.new_empty((m, top_k), dtype=torch.long),
-                h.new_empty((m, top_k), dtype=h.dtype if w_bf16 else torch.float32)]
-
-    def norm(h, add, w, eps, norm_mode=0):
-        return h.new_empty(h.shape)
-
-    for op, fn in (("decode_layer_bf16", layer), ("rmsnorm_bf16", norm)):
-        try:
-            register_fake(f"moe_offload::{op}", fn)
-        except RuntimeError:  # already registered in this process
-            pass
+}  // namespace moe_cpu

@@ -1,0 +1,38 @@
+// Every op of the library: its schema (m.def) and its CPU kernel (m.impl). Signatures with shapes, and the fake
+// kernels torch.compile sees: ops.py. FRAGMENT: the namespace moe_offload stays open to other libraries.
+#include <torch/library.h>
+
+#include "common.h"
+
+TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
+  // gemm.cpp, moe.cpp
+  m.def("gemv_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.def("gemm_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.def("expert_mlp_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor? gate_up_bias=None, Tensor? down_bias=None) -> Tensor");
+  m.def("experts_mlp_bf16(Tensor x, Tensor[] gate_ups, Tensor[] downs) -> Tensor");
+  m.def("moe_experts_bf16(Tensor x, Tensor[] gate_ups, Tensor[] downs, Tensor tok, Tensor perm, int[] starts, int[] counts, Tensor(a!) out) -> ()");
+  // moe_quant.cpp
+  m.def("gemv_q(Tensor x, Tensor w, Tensor w_scale, Tensor? bias=None, int split=0) -> Tensor");
+  m.def("expert_mlp_q(Tensor x, Tensor gate_up, Tensor gate_up_scale, Tensor down, Tensor down_scale) -> Tensor");
+  m.def("experts_mlp_q(Tensor x, Tensor[] gate_ups, Tensor[] gate_up_scales, Tensor[] downs, Tensor[] down_scales) -> Tensor");
+  // decode.cpp
+  m.def("decode_layer_bf16(Tensor h, Tensor? add, Tensor ln1, float eps, Tensor wq, Tensor wk, Tensor wv, Tensor? bq, "
+        "Tensor? bk, Tensor? bv, Tensor? qn, Tensor? kn, Tensor cos, Tensor sin, Tensor(a!) kpool, Tensor(b!) vpool, "
+        "Tensor blocks, Tensor lens, int bs, float scaling, int window, Tensor wo, Tensor? bo, Tensor ln2, Tensor? wr, "
+        "int top_k, bool norm_topk, bool w_bf16, Tensor? sinks=None, Tensor? rb=None, int norm_mode=0, "
+        "int router_mode=0, Tensor? sq=None, Tensor? sk=None, Tensor? sv=None, Tensor? so=None) -> Tensor[]");
+  m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps, int norm_mode=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
+  m.impl("gemv_bf16", &moe_cpu::gemv_bf16);
+  m.impl("gemm_bf16", &moe_cpu::gemm_bf16);
+  m.impl("expert_mlp_bf16", &moe_cpu::expert_mlp_bf16);
+  m.impl("experts_mlp_bf16", &moe_cpu::experts_mlp_bf16);
+  m.impl("moe_experts_bf16", &moe_cpu::moe_experts_bf16);
+  m.impl("gemv_q", &moe_quant::gemv_q);
+  m.impl("expert_mlp_q", &moe_quant::expert_mlp_q);
+  m.impl("experts_mlp_q", &moe_quant::experts_mlp_q);
+  m.impl("decode_layer_bf16", &moe_cpu::decode_layer_bf16);
+  m.impl("rmsnorm_bf16", &moe_cpu::rmsnorm_bf16);
+}

@@ -1,0 +1,112 @@
+// What the kernel files share: argument checks, the bf16 row loops (over vec.h's dot products) and the declarations
+// of every op, which bindings.cpp registers.
+//
+//   gemv_range: out[i] = bf16(dot(w[i], x) + bias[i])        one token          (gemm.cpp, moe.cpp)
+//   gemm_range: out[t, i] = bf16(dot(w[i], x[t]) + bias[i])  M tokens, each row read once for all of them
+//                                                            (gemm.cpp, decode.cpp; bit-identical to gemv_range)
+// Legend: H input features, N output rows, M tokens, I expert intermediate.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "vec.h"
+
+namespace moe_cpu {
+
+// Rows per task: at least ~64 KiB of weights, so a thread's start-up is paid for.
+inline int64_t grain(int64_t n) { return std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(1, 2 * n)); }
+
+inline const uint16_t* ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+
+inline void check_weight(const at::Tensor& w, const char* what) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2,
+              what, ": expected a 2-D bf16 CPU tensor, got ", w.scalar_type(), " ", w.sizes(), " on ", w.device());
+  TORCH_CHECK(w.stride(1) == 1, what, ": expected contiguous rows (stride 1 along the input), got strides ", w.strides());
+}
+
+inline const uint16_t* opt_bias(const std::optional<at::Tensor>& b, int64_t n, const char* what) {
+  if (!b.has_value()) return nullptr;
+  TORCH_CHECK(b->device().is_cpu() && b->scalar_type() == at::kBFloat16 && b->numel() == n && b->is_contiguous(),
+              what, ": expected a contiguous bf16 CPU tensor of ", n, " elements, got ", b->scalar_type(), " ", b->sizes());
+  return ptr(*b);
+}
+
+inline at::Tensor one_token(const at::Tensor& x, int64_t h, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) == h && x.numel() == h,
+              what, ": expected one bf16 CPU token of ", h, " features, got ", x.scalar_type(), " ", x.sizes());
+  return x.contiguous();
+}
+
+// out[i] = bf16(dot(w[i], x) + bias[i]) for rows [begin, end).
+inline void gemv_range(const uint16_t* w, int64_t ld, const uint16_t* x, int64_t n, const uint16_t* bias,
+                       int64_t begin, int64_t end, uint16_t* out) {
+  for (int64_t i = begin; i < end; ++i) {
+    float acc = dot_row(w + i * ld, x, n);
+    out[i] = f2bf(bias ? acc + bf2f(bias[i]) : acc);
+  }
+}
+
+// out[t, i] = bf16(dot(w[i], x[t]) + bias[i]) for every token t and rows [begin, end): each weight row is read from
+// memory once and reused from L1 for every token; each (t, i) is summed exactly as gemv_range sums it, so a
+// token's result does not depend on which other tokens share the call.
+inline void gemm_range(const uint16_t* w, int64_t ld, const uint16_t* x, int64_t ldx, int64_t M, int64_t n,
+                       const uint16_t* bias, int64_t begin, int64_t end, uint16_t* out, int64_t N) {
+  std::vector<const uint16_t*> xs(M);
+  std::vector<float> acc(M);
+  for (int64_t t = 0; t < M; ++t) xs[t] = x + t * ldx;
+  for (int64_t i = begin; i < end; ++i) {
+    const float b = bias ? bf2f(bias[i]) : 0.0f;
+    dot_many(w + i * ld, xs.data(), M, n, acc.data());
+    for (int64_t t = 0; t < M; ++t) out[t * N + i] = f2bf(bias ? acc[t] + b : acc[t]);
+  }
+}
+
+// ---- the ops (registered in bindings.cpp; signatures and shapes in ops.py) -----------------------------------------
+
+// gemm.cpp
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+
+// moe.cpp
+at::Tensor expert_mlp_bf16(const at::Tensor& x, const at::Tensor& up, const at::Tensor& dn,
+                           const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& dn_bias);
+at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs);
+void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs, const at::Tensor& tok,
+                      const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts, const at::Tensor& out);
+
+// decode.cpp
+std::vector<at::Tensor> decode_layer_bf16(
+    const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln1, double eps,
+    const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& wv,
+    const std::optional<at::Tensor>& bq, const std::optional<at::Tensor>& bk, const std::optional<at::Tensor>& bv,
+    const std::optional<at::Tensor>& qn, const std::optional<at::Tensor>& kn,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kpool, const at::Tensor& vpool,
+    const at::Tensor& blocks, const at::Tensor& lens, int64_t bs, double scaling, int64_t window,
+    const at::Tensor& wo, const std::optional<at::Tensor>& bo, const at::Tensor& ln2,
+    const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rb, int64_t norm_mode, int64_t router_mode,
+    const std::optional<at::Tensor>& sq, const std::optional<at::Tensor>& sk, const std::optional<at::Tensor>& sv,
+    const std::optional<at::Tensor>& so);
+at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
+                        int64_t norm_mode);
+
+}  // namespace moe_cpu
+
+namespace moe_quant {
+
+// moe_quant.cpp
+at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                  const std::optional<at::Tensor>& bias, int64_t split);
+at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Tensor& up_s, const at::Tensor& dn,
+                        const at::Tensor& dn_s);
+at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns,
+                         at::TensorList dn_s);
+
+}  // namespace moe_quant

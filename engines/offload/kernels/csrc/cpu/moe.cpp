@@ -1,0 +1,169 @@
+// bf16 expert MLPs: silu(gate) * up with gate = rows [0, I), up = rows [I, 2I) of the concatenated gate|up
+// (transformers' layout), then down.
+//
+//   expert_mlp_bf16:  x [.., H] (one token), gate_up [2I, H], down [H, I] (+ biases [2I], [H]) -> [.., H]
+//   experts_mlp_bf16: x [H], K x gate_up, K x down -> [K, H]     K experts of one token in two parallel passes;
+//                     row k is bit-identical to expert_mlp_bf16 of expert k
+//   moe_experts_bf16: a layer's routed pairs (sorted by expert) through their experts in one call, written to
+//                     out[perm[s]]; every pair's row is bit-identical to expert_mlp_bf16 of its token alone
+// Intermediates are rounded to bf16 where the unfused bf16 path rounds (after each GEMV, after silu, after the
+// product), so results match F.linear chains up to the order of the fp32 sums.
+// Legend: H hidden, I expert intermediate, K experts of the token, J experts of the layer, S routed pairs.
+#include "common.h"
+
+namespace moe_cpu {
+
+namespace {
+
+// h[r, i] = bf16(bf16(silu(g)) * up) for rows r of gu [rows, 2I] (gate = columns [0, I), up = [I, 2I)), rounded
+// where torch's bf16 silu and product round. Split over threads only when a batched step brings enough rows
+// (32k elements): one token's few experts are cheaper on the calling thread than a parallel region.
+inline void silu_mul_rows(const uint16_t* gu, uint16_t* h, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, I)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const uint16_t* g = gu + r * 2 * I;
+      for (int64_t i = 0; i < I; ++i) {
+        float gv = bf2f(g[i]);
+        float sv = bf2f(f2bf(gv / (1.0f + std::exp(-gv))));  // silu, rounded as torch's bf16 silu
+        h[r * I + i] = f2bf(sv * bf2f(g[I + i]));
+      }
+    }
+  });
+}
+
+// K experts (silu-gated, concatenated gate|up) of one token: out [K, H].
+void experts_impl(const uint16_t* x, const std::vector<const uint16_t*>& up, const std::vector<int64_t>& up_ld,
+                  const std::vector<const uint16_t*>& dn, const std::vector<int64_t>& dn_ld,
+                  const std::vector<const uint16_t*>& up_b, const std::vector<const uint16_t*>& dn_b,
+                  int64_t H, int64_t I, uint16_t* out) {
+  const int64_t K = (int64_t)up.size(), I2 = 2 * I;
+  std::vector<uint16_t> gu(K * I2), h(K * I);
+  at::parallel_for(0, K * I2, grain(H), [&](int64_t b, int64_t e) {
+    while (b < e) {  // a task may span experts: split it at expert boundaries
+      int64_t k = b / I2, stop = std::min(e, (k + 1) * I2);
+      gemv_range(up[k], up_ld[k], x, H, up_b[k], b - k * I2, stop - k * I2, gu.data() + k * I2);
+      b = stop;
+    }
+  });
+  silu_mul_rows(gu.data(), h.data(), K, I);
+  at::parallel_for(0, K * H, grain(I), [&](int64_t b, int64_t e) {
+    while (b < e) {
+      int64_t k = b / H, stop = std::min(e, (k + 1) * H);
+      gemv_range(dn[k], dn_ld[k], h.data() + k * I, I, dn_b[k], b - k * H, stop - k * H, out + k * H);
+      b = stop;
+    }
+  });
+}
+
+void check_expert(const at::Tensor& up, const at::Tensor& dn, int64_t H, int64_t I) {
+  check_weight(up, "gate_up");
+  check_weight(dn, "down");
+  TORCH_CHECK(up.size(0) == 2 * I && up.size(1) == H && dn.size(0) == H && dn.size(1) == I,
+              "expected gate_up [2I, H] and down [H, I] with H=", H, " I=", I, ", got ", up.sizes(), " and ", dn.sizes());
+}
+
+}  // namespace
+
+at::Tensor expert_mlp_bf16(const at::Tensor& x, const at::Tensor& up, const at::Tensor& dn,
+                           const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& dn_bias) {
+  check_weight(dn, "down");  // before size(1): a 1-D down would raise a bare "Dimension out of range"
+  const int64_t H = dn.size(0), I = dn.size(1);
+  check_expert(up, dn, H, I);
+  at::Tensor xc = one_token(x, H, "expert_mlp_bf16 x");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  experts_impl(ptr(xc), {ptr(up)}, {up.stride(0)}, {ptr(dn)}, {dn.stride(0)},
+               {opt_bias(up_bias, 2 * I, "gate_up_bias")}, {opt_bias(dn_bias, H, "down_bias")}, H, I,
+               reinterpret_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
+
+// Routed pairs of a step through their experts, one call per layer and tier: expert j (gate_up ups[j], down
+// downs[j]) takes the pairs s in [starts[j], starts[j] + counts[j]) of the expert-sorted pair list, pair s reading
+// token row x[tok[s]] and writing out[perm[s]]. Each weight row is read once for all of its expert's pairs; each
+// pair's numbers are exactly expert_mlp_bf16's for that token alone (same sums, same bf16 roundings).
+void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs, const at::Tensor& tok,
+                      const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts, const at::Tensor& out) {
+  const int64_t J = (int64_t)ups.size();
+  TORCH_CHECK(J == (int64_t)downs.size() && J == (int64_t)starts.size() && J == (int64_t)counts.size(),
+              "moe_experts_bf16: expected as many gate_ups, downs, starts and counts, got ", J, ", ", downs.size(), ", ",
+              starts.size(), ", ", counts.size());
+  if (J == 0) return;
+  check_weight(downs[0], "down");
+  const int64_t H = downs[0].size(0), I = downs[0].size(1), I2 = 2 * I;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == H && x.is_contiguous(),
+              "moe_experts_bf16 x: expected contiguous bf16 CPU tokens [T, ", H, "], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.size(1) == H && out.is_contiguous(),
+              "moe_experts_bf16 out: expected a contiguous bf16 CPU tensor [S, ", H, "], got ", out.scalar_type(), " ", out.sizes());
+  TORCH_CHECK(tok.scalar_type() == at::kLong && perm.scalar_type() == at::kLong && tok.is_contiguous() && perm.is_contiguous()
+              && tok.numel() == perm.numel(), "moe_experts_bf16: expected int64 tok and perm of the same length");
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  const int64_t* pp = perm.data_ptr<int64_t>();
+  const int64_t S = tok.numel(), T = x.size(0), R = out.size(0);
+  std::vector<const uint16_t*> up(J), dn(J);
+  std::vector<int64_t> up_ld(J), dn_ld(J), first(J + 1, 0);  // first[j]: this call's buffer row of expert j's first pair
+  for (int64_t j = 0; j < J; ++j) {
+    check_expert(ups[j], downs[j], H, I);
+    TORCH_CHECK(starts[j] >= 0 && counts[j] >= 0 && starts[j] + counts[j] <= S, "moe_experts_bf16: pair range ", j, " out of bounds");
+    up[j] = ptr(ups[j]); up_ld[j] = ups[j].stride(0);
+    dn[j] = ptr(downs[j]); dn_ld[j] = downs[j].stride(0);
+    first[j + 1] = first[j] + counts[j];
+  }
+  for (int64_t j = 0; j < J; ++j)
+    for (int64_t s = starts[j]; s < starts[j] + counts[j]; ++s)
+      TORCH_CHECK(tp[s] >= 0 && tp[s] < T && pp[s] >= 0 && pp[s] < R, "moe_experts_bf16: token or output row out of range");
+  const int64_t P = first[J];
+  std::vector<uint16_t> xs(P * H), gu(P * I2), h(P * I);
+  for (int64_t j = 0; j < J; ++j)  // gather each pair's token row: an expert's pairs are then contiguous
+    for (int64_t q = 0; q < counts[j]; ++q)
+      std::memcpy(xs.data() + (first[j] + q) * H, ptr(x) + tp[starts[j] + q] * H, H * sizeof(uint16_t));
+  at::parallel_for(0, J * I2, std::max<int64_t>(1, grain(H) / std::max<int64_t>(1, P / J)), [&](int64_t b, int64_t e) {
+    while (b < e) {  // a task may span experts: split it at expert boundaries
+      int64_t j = b / I2, stop = std::min(e, (j + 1) * I2);
+      const int64_t c = first[j + 1] - first[j];
+      std::vector<const uint16_t*> xp(c);
+      std::vector<float> acc(c);
+      for (int64_t q = 0; q < c; ++q) xp[q] = xs.data() + (first[j] + q) * H;
+      for (int64_t r = b - j * I2; r < stop - j * I2; ++r) {
+        dot_many(up[j] + r * up_ld[j], xp.data(), c, H, acc.data());
+        for (int64_t q = 0; q < c; ++q) gu[(first[j] + q) * I2 + r] = f2bf(acc[q]);
+      }
+      b = stop;
+    }
+  });
+  silu_mul_rows(gu.data(), h.data(), P, I);
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, J * H, std::max<int64_t>(1, grain(I) / std::max<int64_t>(1, P / J)), [&](int64_t b, int64_t e) {
+    while (b < e) {
+      int64_t j = b / H, stop = std::min(e, (j + 1) * H);
+      const int64_t c = counts[j];
+      std::vector<const uint16_t*> hp(c);
+      std::vector<float> acc(c);
+      for (int64_t q = 0; q < c; ++q) hp[q] = h.data() + (first[j] + q) * I;
+      for (int64_t r = b - j * H; r < stop - j * H; ++r) {
+        dot_many(dn[j] + r * dn_ld[j], hp.data(), c, I, acc.data());
+        for (int64_t q = 0; q < c; ++q) op[pp[starts[j] + q] * H + r] = f2bf(acc[q]);
+      }
+      b = stop;
+    }
+  });
+}
+
+at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs) {
+  TORCH_CHECK(!ups.empty() && ups.size() == downs.size(), "experts_mlp_bf16: expected as many gate_up as down tensors (>= 1), got ",
+              ups.size(), " and ", downs.size());
+  check_weight(downs[0], "down");
+  const int64_t K = (int64_t)ups.size(), H = downs[0].size(0), I = downs[0].size(1);
+  at::Tensor xc = one_token(x, H, "experts_mlp_bf16 x");
+  std::vector<const uint16_t*> up(K), dn(K), none(K, nullptr);
+  std::vector<int64_t> up_ld(K), dn_ld(K);
+  for (int64_t k = 0; k < K; ++k) {
+    check_expert(ups[k], downs[k], H, I);
+    up[k] = ptr(ups[k]); up_ld[k] = ups[k].stride(0);
+    dn[k] = ptr(downs[k]); dn_ld[k] = downs[k].stride(0);
+  }
+  at::Tensor out = at::empty({K, H}, x.options());
+  experts_impl(ptr(xc), up, up_ld, dn, dn_ld, none, none, H, I, reinterpret_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
+
+}  // namespace moe_cpu

@@ -1,0 +1,226 @@
+// Quantized-expert GEMV kernels for decode on the CPU: int8, FP8 e4m3 and MXFP4 weights, dequantized in registers
+// (the formats and their dot products: quant.h).
+//
+//   x [N, K] bf16|fp32 --(one pass over the stored rows W [R, ...], fp32 accumulation, rows split over threads)-->
+//   y [N, R] (x dtype). A row is read once from DRAM for all N tokens (decode batches: N = 1..MAX_N); more tokens
+//   take the dequantize + GEMM path (dispatch.py).
+//
+//   gemv_q:        x [N, K], w, w_scale, bias [R]?, split -> [N, R]      the format from w.dtype
+//   expert_mlp_q:  x [1, H], gate_up, its scale, down, its scale -> [1, H]   int8|fp8, silu(gate) * up, one token;
+//                  intermediates rounded to x's dtype where the unfused path (gemv_q, torch silu, gemv_q) rounds
+//   experts_mlp_q: K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_q of expert k
+// Legend: N tokens, K input features, R output rows, H hidden, I expert intermediate (2I gate|up rows).
+#include <type_traits>
+
+#include "common.h"
+#include "quant.h"
+
+namespace moe_quant {
+
+void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t) {
+  t.n = n; t.k = k; t.kp = (k + 63) / 64 * 64;
+  std::vector<float> xf(n * t.kp, 0.0f);
+  if (x.scalar_type() == at::kBFloat16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    for (int64_t i = 0; i < n; ++i) for (int64_t j = 0; j < k; ++j) xf[i * t.kp + j] = bf2f(p[i * k + j]);
+  } else {
+    const float* p = x.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) std::memcpy(xf.data() + i * t.kp, p + i * k, k * sizeof(float));
+  }
+  if (fmt == 'f') { t.f.swap(xf); return; }
+  if (fmt == 'm') {
+    t.even.assign(n * t.kp / 2, 0.0f); t.odd.assign(n * t.kp / 2, 0.0f);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < t.kp / 2; ++j) { t.even[i * t.kp / 2 + j] = xf[i * t.kp + 2 * j]; t.odd[i * t.kp / 2 + j] = xf[i * t.kp + 2 * j + 1]; }
+    return;
+  }
+  // int8: per 32-block symmetric; x / s rounded half to even (torch.round), as the test's reference does
+  const int64_t nb = t.kp / QB;
+  t.q.assign(n * t.kp, 0); t.qabs.assign(n * t.kp, 0); t.qneg.assign(n * t.kp / 64, 0);
+  t.qs.assign(n * nb, 0.0f); t.qs16.assign(n * nb / 2 * 16, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = xf.data() + i * t.kp + b * QB;
+      float amax = 0.0f;
+      for (int64_t j = 0; j < QB; ++j) amax = std::max(amax, std::fabs(v[j]));
+      float s = amax / 127.0f;
+      t.qs[i * nb + b] = s;
+      for (int64_t j = 0; j < QB; ++j) {
+        int q = s > 0.0f ? (int)std::nearbyint(v[j] / s) : 0;
+        q = std::max(-127, std::min(127, q));
+        int64_t at = i * t.kp + b * QB + j;
+        t.q[at] = (int8_t)q; t.qabs[at] = (uint8_t)std::abs(q);
+        if (q < 0) t.qneg[at / 64] |= uint64_t(1) << (at % 64);
+      }
+      for (int64_t l = 0; l < 8; ++l) t.qs16[(i * nb / 2 + b / 2) * 16 + (b % 2) * 8 + l] = s;
+    }
+  }
+}
+
+// out[i, r] for rows [begin, end): fp32 results (+bias), written as the output dtype
+template <typename Out>
+void rows_range(const Weight& W, const Tokens& t, const float* bias, int64_t begin, int64_t end, Out* out, int64_t out_ld) {
+  for (int64_t r = begin; r < end; ++r)
+    for (int64_t i = 0; i < t.n; ++i) {
+      float v = row_dot(W, r, t, i) + (bias ? bias[r] : 0.0f);
+      if constexpr (std::is_same<Out, float>::value) out[i * out_ld + r] = v; else out[i * out_ld + r] = f2bf(v);
+    }
+}
+
+Weight weight_of(const at::Tensor& w, const at::Tensor& s, int64_t split, const char* what) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.stride(1) == 1, what,
+              ": expected a 2-D CPU tensor with contiguous rows, got ", w.sizes(), " strides ", w.strides(), " on ", w.device());
+  Weight W{};
+  W.w = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  W.ld = w.stride(0) * w.element_size();
+  W.rows = w.size(0);
+  W.split = split > 0 ? split : W.rows;
+  auto st = w.scalar_type();
+  if (st == at::kChar) {
+    W.fmt = 'q'; W.k = w.size(1);
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == W.rows, what,
+                " int8: expected an fp32 scale per row (", W.rows, "), got ", s.scalar_type(), " ", s.sizes());
+    W.s = s.data_ptr<float>();
+  } else if (st == at::kFloat8_e4m3fn) {
+    W.fmt = 'f'; W.k = w.size(1);
+    int64_t cb = (W.k + FB - 1) / FB, rb = (W.split + FB - 1) / FB + (W.rows - W.split + FB - 1) / FB;
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == rb && s.size(1) == cb, what,
+                " fp8: expected fp32 block scales [", rb, ", ", cb, "] (128x128 blocks, split at row ", W.split, "), got ",
+                s.scalar_type(), " ", s.sizes());
+    W.s = s.data_ptr<float>(); W.s_ld = cb;
+  } else if (st == at::kByte) {
+    W.fmt = 'm'; W.k = w.size(1) * 2;
+    TORCH_CHECK(W.k % MB == 0 && s.scalar_type() == at::kByte && s.dim() == 2 && s.size(0) == W.rows && s.size(1) == W.k / MB
+                && s.stride(1) == 1, what, " mxfp4: expected uint8 E8M0 scales [", W.rows, ", ", W.k / MB,
+                "] (blocks of 32 over ", W.k, " features), got ", s.scalar_type(), " ", s.sizes());
+    W.ms = s.data_ptr<uint8_t>(); W.s_ld = s.stride(0);
+  } else {
+    TORCH_CHECK(false, what, ": expected int8, float8_e4m3fn or uint8 (mxfp4 blocks) weights, got ", st);
+  }
+  return W;
+}
+
+std::vector<float> bias_of(const std::optional<at::Tensor>& b, int64_t n, const char* what) {
+  if (!b.has_value()) return {};
+  TORCH_CHECK(b->device().is_cpu() && b->numel() == n && (b->scalar_type() == at::kBFloat16 || b->scalar_type() == at::kFloat),
+              what, ": expected a bf16 or fp32 CPU tensor of ", n, " elements, got ", b->scalar_type(), " ", b->sizes());
+  at::Tensor f = b->to(at::kFloat).contiguous();
+  return std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + n);
+}
+
+at::Tensor tokens_of(const at::Tensor& x, int64_t k, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.dim() >= 1
+              && x.size(-1) == k && x.numel() / k <= MAX_N && x.numel() > 0,
+              what, ": expected 1..", MAX_N, " bf16 or fp32 CPU tokens of ", k, " features, got ", x.scalar_type(), " ", x.sizes());
+  return x.contiguous();
+}
+
+void run_rows(const Weight& W, const Tokens& t, const std::vector<float>& bias, at::Tensor& out) {
+  const float* b = bias.empty() ? nullptr : bias.data();
+  const int64_t g = grain(W.ld);
+  if (out.scalar_type() == at::kFloat) {
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, W.rows, g, [&](int64_t s, int64_t e) { rows_range<float>(W, t, b, s, e, o, W.rows); });
+  } else {
+    uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+    at::parallel_for(0, W.rows, g, [&](int64_t s, int64_t e) { rows_range<uint16_t>(W, t, b, s, e, o, W.rows); });
+  }
+}
+
+at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const std::optional<at::Tensor>& bias, int64_t split) {
+  Weight W = weight_of(w, w_scale, split, "gemv_q w");
+  at::Tensor xc = tokens_of(x, W.k, "gemv_q x");
+  Tokens t;
+  prepare(xc, xc.numel() / W.k, W.k, W.fmt, t);
+  std::vector<float> b = bias_of(bias, W.rows, "gemv_q bias");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = W.rows;
+  at::Tensor out = at::empty(shape, x.options());
+  run_rows(W, t, b, out);
+  return out;
+}
+
+at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Tensor& up_s, const at::Tensor& dn, const at::Tensor& dn_s) {
+  TORCH_CHECK(up.dim() == 2 && dn.dim() == 2, "expert_mlp_q: expected 2-D gate_up and down, got ", up.sizes(), " and ", dn.sizes());
+  TORCH_CHECK(up.scalar_type() == dn.scalar_type() && up.scalar_type() != at::kByte, "expert_mlp_q: expected int8 or fp8 gate_up and down "
+              "of one format, got ", up.scalar_type(), " and ", dn.scalar_type());
+  const int64_t H = dn.size(0), I = dn.size(1);
+  TORCH_CHECK(up.size(0) == 2 * I && up.size(1) == H, "expert_mlp_q: expected gate_up [2I, H] and down [H, I] with H=", H, " I=", I,
+              ", got ", up.sizes(), " and ", dn.sizes());
+  Weight U = weight_of(up, up_s, I, "gate_up"), D = weight_of(dn, dn_s, 0, "down");
+  at::Tensor xc = tokens_of(x, H, "expert_mlp_q x");
+  TORCH_CHECK(xc.numel() == H, "expert_mlp_q x: expected one token, got ", x.sizes());
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  Tokens t;
+  prepare(xc, 1, H, U.fmt, t);
+  at::Tensor gu = at::empty({1, 2 * I}, x.options());
+  run_rows(U, t, {}, gu);
+  at::Tensor h = at::empty({1, I}, x.options());
+  // silu(gate) * up, rounded where torch's ops on x's dtype round: after silu, after the product
+  for (int64_t i = 0; i < I; ++i) {
+    float g, u;
+    if (bf) { g = bf2f(reinterpret_cast<uint16_t*>(gu.data_ptr())[i]); u = bf2f(reinterpret_cast<uint16_t*>(gu.data_ptr())[I + i]); }
+    else { g = gu.data_ptr<float>()[i]; u = gu.data_ptr<float>()[I + i]; }
+    float s = g / (1.0f + std::exp(-g));
+    if (bf) reinterpret_cast<uint16_t*>(h.data_ptr())[i] = f2bf(bf2f(f2bf(s)) * u);
+    else h.data_ptr<float>()[i] = s * u;
+  }
+  Tokens th;
+  prepare(h, 1, I, D.fmt, th);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  run_rows(D, th, {}, out);
+  return out;
+}
+
+// K experts of one token (int8 or fp8, silu gate on a concatenated gate|up, no biases) in two parallel passes, one
+// over every expert's gate|up rows and one over every expert's down rows: row k is bit-identical to expert_mlp_q of
+// expert k (the same prepared x, row dots, roundings and per-expert prepared h). out [K, H] in x's dtype.
+at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s) {
+  const int64_t K = (int64_t)ups.size();
+  TORCH_CHECK(K >= 1 && up_s.size() == ups.size() && dns.size() == ups.size() && dn_s.size() == ups.size(),
+              "experts_mlp_q: expected as many gate_ups, gate_up scales, downs and down scales (>= 1), got ", ups.size(), ", ",
+              up_s.size(), ", ", dns.size(), ", ", dn_s.size());
+  TORCH_CHECK(dns[0].dim() == 2, "experts_mlp_q: expected 2-D downs, got ", dns[0].sizes());
+  const int64_t H = dns[0].size(0), I = dns[0].size(1), I2 = 2 * I;
+  std::vector<Weight> U(K), D(K);
+  for (int64_t k = 0; k < K; ++k) {
+    TORCH_CHECK(ups[k].dim() == 2 && dns[k].dim() == 2 && ups[k].size(0) == I2 && ups[k].size(1) == H && dns[k].size(0) == H
+                && dns[k].size(1) == I, "experts_mlp_q: expected gate_up [2I, H] and down [H, I] with H=", H, " I=", I, ", got ",
+                ups[k].sizes(), " and ", dns[k].sizes());
+    TORCH_CHECK(ups[k].scalar_type() == ups[0].scalar_type() && dns[k].scalar_type() == ups[0].scalar_type()
+                && ups[0].scalar_type() != at::kByte, "experts_mlp_q: expected int8 or fp8 weights, all of one format");
+    U[k] = weight_of(ups[k], up_s[k], I, "gate_up");
+    D[k] = weight_of(dns[k], dn_s[k], 0, "down");
+  }
+  at::Tensor xc = tokens_of(x, H, "experts_mlp_q x");
+  TORCH_CHECK(xc.numel() == H, "experts_mlp_q x: expected one token, got ", x.sizes());
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  Tokens t;
+  prepare(xc, 1, H, U[0].fmt, t);
+  std::vector<float> gu(K * I2);  // fp32 results, rounded below exactly as rows_range's output dtype would be
+  at::parallel_for(0, K * I2, grain(U[0].ld), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) gu[r] = row_dot(U[r / I2], r % I2, t, 0);
+  });
+  std::vector<Tokens> th(K);
+  at::Tensor h = at::empty({1, I}, x.options());
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t i = 0; i < I; ++i) {
+      float g = gu[k * I2 + i], u = gu[k * I2 + I + i];
+      if (bf) { g = bf2f(f2bf(g)); u = bf2f(f2bf(u)); }
+      float s = g / (1.0f + std::exp(-g));
+      if (bf) reinterpret_cast<uint16_t*>(h.data_ptr())[i] = f2bf(bf2f(f2bf(s)) * u);
+      else h.data_ptr<float>()[i] = s * u;
+    }
+    prepare(h, 1, I, D[k].fmt, th[k]);
+  }
+  at::Tensor out = at::empty({K, H}, x.options());
+  at::parallel_for(0, K * H, grain(D[0].ld), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float v = row_dot(D[r / H], r % H, th[r / H], 0);
+      if (bf) reinterpret_cast<uint16_t*>(out.data_ptr())[r] = f2bf(v); else out.data_ptr<float>()[r] = v;
+    }
+  });
+  return out;
+}
+
+}  // namespace moe_quant

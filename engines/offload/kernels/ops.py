@@ -1,0 +1,114 @@
+"""The ops of the CPU kernel library, as Python sees them: signatures with shapes, the constants the callers need,
+and the fake (meta) kernels that let torch.compile and meta tensors treat every op as an opaque call with known
+outputs. The C++ is in csrc/cpu/ (every schema in bindings.cpp); jit.load() builds it and calls register_fakes().
+
+Ops (namespace ``moe_offload``, CPU, bf16 unless said):
+  gemv_bf16(x [.., H], w [N, H], bias [N]?) -> [.., N]          x holds one token (numel == H)          gemm.cpp
+  gemm_bf16(x [.., H], w [N, H], bias [N]?) -> [.., N]          any number of tokens M; each weight row is read
+      once for all of them, and token t's row is bit-identical to gemv_bf16 of token t alone            gemm.cpp
+  expert_mlp_bf16(x [.., H], gate_up [2I, H], down [H, I], gate_up_bias [2I]?, down_bias [H]?) -> [.., H]
+      silu(gate) * up with gate = rows [0, I), up = rows [I, 2I) (transformers' concatenated layout)     moe.cpp
+  experts_mlp_bf16(x [H], gate_ups K x [2I, H], downs K x [H, I]) -> [K, H]
+      K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_bf16 of expert k
+  moe_experts_bf16(x [T, H], gate_ups J x [2I, H], downs J x [H, I], tok [S], perm [S], starts [J], counts [J],
+                   out [R, H] (mutated)) -> ()
+      a layer's routed pairs (sorted by expert) through their experts in one call, written to out[perm[s]];
+      every pair's row is bit-identical to expert_mlp_bf16 of its token alone
+  gemv_q(x [N, K], w, w_scale, bias [R]?, split=0) -> [N, R]    bf16|fp32 x, N <= MAX_TOKENS;        moe_quant.cpp
+      the format from w.dtype: int8 [R, K] + fp32 [R] | float8_e4m3fn [R, K] + fp32 block scales [RB, ceil(K/128)]
+      (rows >= split read the second half's blocks) | uint8 mxfp4 blocks [R, K/2] + E8M0 scales [R, K/32]
+  expert_mlp_q(x [1, H], gate_up, gate_up_scale, down, down_scale) -> [1, H]   int8|fp8, silu(gate) * up, one
+      token; intermediates rounded to x's dtype where the unfused path (gemv_q, torch silu, gemv_q) rounds
+  experts_mlp_q(x [1, H], gate_ups K x, gate_up_scales K x, downs K x, down_scales K x) -> [K, H]
+      K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_q of expert k
+  decode_layer_bf16(h [M, H], add [M, H]?, ln1 [H], eps, wq [Hq*D, H], wk [Hkv*D, H], wv [Hkv*D, H], bq?, bk?, bv?,
+                    qn?, kn?, cos [M, RD], sin [M, RD] (RD <= D: partial), kpool [R, Hkv, D] (mutated),
+                    vpool [R, Hkv, D] (mutated), blocks [M, NB] int64, lens [M] int64, bs, scaling, window,
+                    wo [H, Hq*D], bo [H]?, ln2 [H], wr [E, H]?, top_k, norm_topk, w_bf16, sinks [Hq]?, rb [E]?,
+                    norm_mode, router_mode, sq?, sk?, sv?, so?) -> [h2 [M, H], x2 [M, H], ids [M, K], w [M, K]]
+      a decoder layer's attention half and router in one call (the data flow: decode.cpp)              decode.cpp
+      qn / kn: per-head norms ([D], Qwen3) or over the whole projection ([Hq*D] / [Hkv*D], OLMoE).
+      window: 0 or a sliding window (keys at positions > pos - window). wr None: no router (a dense layer),
+      ids and w are then empty. w is bf16 (w_bf16) or fp32, as the family's router leaves it.
+      sinks: one attention-sink logit per query head (gpt-oss; attention then rounds as the eager bf16 path does).
+      rb: the router's bias. norm_mode 0: bf16(w * bf16(x / rms)), 1: bf16(w * (x / rms)) (gpt-oss).
+      router_mode 0: softmax over all experts, top-k (renormalised if norm_topk); 1: top-k logits, softmax over them.
+      sq/sk/sv/so: fp32 per-row scales of int8 wq/wk/wv/wo (``--dense-dtype int8``; quant.QuantLinear): the
+      projections then run as gemv_q does (activations quantized per token in blocks of 32), bit for bit.
+  rmsnorm_bf16(h [M, H], add [M, H]?, w [H], eps, norm_mode=0) -> [M, H]   the model's final norm        decode.cpp
+Legend: H hidden (input features), N output rows (gemv) or tokens (gemv_q), M / T tokens, I expert intermediate,
+K experts of a token (top-k) or input features (gemv_q), J experts of a layer, S routed pairs, R output rows or pool
+rows, Hq/Hkv query/KV heads, D head dim, RD rotary dims, NB blocks per sequence, bs block size, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_TOKENS = 16  # tokens one gemv_q call takes (MAX_N in csrc/cpu/quant.h); more go through dequantize + GEMM
+
+
+def _gemv(x, w, bias=None):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _expert(x, gate_up, down, gate_up_bias=None, down_bias=None):
+    return x.new_empty(x.shape)
+
+
+def _experts(x, gate_ups, downs):
+    return x.new_empty((len(gate_ups), downs[0].shape[0]))
+
+
+def _moe_experts(x, gate_ups, downs, tok, perm, starts, counts, out):
+    return None
+
+
+def _gemv_q(x, w, w_scale, bias=None, split=0):
+    rows = w.shape[0]
+    return x.new_empty((*x.shape[:-1], rows))
+
+
+def _expert_q(x, gate_up, gate_up_scale, down, down_scale):
+    return x.new_empty(x.shape)
+
+
+def _experts_q(x, gate_ups, gate_up_scales, downs, down_scales):
+    return x.new_empty((len(gate_ups), downs[0].shape[0]))
+
+
+def _decode_layer(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kpool, vpool, blocks, lens, bs, scaling,
+                  window, wo, bo, ln2, wr, top_k, norm_topk, w_bf16, sinks=None, rb=None, norm_mode=0, router_mode=0,
+                  sq=None, sk=None, sv=None, so=None):
+    m = h.shape[0] if wr is not None else 0
+    return [h.new_empty(h.shape), h.new_empty(h.shape), h.new_empty((m, top_k), dtype=torch.long),
+            h.new_empty((m, top_k), dtype=h.dtype if w_bf16 else torch.float32)]
+
+
+def _rmsnorm(h, add, w, eps, norm_mode=0):
+    return h.new_empty(h.shape)
+
+
+FAKES = {
+    "gemv_bf16": _gemv,
+    "gemm_bf16": _gemv,
+    "expert_mlp_bf16": _expert,
+    "experts_mlp_bf16": _experts,
+    "moe_experts_bf16": _moe_experts,
+    "gemv_q": _gemv_q,
+    "expert_mlp_q": _expert_q,
+    "experts_mlp_q": _experts_q,
+    "decode_layer_bf16": _decode_layer,
+    "rmsnorm_bf16": _rmsnorm,
+}
+
+
+def register_fakes() -> None:
+    """Register every op's fake kernel (jit.load() calls it once the library is loaded)."""
+    from torch.library import register_fake
+
+    for op, fn in FAKES.items():
+        try:
+            register_fake(f"moe_offload::{op}", fn)
+        except RuntimeError:  # already registered in this process (a second build variant)
+            pass

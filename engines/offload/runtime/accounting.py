@@ -1,0 +1,78 @@
+"""Statistics: the executor's counters, attributed to the sequences of each forward, summed per request and engine.
+
+    snapshot(executor) before a forward, again after --Accounting.book(scheduled, before, token_stats)-->
+      each sequence's GenerationStats: hits and host pairs per token (token_stats [T, 2] when the forward held
+      several sequences), misses by routed pairs, copied bytes and stage times shared equally
+    finished request --Accounting.finalise--> its hit rate per tier, then summed into ``total`` (the engine's)
+
+T tokens of the forward; every token routes the same number of (token, expert) pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from moe_offload.engines.base import GenerationStats
+
+
+def snapshot(executor) -> tuple:
+    """(hits, misses, host pairs, bytes copied, stage seconds) so far: cheap enough to take every step."""
+    st = getattr(executor, "stats", None)
+    if st is None:
+        return (0, 0, 0, 0, {})
+    t = st.totals()
+    stage = dict(st.stage_s)
+    stage["other"] = st.forward_s - sum(stage.values())
+    return (t["hits"], t["misses"], t["host_tokens"], t["bytes_copied"], stage)
+
+
+class Accounting:
+    """Per-request and engine-wide statistics. ``tier_names``: (accelerator tier, host tier) of the executor, or
+    None without one (nothing to attribute then). Holds no reference to the executor: closing the engine frees it."""
+
+    def __init__(self, tier_names: tuple[str, str] | None):
+        self.tier_names = tuple(tier_names) if tier_names is not None else None
+        self.total = GenerationStats()
+
+    def book(self, executor, scheduled: Sequence, before: tuple, token_stats) -> None:
+        """Attribute one forward's executor counters to its ``scheduled`` (sequence, tokens): hit and host pairs per
+        token where the forward held several sequences; copied bytes and stage times shared equally (they serve
+        the whole step). ``token_stats``: [T, 2] (slot hits, host pairs) per token of the forward, or None."""
+        if executor is None:
+            return
+        after = snapshot(executor)
+        hits, misses, host, copied = (after[i] - before[i] for i in range(4))
+        stage = {k: v - before[4].get(k, 0.0) for k, v in after[4].items()}
+        acc = executor.tier_names[0]
+        n_seq, n_tok = len(scheduled), sum(n for _, n in scheduled)
+        q = 0
+        for i, (seq, n) in enumerate(scheduled):
+            st = seq.payload.stats
+            if n_seq == 1:
+                h, m, ho = hits, misses, host
+            else:
+                rows = token_stats[q : q + n].sum(dim=0).tolist() if token_stats is not None else (0, 0)  # [2]
+                h, ho = int(rows[0]), int(rows[1])
+                m = (hits + misses) * n // n_tok - h  # every token routes the same number of pairs
+            q += n
+            st.hits += h
+            st.misses += m
+            st.host_expert_tokens += ho
+            st.bytes_moved[acc] = st.bytes_moved.get(acc, 0) + copied // n_seq + (copied % n_seq if i == 0 else 0)
+            for k, v in stage.items():
+                st.stage_ms[k] = st.stage_ms.get(k, 0.0) + v * 1000 / n_seq
+
+    def finalise(self, s: GenerationStats) -> None:
+        """A finished request's per-tier rates, then its sum into the engine's totals (and theirs)."""
+        self.tier_rates(s)
+        if self.tier_names is not None:
+            s.bytes_moved.setdefault(self.tier_names[0], 0)
+        self.total.add(s)
+        self.tier_rates(self.total)
+
+    def tier_rates(self, s: GenerationStats) -> None:
+        """Routed pairs served per tier: hits from the accelerator's slots, misses from the host tier."""
+        if self.tier_names is not None:
+            acc, host = self.tier_names
+            routed = s.hits + s.misses
+            s.hit_rate_by_tier = {acc: s.hits / routed if routed else 0.0, host: s.misses / routed if routed else 0.0}

@@ -1,0 +1,102 @@
+"""KV memory as a budget: how many bytes a token's KV takes, how many bytes the pool gets, how many blocks that is.
+
+    model --probe_bytes_per_token (one 2-token forward on a shape-recording cache)--> bytes / token, or None
+      (None: a layer keeps state beyond attention KV; each sequence then runs on the model's own cache)
+    KVCacheConfig.kv_cache_memory | 80 % of free CUDA memory | 4 GiB on cpu --budget_bytes--> bytes
+    bytes / (bytes per token * block_size), capped at max_num_seqs full-length sequences --make_pool--> KVPool
+      + max_model_len (capped to what the pool holds)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_offload.engines.offload.runtime import kv
+from moe_offload.errors import ConfigError
+from moe_offload.log import get_logger
+
+DEFAULT_KV_CPU = 4 * 2**30  # bytes: the KV budget on a cpu device unless kv_cache_memory says otherwise
+log = get_logger("engine.offload")
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """KV memory, in vLLM's terms. ``kv_cache_memory``: bytes for the block pool (None: 4 GiB on a cpu device,
+    80 % of the free memory after loading on cuda). ``max_model_len``: longest sequence (prompt + output) served
+    (None: the model's, capped to what the pool holds). ``block_size``: tokens per block."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_size", "kv_cache_memory", "max_model_len"):
+            v = getattr(self, name)
+            if v is None and name != "block_size":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}: expected an integer >= 1, got {v!r}")
+
+
+def probe_bytes_per_token(model, executor, device: torch.device) -> int | None:
+    """KV bytes per token of the paged path, or None when a layer needs more than ``cache.update``. Leaves the
+    paged attention set on the model when it returns bytes, the model's own otherwise."""
+    kv.register()
+    old = kv.set_attention(model, kv.ATTENTION)
+    cache = kv.PagedCache(None)
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    pos = torch.arange(2, device=device).unsqueeze(0)
+    if executor is not None:
+        executor.dry = True
+    try:
+        with torch.inference_mode(), kv.active(kv.StepContext(slot_mapping=None, seqs=[], probe=True)):
+            model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    except Exception as e:  # noqa: BLE001 - any failure means: not this path
+        log.debug("paged KV probe failed", error=f"{type(e).__name__}: {e}")
+        cache.seen.clear()
+    finally:
+        if executor is not None:
+            executor.dry = False
+    layers = int(getattr(model.config.get_text_config(), "num_hidden_layers", 0) or 0)
+    if executor is not None and getattr(executor, "stats", None) is not None:
+        executor.stats.reset()  # the probe is not a request
+    if not cache.seen or len(cache.seen) != layers:
+        kv.set_attention(model, old)
+        return None
+    total = 0
+    for kshape, vshape, dtype in cache.seen.values():  # [1, Hkv, 2, D]
+        total += (kshape[1] * kshape[3] + vshape[1] * vshape[3]) * torch.empty((), dtype=dtype).element_size()
+    return total
+
+
+def budget_bytes(asked: int | None, device: torch.device) -> int:
+    """The pool's bytes: what was asked, else 80 % of the free CUDA memory, else ``DEFAULT_KV_CPU``."""
+    if asked is not None:
+        return asked
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    return DEFAULT_KV_CPU
+
+
+def make_pool(config: KVCacheConfig, *, budget: int, bytes_per_token: int | None, max_num_seqs: int, model_len: int,
+              device: torch.device) -> tuple[kv.KVPool, int]:
+    """The block pool for ``budget`` bytes, and the longest sequence it serves (``max_model_len``, capped).
+    ``bytes_per_token`` None: the model's own caches hold the state; the pool only counts tokens for admission."""
+    want_len = min(config.max_model_len or model_len, model_len)
+    bs = config.block_size
+    blocks = -(-max_num_seqs * want_len // bs)  # every seat at full length: never more is needed
+    if bytes_per_token is not None:
+        fit = budget // (bytes_per_token * bs)
+        if fit < 1:
+            raise ConfigError(f"kv_cache_memory: {budget} bytes hold no block of {bs} tokens "
+                              f"({bytes_per_token * bs} bytes); give more")
+        blocks = min(fit, blocks)
+    pool = kv.KVPool(int(blocks), bs, device)
+    max_len = min(want_len, pool.num_blocks * bs)
+    if max_len < want_len:
+        log.warning("max_model_len capped to what the KV budget holds", max_model_len=max_len, asked=want_len,
+                    kv_cache_memory=budget)
+    return pool, max_len

@@ -1,0 +1,152 @@
+"""The model runner: one step's forward, and the input layout it needs.
+
+    SchedulerOutput [(sequence, n tokens)]
+      paged:  every token of the step packed into one forward [1, N]: ids, positions, slot_mapping [N] (pool rows
+              of the new KV), the key layout (layout(): decode sequences first, each padded to the longest, then
+              each prefill chunk's context) --model + PagedCache (kv.py)--> logits of the kept rows [R, V]
+      fused:  a step where every sequence computes one token, on a covered family --DecodePlan (fastpath.py)-->
+              logits [B, V]
+      each:   a model with state beyond attention KV: one forward per sequence on its own cache
+    around each forward: the executor's counters before and after --Accounting.book--> each sequence's stats
+
+N tokens of the step, B sequences, R rows kept (output.py reads them), V vocabulary, bs block size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_offload.engines.offload.runtime import fastpath, kv
+from moe_offload.engines.offload.runtime.accounting import Accounting, snapshot
+from moe_offload.engines.offload.runtime.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    """Runs a step's forward on ``model`` (with ``executor``, may be None). ``paged``: the KV lives in ``pool``'s
+    blocks and a step is one forward; else each sequence keeps the model's own cache (Request.cache). ``fast``:
+    the fused decode plan, or None (set it to None to run every step through transformers' modules)."""
+
+    def __init__(self, model, executor, pool: kv.KVPool, device: torch.device, accounting: Accounting, *, paged: bool):
+        self.model, self.executor, self.pool, self.device = model, executor, pool, device
+        self.accounting, self.paged = accounting, paged
+        self.paged_cache = kv.PagedCache(pool)
+        # decode-only steps of covered bf16 CPU families skip transformers' modules (fastpath.py)
+        self.fast = fastpath.DecodePlan.build(model, executor, pool) if paged else None
+
+    def forward(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Logits [R, V] of the step (rows as output.py reads them), or None when no sequence has a row."""
+        return self.forward_paged(out) if self.paged else self.forward_each(out)
+
+    def forward_paged(self, out: SchedulerOutput) -> torch.Tensor | None:
+        sched = out.scheduled
+        if self.fast is not None and out.one_token_each and not any(
+                seq.payload.wants_prompt_logprobs(seq) for seq, _ in sched):
+            return self.forward_fast(out)
+        bs, dev = self.pool.block_size, self.device
+        ids, pos, slots, keep = [], [], [], []
+        for seq, n in sched:
+            c = seq.computed
+            ids += seq.tokens[c : c + n]
+            pos += range(c, c + n)
+            b = seq.blocks
+            slots += [b[p // bs] * bs + p % bs for p in range(c, c + n)]
+            if seq.payload.wants_prompt_logprobs(seq):
+                keep += range(len(ids) - n, len(ids))  # every position: prompt logprobs
+            elif c + n == len(seq.tokens):
+                keep.append(len(ids) - 1)
+        step = self.layout(out)
+        step.slot_mapping = torch.tensor(slots, device=dev)  # [N]
+        if self.executor is not None:
+            self.executor.per_token = len(sched) > 1
+        before = snapshot(self.executor)
+        kept = torch.tensor(keep or [len(ids) - 1], device=dev)  # [R]
+        with kv.active(step):
+            res = self.model(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
+                             cache=self.paged_cache, use_cache=True, logits_to_keep=kept)
+        self.accounting.book(self.executor, sched, before, getattr(self.executor, "token_stats", None))
+        if not keep:
+            return None
+        logits = res.logits[0]
+        if logits.shape[0] != len(keep):  # a model that ignores logits_to_keep (Qwen3-Omni's thinker): every position
+            logits = logits.index_select(0, kept)
+        return logits  # [R, V]
+
+    def forward_fast(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """A step of one token per sequence on the fused path: logits [B, V], then the rows that sample."""
+        sched, ex = out.scheduled, self.executor
+        ex.per_token = len(sched) > 1
+        before = snapshot(ex)
+        logits = self.fast.forward([seq.tokens[seq.computed] for seq, _ in sched],
+                                   [seq.computed + 1 for seq, _ in sched], [seq.blocks for seq, _ in sched])
+        self.accounting.book(ex, sched, before, ex.token_stats)
+        # rows for the sequences that sample (as forward_paged keeps them): a one-token prefill chunk that does not
+        # end its prompt has none
+        keep = [i for i, (seq, _) in enumerate(sched) if seq.computed + 1 == len(seq.tokens)]
+        if len(keep) == len(sched):
+            return logits
+        return logits[keep] if keep else None
+
+    def layout(self, out: SchedulerOutput) -> kv.StepContext:
+        """The step's key layout: decode sequences first, each padded to the longest; then each prefill chunk's
+        sequence. One sequence in contiguous blocks reads its rows as a view (single-stream decode copies nothing)."""
+        sched = out.scheduled
+        bs, dev = self.pool.block_size, self.device
+        seqs, q = [], 0
+        for seq, n in sched:
+            seqs.append(kv.SeqSlice(q, n, seq.computed + n))
+            q += n
+        step = kv.StepContext(None, seqs, pool=self.pool)
+        decode = [i for i, (_, n) in enumerate(sched) if n == 1]
+        if len(sched) == 1 and sched[0].seq.contiguous:
+            seq = sched[0].seq
+            step.view = (seq.blocks[0] * bs, seqs[0].ctx_len)
+            if decode:
+                step.decode, step.lmax = decode, seqs[0].ctx_len
+                step.decode_rows = torch.tensor([0], device=dev)
+            return step
+        parts, k = [], 0
+        if decode:
+            lmax = max(seqs[i].ctx_len for i in decode)
+            step.decode, step.lmax = decode, lmax
+            step.decode_rows = torch.tensor([seqs[i].q_start for i in decode], device=dev)  # [Bd]
+            step.decode_pos = torch.tensor([seqs[i].ctx_len - 1 for i in decode], device=dev)  # [Bd]
+            lens = torch.tensor([seqs[i].ctx_len for i in decode], device=dev)
+            step.decode_mask = (torch.arange(lmax, device=dev).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+            for i in decode:
+                r = _rows(sched[i].seq.blocks, bs, seqs[i].ctx_len, dev)
+                parts.append(torch.cat([r, r[:1].expand(lmax - len(r))]) if len(r) < lmax else r)  # [lmax]
+                seqs[i].k_start = k
+                k += lmax
+        for i, (seq, n) in enumerate(sched):
+            if n != 1:
+                parts.append(_rows(seq.blocks, bs, seqs[i].ctx_len, dev))
+                seqs[i].k_start = k
+                k += seqs[i].ctx_len
+        step.gather = torch.cat(parts)  # [X] pool rows of the key layout
+        return step
+
+    def forward_each(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """One forward per sequence on its own cache; rows as forward_paged keeps them."""
+        rows = []
+        for seq, n in out.scheduled:
+            req, c = seq.payload, seq.computed
+            if c == 0:
+                req.cache = None  # a new or preempted sequence starts a fresh cache
+            before = snapshot(self.executor)
+            every = req.wants_prompt_logprobs(seq)
+            res = self.model(input_ids=torch.tensor([seq.tokens[c : c + n]], device=self.device),
+                             position_ids=torch.arange(c, c + n, device=self.device).unsqueeze(0),
+                             cache=req.cache, use_cache=True, logits_to_keep=0 if every else 1)
+            req.cache = res.past_key_values
+            self.accounting.book(self.executor, [(seq, n)], before, None)
+            if every:
+                rows.append(res.logits[0])  # [n, V]
+            elif c + n == len(seq.tokens):
+                rows.append(res.logits[0, -1:])  # [1, V]
+        return torch.cat(rows) if rows else None
+
+
+def _rows(blocks: list[int], bs: int, n: int, device) -> torch.Tensor:
+    """Pool rows of positions 0..n-1 of a sequence holding ``blocks``: [n]."""
+    b = torch.tensor(blocks, device=device)
+    return (b.unsqueeze(1) * bs + torch.arange(bs, device=device)).reshape(-1)[:n]

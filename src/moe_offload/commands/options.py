@@ -1,0 +1,58 @@
+"""Options and output shared by the CLI's commands: help texts, choices from the shared vocabulary, emit.
+
+    cli.py --loads--> commands/*.py --import--> options.py --> control.vocab (choices), click
+Commands import from here, never from cli.py or from each other (no import circle).
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from moe_offload.control.vocab import DENSE_DTYPES, EXPERT_DTYPES, MISS_POLICIES
+from moe_offload.errors import ConfigError
+
+MODEL_HELP = "Checkpoint directory or config.json."
+HARDWARE_HELP = ("A hardware profile: a built-in name (`moe-offload hardware` lists them) or a JSON file; its numbers "
+                 "are datasheet peaks x stated efficiencies (assumed).")
+EXPERT_DTYPE_CHOICE = click.Choice(list(EXPERT_DTYPES))
+DENSE_DTYPE_CHOICE = click.Choice(list(DENSE_DTYPES))
+POLICY_CHOICE = click.Choice(list(MISS_POLICIES))
+PRICE_EXPERT_DTYPE_HELP = ("Price the experts as the engine's --expert-dtype holds them: int8 | fp8 (quantized at load) "
+                           "or bf16 (default: as the checkpoint stores them, e.g. MXFP4 or FP8).")
+
+
+def emit(data, as_json: bool, text: str) -> None:
+    """Print JSON or the human text."""
+    click.echo(json.dumps(data, indent=2) if as_json else text)
+
+
+def expert_dtype_option(fn):
+    """--expert-dtype for the planning commands: price the experts in that format."""
+    return click.option("--expert-dtype", type=EXPERT_DTYPE_CHOICE, default=None, help=PRICE_EXPERT_DTYPE_HELP)(fn)
+
+
+def load_calibration_option(path: str | None, device: str = "cuda", hardware: str | None = None):
+    """--calibration FILE, or --hardware NAME|FILE, or the assumed defaults for ``device`` when neither is given."""
+    from moe_offload.control.calibration import Calibration
+
+    if path and hardware:
+        raise ConfigError("give one of --calibration FILE or --hardware NAME|FILE, not both")
+    if hardware:
+        from moe_offload.control.hardware import load_hardware
+
+        return load_hardware(hardware).calibration()
+    return Calibration.load(path) if path else Calibration.assumed(device)
+
+
+def prediction_rows(preds) -> list[str]:
+    lines = []
+    for p in preds:
+        b = p.breakdown()
+        lines.append(f"  {p.policy:6} on {p.placement_policy:8} {p.ms_per_token:9.3f} ms/token ({p.tokens_per_s:7.1f} tok/s)"
+                     f"  device experts {b['device_experts_ms']:.3f}, host experts {b['host_experts_ms']:.3f}, "
+                     f"fetch {b['fetch_ms']:.3f}, dense {b['dense_ms']:.3f}, overhead {b['overhead_ms']:.3f}"
+                     + (f", overlap {b['overlap_ms']:.3f}" if b["overlap_ms"] else "")
+                     + f"; hit rate {p.accelerator_hit_rate:.1%}")
+    return lines
