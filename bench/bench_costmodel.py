@@ -3,7 +3,7 @@
     python bench/bench_costmodel.py            # 4 fractions x 3 policies, 32 decode tokens, 2 repeats
     python bench/bench_costmodel.py --quick    # proves it works: 2 fractions x 3 policies, 8 tokens, 1 repeat
 
-1. calibrate the device (engines/offload/calibrate.py, the model's expert shape) -- measured here, now;
+1. calibrate the device (engines/offload/tools/calibrate.py, the model's expert shape) -- measured here, now;
 2. for each resident fraction x miss policy, build the engine exactly as `generate --fraction` does
    (build_offload_engine), decode greedily, and take the median ms/token and the hit rate it measured;
 3. predict the same placement and policy twice: with uniform routing (what `plan --policy auto` sees

@@ -41,7 +41,6 @@ SHAPE = dict(
     max_position_embeddings=4096,
 )
 FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
-POLICIES = MISS_POLICIES
 
 
 def build_model(out: Path, seed: int = 0, shape: dict | None = None) -> Path:
@@ -213,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, help="prompt tokens (default 128; quick 16)")
     ap.add_argument("--repeats", type=int, help="runs per configuration (default 3; quick 1)")
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)))
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(MISS_POLICIES))
     ap.add_argument("--model-dir", type=Path, help="build (or reuse) the model here instead of a temp dir")
     ap.add_argument("--no-stock", action="store_true", help="skip stock transformers (and the A/B)")
     ap.add_argument("--ab-rounds", type=int, help="interleaved stock/ours rounds of 8 tokens (default 8; quick 2; 0 = skip)")

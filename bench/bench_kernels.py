@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{len(experts)} x expert", read, k, t))
 
     # One expert with M tokens (a prefill chunk's expert): the few-token kernel against torch's GEMM chain. The
-    # executor sends an expert with more than kernels.KERNEL_MAX_GROUP tokens to torch: this row is why.
+    # executor sends an expert with more than dispatch.KERNEL_MAX_GROUP tokens to torch: this row is why.
     for M in (8, 16, 64):
         xm = torch.randn(M, H, dtype=torch.bfloat16)
         ar, om = torch.arange(M), torch.empty(M, H, dtype=torch.bfloat16)

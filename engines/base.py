@@ -17,7 +17,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_offload.engines.params import SamplingParams
+# A backend implements the contract with the request's types too; they live in params.py, one import serves both.
+from moe_offload.engines.params import ENGINE_FEATURES, FINISH_REASONS, SamplingParams, StructuredOutput
 from moe_offload.errors import ConfigError
 
 
@@ -289,3 +290,7 @@ def sample_next(probs_or_logits: Sequence[float], params: SamplingParams, rng: r
                 break
         order, weights = [i for i, _ in kept], [w for _, w in kept]
     return rng.choices(order, weights=weights)[0]
+
+
+__all__ = ["ENGINE_FEATURES", "FINISH_REASONS", "Engine", "EngineInfo", "Generation", "GenerationStats", "SamplingParams",
+           "StructuredOutput", "TokenLogprob", "sample_next"]

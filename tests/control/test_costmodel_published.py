@@ -1,7 +1,7 @@
 """`predict --hardware` against published results (issue 12, 4): what the cost model explains, and what it cannot.
 
 The models are test data (tests/control/data/*/config.json); the machines are the built-in hardware profiles,
-whose numbers are datasheet peaks times efficiency factors stated in moe_offload/hardware.py. Nothing here is
+whose numbers are datasheet peaks times efficiency factors stated in control/data/hardware/*.json. Nothing here is
 fitted to the figures: where a figure is not explained, the test says which assumption breaks and holds that.
 
 (a) the NPU design: a 100B routed MoE (bf16, 205 GB) on 2x Xeon Silver 4410Y + two 47.5 GiB RNGD cards:

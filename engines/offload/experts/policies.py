@@ -15,8 +15,6 @@ import os
 from moe_offload.control.vocab import MISS_POLICIES
 from moe_offload.errors import ConfigError
 
-POLICIES = MISS_POLICIES
-
 # Fallback for the hybrid default when no calibration is given (ASSUMED, not measured; a measured
 # moe_offload.control.calibration.Calibration replaces them): a fetch moves one expert over the bus; host
 # compute costs ~2 flops per weight per token.
@@ -25,8 +23,8 @@ HOST_FLOPS_PER_S = 1e11  # a few cores of AVX2/AVX-512 GEMM
 
 
 def check_policy(policy: str) -> str:
-    if policy not in POLICIES:
-        raise ConfigError(f"policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+    if policy not in MISS_POLICIES:
+        raise ConfigError(f"policy: expected one of {', '.join(MISS_POLICIES)}, got {policy!r}")
     return policy
 
 

@@ -118,7 +118,7 @@ class ExpertSources:
 
 
 def find_sources(meta_model, experts: list, keys: list[str], method: str | None) -> dict[str, ExpertSources]:
-    """{experts module name: its sources} for ``experts`` (loader.ExpertsInfo) among the checkpoint ``keys``."""
+    """{experts module name: its sources} for ``experts`` (inspection.ExpertsInfo) among the checkpoint ``keys``."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 

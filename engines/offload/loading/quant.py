@@ -144,7 +144,7 @@ def quantize(w: torch.Tensor, fmt: str, split: int = 0) -> tuple[torch.Tensor, t
 
 def weight_bytes(fmt: str, R: int, K: int, split: int = 0, float_bytes: int = 2) -> int:
     """Stored bytes of one [R, K] projection in ``fmt`` (a float dtype: ``float_bytes`` per weight): the control
-    plane's formula (spec.stored_weight_bytes), so the planner and the engine count the same bytes."""
+    plane's formula (vocab.stored_weight_bytes), so the planner and the engine count the same bytes."""
     from moe_offload.control.vocab import stored_weight_bytes
 
     return stored_weight_bytes(fmt, R, K, split, float_bytes)

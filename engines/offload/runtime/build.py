@@ -14,13 +14,12 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.control.vocab import MISS_POLICIES
+from moe_offload.engines.offload.experts.policies import check_policy
 from moe_offload.engines.offload.runtime.engine import CACHES, OffloadEngine
 from moe_offload.engines.offload.runtime.kv_budget import KVCacheConfig
 from moe_offload.engines.offload.runtime.scheduler import SchedulerConfig
 from moe_offload.errors import ConfigError
 
-POLICIES = MISS_POLICIES
 BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "expert_dtype", "dense_dtype", "hybrid_threshold", "cache",
                  "block_size",
                  "kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
@@ -89,8 +88,7 @@ def build_offload_engine(
     """
     if unknown:
         raise ConfigError(f"unknown engine option(s) {', '.join(sorted(unknown))}; valid: {', '.join(BUILD_OPTIONS)}")
-    if policy not in POLICIES:
-        raise ConfigError(f"policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+    check_policy(policy)
     if cache not in CACHES:
         raise ConfigError(f"cache: expected one of {', '.join(CACHES)}, got {cache!r}")
     kv_config = KVCacheConfig(block_size, kv_cache_memory, max_model_len)  # validated before the model loads

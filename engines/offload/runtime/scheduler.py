@@ -77,7 +77,8 @@ class ScheduledSequence(NamedTuple):
 @dataclass(frozen=True)
 class SchedulerOutput:
     """One step, as ``schedule()`` decides it (vLLM v1's ``SchedulerOutput``). ``scheduled``: forward order,
-    decode tokens first, then prefill chunks; ``preempted``: running sequences this call sent back to waiting."""
+    decode tokens first, then prefill chunks; ``preempted``: sequences preempted during this call (sent back to waiting; one may have been re-admitted as a
+    prefill chunk later in the same call, and then is in ``scheduled`` too)."""
 
     scheduled: tuple[ScheduledSequence, ...] = ()
     num_decode_tokens: int = 0  # one per running sequence whose prompt is cached

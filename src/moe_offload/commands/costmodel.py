@@ -6,8 +6,8 @@ from __future__ import annotations
 import click
 
 from moe_offload.commands.options import (
-    HARDWARE_HELP,
     MODEL_HELP,
+    PROFILE_HELP,
     emit,
     expert_dtype_option,
     load_calibration_option,
@@ -40,10 +40,6 @@ def calibration_text(cal, spec=None) -> str:
                      + ("never (a fetch never pays here; hybrid acts as static)" if n >= NEVER else f"{n} tokens per expert"))
     lines.extend(f"  note: {n}" for n in cal.notes)
     return "\n".join(lines)
-
-
-
-
 
 
 def parse_expert_dtype(value: str | None):
@@ -87,15 +83,14 @@ def calibrate_cmd(device: str, model: str | None, out: str | None, quick: bool, 
     emit(cal.to_dict(), as_json, text)
 
 
-
-
 @click.command("predict")
 @click.option("--model", required=True, help=MODEL_HELP)
 @click.option("--placement", "placement_path", default=None, help="Placement JSON (from `moe-offload plan --out`).")
 @click.option("--fraction", type=float, default=None, help="Or: this fraction of each layer's experts resident, as `generate --fraction` places them.")
 @click.option("--policy", type=click.Choice([*MISS_POLICIES, "all"]), default="all", show_default=True, help="Miss policy.")
 @click.option("--calibration", "calibration_path", default=None, help="Calibration JSON from `moe-offload calibrate` (default: assumed numbers, labelled so).")
-@click.option("--hardware", default=None, help="Instead of --calibration. " + HARDWARE_HELP)
+@click.option("--hardware", default=None, help=f"A hardware profile instead of --calibration: {PROFILE_HELP}; its numbers are datasheet peaks x "
+              "stated efficiencies (assumed).")
 @click.option("--device", default="cuda", show_default=True, help="Device type of the assumed calibration when neither --calibration nor --hardware is given.")
 @click.option("--profile", "profile_path", default=None, help="Routes file or profile counts: hit rates from it (default: uniform routing).")
 @click.option("--hit-rate", type=click.FloatRange(0, 1), default=None, help="Use this accelerator hit rate (e.g. a measured one).")

@@ -14,8 +14,7 @@ from moe_offload.control.vocab import DENSE_DTYPES, EXPERT_DTYPES, MISS_POLICIES
 from moe_offload.errors import ConfigError
 
 MODEL_HELP = "Checkpoint directory or config.json."
-HARDWARE_HELP = ("A hardware profile: a built-in name (`moe-offload hardware` lists them) or a JSON file; its numbers "
-                 "are datasheet peaks x stated efficiencies (assumed).")
+PROFILE_HELP = "a built-in name (`moe-offload hardware` lists them) or a JSON file"
 EXPERT_DTYPE_CHOICE = click.Choice(list(EXPERT_DTYPES))
 DENSE_DTYPE_CHOICE = click.Choice(list(DENSE_DTYPES))
 POLICY_CHOICE = click.Choice(list(MISS_POLICIES))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from moe_offload.commands.options import HARDWARE_HELP, MODEL_HELP, emit, expert_dtype_option
+from moe_offload.commands.options import MODEL_HELP, PROFILE_HELP, emit, expert_dtype_option
 from moe_offload.errors import ConfigError
 
 
@@ -34,8 +34,6 @@ def _machine_tiers(backend: str | None, hardware: str | None):
 
         return load_hardware(hardware).tiers()
     return None
-
-
 
 
 def _budget_options(fn):
@@ -154,7 +152,7 @@ def _slot_tiers(spec, slots: list[int]):
               help="top | mix:H | global | lru | uniform | random | auto (fastest predicted miss + placement policy)")
 @click.option("--calibration", "calibration_path", default=None,
               help="Calibration JSON (`moe-offload calibrate`) for auto and the predicted ms/token (default: assumed numbers).")
-@click.option("--hardware", default=None, help="Size from (and predict for) a hardware profile. " + HARDWARE_HELP)
+@click.option("--hardware", default=None, help=f"Size from (and predict for) a hardware profile: {PROFILE_HELP}.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random policy.")
 @click.option("--out", default=None, help="Write the rm-core Placement JSON here.")
 @click.option("--simulate", "replay", is_flag=True, help="Also replay the routes file through the placement (LRU slots).")

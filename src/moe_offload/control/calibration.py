@@ -24,9 +24,9 @@ FORMAT = "moe-offload-calibration/1"
 FIELD_HELP = {
     "device_read_bytes_per_s": "accelerator memory read bandwidth (a large tensor reduction), bytes/s",
     "device_gemv_bytes_per_s": "dense weights at decode (one token through a [R, H] linear), bytes/s",
-    "device_expert_bytes_per_s": "one expert, one token, on the accelerator (kernels.expert_forward), bytes/s",
+    "device_expert_bytes_per_s": "one expert, one token, on the accelerator (dispatch.expert_forward), bytes/s",
     "device_expert_flops_per_s": "one expert, 128 tokens, on the accelerator, flop/s",
-    "host_expert_bytes_per_s": "one expert, one token, on the host CPU (kernels.expert_forward), bytes/s",
+    "host_expert_bytes_per_s": "one expert, one token, on the host CPU (dispatch.expert_forward), bytes/s",
     "host_expert_flops_per_s": "one expert, 128 tokens, on the host CPU, flop/s",
     "bus_bytes_per_s": "host -> accelerator copy of one expert into a slot, bytes/s",
     "layer_overhead_ms": "fixed time per decoder layer and step (dispatch, router, norms, executor), ms",
@@ -57,7 +57,7 @@ def _q(value, source="assumed", how="") -> Quantity:
 
 
 # Assumed calibrations: round numbers for machines nobody measured. The bus and host-flops values are the
-# constants engines/offload/policies.py has used for its hybrid threshold, so both fall back alike.
+# constants engines/offload/experts/policies.py has used for its hybrid threshold, so both fall back alike.
 _ASSUMED = {
     "cuda": dict(device_read_bytes_per_s=2.0e12, device_gemv_bytes_per_s=1.2e12, device_expert_bytes_per_s=6e11,
                  device_expert_flops_per_s=2e14, host_expert_bytes_per_s=2e10, host_expert_flops_per_s=1e11,

@@ -34,7 +34,6 @@ NEVER = 1 << 30  # hybrid threshold when fetching never pays (hybrid then acts a
 _MAX_SEARCH = 1 << 16
 
 
-
 def expert_bytes_per_param(expert_dtype) -> float:
     """Bytes per expert parameter of ``expert_dtype``: a name of ``EXPERT_DTYPE_BYTES`` or a number > 0."""
     if isinstance(expert_dtype, str):

@@ -1,6 +1,6 @@
 """The shared vocabulary: formats, block sizes, bytes per weight and policy names, defined once.
 
-Imported by the control plane (spec, budget, costmodel), the CLI's options, the ai-rm config, the loader and the
+Imported by the control plane (spec, hf_config, costmodel), the CLI's options, the ai-rm config, the loader and the
 kernels' Python side, so that the planner, the engine and the cost model name and count the same things.
 Pure Python: no torch (the engine maps formats to torch dtypes itself).
 """

@@ -73,3 +73,14 @@ def test_max_tokens_is_the_kernels_max_n():
     m = re.search(r"constexpr int64_t MAX_N = (\d+);", (CPU / "quant.h").read_text())
     assert m and int(m[1]) == ops.MAX_TOKENS
 
+
+
+def test_block_sizes_are_the_vocabularys():
+    # The C++ dequantizes with its own constants; the store, spec and cost model count bytes with vocab's.
+    from moe_offload.control import vocab
+
+    text = (CPU / "quant.h").read_text()
+    fb = re.search(r"constexpr int64_t FB = (\d+);", text)
+    mb = re.search(r"constexpr int64_t MB = (\d+);", text)
+    assert fb and int(fb[1]) == vocab.FP8_BLOCK
+    assert mb and int(mb[1]) == vocab.MX_BLOCK

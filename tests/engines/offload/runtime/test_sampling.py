@@ -1,4 +1,4 @@
-"""engines/offload/sampling.py against plain references written here, and the engine's logprobs against
+"""engines/offload/runtime/sampling.py against plain references written here, and the engine's logprobs against
 transformers' own logits (tiny qwen3_moe checkpoint and the demo model)."""
 
 from __future__ import annotations
