@@ -349,7 +349,10 @@ def prefill_side_by_side(path: Path, tools: LlamaCpp, n: int, rounds: int, threa
     gguf = to_gguf(path, "bf16", cache=cache, tools=tools)
     torch.set_num_threads(threads)
     vocab = ModelSpec.from_hf_config(path).vocab_size
+    from moe_offload.engines.offload.kernels import gemm
+
     e = build_offload_engine(path, policy="static", fraction=1.0, dtype="bfloat16", max_num_batched_tokens=max(512, n))
+    tiles = gemm.fp32_tiles()  # this CPU's prefill path (kernels/gemm.py)
     try:
         engine_prefill(e, prompt_ids(16, vocab))  # warm-up
         runs: dict[str, list[float]] = {}
@@ -357,6 +360,12 @@ def prefill_side_by_side(path: Path, tools: LlamaCpp, n: int, rounds: int, threa
             runs.setdefault("llama.cpp llama-bench bf16", []).append(llama_prefill(gguf, n, threads=threads, tools=tools))
             prompt = [(t + r) % vocab for t in prompt_ids(n, vocab)]  # another prompt each round: no cached prefix
             runs.setdefault("moe-offload bf16, fraction 1", []).append(engine_prefill(e, prompt))
+            if tiles:  # A/B in the same round: the prefill GEMMs in torch's bf16 instead of fp32 tiles
+                gemm.set_fp32_tiles(False)
+                try:
+                    runs.setdefault("moe-offload bf16, fraction 1, torch bf16 GEMM", []).append(engine_prefill(e, prompt))
+                finally:
+                    gemm.set_fp32_tiles(None)
             log(f"prefill round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in runs.items()))
         return runs
     finally:
@@ -473,10 +482,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from moe_offload.engines.offload.kernels import gemm, jit
+
     cmd = "python bench/bench_llamacpp.py" + (" " + " ".join(sys.argv[1:]) if argv is None and sys.argv[1:] else "")
     print(f"Command: `{cmd}`  ")
     print(f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, llama.cpp from llama-cpp-python "
-          f"{tools.version}, {args.threads} threads on both sides  ")
+          f"{tools.version}, {args.threads} threads on both sides, kernels {jit.info().get('variant') or 'off'}, "
+          f"prefill GEMM {'fp32 tiles' if gemm.fp32_tiles() else 'torch bf16'}  ")
     print(f"{tokens} decode tokens after {context} tokens of context, {rounds} interleaved round(s); ms/token = mean over "
           f"the tokens of one measurement.  ")
     bound = nbytes / bw * 1000

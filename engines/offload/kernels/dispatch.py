@@ -11,7 +11,8 @@ bit-identical and greedy output does not depend on the resident fraction.
       1..16 tokens on the CPU --> moe_offload::expert_mlp_q (one token, silu gate, int8/fp8)
                               |   moe_offload::gemv_q x2 around the module's own gate (biases, gpt-oss, mxfp4)
       more tokens, CUDA, kernels off --> dequantize the expert to x's dtype, then the float path (a GEMM)
-    anything else (prefill, fp32, CUDA, transposed layout) --> two F.linear calls around the module's gate
+    anything else (prefill, fp32, CUDA, transposed layout) --> two GEMMs around the module's gate (gemm.py: torch's,
+                                                              in fp32 tiles for bf16 on CPUs without bf16 dot)
 
 The custom ops (csrc/cpu/) stream each weight once at memory bandwidth; F.linear is what
 transformers' experts implementations compute. ``patch_linears`` sends the model's one-token bf16
@@ -25,9 +26,8 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
 
-from moe_offload.engines.offload.kernels import jit
+from moe_offload.engines.offload.kernels import gemm, jit
 from moe_offload.engines.offload.kernels.ops import MAX_TOKENS
 from moe_offload.engines.offload.loading import quant
 
@@ -69,14 +69,12 @@ def expert_forward(
         if post_norm and module.has_post_expert_norm:
             y = module.post_expert_norm(y)
         return y
-    if module.is_transposed:
-        h = x @ up  # [N, 2I]
-    else:
-        h = F.linear(x, up)  # [N, 2I]
+    # prefill (or fp32, CUDA): a GEMM; bf16 on a CPU without bf16 dot instructions goes through fp32 (gemm.py)
+    h = gemm.matmul(x, up) if module.is_transposed else gemm.linear(x, up)  # [N, 2I]
     if up_bias is not None:
         h = h + up_bias
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [N, I]
-    y = h @ down if module.is_transposed else F.linear(h, down)  # [N, H]
+    y = gemm.matmul(h, down) if module.is_transposed else gemm.linear(h, down)  # [N, H]
     if down_bias is not None:
         y = y + down_bias
     if post_norm and module.has_post_expert_norm:
@@ -129,10 +127,10 @@ def _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale) ->
         return ops.gemv_q(h, down, down_scale, down_bias, 0)  # [N, H]
     # a tile per expert: the stored weights in x's dtype (fp32 products as transformers' dequantizing loaders make)
     w_up = quant.dequantize(up, up_scale, split, x.dtype)  # [2I, H]
-    h = F.linear(x, w_up, up_bias.to(x.dtype) if up_bias is not None else None)
+    h = gemm.linear(x, w_up, up_bias.to(x.dtype) if up_bias is not None else None)
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
     w_down = quant.dequantize(down, down_scale, 0, x.dtype)  # [H, I]
-    return F.linear(h, w_down, down_bias.to(x.dtype) if down_bias is not None else None)
+    return gemm.linear(h, w_down, down_bias.to(x.dtype) if down_bias is not None else None)
 
 
 def kernels_active() -> bool:
@@ -219,7 +217,7 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             return torch.ops.moe_offload.gemv_bf16(x, self.weight, self.bias)
         if x.numel() <= GEMM_MAX_TOKENS * self.in_features:  # a batched decode step
             return torch.ops.moe_offload.gemm_bf16(x, self.weight, self.bias)
-    return F.linear(x, self.weight, self.bias)
+    return gemm.linear(x, self.weight, self.bias)  # prefill
 
 
 def patch_linears(model: torch.nn.Module) -> int:
