@@ -47,8 +47,10 @@ inline at::Tensor one_token(const at::Tensor& x, int64_t h, const char* what) {
 // out[i] = bf16(dot(w[i], x) + bias[i]) for rows [begin, end).
 inline void gemv_range(const uint16_t* w, int64_t ld, const uint16_t* x, int64_t n, const uint16_t* bias,
                        int64_t begin, int64_t end, uint16_t* out) {
+  std::vector<float> buf;
+  const xval* xv = as_x(x, n, buf);  // widened once for all rows (vec.h)
   for (int64_t i = begin; i < end; ++i) {
-    float acc = dot_row(w + i * ld, x, n);
+    float acc = dot_row_x(w + i * ld, xv, n);
     out[i] = f2bf(bias ? acc + bf2f(bias[i]) : acc);
   }
 }
@@ -58,12 +60,13 @@ inline void gemv_range(const uint16_t* w, int64_t ld, const uint16_t* x, int64_t
 // token's result does not depend on which other tokens share the call.
 inline void gemm_range(const uint16_t* w, int64_t ld, const uint16_t* x, int64_t ldx, int64_t M, int64_t n,
                        const uint16_t* bias, int64_t begin, int64_t end, uint16_t* out, int64_t N) {
-  std::vector<const uint16_t*> xs(M);
+  std::vector<const xval*> xs(M);
+  std::vector<std::vector<float>> bufs(M);
   std::vector<float> acc(M);
-  for (int64_t t = 0; t < M; ++t) xs[t] = x + t * ldx;
+  for (int64_t t = 0; t < M; ++t) xs[t] = as_x(x + t * ldx, n, bufs[t]);  // widened once for all rows (vec.h)
   for (int64_t i = begin; i < end; ++i) {
     const float b = bias ? bf2f(bias[i]) : 0.0f;
-    dot_many(w + i * ld, xs.data(), M, n, acc.data());
+    dot_many_x(w + i * ld, xs.data(), M, n, acc.data());
     for (int64_t t = 0; t < M; ++t) out[t * N + i] = f2bf(bias ? acc[t] + b : acc[t]);
   }
 }

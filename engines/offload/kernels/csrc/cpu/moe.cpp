@@ -116,31 +116,34 @@ void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList do
   for (int64_t j = 0; j < J; ++j)  // gather each pair's token row: an expert's pairs are then contiguous
     for (int64_t q = 0; q < counts[j]; ++q)
       std::memcpy(xs.data() + (first[j] + q) * H, ptr(x) + tp[starts[j] + q] * H, H * sizeof(uint16_t));
+  std::vector<float> xs_buf, h_buf;
+  const xval* xsv = as_x(xs.data(), P * H, xs_buf);  // every pair's row widened once (vec.h)
   at::parallel_for(0, J * I2, std::max<int64_t>(1, grain(H) / std::max<int64_t>(1, P / J)), [&](int64_t b, int64_t e) {
     while (b < e) {  // a task may span experts: split it at expert boundaries
       int64_t j = b / I2, stop = std::min(e, (j + 1) * I2);
       const int64_t c = first[j + 1] - first[j];
-      std::vector<const uint16_t*> xp(c);
+      std::vector<const xval*> xp(c);
       std::vector<float> acc(c);
-      for (int64_t q = 0; q < c; ++q) xp[q] = xs.data() + (first[j] + q) * H;
+      for (int64_t q = 0; q < c; ++q) xp[q] = xsv + (first[j] + q) * H;
       for (int64_t r = b - j * I2; r < stop - j * I2; ++r) {
-        dot_many(up[j] + r * up_ld[j], xp.data(), c, H, acc.data());
+        dot_many_x(up[j] + r * up_ld[j], xp.data(), c, H, acc.data());
         for (int64_t q = 0; q < c; ++q) gu[(first[j] + q) * I2 + r] = f2bf(acc[q]);
       }
       b = stop;
     }
   });
   silu_mul_rows(gu.data(), h.data(), P, I);
+  const xval* hv = as_x(h.data(), P * I, h_buf);
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, J * H, std::max<int64_t>(1, grain(I) / std::max<int64_t>(1, P / J)), [&](int64_t b, int64_t e) {
     while (b < e) {
       int64_t j = b / H, stop = std::min(e, (j + 1) * H);
       const int64_t c = counts[j];
-      std::vector<const uint16_t*> hp(c);
+      std::vector<const xval*> hp(c);
       std::vector<float> acc(c);
-      for (int64_t q = 0; q < c; ++q) hp[q] = h.data() + (first[j] + q) * I;
+      for (int64_t q = 0; q < c; ++q) hp[q] = hv + (first[j] + q) * I;
       for (int64_t r = b - j * H; r < stop - j * H; ++r) {
-        dot_many(dn[j] + r * dn_ld[j], hp.data(), c, I, acc.data());
+        dot_many_x(dn[j] + r * dn_ld[j], hp.data(), c, I, acc.data());
         for (int64_t q = 0; q < c; ++q) op[pp[starts[j] + q] * H + r] = f2bf(acc[q]);
       }
       b = stop;

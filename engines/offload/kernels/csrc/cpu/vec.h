@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 #if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
 #include <immintrin.h>
 #endif
@@ -144,6 +145,86 @@ inline void dot_many(const uint16_t* w, const uint16_t* const* x, int64_t M, int
     case 1: out[t] = dot_row(w, x[t], n); break;
   }
 }
+
+// ---- activations read many times: converted once --------------------------------------------------------------------
+// A row loop reads the same activation x for every weight row. AVX512-BF16 multiplies bf16 pairs as stored (xval is
+// bf16); AVX2 and the portable loop multiply fp32, so there x is widened once per call (as_x) instead of once per
+// weight row, which halved the conversions a row costs: with two cores each streaming ~18 GB/s of bf16 weights,
+// AVX2's widening shuffles, not the memory, bounded the row rate. Widening is exact, so every sum below is formed
+// from the same products in the same order as dot_row's: results are bit-identical to dot_row / dot_many.
+#if defined(MOE_AVX512BF16)
+using xval = uint16_t;
+inline const xval* as_x(const uint16_t* x, int64_t, std::vector<float>&) { return x; }
+inline float dot_row_x(const uint16_t* w, const xval* x, int64_t n) { return dot_row(w, x, n); }
+inline void dot_many_x(const uint16_t* w, const xval* const* x, int64_t M, int64_t n, float* out) {
+  dot_many(w, x, M, n, out);
+}
+#else
+using xval = float;
+// x [n] bf16 widened into buf; the pointer the row loops read
+inline const xval* as_x(const uint16_t* x, int64_t n, std::vector<float>& buf) {
+  buf.resize(n);
+  for (int64_t j = 0; j < n; ++j) buf[j] = bf2f(x[j]);
+  return buf.data();
+}
+#if defined(MOE_AVX2)
+// dot_row of one weight row with T tokens of fp32 activations: the row's bf16 chunk is widened once for all T, and
+// each token's sum is dot_row's (same four accumulators, same order, same reduction, same scalar tail). T <= 2
+// keeps the 4 T accumulators and 4 widened weights in AVX2's 16 registers.
+template <int T>
+inline void dot_rows_x(const uint16_t* w, const float* const* x, int64_t n, float* out) {
+  __m256 a[T][4];
+  for (int t = 0; t < T; ++t) a[t][0] = a[t][1] = a[t][2] = a[t][3] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m256 w0 = load8(w + j), w1 = load8(w + j + 8), w2 = load8(w + j + 16), w3 = load8(w + j + 24);
+    for (int t = 0; t < T; ++t) {
+      a[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[t] + j), a[t][0]);
+      a[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[t] + j + 8), a[t][1]);
+      a[t][2] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x[t] + j + 16), a[t][2]);
+      a[t][3] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x[t] + j + 24), a[t][3]);
+    }
+  }
+  for (; j + 8 <= n; j += 8) {
+    const __m256 w0 = load8(w + j);
+    for (int t = 0; t < T; ++t) a[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[t] + j), a[t][0]);
+  }
+  for (int t = 0; t < T; ++t) {
+    __m256 v = _mm256_add_ps(_mm256_add_ps(a[t][0], a[t][1]), _mm256_add_ps(a[t][2], a[t][3]));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    float r = _mm_cvtss_f32(s);
+    for (int64_t k = j; k < n; ++k) r += bf2f(w[k]) * x[t][k];
+    out[t] = r;
+  }
+}
+#else
+template <int T>
+inline void dot_rows_x(const uint16_t* w, const float* const* x, int64_t n, float* out) {
+  for (int t = 0; t < T; ++t) {
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // dot_row's 8 partial sums
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+      for (int l = 0; l < 8; ++l) s[l] += bf2f(w[j + l]) * x[t][j + l];
+    float r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (; j < n; ++j) r += bf2f(w[j]) * x[t][j];
+    out[t] = r;
+  }
+}
+#endif
+inline float dot_row_x(const uint16_t* w, const xval* x, int64_t n) {
+  float r;
+  dot_rows_x<1>(w, &x, n, &r);
+  return r;
+}
+// out[t] = dot(w, x[t]) for M tokens, in tiles of 2
+inline void dot_many_x(const uint16_t* w, const xval* const* x, int64_t M, int64_t n, float* out) {
+  int64_t t = 0;
+  for (; t + 2 <= M; t += 2) dot_rows_x<2>(w, x + t, n, out + t);
+  if (t < M) dot_rows_x<1>(w, x + t, n, out + t);
+}
+#endif
 
 // ---- the fused decode layer's attention (decode.cpp) --------------------------------------------------------------
 
