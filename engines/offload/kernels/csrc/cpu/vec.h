@@ -168,6 +168,9 @@ inline const xval* as_x(const uint16_t* x, int64_t n, std::vector<float>& buf) {
   return buf.data();
 }
 #if defined(MOE_AVX2)
+#ifndef AVX2_PF
+#define AVX2_PF 2048  // software prefetch of the weight stream, this many bytes ahead
+#endif
 // dot_row of one weight row with T tokens of fp32 activations: the row's bf16 chunk is widened once for all T, and
 // each token's sum is dot_row's (same four accumulators, same order, same reduction, same scalar tail). T <= 2
 // keeps the 4 T accumulators and 4 widened weights in AVX2's 16 registers.
@@ -177,6 +180,7 @@ inline void dot_rows_x(const uint16_t* w, const float* const* x, int64_t n, floa
   for (int t = 0; t < T; ++t) a[t][0] = a[t][1] = a[t][2] = a[t][3] = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 32 <= n; j += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + j) + AVX2_PF, _MM_HINT_T0);  // one 64-byte line per step
     const __m256 w0 = load8(w + j), w1 = load8(w + j + 8), w2 = load8(w + j + 16), w3 = load8(w + j + 24);
     for (int t = 0; t < T; ++t) {
       a[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[t] + j), a[t][0]);
