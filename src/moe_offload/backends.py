@@ -16,6 +16,7 @@ import pluggy
 
 from moe_offload import hooks
 from moe_offload.errors import BackendUnavailable, ConfigError
+from moe_offload.hostmem import host_memory
 from rm_core import MemoryTier
 
 DEFAULT_PLUGINS = (
@@ -86,11 +87,14 @@ def node_name() -> str:
 
 
 def host_memory_bytes() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """Bytes of host memory this process may use: its cgroup's limit, else physical memory (hostmem.py)."""
+    return host_memory().bytes
 
 
 def host_tier() -> MemoryTier:
-    return MemoryTier(name="host", kind="host-dram", capacity_bytes=host_memory_bytes(), labels={"node": node_name()})
+    mem = host_memory()
+    return MemoryTier(name="host", kind="host-dram", capacity_bytes=mem.bytes,
+                      labels={"node": node_name(), "limit": mem.source})
 
 
 def _allow_list() -> set[str] | None:
