@@ -211,7 +211,7 @@ def experts_one_token(module, x: torch.Tensor, weights: list[tuple], post_norm: 
 
 # -- the model's own one-token linear layers ----------------------------------------------------------------
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    # x [.., in] -> [.., out]; one token goes to the GEMV kernel, everything else (prefill) to F.linear.
+    # x [.., in] -> [.., out]; one token goes to the GEMV kernel, a few to the GEMM kernel, prefill to gemm.linear.
     if x.dtype == torch.bfloat16 and _fast(x, self.weight, False):
         if x.numel() == self.in_features:
             return torch.ops.moe_offload.gemv_bf16(x, self.weight, self.bias)

@@ -280,13 +280,13 @@ std::vector<at::Tensor> decode_layer_bf16(
   const int64_t slices = std::min<int64_t>(groups, std::max<int64_t>(1, (at::get_num_threads() + M * Hkv - 1) / (M * Hkv)));
   const int64_t per = (groups + slices - 1) / slices;
   at::parallel_for(0, M * Hkv * slices, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> sc, o;
+    std::vector<float> sc, o, qbuf;
     for (int64_t u = b; u < e; ++u) {
       const int64_t t = u / (Hkv * slices), g = (u / slices) % Hkv, a0 = g * groups + (u % slices) * per;
       const int64_t a1 = std::min(a0 + per, (g + 1) * groups), G = a1 - a0, L = lp[t];
       if (G <= 0) continue;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, L - window) : 0, n = L - lo;
-      const uint16_t* q = qkv.data() + t * N3 + a0 * D;  // G query heads, consecutive
+      const xval* q = as_x(qkv.data() + t * N3 + a0 * D, G * D, qbuf);  // G query heads, consecutive (vec.h)
       const int64_t* tb = bp + t * NB;
       sc.assign(G * n, 0.0f);
       o.assign(G * D, 0.0f);
@@ -296,7 +296,7 @@ std::vector<at::Tensor> decode_layer_bf16(
       for (int64_t l = lo; l < L; ++l) {
         if (l + PF_ROWS < L) prefetch_row(kp + row_of(l + PF_ROWS) * D, D);
         const uint16_t* kr = kp + row_of(l) * D;
-        for (int64_t h = 0; h < G; ++h) sc[h * n + l - lo] = dot_row(kr, q + h * D, D) * score_mul;
+        for (int64_t h = 0; h < G; ++h) sc[h * n + l - lo] = dot_row_x(kr, q + h * D, D) * score_mul;
       }
       if (skp == nullptr) {
         for (int64_t h = 0; h < G; ++h) softmax_row(sc.data() + h * n, n);

@@ -64,36 +64,9 @@ inline float dot_row(const uint16_t* w, const uint16_t* x, int64_t n) {
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 #elif defined(MOE_AVX2)
+// 8 bf16 -> 8 fp32 (exact: a bf16 is the top half of an fp32)
 inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-inline float dot_row(const uint16_t* w, const uint16_t* x, int64_t n) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t j = 0;
-  for (; j + 32 <= n; j += 32) {
-    a0 = _mm256_fmadd_ps(load8(w + j), load8(x + j), a0);
-    a1 = _mm256_fmadd_ps(load8(w + j + 8), load8(x + j + 8), a1);
-    a2 = _mm256_fmadd_ps(load8(w + j + 16), load8(x + j + 16), a2);
-    a3 = _mm256_fmadd_ps(load8(w + j + 24), load8(x + j + 24), a3);
-  }
-  for (; j + 8 <= n; j += 8) a0 = _mm256_fmadd_ps(load8(w + j), load8(x + j), a0);
-  __m256 v = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  float t = _mm_cvtss_f32(s);
-  for (; j < n; ++j) t += bf2f(w[j]) * bf2f(x[j]);
-  return t;
-}
-#else
-inline float dot_row(const uint16_t* w, const uint16_t* x, int64_t n) {
-  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 8 partial sums: lets the compiler vectorise without -ffast-math
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int l = 0; l < 8; ++l) s[l] += bf2f(w[j + l]) * bf2f(x[j + l]);
-  float t = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-  for (; j < n; ++j) t += bf2f(w[j]) * bf2f(x[j]);
-  return t;
 }
 #endif
 
@@ -128,12 +101,6 @@ inline void dot_rows(const uint16_t* w, const uint16_t* const* x, int64_t n, flo
   for (int t = 0; t < T; ++t)
     out[t] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[t][0], a[t][1]), _mm512_add_ps(a[t][2], a[t][3])));
 }
-#else
-template <int T>
-inline void dot_rows(const uint16_t* w, const uint16_t* const* x, int64_t n, float* out) {
-  for (int t = 0; t < T; ++t) out[t] = dot_row(w, x[t], n);
-}
-#endif
 
 // out[t] = dot(w, x[t]) for M tokens, in tiles of 4.
 inline void dot_many(const uint16_t* w, const uint16_t* const* x, int64_t M, int64_t n, float* out) {
@@ -145,13 +112,14 @@ inline void dot_many(const uint16_t* w, const uint16_t* const* x, int64_t M, int
     case 1: out[t] = dot_row(w, x[t], n); break;
   }
 }
+#endif
 
 // ---- activations read many times: converted once --------------------------------------------------------------------
 // A row loop reads the same activation x for every weight row. AVX512-BF16 multiplies bf16 pairs as stored (xval is
-// bf16); AVX2 and the portable loop multiply fp32, so there x is widened once per call (as_x) instead of once per
-// weight row, which halved the conversions a row costs: with two cores each streaming ~18 GB/s of bf16 weights,
-// AVX2's widening shuffles, not the memory, bounded the row rate. Widening is exact, so every sum below is formed
-// from the same products in the same order as dot_row's: results are bit-identical to dot_row / dot_many.
+// bf16: dot_row / dot_many above); AVX2 and the portable loop multiply fp32, so there x is widened once per call
+// (as_x), not once per weight row: with two cores each streaming ~18 GB/s of bf16 weights, AVX2's widening shuffles,
+// not the memory, bounded the row rate. Widening is exact, so the sums are those of the former bf16-activation loops,
+// product for product and in the same order (bit-identical).
 #if defined(MOE_AVX512BF16)
 using xval = uint16_t;
 inline const xval* as_x(const uint16_t* x, int64_t, std::vector<float>&) { return x; }
@@ -171,9 +139,9 @@ inline const xval* as_x(const uint16_t* x, int64_t n, std::vector<float>& buf) {
 #ifndef AVX2_PF
 #define AVX2_PF 2048  // software prefetch of the weight stream, this many bytes ahead
 #endif
-// dot_row of one weight row with T tokens of fp32 activations: the row's bf16 chunk is widened once for all T, and
-// each token's sum is dot_row's (same four accumulators, same order, same reduction, same scalar tail). T <= 2
-// keeps the 4 T accumulators and 4 widened weights in AVX2's 16 registers.
+// out[t] = sum_j w[j] * x[t][j] for T tokens of fp32 activations: the row's bf16 chunk is widened once for all T;
+// four accumulators per token hide the FMA latency, and each token's sum does not depend on T (same accumulators,
+// order, reduction and scalar tail). T <= 2 keeps the 4 T accumulators and 4 widened weights in 16 registers.
 template <int T>
 inline void dot_rows_x(const uint16_t* w, const float* const* x, int64_t n, float* out) {
   __m256 a[T][4];
@@ -207,7 +175,7 @@ inline void dot_rows_x(const uint16_t* w, const float* const* x, int64_t n, floa
 template <int T>
 inline void dot_rows_x(const uint16_t* w, const float* const* x, int64_t n, float* out) {
   for (int t = 0; t < T; ++t) {
-    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // dot_row's 8 partial sums
+    float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // 8 partial sums: lets the compiler vectorise without -ffast-math
     int64_t j = 0;
     for (; j + 8 <= n; j += 8)
       for (int l = 0; l < 8; ++l) s[l] += bf2f(w[j + l]) * x[t][j + l];
