@@ -79,3 +79,45 @@ def _smallest(mount: Path, path: str, name: str, kind: str) -> tuple[int, str] |
         if best is None or value < best[0]:
             best = (value, f"{kind} {name} of /{'/'.join(parts[:depth])}")
     return best
+
+
+RESERVE = 1 << 30  # bytes kept free for the runtime: the interpreter, torch, activations, the allocator's slack
+MIN_KV_DISK = 256 << 20  # the smallest KV budget the disk tier sizes itself with (when none is asked for)
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """How the host tier is used. ``host_cache``: bytes of host memory for routed experts when they live on disk
+    (None: every expert in host memory); ``kv_bytes``: the KV budget the plan counted (None: the engine's default);
+    ``reason``: why, in words."""
+
+    host_cache: int | None
+    kv_bytes: int | None
+    reason: str
+
+
+def plan_host(experts_bytes: int, dense_bytes: int, *, host_memory: int | None = None, kv_asked: int | None = None,
+              kv_default: int = 4 << 30, limit: HostMemory | None = None, dense_on_host: bool = True) -> HostPlan:
+    """Where the routed experts (``experts_bytes``, as stored) live. ``host_memory``: bytes for experts the user gave
+    (--host-memory): the disk tier when they do not fit in it. Otherwise the process's limit (``limit``, default
+    host_memory()) minus the dense weights (when ``dense_on_host``), the KV budget and RESERVE: the disk tier only
+    when the experts do not fit, and then with a KV budget of ``kv_asked`` or 1/16 of the limit (at least
+    MIN_KV_DISK), not the all-in-memory default."""
+    if host_memory is not None:
+        if experts_bytes <= host_memory:
+            return HostPlan(None, None, f"--host-memory {host_memory / 2**30:.2f} GiB holds every expert")
+        return HostPlan(host_memory, None, f"--host-memory {host_memory / 2**30:.2f} GiB for experts")
+    limit = limit or host_memory_limit()
+    dense = dense_bytes if dense_on_host else 0
+    kv = kv_asked if kv_asked is not None else kv_default
+    if experts_bytes + dense + kv + RESERVE <= limit.bytes:
+        return HostPlan(None, None, f"every expert fits in {limit.source} ({limit.bytes / 2**30:.1f} GiB)")
+    kv = kv_asked if kv_asked is not None else max(MIN_KV_DISK, limit.bytes // 16)
+    cache = limit.bytes - dense - kv - RESERVE
+    if cache <= 0:
+        cache = 0  # the tiering check names the minimum
+    return HostPlan(cache, kv, f"{limit.source} is {limit.bytes / 2**30:.2f} GiB: experts on disk, "
+                               f"{cache / 2**30:.2f} GiB of host memory caches them")
+
+
+host_memory_limit = host_memory

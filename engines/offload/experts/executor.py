@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_offload.engines.offload.experts import policies
+from moe_offload.engines.offload.experts import policies, tiering
 from moe_offload.engines.offload.experts.slots import SlotCache
 from moe_offload.engines.offload.experts.stats import ExecutorStats
 from moe_offload.engines.offload.experts.store import LayerStore
@@ -90,6 +90,8 @@ class Executor:
         # nothing is fetched or touched, so the slot caches start the first request as the placement left them
         self.dry = False
         self._pairs1: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # K -> (tok, perm) of a one-token layer
+        # the disk tier (loader, when experts live in the expert store file): its stats, I/O threads, prefetcher
+        self.disk = self.io = self.prefetcher = None
 
     # ---- set-up (loader) ----
     def attach(self, module: torch.nn.Module, layer: int, store: LayerStore, cache: SlotCache) -> LayerState:
@@ -99,7 +101,7 @@ class Executor:
         return state
 
     def finish_setup(self) -> None:
-        self.stats = ExecutorStats([s.layer for s in self.layers], *self.tier_names)
+        self.stats = ExecutorStats([s.layer for s in self.layers], *self.tier_names, disk=self.disk)
         if self.hybrid_threshold is None and self.layers:
             s = self.layers[0]
             self.hybrid_threshold = policies.default_hybrid_threshold(s.expert_bytes, s.store.expert_params, self.device.type)
@@ -139,6 +141,8 @@ class Executor:
             if not self._records:
                 self._records.append({})
             self._records[-1][state.layer] = [ids[i : i + K] for i in range(0, T * K, K)]
+        if self.prefetcher is not None:  # start reading the next layer's likely experts while this one computes
+            self.prefetcher.after_route(self, state.pos, hidden_states, ids, K)
 
         # ---- split: group routed pairs by expert, in ascending expert order (fixed) ----
         if T == 1:
@@ -263,11 +267,19 @@ class Executor:
             run(chunk, [cache.weights[s] for s in slots])
             fetch_s += time.perf_counter() - tc
         t3 = time.perf_counter()
-        run(host, [state.store.expert(g[0]) for g in host])
+        if hasattr(state.store, "request"):  # host slots over the disk tier: misses read while the rest computes
+            tiering.run_host(state.store, host, run)
+        else:
+            run(host, [state.store.expert(g[0]) for g in host])
         t4 = time.perf_counter()
         result = self._combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, len(fetch))
         self._stages(t1, t2, t3, t4, fetch_s)
         return result
+
+    def close(self) -> None:
+        """Stop the disk tier's I/O threads (reads in flight finish first)."""
+        if self.io is not None:
+            self.io.shutdown()
 
     def _stages(self, t1, t2, t3, t4, fetch_compute_s):
         """Book a layer's stage times: hits [t1, t2) and the compute of fetched experts are device time, the rest of

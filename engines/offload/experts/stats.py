@@ -20,7 +20,8 @@ COUNTERS = ("hits", "misses", "host_tokens", "fetches", "bytes_copied")
 class ExecutorStats:
     """Cumulative numbers since the last ``reset()``; ``snapshot()`` is JSON-able."""
 
-    def __init__(self, layers: list[int], accelerator_tier: str, host_tier: str):
+    def __init__(self, layers: list[int], accelerator_tier: str, host_tier: str, disk=None):
+        self.disk = disk  # hostcache.DiskStats when the experts live on disk (host DRAM caches them)
         self.layers = list(layers)
         self.accelerator_tier = accelerator_tier
         self.host_tier = host_tier
@@ -32,6 +33,8 @@ class ExecutorStats:
         self.stage_s = dict.fromkeys(STAGES, 0.0)
         self.forwards = 0
         self.forward_s = 0.0
+        if self.disk is not None:
+            self.disk.reset()
 
     def add(self, pos: int, hits: int, misses: int, host_tokens: int, fetches: int, bytes_copied: int) -> None:
         row = self.counts[pos]
@@ -58,7 +61,7 @@ class ExecutorStats:
             d = dict(zip(COUNTERS, row))
             d["by_tier"] = {self.accelerator_tier: row[0], self.host_tier: row[1]}
             layers[str(layer)] = d
-        return {
+        out = {
             "hits": t["hits"],
             "misses": t["misses"],
             "hit_rate": t["hits"] / routed if routed else 0.0,
@@ -74,3 +77,8 @@ class ExecutorStats:
             "forwards": self.forwards,
             "layers": layers,
         }
+        if self.disk is not None:
+            d = out["disk"] = self.disk.snapshot()
+            out["bytes_moved"]["disk"] = d["disk_bytes"]
+            out["stage_ms"]["disk_stall"] = d["stall_ms"]  # inside host_experts (and fetch): the wait for reads
+        return out

@@ -92,6 +92,25 @@ def convert(store: LayerStore, fmt: str, *, transposed: bool, split: int) -> Lay
     return LayerStore((qu, qd, ub, db, su, sd), store.compute_dtype)
 
 
+def finalize(store: LayerStore, module: torch.nn.Module, pin: bool, was_float: bool, convert_to: str | None
+             ) -> tuple[LayerStore, bool]:
+    """(the store as the engine keeps it, whether its float weights were turned into [out, in] rows, after which the
+    module reads as untransposed): ``convert_to`` applied (see ``convert``), else bf16 experts in transformers' [in,
+    out] layout (gpt-oss) kept as rows on a CPU engine (``not pin``), the layout the bf16 kernels stream (torch's
+    one-row GEMM on [in, out] reads ~20 GB/s; those experts are only ever computed from the store). The module is
+    not changed: the expert store file's writer finalizes one expert at a time with it."""
+    if convert_to is not None and convert_to != store.format:
+        from moe_offload.engines.offload.kernels.dispatch import gate_up_split
+
+        rows = store.tensors[0].shape[2 if module.is_transposed else 1]
+        return convert(store, convert_to, transposed=module.is_transposed, split=gate_up_split(module, rows)), False
+    if (was_float and not pin and module.is_transposed and store.tensors[0].dtype == torch.bfloat16
+            and store.tensors[1] is not None):
+        up, down = (t.transpose(1, 2).contiguous() for t in store.tensors[:2])
+        return LayerStore((up, down, *store.tensors[2:]), store.compute_dtype), True
+    return store, False
+
+
 def module_tensor_names(module: torch.nn.Module) -> tuple[str | None, ...]:
     """Attribute names of (up, down, up_bias, down_bias) on a transformers experts module."""
     up = "gate_up_proj" if module.has_gate else "up_proj"
@@ -118,18 +137,8 @@ def take_from_module(module: torch.nn.Module, pin: bool, stored: tuple | None = 
     else:
         store = LayerStore(tuple(tensors), compute)
     del tensors
-    if convert_to is not None and convert_to != store.format:
-        from moe_offload.engines.offload.kernels.dispatch import gate_up_split
-
-        rows = store.tensors[0].shape[2 if module.is_transposed else 1]
-        store = convert(store, convert_to, transposed=module.is_transposed, split=gate_up_split(module, rows))
-    elif (stored is None and not pin and module.is_transposed and store.tensors[0].dtype == torch.bfloat16
-          and store.tensors[1] is not None):
-        # bf16 experts in transformers' [in, out] layout (gpt-oss) on a CPU engine: kept as [out, in] rows, the layout
-        # the bf16 kernels stream (torch's one-row GEMM on [in, out] reads ~20 GB/s); the module then reads as an
-        # untransposed one (its experts are only ever computed from the store)
-        up, down = (t.transpose(1, 2).contiguous() for t in store.tensors[:2])
-        store = LayerStore((up, down, *store.tensors[2:]), store.compute_dtype)
+    store, rows = finalize(store, module, pin, stored is None, convert_to)
+    if rows:
         module.is_transposed = False
     if pin:  # one layer at a time: peak extra host memory is one layer's experts
         store = LayerStore(tuple(t.pin_memory() if t is not None else None for t in store.tensors), store.compute_dtype)

@@ -16,16 +16,15 @@ pinned memory and its unpinned original freed, one layer at a time.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from moe_offload.control import vocab
-from moe_offload.engines.offload.experts import policies
+from moe_offload.engines.offload.experts import policies, tiering
 from moe_offload.engines.offload.experts.executor import IMPLEMENTATION, RESIDENT, Executor, register
+from moe_offload.engines.offload.experts.prefetch import Prefetcher
 from moe_offload.engines.offload.experts.slots import SlotCache
 from moe_offload.engines.offload.experts.store import take_from_module
 from moe_offload.engines.offload.kernels import dispatch
@@ -65,6 +64,8 @@ def load_model(
     hybrid_threshold: int | None = None,
     expert_dtype: str | None = None,
     dense_dtype: str | None = None,
+    host_cache: int | None = None,
+    prefetch: bool = True,
 ) -> OffloadedModel:
     """Load checkpoint ``path`` with ``placement`` (None: every expert resident) under miss ``policy``.
 
@@ -75,6 +76,9 @@ def load_model(
     "int8" | "fp8" quantizes a float checkpoint's experts at load; "bf16" casts (float) or dequantizes (quantized).
     ``dense_dtype``: "int8" also holds the attention projections and the LM head as int8 rows (quant.QuantLinear;
     bf16 compute on the cpu only); None or "bf16" keeps them in the compute dtype.
+    ``host_cache``: bytes of host memory for routed experts when they are to live on disk (the expert store file,
+    written once, convert.py): each MoE layer gets an equal share of host slots over its records, an LRU cache;
+    None keeps every expert in host memory. ``prefetch``: read the next layer's predicted experts ahead (disk tier).
     Raises ModelError (bad checkpoint, dense model), PlacementError (placement for another model, slots that do
     not fit), ConfigError (bad option) before any large allocation.
     """
@@ -105,8 +109,19 @@ def load_model(
 
     register()
     stored: dict = {}
-    if method is not None:
-        model, stored = _load_quantized(root, config, experts, method, read_as, compute_dtype or torch.float32)
+    load_dtype = compute_dtype or torch.float32
+    if host_cache is not None:
+        from moe_offload.engines.offload.loading.convert import ensure_store
+        from moe_offload.engines.offload.loading.split import load_split
+
+        manifest = ensure_store(root, config, experts, method, read_as, convert_to, load_dtype)
+        host_slots = tiering.host_slots(experts, manifest, layout, host_cache, _top_k(config),
+                                        alias=dev.type == "cpu")
+        model, _ = load_split(root, config, experts, method, read_as, load_dtype, read_experts=False)
+    elif method is not None:
+        from moe_offload.engines.offload.loading.split import load_split
+
+        model, stored = load_split(root, config, experts, method, read_as, load_dtype)
     else:
         kwargs = {"experts_implementation": IMPLEMENTATION}
         if torch_dtype is not None:
@@ -122,7 +137,13 @@ def load_model(
     for name in others:  # experts the text path never routes to: resident, transformers' own forward
         object.__setattr__(modules[name], "_moe_offload", RESIDENT)
     stores = []
-    for info in experts:
+    if host_cache is not None:
+        from moe_offload.engines.offload.loading.split import disk_stores
+
+        pinned = {layer: p for layer, (p, _) in layout.items()} if dev.type == "cpu" else {}
+        cached, executor.disk, executor.io = disk_stores(modules, experts, manifest, host_slots, pinned)
+        stores = [(info, modules[info.name], st) for info, st in zip(experts, cached)]
+    for info in experts if host_cache is None else ():
         module = modules[info.name]
         store = take_from_module(module, pin=dev.type == "cuda", stored=stored.pop(info.name, None), convert_to=convert_to)
         stores.append((info, module, store))
@@ -133,7 +154,9 @@ def load_model(
         cache = SlotCache(store, pinned, dynamic, dev, alias_pinned=dev.type == "cpu")
         executor.attach(module, info.layer, store, cache)
     executor.finish_setup()
-    _install_hooks(model, executor, [m for _, m, _ in stores], modules)
+    routers = _install_hooks(model, executor, [m for _, m, _ in stores], modules)
+    if host_cache is not None and prefetch:
+        executor.prefetcher = Prefetcher(routers)
     dispatch.prepare(model, stores[0][2].tensors[0].dtype if stores else None)  # bf16 CPU GEMV kernels (MOE_OFFLOAD_KERNELS=0: off)
     if dense_dtype == "int8":
         if dev.type != "cpu" or model.dtype != torch.bfloat16:
@@ -173,34 +196,6 @@ def resolve_device(device: str) -> torch.device:
         check_device(dev)
         dev = torch.device("cuda", dev.index or 0)
     return dev
-
-
-def _load_quantized(root: Path, config, experts: list[ExpertsInfo], method: str, read_as: str, dtype: torch.dtype):
-    """(model with placeholder experts, {experts module: (up, down, up_scale, down_scale)}): checkpoint.py's split
-    load. transformers loads everything but the routed experts' weights, which are read here as stored."""
-    cls = architecture.model_class(config)
-    with torch.device("meta"):
-        meta = architecture.text_path(cls._from_config(config, dtype=dtype))
-    modules = dict(meta.named_modules())
-    with checkpoint.Files(root) as files:
-        sources = checkpoint.find_sources(meta, experts, files.keys(), method)
-        float_dtype = torch.bfloat16
-        stored = {i.name: checkpoint.read_layer(files, sources[i.name], modules[i.name], i.num_experts, method, read_as,
-                                                float_dtype) for i in experts}
-        skip = set().union(*(s.keys(method) for s in sources.values()))
-        state_dict = checkpoint.rest_state_dict(files, skip, method, dtype)
-        state_dict.update(checkpoint.placeholders(meta, experts, dtype))
-        cfg = copy.deepcopy(config)
-        del cfg.quantization_config  # no transformers quantizer: the experts are handled here, the rest is float now
-        # with a state dict transformers takes no path: name and generation config are set from the directory below
-        model = type(meta).from_pretrained(None, config=cfg, state_dict=state_dict, dtype=dtype,
-                                           experts_implementation=IMPLEMENTATION)
-    model.config.name_or_path = str(root)
-    if (root / "generation_config.json").is_file():
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(root)
-    return model, stored
 
 
 def plan_layers(experts: list[ExpertsInfo], placement: Placement | None, dev: torch.device):
@@ -248,8 +243,9 @@ def _check_cuda_fit(dev: torch.device, experts: list[ExpertsInfo], layout, dense
         )
 
 
-def _install_hooks(model, executor: Executor, experts_modules, modules) -> None:
-    """Forward boundaries (capture records, total time) and router timing, via module hooks."""
+def _install_hooks(model, executor: Executor, experts_modules, modules) -> list:
+    """Forward boundaries (capture records, total time) and router timing, via module hooks. Returns each experts
+    module's router module (None where it has none named gate/router)."""
     import time
 
     stats_ref = executor
@@ -273,6 +269,7 @@ def _install_hooks(model, executor: Executor, experts_modules, modules) -> None:
             stats_ref.stats.stage_s["router"] += time.perf_counter() - state["r0"]
 
     names = {id(m): n for n, m in modules.items()}
+    found = []  # per experts module: its router (or None)
     for m in experts_modules:
         parent_name = names[id(m)].rsplit(".", 1)[0]
         for child in ("gate", "router"):
@@ -281,3 +278,16 @@ def _install_hooks(model, executor: Executor, experts_modules, modules) -> None:
                 router.register_forward_pre_hook(rpre)
                 router.register_forward_hook(rpost)
                 break
+        found.append(router if router is not None and router is not m else None)
+    return found
+
+
+def _top_k(config) -> int:
+    from moe_offload.control.hf_config import TOP_K_KEYS
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for k in TOP_K_KEYS:
+        v = getattr(text, k, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 1

@@ -16,11 +16,12 @@ import torch
 
 from moe_offload.engines.offload.experts.policies import check_policy
 from moe_offload.engines.offload.runtime.engine import CACHES, OffloadEngine
-from moe_offload.engines.offload.runtime.kv_budget import KVCacheConfig
+from moe_offload.engines.offload.runtime.kv_budget import DEFAULT_KV_CPU, KVCacheConfig
 from moe_offload.engines.offload.runtime.scheduler import SchedulerConfig
 from moe_offload.errors import ConfigError
 
 BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "expert_dtype", "dense_dtype", "hybrid_threshold", "cache",
+                 "host_memory", "prefetch",
                  "block_size",
                  "kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
 
@@ -44,6 +45,24 @@ def _placement(path: Path, placement, fraction, policy: str, backend: str, dtype
         return get_backend(backend).tiers()
 
     return resolve_placement(placement, fraction, policy, spec=spec, tiers=tiers)
+
+
+def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheConfig, device: str):
+    """hostmem.plan_host for this checkpoint: its experts' and dense weights' bytes as the engine will hold them."""
+    from moe_offload.engines.offload.loading.inspection import inspect_checkpoint
+    from moe_offload.hostmem import plan_host
+
+    if host_memory is not None and (isinstance(host_memory, bool) or not isinstance(host_memory, int) or host_memory < 1):
+        raise ConfigError(f"host_memory: expected bytes (an integer >= 1), got {host_memory!r}")
+    _, experts, dense = inspect_checkpoint(path, dtype, expert_dtype)
+    on_cpu = torch.device(device).type == "cpu"
+    plan = plan_host(sum(i.expert_bytes * i.num_experts for i in experts), dense, host_memory=host_memory,
+                     kv_asked=kv_config.kv_cache_memory, dense_on_host=on_cpu, kv_default=DEFAULT_KV_CPU if on_cpu else 0)
+    if plan.host_cache is not None:
+        from moe_offload.log import get_logger
+
+        get_logger("moe_offload.build").info("host tier", plan=plan.reason)
+    return plan
 
 
 def load_tokenizer(path: Path):
@@ -73,6 +92,8 @@ def build_offload_engine(
     max_num_batched_tokens: int = 512,
     expert_dtype: str | None = None,
     dense_dtype: str | None = None,
+    host_memory: int | None = None,
+    prefetch: bool = True,
     **unknown,
 ) -> OffloadEngine:
     """Load ``model_path`` (default: the demo model, built on first use) with the offload executor.
@@ -84,7 +105,10 @@ def build_offload_engine(
     cache). block_size, kv_cache_memory (bytes), max_model_len, max_num_seqs, max_num_batched_tokens: the KV
     budget and the scheduler, as vLLM names them (KVCacheConfig, SchedulerConfig). expert_dtype: "int8" | "fp8" | "bf16" | None
     (experts as the checkpoint stores them; see loader.load_model). dense_dtype: "int8" | "bf16" | None (attention
-    projections and LM head; see loader.load_model).
+    projections and LM head; see loader.load_model). host_memory: bytes of host memory for the routed experts
+    (default: what the process's memory limit leaves after the dense weights, the KV budget and a reserve); experts
+    that do not fit live in an expert store file on disk, host memory caching them (hostmem.plan_host). prefetch:
+    read the next layer's predicted experts ahead (disk tier only).
     """
     if unknown:
         raise ConfigError(f"unknown engine option(s) {', '.join(sorted(unknown))}; valid: {', '.join(BUILD_OPTIONS)}")
@@ -103,10 +127,15 @@ def build_offload_engine(
 
         model_path = ensure_demo_model()
     path = check_checkpoint(str(Path(model_path).expanduser()))
+    plan = _host_plan(path, dtype, expert_dtype, host_memory, kv_config, device)
+    if plan.kv_bytes is not None:
+        kv_config = dataclasses.replace(kv_config, kv_cache_memory=plan.kv_bytes)
+    if plan.host_cache is not None and fraction is None and placement is None and torch.device(device).type == "cpu":
+        fraction = 0.0  # a CPU accelerator's pinned experts would hold host slots for good: the cache decides
     resolved = _placement(path, placement, fraction, policy, backend, dtype)
     offloaded = load_model(
         str(path), resolved, policy=policy, device=device, dtype=dtype, hybrid_threshold=hybrid_threshold,
-        expert_dtype=expert_dtype, dense_dtype=dense_dtype,
+        expert_dtype=expert_dtype, dense_dtype=dense_dtype, host_cache=plan.host_cache, prefetch=prefetch,
     )
     return OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache,
                          kv_config=kv_config, scheduler=sched)

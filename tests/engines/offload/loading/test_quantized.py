@@ -82,13 +82,12 @@ def test_expert_weights_are_never_materialised_as_floats(quantized_checkpoints, 
     # transformers loads everything but the routed experts; their parameters are zero-stride placeholders
     from transformers import AutoConfig
 
-    from moe_offload.engines.offload.loading import checkpoint, inspection, loader
+    from moe_offload.engines.offload.loading import checkpoint, inspection, split
 
     path = quantized_checkpoints(name)
     config = AutoConfig.from_pretrained(path)
     experts, _ = inspection.inspect_model(config, torch.bfloat16)
-    model, stored = loader._load_quantized(loader.Path(path), config, experts, checkpoint.quant_method(config), "stored",
-                                           torch.bfloat16)
+    model, stored = split.load_split(path, config, experts, checkpoint.quant_method(config), "stored", torch.bfloat16)
     modules = dict(model.named_modules())
     for info in experts:
         m = modules[info.name]

@@ -1,0 +1,238 @@
+"""The expert store file: every routed expert once, on disk, as the engine stores it; one aligned record per expert.
+
+    <dir>/store.json   manifest: version, format, per layer {name, layer, num_experts, offset, record_bytes,
+                       tensors [{name, dtype, shape, offset, nbytes}]} (offsets in bytes)
+    <dir>/experts.bin  layer after layer, expert after expert: record = up | down | up_scale | down_scale,
+                       each tensor at a 64-byte offset, the record padded to ALIGN (4 KiB)
+
+A miss is one read of one record (``pread`` of record_bytes at an ALIGN offset), straight into a host cache slot of
+the same layout, so the tensors are views of the bytes just read: no copy, no parse. ALIGN-aligned offsets, sizes and
+buffers also allow O_DIRECT, which keeps the page cache from holding a second copy of what the host cache holds.
+Biases are not in the records: they are small and stay in memory with the model.
+
+The manifest is written last (write to a temporary name, then rename): a store without one is incomplete and is
+written again, never read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moe_offload.errors import ModelError
+
+VERSION = 1
+ALIGN = 4096  # record offset, record size and buffer address: the page size, which O_DIRECT asks for
+TENSOR_ALIGN = 64  # a tensor's offset inside its record: any dtype's view is aligned
+MANIFEST, DATA = "store.json", "experts.bin"
+RECORD_TENSORS = ("up", "down", "up_scale", "down_scale")  # store.WEIGHT_NAMES without the biases
+
+
+def _round(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str  # torch dtype name: "bfloat16", "int8", "float8_e4m3fn", "uint8", "float32"
+    shape: tuple[int, ...]  # one expert's
+    offset: int  # bytes into the record
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    name: str  # the experts module's name in the model
+    layer: int
+    num_experts: int
+    offset: int  # bytes into experts.bin of expert 0's record
+    record_bytes: int  # a multiple of ALIGN
+    tensors: tuple[TensorEntry | None, ...]  # RECORD_TENSORS order; None: the format has no such tensor
+
+    def record_offset(self, e: int) -> int:
+        return self.offset + e * self.record_bytes
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of one expert's tensors (the record without its padding)."""
+        return sum(t.nbytes for t in self.tensors if t is not None)
+
+
+def layout(tensors: tuple[torch.Tensor | None, ...]) -> tuple[tuple[TensorEntry | None, ...], int]:
+    """(entries, record bytes) of one expert's record tensors (RECORD_TENSORS order)."""
+    entries, off = [], 0
+    for name, t in zip(RECORD_TENSORS, tensors):
+        if t is None:
+            entries.append(None)
+            continue
+        n = t.numel() * t.element_size()
+        entries.append(TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off, n))
+        off = _round(off + n, TENSOR_ALIGN)
+    return tuple(entries), _round(max(off, 1), ALIGN)
+
+
+class StoreWriter:
+    """Writes experts.bin sequentially (one expert in memory at a time), then the manifest."""
+
+    def __init__(self, directory: Path, fmt: str, meta: dict | None = None):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / MANIFEST).unlink(missing_ok=True)  # incomplete until close()
+        self.fmt, self.meta = fmt, dict(meta or {})
+        self._f = open(self.dir / DATA, "wb")
+        self._pos = 0
+        self.layers: list[LayerEntry] = []
+        self._cur: tuple | None = None  # (name, layer, num_experts, offset, entries, record bytes, written)
+
+    def begin_layer(self, name: str, layer: int, num_experts: int) -> None:
+        self._cur = [name, layer, num_experts, self._pos, None, None, 0]
+
+    def add_expert(self, tensors: tuple[torch.Tensor | None, ...]) -> None:
+        """The next expert's (up, down, up_scale, down_scale), as the host store holds them."""
+        cur = self._cur
+        entries, rb = layout(tensors)
+        if cur[4] is None:
+            cur[4], cur[5] = entries, rb
+        elif entries != cur[4]:
+            raise ValueError(f"{cur[0]}: expert {cur[6]} has a different layout than expert 0")
+        record = bytearray(rb)
+        for e, t in zip(entries, tensors):
+            if e is not None:
+                raw = t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+                record[e.offset: e.offset + e.nbytes] = raw
+        self._f.write(record)
+        self._pos += rb
+        cur[6] += 1
+
+    def end_layer(self) -> None:
+        name, layer, n, off, entries, rb, written = self._cur
+        if written != n:
+            raise ValueError(f"{name}: {written} experts written, expected {n}")
+        self.layers.append(LayerEntry(name, layer, n, off, rb, entries))
+        self._cur = None
+
+    def close(self) -> Path:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        doc = {"version": VERSION, "format": self.fmt, "data_bytes": self._pos, **self.meta,
+               "layers": [{"name": lay.name, "layer": lay.layer, "num_experts": lay.num_experts, "offset": lay.offset,
+                           "record_bytes": lay.record_bytes,
+                           "tensors": [None if t is None else {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                                                                "offset": t.offset, "nbytes": t.nbytes}
+                                       for t in lay.tensors]} for lay in self.layers]}
+        tmp = self.dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.rename(self.dir / MANIFEST)
+        return self.dir
+
+
+@dataclass(frozen=True)
+class Manifest:
+    dir: Path
+    fmt: str
+    data_bytes: int
+    meta: dict
+    layers: dict[str, LayerEntry]  # by experts module name
+
+    @property
+    def data_path(self) -> Path:
+        return self.dir / DATA
+
+
+def read_manifest(directory: Path) -> Manifest | None:
+    """The store's manifest, or None when the directory holds no complete store; ModelError for an unreadable one or
+    one whose data file is shorter than the manifest says (truncated)."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        layers = {}
+        for d in doc["layers"]:
+            tensors = tuple(None if t is None else TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["offset"],
+                                                               t["nbytes"]) for t in d["tensors"])
+            layers[d["name"]] = LayerEntry(d["name"], d["layer"], d["num_experts"], d["offset"], d["record_bytes"],
+                                           tensors)
+        known = {"version", "format", "data_bytes", "layers"}
+        man = Manifest(Path(directory), doc["format"], int(doc["data_bytes"]), {k: v for k, v in doc.items() if k not in known},
+                       layers)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelError(f"{path}: not an expert store manifest ({type(e).__name__}: {e}); delete the directory "
+                         "to have it written again") from None
+    if doc.get("version") != VERSION:
+        return None  # another version: written again
+    size = man.data_path.stat().st_size if man.data_path.is_file() else -1
+    if size < man.data_bytes:
+        raise ModelError(f"{man.data_path}: expert store truncated ({max(size, 0)} of {man.data_bytes} bytes); delete "
+                         f"{directory} to have it written again")
+    return man
+
+
+class StoreFile:
+    """experts.bin open for reads: ``read(entry, e, buf)`` reads expert ``e``'s record into ``buf`` (uint8, record
+    bytes, ALIGN-aligned address when O_DIRECT is on). Thread-safe (pread has no shared file position)."""
+
+    def __init__(self, manifest: Manifest, direct: bool = True):
+        self.manifest = manifest
+        path = str(manifest.data_path)
+        self.direct = False
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT)
+                self.direct = True
+            except OSError:  # a filesystem without O_DIRECT (tmpfs): buffered reads, dropped from the cache after
+                self.fd = os.open(path, flags)
+        else:
+            self.fd = os.open(path, flags)
+
+    def read(self, entry: LayerEntry, e: int, buf: torch.Tensor) -> int:
+        """Bytes read (= entry.record_bytes); ModelError naming the layer and expert when the file is short or gone."""
+        off = entry.record_offset(e)
+        view = memoryview(buf.numpy()).cast("B")
+        try:
+            n = os.preadv(self.fd, [view], off)
+            if 0 < n < entry.record_bytes:  # a short read of a regular file: retry the rest once
+                n += os.preadv(self.fd, [view[n:]], off + n)
+        except OSError as err:
+            raise ModelError(f"{self.manifest.data_path}: reading {entry.name} expert {e} failed: {err}") from None
+        if n != entry.record_bytes:
+            raise ModelError(f"{self.manifest.data_path}: {entry.name} expert {e}: read {n} of {entry.record_bytes} "
+                             "bytes (the expert store is truncated)")
+        if not self.direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)  # the host cache holds it: no second copy
+        return n
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` whose first byte is ALIGN-aligned (O_DIRECT's requirement), zero pages committed."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % ALIGN
+    return raw[start: start + nbytes]
+
+
+def views(entry: LayerEntry, buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """(up, down, up_scale, down_scale) viewed in a buffer of records ``buf`` [N, record_bytes] -> each [N, *shape]."""
+    out = []
+    for t in entry.tensors:
+        if t is None:
+            out.append(None)
+            continue
+        n = buf.shape[0]
+        out.append(buf[:, t.offset: t.offset + t.nbytes].view(t.torch_dtype).view(n, *t.shape))
+    return tuple(out)

@@ -1,0 +1,209 @@
+"""Host DRAM as an expert cache over the disk store: the tier between the accelerator slots and the expert store file.
+
+    request(experts) -> ready (in a host slot) | loading (a slot reserved now, its record read by the I/O pool)
+    prefetch(experts) -> reads started for the predicted experts of a layer that has not run yet
+    wait(e) -> views once its read is done (the time spent waiting is the stall)
+
+Per MoE layer: C slots of one record each ([C, record_bytes], ALIGN-aligned, the diskstore layout, so an expert's
+tensors are views of the bytes read). ``pinned`` experts (the placement's resident experts on a CPU accelerator,
+whose slots alias these) are read once and never evicted; the other slots are an LRU. A layer's own cache is the rule
+the issue's note asks for: each token walks the layers in the same order, and a global LRU (the page cache's) evicts
+the layer that comes next; a share per layer does not.
+
+Legend: E experts, C host slots of the layer, P pinned experts, D = C - P dynamic slots.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from moe_offload.engines.offload.experts import diskstore
+from moe_offload.engines.offload.experts.store import LayerStore
+
+# host_hits: experts asked for that were in a slot (or on their way, prefetched); demand_reads: asked for, not there,
+# read then. disk_reads/disk_bytes: reads done (demand + prefetch). predicted/predicted_used/routed_experts: the
+# prefetcher's guesses for a layer, how many the router then chose, and how many it chose (precision, recall).
+COUNTERS = ("host_hits", "demand_reads", "disk_reads", "disk_bytes", "prefetch_reads", "prefetch_hits",
+            "prefetch_wasted_bytes", "predicted", "predicted_used", "routed_experts")
+
+
+class DiskStats:
+    """The disk tier's counters, shared by every layer's cache; ``stall_s``: time the forward waited for reads."""
+
+    def __init__(self):
+        self.lock = threading.Lock()  # the I/O threads count too
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self.stall_s = 0.0
+        self.read_s = 0.0  # summed over the I/O threads (reads overlap: can exceed wall time)
+
+    def snapshot(self) -> dict:
+        c = dict(self.counts)
+        wanted = c["host_hits"] + c["demand_reads"]
+        c["host_hit_rate"] = c["host_hits"] / wanted if wanted else 0.0
+        c["prefetch_precision"] = c["predicted_used"] / c["predicted"] if c["predicted"] else 0.0
+        c["prefetch_recall"] = c["predicted_used"] / c["routed_experts"] if c["routed_experts"] else 0.0
+        c["stall_ms"] = self.stall_s * 1000
+        c["read_ms"] = self.read_s * 1000
+        c["read_gb_per_s"] = c["disk_bytes"] / self.read_s / 1e9 if self.read_s else 0.0
+        return c
+
+
+class IOPool:
+    """Threads that read records (``os.preadv`` releases the GIL: reads overlap compute and each other)."""
+
+    def __init__(self, threads: int = 4):
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moe-offload-io")
+
+    def submit(self, fn, *args) -> Future:
+        return self.pool.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class CachedLayerStore(LayerStore):
+    """One layer's experts in C host slots over its records in the store file. ``tensors`` are the slots' views
+    ([C, ...], so format and per-expert bytes read as a LayerStore's); ``expert(e)`` returns expert e's views, reading
+    it first when it is not in a slot. ``biases``: (up_bias [E, 2I] | None, down_bias [E, H] | None), in memory."""
+
+    def __init__(self, file: diskstore.StoreFile, entry: diskstore.LayerEntry, slots: int, pinned: list[int],
+                 biases: tuple, compute_dtype: torch.dtype, io: IOPool, stats: DiskStats):
+        if not len(pinned) <= slots <= entry.num_experts:
+            raise ValueError(f"{entry.name}: {slots} host slots for {len(pinned)} pinned of {entry.num_experts} experts")
+        self.file, self.entry, self.io, self.disk = file, entry, io, stats
+        self.buf = diskstore.aligned_empty(slots * entry.record_bytes).view(slots, entry.record_bytes)
+        up, down, us, ds = diskstore.views(entry, self.buf)
+        self.ub, self.db = biases
+        # biases stay [E, ...] in memory (small); the weights are [C, ...] slot views
+        super().__init__((up, down, self.ub, self.db, us, ds), compute_dtype)
+        self._E = entry.num_experts
+        self.slot_of = [-1] * self._E
+        self.expert_in = [-1] * slots
+        self.pending: dict[int, Future] = {}  # slot -> read in flight
+        self.unused_prefetch: set[int] = set()  # slots filled by a prefetch and not asked for yet
+        self.pinned = tuple(pinned)
+        self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(len(pinned), slots))
+        self._lock = threading.Lock()
+        for s, e in enumerate(pinned):
+            self._read(s, e)
+            self.slot_of[e], self.expert_in[s] = s, e
+
+    # ---- what a LayerStore answers ----
+    @property
+    def num_experts(self) -> int:
+        return self._E
+
+    @property
+    def num_slots(self) -> int:
+        return self.buf.shape[0]
+
+    @property
+    def dynamic(self) -> int:
+        return len(self.lru)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes this layer holds (its slots, records as stored)."""
+        return self.num_slots * self.entry.record_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return self._E * self.entry.record_bytes
+
+    def expert(self, e: int) -> tuple[torch.Tensor | None, ...]:
+        """Expert ``e``'s (up, down, up_bias, down_bias, up_scale, down_scale), read now when not in a slot. The views
+        stay valid until ``dynamic`` other experts are asked for (callers use them before asking for more)."""
+        ready, loading = self.request([e])
+        return self.wait(e) if loading else self.views(e)
+
+    def views(self, e: int) -> tuple[torch.Tensor | None, ...]:
+        s = self.slot_of[e]
+        up, down, _, _, us, ds = self.tensors
+        return (up[s], down[s], self.ub[e] if self.ub is not None else None, self.db[e] if self.db is not None else None,
+                us[s] if us is not None else None, ds[s] if ds is not None else None)
+
+    # ---- the cache ----
+    def request(self, experts: list[int]) -> tuple[list[int], list[int]]:
+        """(experts ready in a slot, experts whose reads were started or were already in flight); at most ``dynamic``
+        experts not pinned may be asked for at once (the executor chunks), so none evicts another of the same call."""
+        ready, loading = [], []
+        with self._lock:
+            for e in experts:  # first mark every resident one used, so the reads below evict none of them
+                s = self.slot_of[e]
+                if s >= 0:
+                    self._use(s)
+                    (loading if s in self.pending else ready).append(e)
+            hits = len(ready) + len(loading)
+            for e in experts:
+                if self.slot_of[e] < 0:
+                    self._start(e, prefetch=False)
+                    loading.append(e)
+            with self.disk.lock:
+                self.disk.counts["host_hits"] += hits
+                self.disk.counts["demand_reads"] += len(loading) + len(ready) - hits
+        return ready, loading
+
+    def prefetch(self, experts: list[int]) -> int:
+        """Start reads for predicted experts not in a slot (at most ``dynamic``, the first ones); returns reads started."""
+        started = 0
+        with self._lock:
+            for e in experts[: self.dynamic]:
+                if self.slot_of[e] < 0:
+                    self._start(e, prefetch=True)
+                    started += 1
+        return started
+
+    def wait(self, e: int) -> tuple[torch.Tensor | None, ...]:
+        s = self.slot_of[e]
+        fut = self.pending.get(s)
+        if fut is not None:
+            t0 = time.perf_counter()
+            fut.result()  # re-raises the read's ModelError here, in the request that needed it
+            self.disk.stall_s += time.perf_counter() - t0
+            with self._lock:
+                self.pending.pop(s, None)
+        return self.views(e)
+
+    def _use(self, s: int) -> None:
+        if s in self.lru:
+            self.lru.move_to_end(s)
+        if s in self.unused_prefetch:
+            self.unused_prefetch.discard(s)
+            self.disk.counts["prefetch_hits"] += 1
+
+    def _start(self, e: int, prefetch: bool) -> None:
+        s, _ = self.lru.popitem(last=False)
+        fut = self.pending.pop(s, None)
+        if fut is not None:  # the slot's previous read must land before its buffer is reused
+            fut.result()
+        old = self.expert_in[s]
+        if old >= 0:
+            self.slot_of[old] = -1
+            if s in self.unused_prefetch:
+                self.unused_prefetch.discard(s)
+                self.disk.counts["prefetch_wasted_bytes"] += self.entry.record_bytes
+        self.expert_in[s], self.slot_of[e] = e, s
+        self.lru[s] = None
+        if prefetch:
+            self.unused_prefetch.add(s)
+            self.disk.counts["prefetch_reads"] += 1
+        self.pending[s] = self.io.submit(self._read, s, e)
+
+    def _read(self, s: int, e: int) -> None:
+        t0 = time.perf_counter()
+        n = self.file.read(self.entry, e, self.buf[s])
+        with self.disk.lock:
+            self.disk.read_s += time.perf_counter() - t0
+            self.disk.counts["disk_reads"] += 1
+            self.disk.counts["disk_bytes"] += n
+
+    def resident(self) -> list[int]:
+        return [e for e in self.expert_in if e >= 0]

@@ -1,0 +1,106 @@
+"""Writing a checkpoint's routed experts into an expert store file (experts/diskstore.py), one expert at a time.
+
+    checkpoint dir --find_sources (the keys of each experts module, as transformers maps them)-->
+      per layer, per expert: its tensors read from the safetensors (one slice per projection), cast to the compute
+      dtype as from_pretrained would, then finalized exactly as the in-memory store is (store.finalize: --expert-dtype
+      quantization, gpt-oss rows) --> one record in experts.bin; the manifest last
+
+Memory: one expert (one layer for an FP8/MXFP4 checkpoint, read as checkpoint.read_layer reads it). The records
+hold the bytes the in-memory store would hold, so the disk tier computes the same numbers as the all-in-DRAM engine.
+Where: $MOE_OFFLOAD_STORE_DIR or ~/.cache/moe-offload/stores, one directory per checkpoint (path, config.json and
+safetensors sizes and mtimes) and stored format; `moe-offload convert` writes one ahead of the first run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from moe_offload.engines.offload.experts import diskstore
+from moe_offload.engines.offload.experts.store import LayerStore, finalize
+from moe_offload.engines.offload.loading import architecture, checkpoint
+from moe_offload.log import get_logger
+
+STORE_ENV = "MOE_OFFLOAD_STORE_DIR"
+log = get_logger("moe_offload.convert")
+
+
+def stores_root() -> Path:
+    return Path(os.environ.get(STORE_ENV) or Path.home() / ".cache" / "moe-offload" / "stores")
+
+
+def store_dir(root: Path, target: str) -> Path:
+    """Where the store of checkpoint ``root`` in stored format ``target`` lives (keyed by the files it came from)."""
+    root = Path(root).resolve()
+    h = hashlib.sha256(f"{root}|{target}|{diskstore.VERSION}".encode())
+    for f in sorted([root / "config.json", *root.glob("*.safetensors")]):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return stores_root() / f"{root.name}-{target}-{h.hexdigest()[:16]}"
+
+
+def meta_model(config, dtype: torch.dtype):
+    cls = architecture.model_class(config)
+    with torch.device("meta"):
+        return architecture.text_path(cls._from_config(config, dtype=dtype))
+
+
+def ensure_store(root: Path, config, experts: list, method: str | None, read_as: str, convert_to: str | None,
+                 dtype: torch.dtype, out: Path | None = None) -> diskstore.Manifest:
+    """The expert store of ``root`` as the engine would hold its experts (see loader.load_model's arguments), written
+    now when there is none. ``out``: the directory (default: store_dir)."""
+    target = convert_to or (method if method and read_as == "stored" else str(dtype).removeprefix("torch."))
+    where = Path(out) if out is not None else store_dir(root, target)
+    man = diskstore.read_manifest(where)
+    if man is not None:
+        return man
+    t0 = time.perf_counter()
+    log.info("writing the expert store (once per checkpoint and format)", checkpoint=str(root), store=str(where),
+             format=target)
+    meta = meta_model(config, dtype)
+    modules = dict(meta.named_modules())
+    writer = diskstore.StoreWriter(where, target, {"checkpoint": str(Path(root).resolve())})
+    rows_layers = []
+    with checkpoint.Files(root) as files:
+        sources = checkpoint.find_sources(meta, experts, files.keys(), method)
+        for info in experts:
+            module = modules[info.name]
+            writer.begin_layer(info.name, info.layer, info.num_experts)
+            rows = False
+            for up, down, us, ds in _experts(files, sources[info.name], module, info.num_experts, method, read_as, dtype):
+                one = LayerStore((up[None], down[None], None, None,
+                                  us[None] if us is not None else None, ds[None] if ds is not None else None), dtype)
+                one, rows = finalize(one, module, False, method is None or read_as == "float", convert_to)
+                t = one.tensors
+                writer.add_expert((t[0][0], t[1][0], t[4][0] if t[4] is not None else None,
+                                   t[5][0] if t[5] is not None else None))
+            writer.end_layer()
+            if rows:
+                rows_layers.append(info.name)
+    writer.meta["rows_layers"] = rows_layers  # experts modules whose float weights are stored as [out, in] rows
+    writer.close()
+    log.info("expert store written", store=str(where), seconds=round(time.perf_counter() - t0, 1),
+             gib=round(writer._pos / 2**30, 3))
+    return diskstore.read_manifest(where)
+
+
+def _experts(files, src, module, num_experts: int, method: str | None, read_as: str, dtype: torch.dtype):
+    """(up, down, up_scale | None, down_scale | None) of each expert in turn, in the module's own layout."""
+    if method is not None:  # FP8 / MXFP4: checkpoint.read_layer's one-layer read, as the in-memory loader does
+        up, down, us, ds = checkpoint.read_layer(files, src, module, num_experts, method, read_as, torch.bfloat16)
+        for e in range(num_experts):
+            yield up[e], down[e], us[e] if us is not None else None, ds[e] if ds is not None else None
+        return
+    for e in range(num_experts):
+        yield _float(files, src.up, e).to(dtype), _float(files, src.down, e).to(dtype), None, None
+
+
+def _float(files, proj: checkpoint.Projection, e: int) -> torch.Tensor:
+    if proj.fused is not None:
+        return files.slice(proj.fused)[e]
+    return torch.cat([files.tensor(proj.parts[e][i]) for i in range(proj.nparts)], dim=0)
+

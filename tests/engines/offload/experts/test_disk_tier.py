@@ -1,0 +1,168 @@
+"""The disk tier: experts in an expert store file, host memory an LRU of slots over it, reads prefetched.
+
+Exactness: whatever the host budget, the engine computes every expert from the same stored bytes with the same
+kernels, so greedy tokens equal transformers' (fp32, every family, policy and fraction) and the in-memory engine's
+(quantized formats: the same tokens and logits). Budgets here hold the pinned experts plus one token's top-k per
+layer, so nearly every step reads from disk.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from offload_helpers import FAMILIES, greedy, moe_layers, placement, stock
+
+from moe_offload.engines.offload.experts import diskstore
+from moe_offload.engines.offload.loading.loader import load_model
+from moe_offload.errors import ConfigError, ModelError
+
+PROMPT = [3, 17, 42, 9, 88, 5, 61, 23]
+N_TOKENS = 16
+TOP_K = 2  # every tiny family routes 2 experts per token
+
+
+@pytest.fixture(autouse=True)
+def store_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_OFFLOAD_STORE_DIR", str(tmp_path / "stores"))
+    return tmp_path / "stores"
+
+
+def records(path, **kw) -> int:
+    """Bytes of one host slot in every MoE layer (the unit host budgets are counted in)."""
+    om = load_model(path, None, host_cache=10**12, **kw)
+    om.executor.close()
+    return sum(s.store.entry.record_bytes for s in om.executor.layers)
+
+
+def load_tight(path, fraction, policy, extra=0, **kw):
+    """The smallest host budget for this placement (pinned + top-k slots per layer) plus ``extra`` slots."""
+    layers, E = moe_layers(path)
+    pl = placement(layers, E, fraction, policy)
+    pinned = round(fraction * E) if policy == "static" else (round(fraction * E) // 2 if policy == "hybrid" else 0)
+    budget = records(path, **{k: v for k, v in kw.items() if k in ("dtype", "expert_dtype")}) * (pinned + TOP_K + extra)
+    return load_model(path, pl, policy=policy, host_cache=budget, hybrid_threshold=2 if policy == "hybrid" else None, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_matches_transformers_with_experts_on_disk(checkpoints, family):
+    path = checkpoints(family)
+    ref_tokens, ref_logits = greedy(stock(path), PROMPT, N_TOKENS)
+    for policy in ("static", "lru", "hybrid"):
+        for fraction in (0.0, 0.25):
+            om = load_tight(path, fraction, policy)
+            tokens, logits = greedy(om.model, PROMPT, N_TOKENS)
+            where = f"{family} {policy} fraction={fraction}"
+            assert tokens == ref_tokens, where
+            torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5, msg=where)
+            d = om.executor.stats.snapshot()["disk"]
+            # a budget of top-k slots per layer cannot hold a 16-token run's experts: reads happen every few steps
+            assert d["demand_reads"] > N_TOKENS // 2 and d["disk_bytes"] > 0, where
+            om.executor.close()
+
+
+@pytest.mark.parametrize("extra", [0, 1, 3, 100])
+def test_every_host_budget_gives_the_same_tokens(checkpoints, extra):
+    path = checkpoints("qwen3_moe")
+    ref = greedy(load_model(path, None).model, PROMPT, N_TOKENS)
+    om = load_tight(path, 0.0, "static", extra=extra)
+    tokens, logits = greedy(om.model, PROMPT, N_TOKENS)
+    assert tokens == ref[0]
+    assert torch.equal(logits, ref[1])  # same bytes, same kernels: bit for bit
+    d = om.executor.stats.snapshot()["disk"]
+    if extra >= 100:  # every expert fits: each is read once at most, never evicted
+        assert d["disk_reads"] <= sum(s.store.num_experts for s in om.executor.layers)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_mxfp4", "deepseek_v3_fp8"])
+def test_quantized_checkpoints_from_disk_equal_in_memory(quantized_checkpoints, name):
+    path = quantized_checkpoints(name)
+    ref = greedy(load_model(path, None, dtype="float32").model, PROMPT, N_TOKENS)
+    om = load_tight(path, 0.25, "static", dtype="float32")
+    assert om.executor.layers[0].store.format == {"gpt_oss_mxfp4": "mxfp4", "deepseek_v3_fp8": "fp8"}[name]
+    tokens, logits = greedy(om.model, PROMPT, N_TOKENS)
+    assert tokens == ref[0]
+    torch.testing.assert_close(logits, ref[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("expert_dtype", ["int8", "fp8", "bf16"])
+def test_expert_dtype_store_equals_in_memory(checkpoints, expert_dtype):
+    """--expert-dtype quantizes once, into the store file: the records hold what the in-memory store would."""
+    path = checkpoints("qwen3_moe")
+    mem = load_model(path, None, dtype="bfloat16", expert_dtype=expert_dtype)
+    ref = greedy(mem.model, PROMPT, N_TOKENS)
+    om = load_tight(path, 0.0, "static", dtype="bfloat16", expert_dtype=expert_dtype)
+    assert om.executor.layers[0].store.format == mem.executor.layers[0].store.format
+    for a, b in zip(mem.executor.layers, om.executor.layers):  # expert 5's bytes, as stored
+        for x, y in zip(a.store.expert(5), b.store.expert(5)):
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
+    tokens, logits = greedy(om.model, PROMPT, N_TOKENS)
+    assert tokens == ref[0]
+    assert torch.equal(logits, ref[1])
+
+
+def test_prefetch_is_measured_and_changes_no_token(checkpoints):
+    path = checkpoints("qwen3_moe")
+    on = load_tight(path, 0.0, "static", extra=2, prefetch=True)
+    off = load_tight(path, 0.0, "static", extra=2, prefetch=False)
+    a, b = greedy(on.model, PROMPT, N_TOKENS), greedy(off.model, PROMPT, N_TOKENS)
+    assert a[0] == b[0] and torch.equal(a[1], b[1])
+    d_on, d_off = on.executor.stats.snapshot()["disk"], off.executor.stats.snapshot()["disk"]
+    assert d_off["prefetch_reads"] == 0 and d_off["predicted"] == 0
+    assert d_on["prefetch_reads"] > 0 and d_on["predicted"] > 0
+    assert 0 < d_on["prefetch_precision"] <= 1 and 0 < d_on["prefetch_recall"] <= 1
+    assert d_on["prefetch_hits"] <= d_on["prefetch_reads"]
+    # each read is one record: the bytes are reads times the record size
+    rb = {s.store.entry.record_bytes for s in on.executor.layers}
+    assert len(rb) == 1 and d_on["disk_bytes"] == d_on["disk_reads"] * rb.pop()
+
+
+def test_budget_below_the_working_set_names_the_minimum(checkpoints):
+    path = checkpoints("qwen3_moe")
+    rb = records(path)
+    with pytest.raises(ConfigError, match=r"expected at least 2 \(the experts one token routes to\): 0\.000 GiB"):
+        load_model(path, placement(*moe_layers(path), 0.0, "static"), host_cache=rb * TOP_K - 1)
+    with pytest.raises(ConfigError, match="pinned"):
+        load_model(path, placement(*moe_layers(path), 0.5, "static"), host_cache=rb * (TOP_K + 1))
+
+
+def test_truncated_store_fails_at_load_and_a_vanished_one_fails_the_request(checkpoints, store_dir):
+    path = checkpoints("qwen3_moe")
+    om = load_tight(path, 0.0, "static")
+    om.executor.close()
+    (store,) = list(store_dir.iterdir())
+    data = store / diskstore.DATA
+    size = data.stat().st_size
+    os.truncate(data, size - 4096)
+    with pytest.raises(ModelError, match="truncated"):
+        load_tight(path, 0.0, "static")
+    os.truncate(data, size)  # the bytes are gone (zeros) but the size is back: loads
+    om = load_tight(path, 0.0, "static")
+    os.truncate(data, 0)  # mid-run: the next read is short
+    with pytest.raises(ModelError, match=r"model\.layers\.\d+\.mlp\.experts expert \d+: read 0 of"):
+        greedy(om.model, PROMPT, N_TOKENS)
+
+
+def test_store_records_are_aligned_views(tmp_path):
+    w = diskstore.StoreWriter(tmp_path, "bfloat16")
+    w.begin_layer("m.experts", 1, 3)
+    experts = [(torch.randn(6, 5).bfloat16(), torch.randn(5, 3).bfloat16(), None, None) for _ in range(3)]
+    for t in experts:
+        w.add_expert(t)
+    w.end_layer()
+    w.close()
+    man = diskstore.read_manifest(tmp_path)
+    entry = man.layers["m.experts"]
+    assert entry.record_bytes % diskstore.ALIGN == 0 and entry.offset % diskstore.ALIGN == 0
+    assert entry.tensors[1].offset % diskstore.TENSOR_ALIGN == 0
+    f = diskstore.StoreFile(man)
+    buf = diskstore.aligned_empty(2 * entry.record_bytes).view(2, entry.record_bytes)
+    assert buf.data_ptr() % diskstore.ALIGN == 0
+    f.read(entry, 2, buf[1])
+    up, down, us, ds = diskstore.views(entry, buf)
+    assert torch.equal(up[1], experts[2][0]) and torch.equal(down[1], experts[2][1]) and us is None and ds is None
+    f.close()
+    (tmp_path / diskstore.MANIFEST).write_text("{not json")
+    with pytest.raises(ModelError, match="not an expert store manifest"):
+        diskstore.read_manifest(tmp_path)
