@@ -51,6 +51,8 @@ class GenerationStats:
     bytes_moved: dict[str, int] = field(default_factory=dict)
     host_expert_tokens: int = 0
     stage_ms: dict[str, float] = field(default_factory=dict)
+    # the disk tier (experts on disk, host memory caching them): DISK_COUNTERS, this request's share; empty without one
+    disk: dict[str, float] = field(default_factory=dict)
     token_ms_dropped: int = field(default=0, repr=False)  # cumulative stats: step times no longer in token_ms
 
     def record_step(self, step: int, request_start: float, step_start: float, now: float) -> None:
@@ -88,10 +90,28 @@ class GenerationStats:
             self.bytes_moved[k] = self.bytes_moved.get(k, 0) + v
         for k, v in s.stage_ms.items():
             self.stage_ms[k] = self.stage_ms.get(k, 0.0) + v
+        for k, v in s.disk.items():
+            self.disk[k] = self.disk.get(k, 0.0) + v
         self.finish_reason = s.finish_reason
 
+    def disk_summary(self) -> dict[str, float]:
+        """The disk tier's numbers for these tokens: counters, plus bytes read and stall per generated token, the
+        host tier's hit rate (experts asked for that were in host memory) and the prefetcher's precision/recall."""
+        d = self.disk
+        if not d:
+            return {}
+        tokens = max(self.prompt_tokens + self.completion_tokens, 1)
+        asked = d.get("host_hits", 0) + d.get("demand_reads", 0)
+        out = {k: round(v, 3) for k, v in d.items()}
+        out["disk_bytes_per_token"] = round(d.get("disk_bytes", 0) / tokens)
+        out["stall_ms_per_token"] = round(d.get("stall_ms", 0) / tokens, 3)
+        out["host_hit_rate"] = round(d.get("host_hits", 0) / asked, 6) if asked else 0.0
+        out["prefetch_precision"] = round(d["predicted_used"] / d["predicted"], 6) if d.get("predicted") else 0.0
+        out["prefetch_recall"] = round(d["predicted_used"] / d["routed_experts"], 6) if d.get("routed_experts") else 0.0
+        return out
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "finish_reason": self.finish_reason,
@@ -106,6 +126,9 @@ class GenerationStats:
             "host_expert_tokens": self.host_expert_tokens,
             "stage_ms": {k: round(v, 3) for k, v in self.stage_ms.items()},
         }
+        if self.disk:
+            out["disk"] = self.disk_summary()
+        return out
 
 
 class Generation(Iterator[int]):

@@ -61,7 +61,7 @@ class Backend:
             raise BackendUnavailable(f"backend {self.name!r} is {a}")
 
 
-BATCHING_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len", "block_size")
+BATCHING_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len", "block_size", "host_memory")
 
 
 def engine_options(backend: str, *, policy=None, fraction=None, mock_ms=None, mock_hit=None, engine=None, data=None,

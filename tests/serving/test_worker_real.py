@@ -111,3 +111,21 @@ def _kv_bytes_per_token(path) -> int:
 
 def _gauge(text: str, name: str) -> float:
     return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name + "{"))
+
+
+def test_disk_tier_worker_exports_reads_and_stalls(serve, demo_model_dir, tmp_path, monkeypatch):
+    """Experts on disk (a host budget of a few experts per layer): /metrics counts the reads, hits and stalls."""
+    from moe_offload.backends import get_backend
+
+    monkeypatch.setenv("MOE_OFFLOAD_STORE_DIR", str(tmp_path))
+    backend = get_backend("cpu")
+    engine = backend.build_engine(str(demo_model_dir), host_memory=8 << 20)
+    assert engine.executor.disk is not None
+    h = serve(create_app(engine, model_name="demo", tiers=backend.tiers()))
+    with httpx.Client(base_url=h.url, timeout=60) as c:
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 6, "temperature": 0}).status_code == 200
+        metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in c.get("/metrics").text.splitlines()
+                   if line.startswith("moe_offload_")}
+    assert metrics['moe_offload_expert_bytes_moved_total{model_name="demo",tier="disk"}'] > 0
+    assert metrics['moe_offload_disk_demand_reads_total{model_name="demo"}'] > 0
+    assert metrics['moe_offload_disk_stall_seconds_total{model_name="demo"}'] > 0

@@ -163,14 +163,29 @@ class CachedLayerStore(LayerStore):
 
     def wait(self, e: int) -> tuple[torch.Tensor | None, ...]:
         s = self.slot_of[e]
-        fut = self.pending.get(s)
-        if fut is not None:
+        if s in self.pending:
             t0 = time.perf_counter()
-            fut.result()  # re-raises the read's ModelError here, in the request that needed it
+            err = self._settle(s)
             self.disk.stall_s += time.perf_counter() - t0
-            with self._lock:
-                self.pending.pop(s, None)
+            if err is not None:
+                raise err  # the read's ModelError, in the request that needed the expert
         return self.views(e)
+
+    def _settle(self, s: int) -> BaseException | None:
+        """Wait for slot ``s``'s read. A failed read empties the slot (its bytes are not the expert's) and is returned."""
+        fut = self.pending.pop(s, None)
+        if fut is None:
+            return None
+        try:
+            fut.result()
+            return None
+        except Exception as err:  # noqa: BLE001 - handed to the caller that needs this expert
+            e = self.expert_in[s]
+            if e >= 0:
+                self.slot_of[e] = -1
+            self.expert_in[s] = -1
+            self.unused_prefetch.discard(s)
+            return err
 
     def _use(self, s: int) -> None:
         if s in self.lru:
@@ -181,9 +196,7 @@ class CachedLayerStore(LayerStore):
 
     def _start(self, e: int, prefetch: bool) -> None:
         s, _ = self.lru.popitem(last=False)
-        fut = self.pending.pop(s, None)
-        if fut is not None:  # the slot's previous read must land before its buffer is reused
-            fut.result()
+        self._settle(s)  # the slot's previous read must land before its buffer is reused (if it failed: evicted anyway)
         old = self.expert_in[s]
         if old >= 0:
             self.slot_of[old] = -1

@@ -104,3 +104,24 @@ def _float(files, proj: checkpoint.Projection, e: int) -> torch.Tensor:
         return files.slice(proj.fused)[e]
     return torch.cat([files.tensor(proj.parts[e][i]) for i in range(proj.nparts)], dim=0)
 
+
+
+def convert_checkpoint(path: str, dtype: str | None = None, expert_dtype: str | None = None) -> tuple[diskstore.Manifest, bool]:
+    """(the expert store of checkpoint ``path`` as the engine would load it with ``dtype`` / ``expert_dtype``, whether
+    it was written now). What `moe-offload convert` runs; the engine finds the store where this puts it."""
+    from moe_offload.engines.offload.loading.inspection import (
+        DTYPES,
+        check_checkpoint,
+        expert_target,
+        inspect_checkpoint,
+    )
+
+    root = check_checkpoint(path)
+    config, experts, _ = inspect_checkpoint(root, dtype, expert_dtype)
+    method = checkpoint.quant_method(config, str(root))
+    read_as, convert_to = expert_target(method, expert_dtype)
+    cfg_dtype = getattr(config, "dtype", None)
+    compute = DTYPES[dtype] if dtype else (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32)
+    target = convert_to or (method if method and read_as == "stored" else str(compute).removeprefix("torch."))
+    existed = diskstore.read_manifest(store_dir(root, target)) is not None
+    return ensure_store(root, config, experts, method, read_as, convert_to, compute), not existed

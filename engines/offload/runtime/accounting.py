@@ -16,14 +16,19 @@ from moe_offload.engines.base import GenerationStats
 
 
 def snapshot(executor) -> tuple:
-    """(hits, misses, host pairs, bytes copied, stage seconds) so far: cheap enough to take every step."""
+    """(hits, misses, host pairs, bytes copied, stage seconds, disk tier counters) so far: cheap enough to take every
+    step. The disk counters ({} without a disk tier) carry stall_ms."""
     st = getattr(executor, "stats", None)
     if st is None:
-        return (0, 0, 0, 0, {})
+        return (0, 0, 0, 0, {}, {})
     t = st.totals()
     stage = dict(st.stage_s)
     stage["other"] = st.forward_s - sum(stage.values())
-    return (t["hits"], t["misses"], t["host_tokens"], t["bytes_copied"], stage)
+    disk = {}
+    if getattr(st, "disk", None) is not None:
+        disk = dict(st.disk.counts)
+        disk["stall_ms"] = st.disk.stall_s * 1000
+    return (t["hits"], t["misses"], t["host_tokens"], t["bytes_copied"], stage, disk)
 
 
 class Accounting:
@@ -43,6 +48,7 @@ class Accounting:
         after = snapshot(executor)
         hits, misses, host, copied = (after[i] - before[i] for i in range(4))
         stage = {k: v - before[4].get(k, 0.0) for k, v in after[4].items()}
+        disk = {k: v - before[5].get(k, 0) for k, v in after[5].items()}
         acc = executor.tier_names[0]
         n_seq, n_tok = len(scheduled), sum(n for _, n in scheduled)
         q = 0
@@ -61,6 +67,10 @@ class Accounting:
             st.bytes_moved[acc] = st.bytes_moved.get(acc, 0) + copied // n_seq + (copied % n_seq if i == 0 else 0)
             for k, v in stage.items():
                 st.stage_ms[k] = st.stage_ms.get(k, 0.0) + v * 1000 / n_seq
+            for k, v in disk.items():  # reads serve the whole step: shared equally
+                st.disk[k] = st.disk.get(k, 0.0) + v / n_seq
+            if disk:
+                st.bytes_moved["disk"] = st.bytes_moved.get("disk", 0) + disk["disk_bytes"] // n_seq
 
     def finalise(self, s: GenerationStats) -> None:
         """A finished request's per-tier rates, then its sum into the engine's totals (and theirs)."""

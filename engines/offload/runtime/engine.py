@@ -34,7 +34,7 @@ from moe_offload.engines.offload.runtime.sampling import SequenceState
 from moe_offload.engines.offload.runtime.scheduler import RUNNING, Scheduler, SchedulerConfig
 from moe_offload.engines.offload.runtime.scheduler import Sequence as Seq
 from moe_offload.engines.params import ENGINE_FEATURES, SamplingParams
-from moe_offload.errors import ConfigError, EngineError
+from moe_offload.errors import ConfigError, EngineError, ModelError
 from moe_offload.log import get_logger
 
 CACHES = ("paged", "dynamic")
@@ -189,7 +189,8 @@ class OffloadEngine(Engine):
         try:
             with torch.inference_mode():
                 self.output.emit(out, self.runner.forward(out))
-        except RuntimeError as e:  # torch failures (out of memory, a kernel error): these requests fail, not the server
+        except (RuntimeError, ModelError) as e:  # torch failures (out of memory, a kernel error), an expert store that
+            # vanished or was cut short under the disk tier: these requests fail, not the server
             for seq, _ in out.scheduled:
                 if seq.state == RUNNING:
                     req = seq.payload

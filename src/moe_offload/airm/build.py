@@ -30,12 +30,13 @@ def engine_options(cfg) -> dict[str, Any]:
     from moe_offload.backends import engine_options as options
     from moe_offload.control.units import parse_size
 
-    kv = cfg.kv_cache_memory
+    kv, host = cfg.kv_cache_memory, cfg.host_memory
     return options(cfg.backend_name or "", policy=cfg.policy, fraction=cfg.fraction, mock_ms=cfg.mock_ms,
                    mock_hit=cfg.mock_hit, engine=cfg.engine, data=cfg.data, env=cfg.env, max_num_seqs=cfg.max_num_seqs,
                    max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
                    block_size=cfg.block_size, kv_cache_memory=parse_size(kv, "kv_cache_memory") if kv is not None else None,
-                   expert_dtype=cfg.expert_dtype, dense_dtype=cfg.dense_dtype)
+                   expert_dtype=cfg.expert_dtype, dense_dtype=cfg.dense_dtype,
+                   host_memory=parse_size(host, "host_memory") if host is not None else None)
 
 
 def build(cfg, log):

@@ -29,6 +29,7 @@ class RunConfig:
     max_num_seqs: int | None = None  # cpu/cuda: sequences batched per step
     max_num_batched_tokens: int | None = None  # cpu/cuda: tokens per step
     kv_cache_memory: str | None = None  # cpu/cuda: KV budget, bytes or "2GiB"
+    host_memory: str | None = None  # cpu/cuda: host memory for routed experts, bytes or "8GiB" (the rest on disk)
     max_model_len: int | None = None  # cpu/cuda: longest prompt + output
     block_size: int | None = None  # cpu/cuda: tokens per KV block
     expert_dtype: str | None = None  # int8 | fp8 | bf16 (offload engines; None: as the checkpoint stores them)
@@ -99,14 +100,16 @@ class RunConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ContractError(f"config.{name}", "an integer >= 1", v)
-        if self.kv_cache_memory is not None:
+        for name in ("kv_cache_memory", "host_memory"):
+            if getattr(self, name) is None:
+                continue
             from moe_offload.control.units import parse_size
             from moe_offload.errors import ConfigError
 
             try:
-                parse_size(self.kv_cache_memory, "kv_cache_memory")
+                parse_size(getattr(self, name), name)
             except ConfigError:
-                raise ContractError("config.kv_cache_memory", "a memory size (bytes, or e.g. 2GiB)", self.kv_cache_memory) from None
+                raise ContractError(f"config.{name}", "a memory size (bytes, or e.g. 2GiB)", getattr(self, name)) from None
         if self.expert_dtype is not None and self.expert_dtype not in EXPERT_DTYPES:
             raise ContractError("config.expert_dtype", " | ".join(EXPERT_DTYPES), self.expert_dtype)
         if self.dense_dtype is not None and self.dense_dtype not in vocab.DENSE_DTYPES:

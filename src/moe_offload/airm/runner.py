@@ -33,6 +33,7 @@ def decode(workload: Workload, cfg) -> list[Measurement]:
     from moe_offload import log as logmod
     from moe_offload.airm.build import build
     from moe_offload.airm.power import card_power_w
+    from moe_offload.engines.base import GenerationStats
     from moe_offload.engines.params import SamplingParams
     from moe_offload.errors import OffloadError
 
@@ -43,6 +44,7 @@ def decode(workload: Workload, cfg) -> list[Measurement]:
     token_ms: list[float] = []
     decode_ms = 0.0
     hits = routed = 0
+    total = GenerationStats()
     try:
         ids = engine.tokenizer.encode(cfg.prompt)
         params = SamplingParams(max_tokens=cfg.max_new, ignore_eos=True)
@@ -60,6 +62,7 @@ def decode(workload: Workload, cfg) -> list[Measurement]:
             decode_ms += s.decode_ms
             hits += s.hits
             routed += s.hits + s.misses
+            total.add(s)
             log.info("decode_done", run=i, tokens=s.completion_tokens, decode_ms_per_token=round(s.decode_ms_per_token, 3))
     finally:
         engine.close()
@@ -70,6 +73,13 @@ def decode(workload: Workload, cfg) -> list[Measurement]:
         Measurement("airm_tpot_p90_ms", percentile(token_ms, 0.9), "ms", labels),
         Measurement("moe_offload_expert_hit_rate", hits / routed if routed else 0.0, "ratio", labels),
     ]
+    disk = total.disk_summary()
+    if disk:  # the disk tier: experts read from the expert store file into host memory
+        out += [Measurement("moe_offload_disk_bytes_per_token", disk["disk_bytes_per_token"], "bytes", labels),
+                Measurement("moe_offload_host_tier_hit_rate", disk["host_hit_rate"], "ratio", labels),
+                Measurement("moe_offload_disk_stall_ms_per_token", disk["stall_ms_per_token"], "ms", labels),
+                Measurement("moe_offload_prefetch_precision", disk["prefetch_precision"], "ratio", labels),
+                Measurement("moe_offload_prefetch_recall", disk["prefetch_recall"], "ratio", labels)]
     power = card_power_w(backend.name)
     if power:
         out.append(Measurement("airm_power_w", sum(power.values()), "W", {**labels, "scope": "card"}))

@@ -41,7 +41,13 @@ def _require_tokenizer(path: Path) -> None:
         raise ModelError(f"{path}: no tokenizer in the checkpoint directory; a text prompt needs one")
 
 
+HOST_MEMORY_HELP = ("Host memory for routed experts, e.g. 8GiB; experts that do not fit live in an expert store file on "
+                    "disk, host memory caching them (default: what the process's memory limit leaves).")
+
+
 def _engine_options(fn):
+    fn = click.option("--no-prefetch", is_flag=True, help="Disk tier: do not read the next layer's predicted experts ahead.")(fn)
+    fn = click.option("--host-memory", help=HOST_MEMORY_HELP)(fn)
     fn = click.option("--dense-dtype", type=DENSE_DTYPE_CHOICE, help=DENSE_DTYPE_HELP)(fn)
     fn = click.option("--expert-dtype", type=EXPERT_DTYPE_CHOICE, help=EXPERT_DTYPE_HELP)(fn)
     fn = click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Weights dtype (default: the checkpoint's).")(fn)
@@ -53,7 +59,8 @@ def _engine_options(fn):
 
 
 def _build(model: Path, backend: str, policy: str, fraction: float | None, placement: str | None, dtype: str | None,
-           expert_dtype: str | None = None, dense_dtype: str | None = None):
+           expert_dtype: str | None = None, dense_dtype: str | None = None, host_memory: str | None = None,
+           no_prefetch: bool = False):
     from moe_offload.backends import get_backend
 
     if fraction is not None and not 0.0 <= fraction <= 1.0:
@@ -65,6 +72,12 @@ def _build(model: Path, backend: str, policy: str, fraction: float | None, place
         options["expert_dtype"] = expert_dtype
     if dense_dtype:
         options["dense_dtype"] = dense_dtype
+    if host_memory:
+        from moe_offload.control.units import parse_size
+
+        options["host_memory"] = parse_size(host_memory, "--host-memory")
+    if no_prefetch:
+        options["prefetch"] = False
     return get_backend(backend).build_engine(str(model), placement, **options)
 
 
@@ -103,7 +116,7 @@ def demo_model(out: str | None, seed: int) -> None:
 @click.option("--ignore-eos", is_flag=True, help="Keep going after an end-of-sequence token.")
 @click.option("--json", "as_json", is_flag=True, help="Print the token ids, text and stats as JSON.")
 def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype,
-             temperature, top_p, top_k, seed, ignore_eos, as_json) -> None:
+             host_memory, no_prefetch, temperature, top_p, top_k, seed, ignore_eos, as_json) -> None:
     """Generate text with the offload engine; stats go to stderr (or into --json)."""
     from moe_offload.engines.params import SamplingParams
 
@@ -112,7 +125,7 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
     _quiet()
     path = _model_dir(model)
     _require_tokenizer(path)
-    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype)
+    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype, host_memory, no_prefetch)
     try:
         ids = _encode(engine, prompt, chat)
         gen = engine.generate(ids, params)
@@ -218,7 +231,7 @@ def capture_routes(engine, prompts: list[list[int]], max_tokens: int = 1) -> tup
 @_engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
 def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype,
-                as_json) -> None:
+                host_memory, no_prefetch, as_json) -> None:
     """Record the top-k expert ids per MoE layer per token over a prompt set (a routes file for `plan`)."""
     from moe_offload.control.profile import Routes, save_routes
     from moe_offload.control.spec import ModelSpec
@@ -229,7 +242,7 @@ def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction
     _quiet()
     path = _model_dir(model)
     _require_tokenizer(path)
-    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype)
+    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype, host_memory, no_prefetch)
     try:
         spec = ModelSpec.from_hf_config(str(path))
         layers, per_prompt = capture_routes(engine, [_encode(engine, p, chat) for p, _ in rows], max_tokens)
@@ -254,4 +267,28 @@ def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction
                            f"from {len(rows)} prompts" + (f", classes {', '.join(classes)}" if classes else ""))
 
 
-commands = [demo_model, generate, profile_cmd]
+@click.command("convert")
+@click.option("--model", help="Checkpoint directory (default: the demo model).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Compute dtype, as for generate (default: the checkpoint's).")
+@click.option("--expert-dtype", type=EXPERT_DTYPE_CHOICE, help=EXPERT_DTYPE_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the store's path and sizes as JSON.")
+def convert_cmd(model, dtype, expert_dtype, as_json) -> None:
+    """Write the expert store file the disk tier reads: every routed expert once, as the engine stores it (quantized
+    once for --expert-dtype), one aligned record per expert, in $MOE_OFFLOAD_STORE_DIR or ~/.cache/moe-offload/stores.
+    The engine writes it itself when experts do not fit in host memory; this does it ahead of the first run."""
+    import time
+
+    from moe_offload.engines.offload.loading.convert import convert_checkpoint
+
+    _quiet()
+    t0 = time.perf_counter()
+    man, written = convert_checkpoint(str(_model_dir(model)), dtype, expert_dtype)
+    layers = list(man.layers.values())
+    summary = {"store": str(man.dir), "format": man.fmt, "written": written, "seconds": round(time.perf_counter() - t0, 2),
+               "bytes": man.data_bytes, "layers": len(layers), "experts_per_layer": layers[0].num_experts if layers else 0,
+               "record_bytes": layers[0].record_bytes if layers else 0}
+    emit(summary, as_json, f"{'wrote' if written else 'found'} {man.dir}: {man.fmt} experts, {man.data_bytes / 2**30:.2f} GiB, "
+                           f"{len(layers)} layers, {summary['record_bytes']} bytes per expert record")
+
+
+commands = [demo_model, generate, profile_cmd, convert_cmd]

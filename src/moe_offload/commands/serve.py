@@ -34,6 +34,8 @@ def _worker_options(fn):
         click.option("--max-num-seqs", type=int, help="cpu/cuda: sequences decoded together in one step [default: 16]."),
         click.option("--max-num-batched-tokens", type=int, help="cpu/cuda: tokens per step (decode + prefill chunks) [default: 512]."),
         click.option("--kv-cache-memory", help="cpu/cuda: KV cache budget, e.g. 2GiB [default: 4GiB on cpu, 80%% of free memory on cuda]."),
+        click.option("--host-memory", help="cpu/cuda: host memory for routed experts, e.g. 8GiB; those that do not fit "
+                     "live on disk [default: what the process's memory limit leaves]."),
         click.option("--max-model-len", type=int, help="cpu/cuda: longest prompt + output served [default: the model's, capped to the KV budget]."),
         click.option("--block-size", type=int, help="cpu/cuda: tokens per KV block [default: 16]."),
         click.option("--request-timeout", default=600.0, show_default=True, type=float, help="Seconds from arrival to the last token (504 after)."),
@@ -54,7 +56,7 @@ def _worker_options(fn):
 def _run_worker(backend_name: str, model: str | None, *, host, port, placement, policy, fraction, expert_dtype, dense_dtype,
                 mock_ms_per_token,
                 mock_hit_rate, engine_bin, engine_data, served_model_name, api_key, max_queue, request_timeout, max_body_bytes, gateway_url,
-                gateway_token, advertise_url, banner: bool, max_num_seqs=None, max_num_batched_tokens=None, kv_cache_memory=None,
+                gateway_token, advertise_url, banner: bool, max_num_seqs=None, max_num_batched_tokens=None, kv_cache_memory=None, host_memory=None,
                 max_model_len=None, block_size=None, generation_config: str = "auto", tool_call_parser: str = "auto") -> None:
     from moe_offload import backends
     from moe_offload.errors import ConfigError
@@ -76,7 +78,8 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                                       mock_hit=mock_hit_rate, engine=engine_bin, data=engine_data, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                       block_size=block_size,
-                                      kv_cache_memory=parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None)
+                                      kv_cache_memory=parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None,
+                                      host_memory=parse_size(host_memory, "--host-memory") if host_memory else None)
     sock = server.bind(host, port)  # before loading the model: a taken port fails fast
     url = server.url_of(sock)
     name = served_model_name or (Path(model).name if model else ("mock" if backend_name == "mock" else "moe-offload-demo"))

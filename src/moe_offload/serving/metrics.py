@@ -11,9 +11,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from rm_core.metrics import percentile
 
 from moe_offload.serving.classify import CLASSES
+from rm_core.metrics import percentile
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -72,8 +72,15 @@ class WorkerMetrics:
         self.affinity = Gauge("moe_offload_expert_affinity",
                               "Routing signal for gateways: measured hit rate per request class, seeded with the predicted one "
                               "until the class has been measured (class=all: every class).", ["model_name", "class"], registry=r)
-        self.bytes_moved = Counter("moe_offload_expert_bytes_moved", "Expert bytes copied host -> accelerator, per tier.",
+        self.bytes_moved = Counter("moe_offload_expert_bytes_moved", "Expert bytes copied host -> accelerator, per tier "
+                                   "(tier=disk: read from the expert store file into host memory).",
                                    ["model_name", "tier"], registry=r)
+        self.disk = {k: Counter(f"moe_offload_disk_{k}", h, ["model_name"], registry=r).labels(**m) for k, h in (
+            ("demand_reads", "Experts read from the expert store file because a layer asked for them (host tier misses)."),
+            ("prefetch_reads", "Experts read ahead of the router (predicted from the previous layer's hidden state)."),
+            ("prefetch_hits", "Prefetched experts a layer then asked for."),
+            ("host_hits", "Experts a layer asked for that were in host memory (disk tier on)."),
+            ("stall_seconds", "Time the forward waited for expert reads."))}
         self.host_tokens = Counter("moe_offload_host_expert_tokens", "Token-expert pairs computed on the host CPU.",
                                    ["model_name"], registry=r).labels(**m)
         cap = Gauge("moe_offload_memory_tier_capacity_bytes", "Capacity of each memory tier, bytes.", ["tier", "kind", "accelerator"], registry=r)
@@ -132,6 +139,11 @@ class WorkerMetrics:
         for tier, b in stats.bytes_moved.items():
             self.bytes_moved.labels(model_name=m, tier=tier).inc(b)
         self.host_tokens.inc(stats.host_expert_tokens)
+        d = getattr(stats, "disk", None) or {}
+        for k, c in self.disk.items():
+            v = d.get("stall_ms", 0.0) / 1000 if k == "stall_seconds" else d.get(k, 0)
+            if v:
+                c.inc(v)
         routed = stats.hits + stats.misses
         if routed:
             cc = self._class_counts.setdefault(cls, [0, 0])

@@ -166,3 +166,36 @@ def test_store_records_are_aligned_views(tmp_path):
     (tmp_path / diskstore.MANIFEST).write_text("{not json")
     with pytest.raises(ModelError, match="not an expert store manifest"):
         diskstore.read_manifest(tmp_path)
+
+
+def test_engine_reports_the_disk_tier_and_survives_a_store_cut_mid_run(checkpoints, store_dir):
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+    from moe_offload.engines.params import SamplingParams
+    from moe_offload.errors import EngineError
+
+    path = checkpoints("qwen3_moe")
+    ref = list(build_offload_engine(path).generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True)))
+    engine = build_offload_engine(path, host_memory=records(path) * (TOP_K + 1))
+    try:
+        gen = engine.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert list(gen) == ref
+        d = gen.stats.to_dict()["disk"]
+        assert d["disk_reads"] > 0 and d["disk_bytes_per_token"] > 0 and 0 <= d["host_hit_rate"] < 1
+        assert gen.stats.bytes_moved["disk"] == d["disk_bytes"] > 0
+        assert engine.stats()["disk"]["disk_bytes"] == d["disk_bytes"]  # the engine's totals carry it too
+        (store,) = list(store_dir.iterdir())
+        data = store / diskstore.DATA
+        saved = data.read_bytes()
+        data.unlink()  # vanished: the open descriptor still reads the old file, so truncate what it points at
+        with open(data, "wb"):
+            pass
+        os.truncate(f"/proc/self/fd/{engine.executor.layers[0].store.file.fd}", 0)
+        gen = engine.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+        with pytest.raises(EngineError, match="expert store is truncated"):
+            list(gen)
+        os.truncate(f"/proc/self/fd/{engine.executor.layers[0].store.file.fd}", 0)
+        with open(f"/proc/self/fd/{engine.executor.layers[0].store.file.fd}", "wb") as f:
+            f.write(saved)  # the bytes are back: the next request is served, and no slot kept a failed read
+        assert list(engine.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))) == ref
+    finally:
+        engine.close()
