@@ -81,7 +81,23 @@ def _smallest(mount: Path, path: str, name: str, kind: str) -> tuple[int, str] |
     return best
 
 
-RESERVE = 1 << 30  # bytes kept free for the runtime: the interpreter, torch, activations, the allocator's slack
+RESERVE = 1 << 30  # bytes kept free for the runtime when it is not measured (plan_host's default)
+HEADROOM = 256 << 20  # on top of the measured runtime: activations, a prefill chunk's logits, the allocator's slack
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux /proc/self/statm; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def runtime_reserve() -> int:
+    """What the runtime itself holds (the interpreter, torch and transformers, already imported when an engine plans
+    its memory) plus HEADROOM; RESERVE when it cannot be measured."""
+    rss = resident_bytes()
+    return rss + HEADROOM if rss else RESERVE
 MIN_KV_DISK = 256 << 20  # the smallest KV budget the disk tier sizes itself with (when none is asked for)
 
 
@@ -97,10 +113,11 @@ class HostPlan:
 
 
 def plan_host(experts_bytes: int, dense_bytes: int, *, host_memory: int | None = None, kv_asked: int | None = None,
-              kv_default: int = 4 << 30, limit: HostMemory | None = None, dense_on_host: bool = True) -> HostPlan:
+              kv_default: int = 4 << 30, limit: HostMemory | None = None, dense_on_host: bool = True,
+              reserve: int = RESERVE) -> HostPlan:
     """Where the routed experts (``experts_bytes``, as stored) live. ``host_memory``: bytes for experts the user gave
     (--host-memory): the disk tier when they do not fit in it. Otherwise the process's limit (``limit``, default
-    host_memory()) minus the dense weights (when ``dense_on_host``), the KV budget and RESERVE: the disk tier only
+    host_memory()) minus the dense weights (when ``dense_on_host``), the KV budget and ``reserve``: the disk tier only
     when the experts do not fit, and then with a KV budget of ``kv_asked`` or 1/16 of the limit (at least
     MIN_KV_DISK), not the all-in-memory default."""
     if host_memory is not None:
@@ -110,14 +127,15 @@ def plan_host(experts_bytes: int, dense_bytes: int, *, host_memory: int | None =
     limit = limit or host_memory_limit()
     dense = dense_bytes if dense_on_host else 0
     kv = kv_asked if kv_asked is not None else kv_default
-    if experts_bytes + dense + kv + RESERVE <= limit.bytes:
+    if experts_bytes + dense + kv + reserve <= limit.bytes:
         return HostPlan(None, None, f"every expert fits in {limit.source} ({limit.bytes / 2**30:.1f} GiB)")
     kv = kv_asked if kv_asked is not None else max(MIN_KV_DISK, limit.bytes // 16)
-    cache = limit.bytes - dense - kv - RESERVE
+    cache = limit.bytes - dense - kv - reserve
     if cache <= 0:
         cache = 0  # the tiering check names the minimum
-    return HostPlan(cache, kv, f"{limit.source} is {limit.bytes / 2**30:.2f} GiB: experts on disk, "
-                               f"{cache / 2**30:.2f} GiB of host memory caches them")
+    return HostPlan(cache, kv, f"{limit.source} is {limit.bytes / 2**30:.2f} GiB: experts on disk; dense weights "
+                               f"{dense / 2**30:.2f}, KV {kv / 2**30:.2f}, runtime {reserve / 2**30:.2f}, host cache of "
+                               f"experts {cache / 2**30:.2f} GiB")
 
 
 host_memory_limit = host_memory

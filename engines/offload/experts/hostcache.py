@@ -28,8 +28,9 @@ from moe_offload.engines.offload.experts.store import LayerStore
 # host_hits: experts asked for that were in a slot (or on their way, prefetched); demand_reads: asked for, not there,
 # read then. disk_reads/disk_bytes: reads done (demand + prefetch). predicted/predicted_used/routed_experts: the
 # prefetcher's guesses for a layer, how many the router then chose, and how many it chose (precision, recall).
+# prefetch_cancelled: prefetches still queued when their layer ran (dropped: a read that had not started saves nothing).
 COUNTERS = ("host_hits", "demand_reads", "disk_reads", "disk_bytes", "prefetch_reads", "prefetch_hits",
-            "prefetch_wasted_bytes", "predicted", "predicted_used", "routed_experts")
+            "prefetch_cancelled", "prefetch_wasted_bytes", "predicted", "predicted_used", "routed_experts")
 
 
 class DiskStats:
@@ -40,6 +41,8 @@ class DiskStats:
         self.reset()
 
     def reset(self) -> None:
+        # the share of recent prefetch reads a layer then used (each resolved read weighs 1/32; starts optimistic)
+        self.prefetch_useful = 1.0
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.stall_s = 0.0
         self.read_s = 0.0  # summed over the I/O threads (reads overlap: can exceed wall time)
@@ -57,16 +60,20 @@ class DiskStats:
 
 
 class IOPool:
-    """Threads that read records (``os.preadv`` releases the GIL: reads overlap compute and each other)."""
+    """Threads that read records (``os.preadv`` releases the GIL: reads overlap compute and each other). Reads a
+    layer asks for (demand) have ``threads`` threads; prefetches queue on one thread of their own, so a wrong guess
+    never stands in front of a read the forward is waiting for, and the disk's spare time is what prefetch uses."""
 
     def __init__(self, threads: int = 4):
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moe-offload-io")
+        self.demand = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moe-offload-io")
+        self.ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-prefetch")
 
-    def submit(self, fn, *args) -> Future:
-        return self.pool.submit(fn, *args)
+    def submit(self, fn, *args, prefetch: bool = False) -> Future:
+        return (self.ahead if prefetch else self.demand).submit(fn, *args)
 
     def shutdown(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.ahead.shutdown(wait=True, cancel_futures=True)
+        self.demand.shutdown(wait=True, cancel_futures=True)
 
 
 class CachedLayerStore(LayerStore):
@@ -136,6 +143,7 @@ class CachedLayerStore(LayerStore):
         experts not pinned may be asked for at once (the executor chunks), so none evicts another of the same call."""
         ready, loading = [], []
         with self._lock:
+            self._drop_queued_prefetches()
             for e in experts:  # first mark every resident one used, so the reads below evict none of them
                 s = self.slot_of[e]
                 if s >= 0:
@@ -187,12 +195,26 @@ class CachedLayerStore(LayerStore):
             self.unused_prefetch.discard(s)
             return err
 
+    def _drop_queued_prefetches(self) -> None:
+        """The layer runs now: a prefetch whose read has not started saves nothing. Drop it and free its slot (first in
+        line for reuse); an expert the layer needs is then read as a demand read, on the demand threads."""
+        for s in list(self.unused_prefetch):
+            fut = self.pending.get(s)
+            if fut is not None and fut.cancel():
+                del self.pending[s]
+                self.unused_prefetch.discard(s)
+                e = self.expert_in[s]
+                self.slot_of[e], self.expert_in[s] = -1, -1
+                self.lru.move_to_end(s, last=False)
+                self.disk.counts["prefetch_cancelled"] += 1
+
     def _use(self, s: int) -> None:
         if s in self.lru:
             self.lru.move_to_end(s)
         if s in self.unused_prefetch:
             self.unused_prefetch.discard(s)
             self.disk.counts["prefetch_hits"] += 1
+            self.disk.prefetch_useful += (1.0 - self.disk.prefetch_useful) / 32
 
     def _start(self, e: int, prefetch: bool) -> None:
         s, _ = self.lru.popitem(last=False)
@@ -203,12 +225,13 @@ class CachedLayerStore(LayerStore):
             if s in self.unused_prefetch:
                 self.unused_prefetch.discard(s)
                 self.disk.counts["prefetch_wasted_bytes"] += self.entry.record_bytes
+                self.disk.prefetch_useful -= self.disk.prefetch_useful / 32
         self.expert_in[s], self.slot_of[e] = e, s
         self.lru[s] = None
         if prefetch:
             self.unused_prefetch.add(s)
             self.disk.counts["prefetch_reads"] += 1
-        self.pending[s] = self.io.submit(self._read, s, e)
+        self.pending[s] = self.io.submit(self._read, s, e, prefetch=prefetch)
 
     def _read(self, s: int, e: int) -> None:
         t0 = time.perf_counter()

@@ -8,17 +8,27 @@
 The hidden state changes little from one layer's MoE input to the next (a residual stream), so the next router on
 the current state picks most of the next layer's experts (80-89 % on released Qwen3 models, published). The
 router's forward runs without its hooks (its time is not the model's routing time) and without grad.
+
+A prefetch read pays only when the layer then uses it: a wrong one takes disk time from the reads the forward waits
+for and evicts an expert. When the host cache already holds most of what layers ask for, the experts left to read
+are the ones the router's guess gets wrong most often; so prefetching is gated on the measured share of recent
+prefetch reads that were used (DiskStats.prefetch_useful >= USEFUL): below it, only one layer call in PROBE
+prefetches, which keeps the measurement current.
 """
 
 from __future__ import annotations
 
 import torch
 
+USEFUL = 0.5  # prefetch while at least this share of recent prefetch reads were used
+PROBE = 8  # below it, every PROBE-th layer call still prefetches (to notice when guessing pays again)
+
 
 class Prefetcher:
     def __init__(self, routers: list):
         self.routers = routers  # per executor layer position: the router module or None
         self.predicted: dict[int, set[int]] = {}
+        self.calls = 0
 
     def after_route(self, executor, pos: int, x: torch.Tensor, ids: list[int], K: int) -> None:
         """Layer ``pos`` routed to ``ids`` (flat [T*K]) for input ``x`` [T, H]: score the prediction made for it, then
@@ -35,6 +45,9 @@ class Prefetcher:
             return
         store = executor.layers[nxt].store
         if not hasattr(store, "prefetch"):
+            return
+        self.calls += 1
+        if disk.prefetch_useful < USEFUL and self.calls % PROBE:
             return
         order = predict(self.routers[nxt], x, K)
         self.predicted[nxt] = set(order)

@@ -50,14 +50,15 @@ def _placement(path: Path, placement, fraction, policy: str, backend: str, dtype
 def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheConfig, device: str):
     """hostmem.plan_host for this checkpoint: its experts' and dense weights' bytes as the engine will hold them."""
     from moe_offload.engines.offload.loading.inspection import inspect_checkpoint
-    from moe_offload.hostmem import plan_host
+    from moe_offload.hostmem import plan_host, runtime_reserve
 
     if host_memory is not None and (isinstance(host_memory, bool) or not isinstance(host_memory, int) or host_memory < 1):
         raise ConfigError(f"host_memory: expected bytes (an integer >= 1), got {host_memory!r}")
     _, experts, dense = inspect_checkpoint(path, dtype, expert_dtype)
     on_cpu = torch.device(device).type == "cpu"
     plan = plan_host(sum(i.expert_bytes * i.num_experts for i in experts), dense, host_memory=host_memory,
-                     kv_asked=kv_config.kv_cache_memory, dense_on_host=on_cpu, kv_default=DEFAULT_KV_CPU if on_cpu else 0)
+                     kv_asked=kv_config.kv_cache_memory, dense_on_host=on_cpu, kv_default=DEFAULT_KV_CPU if on_cpu else 0,
+                     reserve=runtime_reserve())
     if plan.host_cache is not None:
         from moe_offload.log import get_logger
 
