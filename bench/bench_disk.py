@@ -13,7 +13,7 @@
 Every number is measured in this run: decode ms/token (ours: the engine's own per-step times; llama.cpp: llama-bench
 -n N -r 1 --no-warmup), wall time, time from process start to the first token (wall - decode of the other tokens),
 the process's peak RSS (/usr/bin/time) and the cgroup's peak usage (page cache included), the disk tier's reads.
-The machine's memory bandwidth and the disk's read bandwidth (O_DIRECT, 4 threads) are measured too. Needs root
+The machine's memory bandwidth and the disk's read bandwidth (O_DIRECT, 8 threads) are measured too. Needs root
 (cgroup v1 at /sys/fs/cgroup/memory, /proc/sys/vm/drop_caches). Not part of CI.
 """
 
@@ -39,9 +39,21 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+COLD: list[Path] = []  # the model files each run starts without in the page cache (the software stays warm)
+
+
 def drop_caches() -> None:
+    """Evict the model's files (checkpoint, GGUFs, expert stores) from the page cache: every run starts the model
+    cold, as a first start after a reboot or with other work having used the memory; the interpreter, torch and
+    llama.cpp's binary stay cached (a global drop would charge our start-up with re-reading torch's libraries)."""
     subprocess.run(["sync"], check=True)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    for f in COLD:
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 class Group:
@@ -80,26 +92,36 @@ def ours(group: Group, model: Path, tokens: int, *extra: str) -> dict:
     r = timed(group, [ROOT / ".venv/bin/moe-offload", "generate", "--model", model, "--prompt", PROMPT, "--max-tokens",
                       tokens, "--ignore-eos", "--json", "--policy", "static", *extra])
     if r["rc"] != 0:
-        return {**r, "ok": False, "why": (r["err"].strip().splitlines() or ["?"])[-1][:300]}
+        return {**r, "ok": False, "why": _why(r["err"])}
     d = json.loads(r["out"])
     s = d["stats"]
     ms = s["decode_ms_per_token"]
+    # start to first token: the wall time less the engine's own measured decode steps after the first token
     return {**r, "ok": True, "ms_per_token": ms, "tokens": d["token_ids"], "disk": s.get("disk", {}),
-            "first_token_s": r["wall_s"] - ms * (len(d["token_ids"]) - 1) / 1000, "prefill_ms": s["prefill_ms"]}
+            "first_token_s": r["wall_s"] - s["decode_ms"] / 1000, "prefill_ms": s["prefill_ms"],
+            "prompt_tokens": len(d["prompt_ids"])}
 
 
-def llama(group: Group, gguf: Path, tokens: int, tools) -> dict:
+def llama(group: Group, gguf: Path, tokens: int, tools, prompt: int) -> dict:
+    """llama-bench decode (-p 0 -n tokens), then, in a second cold process, the start to the first token: load and a
+    ``prompt``-token prompt (-p prompt -n 0), the same prompt length the engine's run prefills."""
     r = timed(group, [tools.bench, "-m", gguf, "-p", "0", "-n", tokens, "-t", "2", "-r", "1", "--no-warmup",
                       "-o", "json"])
     if r["rc"] != 0:
-        return {**r, "ok": False, "why": (r["err"].strip().splitlines() or ["?"])[-1][:300]}
+        return {**r, "ok": False, "why": _why(r["err"])}
     rec = [x for x in json.loads(r["out"]) if x.get("n_gen", 0) > 0][0]
-    ms = 1000 / rec["avg_ts"]
-    return {**r, "ok": True, "ms_per_token": ms, "first_token_s": r["wall_s"] - ms * (tokens - 1) / 1000}
+    first = timed(group, [tools.bench, "-m", gguf, "-p", prompt, "-n", "0", "-t", "2", "-r", "1", "--no-warmup",
+                          "-o", "json"])
+    return {**r, "ok": True, "ms_per_token": 1000 / rec["avg_ts"], "first_token_s": first["wall_s"]}
+
+
+def _why(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if not line.startswith("MAXRSS_KB")]
+    return (lines or ["?"])[-1][:300]
 
 
 def disk_bandwidth(store: Path, reads: int = 64) -> float:
-    """GB/s of O_DIRECT record reads from the expert store, 4 threads (what the disk tier's demand reads do)."""
+    """GB/s of O_DIRECT record reads from the expert store, 8 threads (what the disk tier's demand reads do)."""
     import random
     from concurrent.futures import ThreadPoolExecutor
 
@@ -108,12 +130,12 @@ def disk_bandwidth(store: Path, reads: int = 64) -> float:
     man = diskstore.read_manifest(store)
     f = diskstore.StoreFile(man)
     layers = list(man.layers.values())
-    bufs = [diskstore.aligned_empty(layers[0].record_bytes) for _ in range(4)]
+    bufs = [diskstore.aligned_empty(layers[0].record_bytes) for _ in range(8)]
     picks = [(random.choice(layers), random.randrange(layers[0].num_experts)) for _ in range(reads)]
     drop_caches()
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(4) as ex:
-        n = sum(ex.map(lambda i: f.read(picks[i][0], picks[i][1], bufs[i % 4]), range(reads)))
+    with ThreadPoolExecutor(8) as ex:
+        n = sum(ex.map(lambda i: f.read(picks[i][0], picks[i][1], bufs[i % 8]), range(reads)))
     return n / (time.perf_counter() - t0) / 1e9
 
 
@@ -151,6 +173,10 @@ def main(argv=None) -> int:
     from bench_llamacpp import ensure_llamacpp, to_gguf
 
     tools = ensure_llamacpp()
+    from transformers import AutoTokenizer
+
+    # llama-bench's start-up run prefills as many tokens as the engine's prompt has (checked against its run below)
+    prompt_tokens = len(AutoTokenizer.from_pretrained(args.model_dir)(PROMPT)["input_ids"])
     gguf = to_gguf(args.model_dir, "bf16", tools=tools)
     q8 = to_gguf(args.model_dir, "q8_0", tools=tools) if args.int8_limit_gib else None
     # the expert stores, written once (their cost is a one-time step, reported here)
@@ -162,6 +188,8 @@ def main(argv=None) -> int:
         out = subprocess.run([ROOT / ".venv/bin/moe-offload", "convert", "--model", args.model_dir, "--json", *extra],
                              capture_output=True, text=True, check=True).stdout
         conv[label] = {**json.loads(out), "wall_s": time.perf_counter() - t0}
+    COLD.extend([*args.model_dir.glob("*.safetensors"), gguf, *([q8] if q8 else []),
+                 *(Path(c["store"]) / "experts.bin" for c in conv.values())])
     bw = read_bandwidth()
     dbw = disk_bandwidth(Path(conv["bf16"]["store"]))
     limit = int(args.limit_gib * 2**30)
@@ -170,12 +198,12 @@ def main(argv=None) -> int:
     runs: dict[str, list] = {k: [] for k in ("llama", "ours", "ours_nopf", "llama_q8", "ours_int8")}
     for i in range(args.rounds):
         log(f"round {i + 1}/{args.rounds}")
-        runs["llama"].append(llama(lim, gguf, args.tokens, tools))
+        runs["llama"].append(llama(lim, gguf, args.tokens, tools, prompt_tokens))
         runs["ours"].append(ours(lim, args.model_dir, args.tokens))
         runs["ours_nopf"].append(ours(lim, args.model_dir, args.tokens, "--no-prefetch"))
         if q8 is not None:
             l8 = Group("moe-bench-int8", int(args.int8_limit_gib * 2**30))
-            runs["llama_q8"].append(llama(l8, q8, args.tokens, tools))
+            runs["llama_q8"].append(llama(l8, q8, args.tokens, tools, prompt_tokens))
             runs["ours_int8"].append(ours(l8, args.model_dir, args.tokens, "--dtype", "bfloat16", "--expert-dtype",
                                           "int8", "--dense-dtype", "int8"))
         for k, v in runs.items():
@@ -187,11 +215,11 @@ def main(argv=None) -> int:
     free_runs = {}
     if not args.no_unlimited:
         free_runs["ours"] = [ours(free, args.model_dir, args.tokens)]
-        free_runs["llama"] = [llama(free, gguf, args.tokens, tools)]
+        free_runs["llama"] = [llama(free, gguf, args.tokens, tools, prompt_tokens)]
     same = None
     if free_runs and all(r.get("ok") for r in runs["ours"] + free_runs["ours"]):
         same = all(r["tokens"] == free_runs["ours"][0]["tokens"] for r in runs["ours"] + runs["ours_nopf"] if r["ok"])
-    print(f"\nmemory bandwidth {bw / 1e9:.1f} GB/s (fp32 sum), disk {dbw:.2f} GB/s (O_DIRECT record reads, 4 threads); "
+    print(f"\nmemory bandwidth {bw / 1e9:.1f} GB/s (fp32 sum), disk {dbw:.2f} GB/s (O_DIRECT record reads, 8 threads); "
           f"checkpoint {ckpt / 2**30:.2f} GiB, limit {args.limit_gib} GiB ({ckpt / limit:.2f}x below the checkpoint); "
           f"{args.tokens} tokens, {args.rounds} rounds\n")
     print("| run | ms/token (median; each round) | tok/s | vs llama.cpp | start to first token, s | peak RSS / cgroup peak, GiB | disk tier |")
@@ -206,6 +234,8 @@ def main(argv=None) -> int:
         print(row("llama.cpp bf16, no limit", free_runs["llama"]))
         print(row("moe-offload bf16, no limit (all in memory)", free_runs["ours"], free_runs["llama"]))
     print(f"\noutput identical to the unlimited run: {same}")
+    seen = {r.get("prompt_tokens") for v in runs.values() for r in v if r.get("prompt_tokens")}
+    print(f"prompt tokens: engine {sorted(seen)}, llama-bench -p {prompt_tokens}")
     for label, c in conv.items():
         print(f"expert store {label}: {c['bytes'] / 2**30:.2f} GiB, {'written' if c['written'] else 'found'} in "
               f"{c['wall_s']:.1f} s ({c['store']})")

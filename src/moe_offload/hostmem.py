@@ -82,7 +82,7 @@ def _smallest(mount: Path, path: str, name: str, kind: str) -> tuple[int, str] |
 
 
 RESERVE = 1 << 30  # bytes kept free for the runtime when it is not measured (plan_host's default)
-HEADROOM = 256 << 20  # on top of the measured runtime: activations, a prefill chunk's logits, the allocator's slack
+HEADROOM = 128 << 20  # on top of the measured runtime: activations, a prefill chunk's logits, the allocator's slack
 
 
 def resident_bytes() -> int:
@@ -98,7 +98,7 @@ def runtime_reserve() -> int:
     its memory) plus HEADROOM; RESERVE when it cannot be measured."""
     rss = resident_bytes()
     return rss + HEADROOM if rss else RESERVE
-MIN_KV_DISK = 256 << 20  # the smallest KV budget the disk tier sizes itself with (when none is asked for)
+MIN_KV_DISK = 64 << 20  # the smallest KV budget the disk tier sizes itself with (when none is asked for)
 
 
 @dataclass(frozen=True)

@@ -103,3 +103,33 @@ def test_a_real_cgroup_limit_reaches_the_host_tier():
         assert int(r.stdout.strip()) == 3 * GiB
     finally:
         group.rmdir()
+
+
+def test_plan_host_puts_experts_on_disk_only_when_they_do_not_fit():
+    from moe_offload.hostmem import MIN_KV_DISK, HostMemory, plan_host
+
+    GiB = 2**30
+    limit = HostMemory(8 * GiB, "cgroup v1 memory.limit_in_bytes of /pod")
+    fits = plan_host(4 * GiB, GiB, kv_default=GiB, limit=limit, reserve=GiB)
+    assert fits.host_cache is None and fits.kv_bytes is None and "every expert fits" in fits.reason
+    # 15 GiB of experts under 8 GiB: dense 1, KV max(1/16 of the limit, MIN_KV_DISK), runtime 1 -> the rest caches
+    big = plan_host(15 * GiB, GiB, kv_default=4 * GiB, limit=limit, reserve=GiB)
+    assert big.kv_bytes == max(MIN_KV_DISK, limit.bytes // 16)
+    assert big.host_cache == 8 * GiB - GiB - big.kv_bytes - GiB
+    assert "cgroup v1" in big.reason and "experts on disk" in big.reason
+    asked = plan_host(15 * GiB, GiB, kv_asked=2 * GiB, limit=limit, reserve=GiB)
+    assert asked.kv_bytes == 2 * GiB and asked.host_cache == 4 * GiB  # the KV budget asked for is what it counts
+    # --host-memory is the experts' share itself: disk only when they exceed it; a dense GPU model counts no dense
+    assert plan_host(3 * GiB, GiB, host_memory=2 * GiB, limit=limit).host_cache == 2 * GiB
+    assert plan_host(3 * GiB, GiB, host_memory=4 * GiB, limit=limit).host_cache is None
+    gpu = plan_host(7 * GiB, 6 * GiB, kv_default=0, limit=limit, dense_on_host=False, reserve=GiB)
+    assert gpu.host_cache is None
+    assert plan_host(20 * GiB, 10 * GiB, limit=limit, reserve=GiB).host_cache == 0  # the tiering check names the minimum
+
+
+def test_runtime_reserve_is_measured():
+    from moe_offload.hostmem import HEADROOM, resident_bytes, runtime_reserve
+
+    rss = resident_bytes()
+    assert rss > 10 * 2**20  # a Python process with pytest loaded holds well over 10 MiB
+    assert runtime_reserve() >= rss + HEADROOM - 64 * 2**20  # measured again: within what a call can allocate

@@ -168,6 +168,8 @@ class Executor:
         if not self.dry:
             for _, s in hits:
                 cache.touch(s)
+        if hits and getattr(state.store, "pending", None):  # slots aliasing host slots still being read in
+            state.store.settle([g[0] for g, _ in hits])
 
         if not self._cuda and dispatch.fused_experts_ok(module, state.store.tensors[0], hidden_states):
             return self._forward_fused(state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0)

@@ -6,7 +6,10 @@
 
 Per MoE layer: C slots of one record each ([C, record_bytes], ALIGN-aligned, the diskstore layout, so an expert's
 tensors are views of the bytes read). ``pinned`` experts (the placement's resident experts on a CPU accelerator,
-whose slots alias these) are read once and never evicted; the other slots are an LRU. A layer's own cache is the rule
+whose slots alias these) are read once and never evicted; the other slots are an LRU. Pinned experts are read in
+the background from the start (the warm-up, on the prefetch thread, layer after layer); one a forward needs
+before its turn is moved to the demand threads, so the first token waits only for the experts it routes to, as a
+memory-mapped file's first touch would, but with one large read per expert. A layer's own cache is the rule
 the issue's note asks for: each token walks the layers in the same order, and a global LRU (the page cache's) evicts
 the layer that comes next; a share per layer does not.
 
@@ -29,8 +32,10 @@ from moe_offload.engines.offload.experts.store import LayerStore
 # read then. disk_reads/disk_bytes: reads done (demand + prefetch). predicted/predicted_used/routed_experts: the
 # prefetcher's guesses for a layer, how many the router then chose, and how many it chose (precision, recall).
 # prefetch_cancelled: prefetches still queued when their layer ran (dropped: a read that had not started saves nothing).
+# warmup_promoted: pinned experts a forward needed before their background read started (read on demand instead).
 COUNTERS = ("host_hits", "demand_reads", "disk_reads", "disk_bytes", "prefetch_reads", "prefetch_hits",
-            "prefetch_cancelled", "prefetch_wasted_bytes", "predicted", "predicted_used", "routed_experts")
+            "prefetch_cancelled", "prefetch_wasted_bytes", "predicted", "predicted_used", "routed_experts",
+            "warmup_promoted")
 
 
 class DiskStats:
@@ -41,8 +46,9 @@ class DiskStats:
         self.reset()
 
     def reset(self) -> None:
-        # the share of recent prefetch reads a layer then used (each resolved read weighs 1/32; starts optimistic)
-        self.prefetch_useful = 1.0
+        # the share of recent prefetch reads a layer then used (each resolved read weighs 1/32); it starts just below
+        # the prefetcher's gate, so prefetching begins as probes and opens once they are used
+        self.prefetch_useful = 0.49
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.stall_s = 0.0
         self.read_s = 0.0  # summed over the I/O threads (reads overlap: can exceed wall time)
@@ -64,7 +70,7 @@ class IOPool:
     layer asks for (demand) have ``threads`` threads; prefetches queue on one thread of their own, so a wrong guess
     never stands in front of a read the forward is waiting for, and the disk's spare time is what prefetch uses."""
 
-    def __init__(self, threads: int = 4):
+    def __init__(self, threads: int = 8):
         self.demand = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moe-offload-io")
         self.ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-offload-prefetch")
 
@@ -99,9 +105,11 @@ class CachedLayerStore(LayerStore):
         self.pinned = tuple(pinned)
         self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(len(pinned), slots))
         self._lock = threading.Lock()
+        self.warming: set[int] = set()  # pinned slots whose background read is queued or running
         for s, e in enumerate(pinned):
-            self._read(s, e)
             self.slot_of[e], self.expert_in[s] = s, e
+            self.pending[s] = io.submit(self._read, s, e, prefetch=True)
+            self.warming.add(s)
 
     # ---- what a LayerStore answers ----
     @property
@@ -144,6 +152,8 @@ class CachedLayerStore(LayerStore):
         ready, loading = [], []
         with self._lock:
             self._drop_queued_prefetches()
+            self._promote(experts)
+            self._score_prefetches(experts)
             for e in experts:  # first mark every resident one used, so the reads below evict none of them
                 s = self.slot_of[e]
                 if s >= 0:
@@ -194,6 +204,42 @@ class CachedLayerStore(LayerStore):
             self.expert_in[s] = -1
             self.unused_prefetch.discard(s)
             return err
+
+    def settle(self, experts: list[int]) -> None:
+        """Wait until ``experts`` (in slots: pinned ones, which the accelerator's slots alias) are read in."""
+        with self._lock:
+            self._promote(experts)
+        for e in experts:
+            s = self.slot_of[e]
+            if s >= 0 and s in self.pending:
+                self.wait(e)
+
+    def _promote(self, experts: list[int]) -> None:
+        """Warm-up reads of ``experts`` that have not started move to the demand threads (a forward needs them)."""
+        if not self.warming:
+            return
+        for e in experts:
+            s = self.slot_of[e]
+            if s in self.warming:
+                fut = self.pending.get(s)
+                if fut is None or fut.done():
+                    self.warming.discard(s)
+                elif fut.cancel():
+                    self.pending[s] = self.io.submit(self._read, s, e)
+                    self.warming.discard(s)
+                    self.disk.counts["warmup_promoted"] += 1
+
+    def _score_prefetches(self, experts: list[int]) -> None:
+        """A prefetch was for this run of the layer: one it did not ask for now counts as wasted (its slot stays an
+        ordinary LRU entry), so the usefulness the prefetcher is gated on follows each step, not each eviction."""
+        if not self.unused_prefetch:
+            return
+        asked = set(experts)
+        for s in list(self.unused_prefetch):
+            if self.expert_in[s] not in asked:
+                self.unused_prefetch.discard(s)
+                self.disk.counts["prefetch_wasted_bytes"] += self.entry.record_bytes
+                self.disk.prefetch_useful -= self.disk.prefetch_useful / 32
 
     def _drop_queued_prefetches(self) -> None:
         """The layer runs now: a prefetch whose read has not started saves nothing. Drop it and free its slot (first in

@@ -22,6 +22,9 @@ import torch
 
 USEFUL = 0.5  # prefetch while at least this share of recent prefetch reads were used
 PROBE = 8  # below it, every PROBE-th layer call still prefetches (to notice when guessing pays again)
+# steps of more tokens (a prefill, a large batch) route to most of the next layer's experts: its demand reads follow
+# within milliseconds and a guess would only queue in front of them
+MAX_TOKENS = 4
 
 
 class Prefetcher:
@@ -41,17 +44,24 @@ class Prefetcher:
             disk.counts["predicted_used"] += len(guess & chosen)
             disk.counts["routed_experts"] += len(chosen)
         nxt = pos + 1
-        if nxt >= len(executor.layers) or self.routers[nxt] is None or executor.dry:
+        if nxt >= len(executor.layers) or self.routers[nxt] is None or executor.dry or x.shape[0] > MAX_TOKENS:
             return
         store = executor.layers[nxt].store
         if not hasattr(store, "prefetch"):
             return
-        self.calls += 1
-        if disk.prefetch_useful < USEFUL and self.calls % PROBE:
+        # reads ahead only into the slots beyond the layer's own working set (K): with fewer, a wrong guess evicts an
+        # expert the layer is about to use; one token's worth at most
+        room = min(K, store.dynamic - K)
+        if room <= 0:
             return
+        self.calls += 1
+        if disk.prefetch_useful < USEFUL:
+            if self.calls % PROBE:
+                return
+            room = 1  # a probe: the most likely expert only, enough to keep the measurement current
         order = predict(self.routers[nxt], x, K)
         self.predicted[nxt] = set(order)
-        store.prefetch(order)
+        store.prefetch(order[:room])
 
 
 def predict(router, x: torch.Tensor, K: int) -> list[int]:

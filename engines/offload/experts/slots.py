@@ -35,8 +35,8 @@ class SlotCache:
         n = len(pinned) + dynamic
         self.buffer_bytes = (dynamic if alias_pinned else n) * store.expert_bytes  # what the slots allocated on ``device``
         if alias_pinned:
-            for e in pinned:
-                self._add_slot(e, store.expert(e))
+            for e in pinned:  # views only: a disk-backed store may still be reading them (the executor settles hits)
+                self._add_slot(e, store.views(e))
             buffers = _alloc(store, dynamic, device)
             for s in range(dynamic):
                 self._add_slot(-1, _slot_views(buffers, s))

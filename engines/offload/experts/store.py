@@ -69,6 +69,11 @@ class LayerStore:
         """Views of expert ``e``'s tensors (no copy)."""
         return tuple(t[e] if t is not None else None for t in self.tensors)
 
+    def views(self, e: int) -> tuple[torch.Tensor | None, ...]:
+        """Where expert ``e``'s tensors live, without reading them in (a disk-backed store's slot may still be
+        filling: see hostcache.CachedLayerStore.settle)."""
+        return self.expert(e)
+
 
 def convert(store: LayerStore, fmt: str, *, transposed: bool, split: int) -> LayerStore:
     """A float layer in ``fmt``: "int8" | "fp8" | "mxfp4" (quantized per expert; ``transposed``: the float layout is

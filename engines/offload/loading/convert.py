@@ -106,9 +106,9 @@ def _float(files, proj: checkpoint.Projection, e: int) -> torch.Tensor:
 
 
 
-def convert_checkpoint(path: str, dtype: str | None = None, expert_dtype: str | None = None) -> tuple[diskstore.Manifest, bool]:
-    """(the expert store of checkpoint ``path`` as the engine would load it with ``dtype`` / ``expert_dtype``, whether
-    it was written now). What `moe-offload convert` runs; the engine finds the store where this puts it."""
+def _target(path: str, dtype: str | None, expert_dtype: str | None):
+    """(root, config, experts, quant method, read_as, convert_to, compute dtype, stored format name) of a checkpoint
+    loaded with ``dtype`` / ``expert_dtype``, as load_model resolves them."""
     from moe_offload.engines.offload.loading.inspection import (
         DTYPES,
         check_checkpoint,
@@ -123,5 +123,18 @@ def convert_checkpoint(path: str, dtype: str | None = None, expert_dtype: str | 
     cfg_dtype = getattr(config, "dtype", None)
     compute = DTYPES[dtype] if dtype else (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32)
     target = convert_to or (method if method and read_as == "stored" else str(compute).removeprefix("torch."))
+    return root, config, experts, method, read_as, convert_to, compute, target
+
+
+def existing_store(path: str, dtype: str | None = None, expert_dtype: str | None = None) -> diskstore.Manifest | None:
+    """The expert store of checkpoint ``path`` in the format the engine would hold, when one was written."""
+    root, *_, target = _target(path, dtype, expert_dtype)
+    return diskstore.read_manifest(store_dir(root, target))
+
+
+def convert_checkpoint(path: str, dtype: str | None = None, expert_dtype: str | None = None) -> tuple[diskstore.Manifest, bool]:
+    """(the expert store of checkpoint ``path`` as the engine would load it with ``dtype`` / ``expert_dtype``, whether
+    it was written now). What `moe-offload convert` runs; the engine finds the store where this puts it."""
+    root, config, experts, method, read_as, convert_to, compute, target = _target(path, dtype, expert_dtype)
     existed = diskstore.read_manifest(store_dir(root, target)) is not None
     return ensure_store(root, config, experts, method, read_as, convert_to, compute), not existed

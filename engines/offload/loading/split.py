@@ -54,7 +54,7 @@ def load_split(root: Path, config, experts: list, method: str | None, read_as: s
 
 
 def disk_stores(modules: dict, experts: list, manifest: Manifest, slots: dict[int, int], pinned: dict[int, list[int]],
-                threads: int = 4) -> tuple[list[CachedLayerStore], DiskStats, IOPool]:
+                threads: int = 8) -> tuple[list[CachedLayerStore], DiskStats, IOPool]:
     """Per experts module a CachedLayerStore of ``slots[layer]`` host slots (``pinned[layer]`` kept) over its records;
     the modules lose their placeholder weights and keep their biases, as take_from_module leaves them."""
     file = StoreFile(manifest)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
@@ -59,6 +60,13 @@ def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheC
     plan = plan_host(sum(i.expert_bytes * i.num_experts for i in experts), dense, host_memory=host_memory,
                      kv_asked=kv_config.kv_cache_memory, dense_on_host=on_cpu, kv_default=DEFAULT_KV_CPU if on_cpu else 0,
                      reserve=runtime_reserve())
+    if plan.host_cache is None and on_cpu:
+        from moe_offload.engines.offload.loading.convert import existing_store
+
+        if existing_store(str(path), dtype, expert_dtype) is not None:
+            # every expert fits, and an expert store was written: host slots for all of them over it, read in the
+            # background from the start (a forward waits only for what it routes to), one copy in memory
+            plan = dataclasses.replace(plan, host_cache=sys.maxsize, reason=plan.reason + "; read from the expert store")
     if plan.host_cache is not None:
         from moe_offload.log import get_logger
 
@@ -131,7 +139,8 @@ def build_offload_engine(
     plan = _host_plan(path, dtype, expert_dtype, host_memory, kv_config, device)
     if plan.kv_bytes is not None:
         kv_config = dataclasses.replace(kv_config, kv_cache_memory=plan.kv_bytes)
-    if plan.host_cache is not None and fraction is None and placement is None and torch.device(device).type == "cpu":
+    if (plan.host_cache is not None and plan.host_cache < sys.maxsize and fraction is None and placement is None
+            and torch.device(device).type == "cpu"):
         fraction = 0.0  # a CPU accelerator's pinned experts would hold host slots for good: the cache decides
     resolved = _placement(path, placement, fraction, policy, backend, dtype)
     offloaded = load_model(

@@ -102,7 +102,10 @@ def test_expert_dtype_store_equals_in_memory(checkpoints, expert_dtype):
     assert torch.equal(logits, ref[1])
 
 
-def test_prefetch_is_measured_and_changes_no_token(checkpoints):
+def test_prefetch_is_measured_and_changes_no_token(checkpoints, monkeypatch):
+    from moe_offload.engines.offload.experts import prefetch
+
+    monkeypatch.setattr(prefetch, "USEFUL", 0.0)  # the gate open: every decode step's next layer is read ahead
     path = checkpoints("qwen3_moe")
     on = load_tight(path, 0.0, "static", extra=2, prefetch=True)
     off = load_tight(path, 0.0, "static", extra=2, prefetch=False)
@@ -116,6 +119,17 @@ def test_prefetch_is_measured_and_changes_no_token(checkpoints):
     # each read is one record: the bytes are reads times the record size
     rb = {s.store.entry.record_bytes for s in on.executor.layers}
     assert len(rb) == 1 and d_on["disk_bytes"] == d_on["disk_reads"] * rb.pop()
+
+
+def test_prefetch_that_does_not_pay_is_reduced_to_probes(checkpoints, monkeypatch):
+    from moe_offload.engines.offload.experts import prefetch
+
+    monkeypatch.setattr(prefetch, "USEFUL", 1.01)  # never useful enough: one probe read per PROBE layer calls
+    om = load_tight(checkpoints("qwen3_moe"), 0.0, "static", extra=2, prefetch=True)
+    greedy(om.model, PROMPT, N_TOKENS)
+    calls = om.executor.prefetcher.calls
+    assert calls == N_TOKENS - 1  # decode steps (the prefill's 8 tokens are too many to guess for), 2 MoE layers
+    assert om.executor.stats.snapshot()["disk"]["prefetch_reads"] <= calls // prefetch.PROBE
 
 
 def test_budget_below_the_working_set_names_the_minimum(checkpoints):
@@ -199,3 +213,32 @@ def test_engine_reports_the_disk_tier_and_survives_a_store_cut_mid_run(checkpoin
         assert list(engine.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))) == ref
     finally:
         engine.close()
+
+
+def test_a_written_store_is_read_lazily_when_every_expert_fits(checkpoints):
+    """With an expert store on disk and room for every expert, the engine reads them in the background from the
+    store (one copy in memory, a forward waits only for what it routes to): same tokens, every expert read once."""
+    from moe_offload.engines.offload.loading.convert import convert_checkpoint
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+    from moe_offload.engines.params import SamplingParams
+
+    path = checkpoints("qwen3_moe")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    plain = build_offload_engine(path)
+    assert plain.executor.disk is None  # no store yet: the in-memory load
+    ref = list(plain.generate(PROMPT, params))
+    plain.close()
+    man, written = convert_checkpoint(path)
+    assert written and convert_checkpoint(path)[1] is False  # written once, found after
+    engine = build_offload_engine(path)
+    layers = engine.executor.layers
+    assert all(s.store.num_slots == s.store.num_experts == len(s.cache.pinned) for s in layers)
+    assert list(engine.generate(PROMPT, params)) == ref
+    stores = [s.store for s in layers]
+    engine.close()  # waits for the background reads
+    # every slot holds its expert's record: the bytes the in-memory engine computed with
+    mem = load_model(path, None)
+    for st, ref_layer in zip(stores, mem.executor.layers):
+        assert all(f.done() and f.exception() is None for f in st.pending.values())
+        for e in range(st.num_experts):
+            assert torch.equal(st.views(e)[0], ref_layer.store.expert(e)[0])
