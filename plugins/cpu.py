@@ -6,7 +6,7 @@ does not. With fraction 0 it is the "all experts on the host" baseline.
 
 from __future__ import annotations
 
-from moe_offload.backends import Backend, host_memory_bytes, host_tier, node_name
+from moe_offload.backends import Backend, disk_tier, host_memory_bytes, host_tier, node_name
 from moe_offload.hooks import hookimpl
 from rm_core import MemoryTier
 
@@ -26,6 +26,7 @@ class CpuBackend(Backend):
                 labels={"emulates": "device-hbm", "shares": "host"},
             ),
             host_tier(),
+            disk_tier(),
         ]
 
     def build_engine(self, model=None, placement=None, **options):

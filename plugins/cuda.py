@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-from moe_offload.backends import Availability, Backend, host_tier, node_name
+from moe_offload.backends import Availability, Backend, disk_tier, host_tier, node_name
 from moe_offload.hooks import hookimpl
 from rm_core import MemoryTier
 
@@ -98,7 +98,7 @@ class CudaBackend(Backend):
                     accelerator=f"{node_name()}/nvidia:{physical}",  # the card, as nvidia-smi numbers it
                 )
             )
-        return tiers + [host_tier()]
+        return tiers + [host_tier(), disk_tier()]
 
     def build_engine(self, model=None, placement=None, **options):
         self.require()

@@ -97,6 +97,14 @@ def host_tier() -> MemoryTier:
                       labels={"node": node_name(), "limit": mem.source})
 
 
+def disk_tier() -> MemoryTier:
+    """The disk tier: free space of the filesystem that holds expert store files (experts beyond host memory)."""
+    from moe_offload.hostmem import disk_free
+
+    free, where = disk_free()
+    return MemoryTier(name="disk", kind="disk", capacity_bytes=free, labels={"node": node_name(), "path": where})
+
+
 def _allow_list() -> set[str] | None:
     raw = os.environ.get("MOE_OFFLOAD_PLUGINS")
     if raw is None:

@@ -139,3 +139,21 @@ def plan_host(experts_bytes: int, dense_bytes: int, *, host_memory: int | None =
 
 
 host_memory_limit = host_memory
+
+STORE_ENV = "MOE_OFFLOAD_STORE_DIR"
+
+
+def store_root() -> Path:
+    """Where expert store files live (the disk tier): $MOE_OFFLOAD_STORE_DIR, else ~/.cache/moe-offload/stores."""
+    return Path(os.environ.get(STORE_ENV) or Path.home() / ".cache" / "moe-offload" / "stores")
+
+
+def disk_free(path: Path | None = None) -> tuple[int, str]:
+    """(free bytes, the directory measured) of the filesystem that holds ``path`` (default: store_root()), measured
+    at its nearest existing ancestor (the store directory may not exist yet)."""
+    import shutil
+
+    p = Path(path or store_root()).expanduser()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free, str(p)

@@ -111,3 +111,24 @@ def test_budget_split_and_limits():
         plan_budget(spec, ["1GiB"])
     with pytest.raises(ConfigError, match=">= 0"):
         plan_budget(spec, ["-5GiB"])
+
+
+def test_budget_puts_what_host_memory_cannot_hold_on_the_disk_tier():
+    from rm_core import MemoryTier
+
+    spec = ModelSpec.from_hf_config(QWEN3_30B_A3B)
+    routed = spec.routed_expert_bytes
+    host = MemoryTier("host", "host-dram", routed // 2, labels={"limit": "cgroup v1 memory.limit_in_bytes of /pod"})
+    disk = MemoryTier("disk", "disk", 10 * routed)
+    b = plan_budget(spec, ["23GiB"], context=4096, host=host, disk=disk)
+    assert b.disk is disk and b.disk_holds == {"routed experts (all, once)": routed}
+    assert b.host_holds == {"routed experts (a cache)": routed // 2}
+    assert any("holds 50% of the routed experts" in n and "cgroup v1" in n for n in b.notes)
+    d = b.to_dict()
+    assert d["disk"]["holds"]["routed experts (all, once)"] == routed and d["host"]["capacity_bytes"] == routed // 2
+    assert "disk (disk" in b.text() and "a cache of the routed experts" in b.text()
+    # a host that holds every expert: no disk tier in the plan
+    roomy = MemoryTier("host", "host-dram", 2 * routed)
+    assert plan_budget(spec, ["23GiB"], host=roomy, disk=disk).disk is None
+    small_disk = MemoryTier("disk", "disk", routed // 4)
+    assert any("less than the expert store" in n for n in plan_budget(spec, ["23GiB"], host=host, disk=small_disk).notes)

@@ -14,7 +14,6 @@ safetensors sizes and mtimes) and stored format; `moe-offload convert` writes on
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from pathlib import Path
 
@@ -23,14 +22,10 @@ import torch
 from moe_offload.engines.offload.experts import diskstore
 from moe_offload.engines.offload.experts.store import LayerStore, finalize
 from moe_offload.engines.offload.loading import architecture, checkpoint
+from moe_offload.hostmem import store_root
 from moe_offload.log import get_logger
 
-STORE_ENV = "MOE_OFFLOAD_STORE_DIR"
 log = get_logger("moe_offload.convert")
-
-
-def stores_root() -> Path:
-    return Path(os.environ.get(STORE_ENV) or Path.home() / ".cache" / "moe-offload" / "stores")
 
 
 def store_dir(root: Path, target: str) -> Path:
@@ -40,7 +35,7 @@ def store_dir(root: Path, target: str) -> Path:
     for f in sorted([root / "config.json", *root.glob("*.safetensors")]):
         st = f.stat()
         h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return stores_root() / f"{root.name}-{target}-{h.hexdigest()[:16]}"
+    return store_root() / f"{root.name}-{target}-{h.hexdigest()[:16]}"
 
 
 def meta_model(config, dtype: torch.dtype):

@@ -107,14 +107,16 @@ def _budget(spec, accelerators, tiers, context, batch, reserve, layout):
     from moe_offload.control.budget import plan_budget
     from moe_offload.control.placement import accelerator_tiers, host_tier_name
 
-    host = None
+    host = disk = None
     if tiers:
         host_name = host_tier_name(tiers)
         host = next((t for t in tiers if t.name == host_name), None)
+        disk = next((t for t in tiers if t.kind == "disk"), None)
         accelerators = list(accelerators) + accelerator_tiers(tiers)
     if not accelerators:
         raise ConfigError("give --accelerator SIZE (repeatable), --backend NAME or --hardware NAME")
-    return plan_budget(spec, list(accelerators), context=context, batch=batch, reserve=reserve, layout=layout, host=host)
+    return plan_budget(spec, list(accelerators), context=context, batch=batch, reserve=reserve, layout=layout, host=host,
+                       disk=disk)
 
 
 def _parse_slots(text: str) -> list[int]:

@@ -4,7 +4,8 @@ Non-expert weights (attention, norms, routers, shared experts, dense MLPs,
 embeddings, LM head) and the KV cache must be on an accelerator; what is left
 becomes expert slots, the same number in every MoE layer (at least top-k, or
 none: a layer needs its K experts of one token resident at once to compute
-them there). The host store holds every routed expert once.
+them there). The host store holds every routed expert once when the host tier's capacity (the process's memory
+limit) allows; otherwise it holds what fits and the disk tier (the expert store file) holds every expert once.
 
 Layouts: ``first`` (default; the engine's layout) puts every non-expert weight
 and the KV cache on the first accelerator, the others hold only expert slots;
@@ -57,6 +58,8 @@ class BudgetPlan:
     batch: int
     layout: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    disk: MemoryTier | None = None  # the disk tier when the host cannot hold every routed expert
+    disk_holds: dict[str, int] = field(default_factory=dict)
 
     @property
     def slots(self) -> dict[str, int]:
@@ -81,7 +84,10 @@ class BudgetPlan:
         return {"model": self.model, "context": self.context, "batch": self.batch, "layout": self.layout,
                 "experts_per_layer": self.experts_per_layer, "resident_fraction": self.resident_fraction,
                 "accelerators": [a.to_dict() for a in self.accelerators],
-                "host": {"tier": self.host.name, "holds": dict(self.host_holds)}, "notes": list(self.notes)}
+                "host": {"tier": self.host.name, "capacity_bytes": self.host.available_bytes, "holds": dict(self.host_holds)},
+                "disk": {"tier": self.disk.name, "capacity_bytes": self.disk.available_bytes, "holds": dict(self.disk_holds)}
+                if self.disk is not None else None,
+                "notes": list(self.notes)}
 
     def text(self) -> str:
         lines = [f"{self.model}: context {self.context} x batch {self.batch}, layout {self.layout}"]
@@ -93,10 +99,18 @@ class BudgetPlan:
             if a.note:
                 lines.append(f"      note: {a.note}")
         total = sum(self.slots.values())
-        lines.append(f"  host ({self.host.name}): every routed expert once; {self.experts_per_layer - total} of "
-                     f"{self.experts_per_layer} experts per layer only there")
+        if self.disk is None:
+            lines.append(f"  host ({self.host.name}): every routed expert once; {self.experts_per_layer - total} of "
+                         f"{self.experts_per_layer} experts per layer only there")
+        else:
+            lines.append(f"  host ({self.host.name}, {format_size(self.host.available_bytes)}): a cache of the routed "
+                         "experts over the disk tier")
         for what, n in self.host_holds.items():
             lines.append(f"      {what:28} {format_size(n):>12}")
+        if self.disk is not None:
+            lines.append(f"  disk ({self.disk.name}, {format_size(self.disk.available_bytes)} free): the expert store file")
+            for what, n in self.disk_holds.items():
+                lines.append(f"      {what:28} {format_size(n):>12}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -121,10 +135,13 @@ def _span(r: range) -> str:
 
 
 def plan_budget(spec, accelerators: Sequence[int | str | MemoryTier], context: int = 4096, batch: int = 1,
-                reserve: int | str = 0, layout: str = "first", host: MemoryTier | None = None) -> BudgetPlan:
+                reserve: int | str = 0, layout: str = "first", host: MemoryTier | None = None,
+                disk: MemoryTier | None = None) -> BudgetPlan:
     """Expert slots per MoE layer on each accelerator (bytes: ints, ``"47.5GiB"`` strings or MemoryTiers,
     whose ``available_bytes`` count). ``reserve`` bytes are kept free on every accelerator
-    (activations, workspace). Raises PlacementError when the non-expert weights do not fit."""
+    (activations, workspace). ``host``: the host tier (its capacity: the process's memory limit); when it cannot
+    hold every routed expert, ``disk`` (default: a tier of unknown size) holds them and the host caches what fits.
+    Raises PlacementError when the non-expert weights do not fit."""
     if not accelerators:
         raise ConfigError("budget needs at least one accelerator (e.g. --accelerator 47.5GiB)")
     if layout not in LAYOUTS:
@@ -170,8 +187,22 @@ def plan_budget(spec, accelerators: Sequence[int | str | MemoryTier], context: i
     if spec.kv_unknown_kinds:  # the engine runs them; only their cache size is not known here
         n = sum(t in spec.kv_unknown_kinds for t in spec.layer_types)
         notes.append(f"KV cache of layer kinds {', '.join(spec.kv_unknown_kinds)} ({n} layers) unknown: not counted")
-    host_holds = {"routed experts (all, once)": spec.routed_expert_bytes}
+    routed = spec.routed_expert_bytes
+    host_holds = {"routed experts (all, once)": routed}
+    disk_holds: dict[str, int] = {}
     if host is None:
-        host = MemoryTier("host", "host-dram", spec.routed_expert_bytes, labels={"sized": "routed experts"})
-    return BudgetPlan(spec.name, tuple(out), host, host_holds, E, context, batch, layout, tuple(notes))
+        host = MemoryTier("host", "host-dram", routed, labels={"sized": "routed experts"})
+    elif host.available_bytes < routed:
+        cached = max(host.available_bytes, 0)
+        host_holds = {"routed experts (a cache)": cached}
+        disk = disk or MemoryTier("disk", "disk", 0, labels={"sized": "unknown"})
+        disk_holds = {"routed experts (all, once)": routed}
+        notes.append(f"host memory ({format_size(host.available_bytes)}, {host.labels.get('limit', 'its capacity')}) "
+                     f"holds {cached / routed:.0%} of the routed experts: the rest are read from the disk tier")
+        if disk.available_bytes and disk.available_bytes < routed:
+            notes.append(f"the disk tier has {format_size(disk.available_bytes)} free, less than the expert store "
+                         f"({format_size(routed)})")
+    else:
+        disk = None
+    return BudgetPlan(spec.name, tuple(out), host, host_holds, E, context, batch, layout, tuple(notes), disk, disk_holds)
 
