@@ -36,6 +36,8 @@ def test_gateway_defaults_from_environment(monkeypatch):
         ({"max_new": 0}, "config.max_new"),
         ({"env": '{"A": 1}'}, "config.env[A]"),
         ({"mock_hit": 2}, "config.mock_hit"),
+        ({"host_memory": "lots"}, "config.host_memory"),
+        ({"kv_cache_memory": "2 parsecs"}, "config.kv_cache_memory"),
     ],
 )
 def test_bad_config(config, field):
@@ -49,3 +51,10 @@ def test_unknown_key_lists_valid_ones():
         RunConfig.parse({"bogus": 1})
     for key in ("backend", "model", "placement", "kv_transport", "block"):
         assert key in str(err.value)
+
+
+def test_host_memory_reaches_the_engine_options():
+    from moe_offload.airm.build import engine_options
+
+    cfg = RunConfig.parse({"backend": "cpu", "host_memory": "6GiB"})
+    assert engine_options(cfg)["host_memory"] == 6 * 2**30

@@ -219,9 +219,10 @@ class StoreFile:
             self.fd = -1
 
 
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    """A uint8 tensor of ``nbytes`` whose first byte is ALIGN-aligned (O_DIRECT's requirement), zero pages committed."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` whose first byte is ALIGN-aligned (O_DIRECT's requirement); ``pin``: page-locked
+    (CUDA copies from it are asynchronous DMA). Unpinned, no page is committed until written."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % ALIGN
     return raw[start: start + nbytes]
 

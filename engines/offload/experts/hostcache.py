@@ -88,11 +88,12 @@ class CachedLayerStore(LayerStore):
     it first when it is not in a slot. ``biases``: (up_bias [E, 2I] | None, down_bias [E, H] | None), in memory."""
 
     def __init__(self, file: diskstore.StoreFile, entry: diskstore.LayerEntry, slots: int, pinned: list[int],
-                 biases: tuple, compute_dtype: torch.dtype, io: IOPool, stats: DiskStats):
+                 biases: tuple, compute_dtype: torch.dtype, io: IOPool, stats: DiskStats, pin: bool = False):
         if not len(pinned) <= slots <= entry.num_experts:
             raise ValueError(f"{entry.name}: {slots} host slots for {len(pinned)} pinned of {entry.num_experts} experts")
         self.file, self.entry, self.io, self.disk = file, entry, io, stats
-        self.buf = diskstore.aligned_empty(slots * entry.record_bytes).view(slots, entry.record_bytes)
+        # pinned on CUDA: fetches into the accelerator's slots copy from here by DMA
+        self.buf = diskstore.aligned_empty(slots * entry.record_bytes, pin=pin).view(slots, entry.record_bytes)
         up, down, us, ds = diskstore.views(entry, self.buf)
         self.ub, self.db = biases
         # biases stay [E, ...] in memory (small); the weights are [C, ...] slot views

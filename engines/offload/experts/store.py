@@ -142,7 +142,8 @@ def take_from_module(module: torch.nn.Module, pin: bool, stored: tuple | None = 
     else:
         store = LayerStore(tuple(tensors), compute)
     del tensors
-    store, rows = finalize(store, module, pin, stored is None, convert_to)
+    was_float = stored is None  # a dequantized checkpoint keeps its layout (direct.py never reads transposed experts)
+    store, rows = finalize(store, module, pin, was_float, convert_to)
     if rows:
         module.is_transposed = False
     if pin:  # one layer at a time: peak extra host memory is one layer's experts

@@ -36,7 +36,7 @@ from moe_offload.engines.offload.loading.inspection import (
     expert_target,
     inspect_checkpoint,
 )
-from moe_offload.errors import ConfigError, PlacementError
+from moe_offload.errors import ConfigError, ModelError, PlacementError
 from rm_core import Placement
 
 EXPERT_DTYPES = tuple(vocab.EXPERT_DTYPES)  # --expert-dtype: quantize a float checkpoint's experts at load, or dequantize
@@ -118,17 +118,31 @@ def load_model(
         host_slots = tiering.host_slots(experts, manifest, layout, host_cache, _top_k(config),
                                         alias=dev.type == "cpu")
         model, _ = load_split(root, config, experts, method, read_as, load_dtype, read_experts=False)
-    elif method is not None:
+    else:
         from moe_offload.engines.offload.loading.split import load_split
 
-        model, stored = load_split(root, config, experts, method, read_as, load_dtype)
-    else:
-        kwargs = {"experts_implementation": IMPLEMENTATION}
-        if torch_dtype is not None:
-            kwargs["dtype"] = torch_dtype
-        # The text path only: an omni model's speech talker is not loaded, its thinker is what runs.
-        kwargs.update(architecture.text_only(config))
-        model = architecture.text_path(architecture.model_class(config).from_pretrained(root, **kwargs))
+        # experts read as stored (quantized) or by offset into the store (float): one copy, never through
+        # from_pretrained's stacking; None: a layout direct.py does not cover
+        loaded = None
+        if method is not None:
+            loaded = load_split(root, config, experts, method, read_as, load_dtype)
+        elif _direct(config):
+            try:
+                loaded = load_split(root, config, experts, method, read_as, load_dtype)
+            except (AttributeError, TypeError, ValueError, KeyError, ModelError) as e:  # a wrapper config or a
+                # conversion it does not reproduce: the slower from_pretrained path loads it instead
+                from moe_offload.log import get_logger
+
+                get_logger("moe_offload.loader").debug("direct expert load off", reason=f"{type(e).__name__}: {e}")
+        if loaded is not None:
+            model, stored = loaded
+        else:
+            kwargs = {"experts_implementation": IMPLEMENTATION}
+            if torch_dtype is not None:
+                kwargs["dtype"] = torch_dtype
+            # The text path only: an omni model's speech talker is not loaded, its thinker is what runs.
+            kwargs.update(architecture.text_only(config))
+            model = architecture.text_path(architecture.model_class(config).from_pretrained(root, **kwargs))
     model.eval()
 
     executor = Executor(dev, policy, (acc_tier, host_tier), hybrid_threshold)
@@ -141,7 +155,8 @@ def load_model(
         from moe_offload.engines.offload.loading.split import disk_stores
 
         pinned = {layer: p for layer, (p, _) in layout.items()} if dev.type == "cpu" else {}
-        cached, executor.disk, executor.io = disk_stores(modules, experts, manifest, host_slots, pinned)
+        cached, executor.disk, executor.io = disk_stores(modules, experts, manifest, host_slots, pinned,
+                                                         pin=dev.type == "cuda")
         stores = [(info, modules[info.name], st) for info, st in zip(experts, cached)]
     for info in experts if host_cache is None else ():
         module = modules[info.name]
@@ -280,6 +295,14 @@ def _install_hooks(model, executor: Executor, experts_modules, modules) -> list:
                 break
         found.append(router if router is not None and router is not m else None)
     return found
+
+
+def _direct(config) -> bool:
+    """Float experts read by offset into the store (direct.py) rather than through from_pretrained: every family
+    but the omni wrappers, whose text path loads from a sub-config ($MOE_OFFLOAD_DIRECT_LOAD=0: never)."""
+    import os
+
+    return os.environ.get("MOE_OFFLOAD_DIRECT_LOAD", "1") != "0" and not architecture.text_only(config)
 
 
 def _top_k(config) -> int:

@@ -22,18 +22,39 @@ from moe_offload.engines.offload.experts.hostcache import CachedLayerStore, Disk
 from moe_offload.engines.offload.experts.store import module_tensor_names
 from moe_offload.engines.offload.loading import checkpoint
 from moe_offload.engines.offload.loading.convert import meta_model
+from moe_offload.engines.offload.loading.direct import Offsets, read_float_layer
 from moe_offload.errors import ModelError
 
 
 def load_split(root: Path, config, experts: list, method: str | None, read_as: str, dtype: torch.dtype,
                read_experts: bool = True):
-    """(model with placeholder experts, {experts module: (up, down, up_scale, down_scale)} when ``read_experts``)."""
+    """(model with placeholder experts, {experts module: (up, down, up_scale, down_scale)} when ``read_experts``), or
+    None for a float checkpoint whose experts direct.read_float_layer does not cover (transposed)."""
     meta = meta_model(config, dtype)
     modules = dict(meta.named_modules())
+    if read_experts and method is None and any(modules[i.name].is_transposed for i in experts):
+        return None
     with checkpoint.Files(root) as files:
-        sources = checkpoint.find_sources(meta, experts, files.keys(), method)
+        try:
+            sources = checkpoint.find_sources(meta, experts, files.keys(), method)
+        except ModelError:
+            if method is None and read_experts:  # a conversion this reader does not reproduce: from_pretrained's turn
+                return None
+            raise
         stored = {}
-        if read_experts:
+        if read_experts and method is None:  # float: each expert tensor read into the store's rows, nothing twice
+            from concurrent.futures import ThreadPoolExecutor
+
+            offsets = Offsets(root)
+            try:
+                with ThreadPoolExecutor(8, thread_name_prefix="moe-offload-load") as pool:
+                    for i in experts:
+                        up, down = read_float_layer(offsets, sources[i.name], modules[i.name], i.num_experts, dtype,
+                                                    pool)
+                        stored[i.name] = (up, down, None, None)
+            finally:
+                offsets.close()
+        elif read_experts:
             stored = {i.name: checkpoint.read_layer(files, sources[i.name], modules[i.name], i.num_experts, method,
                                                     read_as, torch.bfloat16) for i in experts}
         skip = set().union(*(s.keys(method) for s in sources.values()))
@@ -54,7 +75,7 @@ def load_split(root: Path, config, experts: list, method: str | None, read_as: s
 
 
 def disk_stores(modules: dict, experts: list, manifest: Manifest, slots: dict[int, int], pinned: dict[int, list[int]],
-                threads: int = 8) -> tuple[list[CachedLayerStore], DiskStats, IOPool]:
+                threads: int = 8, pin: bool = False) -> tuple[list[CachedLayerStore], DiskStats, IOPool]:
     """Per experts module a CachedLayerStore of ``slots[layer]`` host slots (``pinned[layer]`` kept) over its records;
     the modules lose their placeholder weights and keep their biases, as take_from_module leaves them."""
     file = StoreFile(manifest)
@@ -71,7 +92,7 @@ def disk_stores(modules: dict, experts: list, manifest: Manifest, slots: dict[in
         params = [module._parameters.pop(n).detach() if n is not None else None for n in names]
         compute = params[0].dtype
         store = CachedLayerStore(file, entry, slots[info.layer], pinned.get(info.layer, []), (params[2], params[3]),
-                                 compute, io, stats)
+                                 compute, io, stats, pin=pin)
         if info.name in rows:
             module.is_transposed = False
         for n, t in zip(names, (store.tensors[0], store.tensors[1], params[2], params[3])):
