@@ -242,3 +242,31 @@ def _tiers():
 
     return [MemoryTier("cpu:0", "host-dram", 2**34, accelerator="n/cpu:0", labels={"emulates": "device-hbm"}),
             MemoryTier("host", "host-dram", 2**34)]
+
+
+def test_disk_tier_reads_follow_the_host_slots(one_tier):
+    spec = ModelSpec.from_hf_config(moe_config())
+    cal = Calibration.assumed("cpu").with_values(disk_read_bytes_per_s=1e9)
+    pl = place(spec, one_tier, 0.0)
+    E, K, L, nbytes = spec.num_experts, spec.top_k, spec.num_moe_layers, spec.expert_bytes
+    base = predict(spec, pl, "static", cal)
+    assert base.disk_ms == 0 and base.host_tier_hit_rate is None
+    every = predict(spec, pl, "static", cal, host_slots=E)  # every expert in host memory: nothing read
+    assert every.disk_ms == 0 and every.host_tier_hit_rate == 1.0
+    assert math.isclose(every.ms_per_token, base.ms_per_token)
+    quarter = predict(spec, pl, "static", cal, host_slots=E // 4)  # uniform routing: 1/4 of the asked-for hit
+    assert math.isclose(quarter.host_tier_hit_rate, 0.25)
+    assert math.isclose(quarter.disk_bytes_per_token, L * K * 0.75 * nbytes)
+    assert math.isclose(quarter.disk_ms, 1000 * L * K * 0.75 * nbytes / 1e9)
+    assert quarter.ms_per_token > base.ms_per_token and any("disk tier" in a for a in quarter.assumptions)
+    given = predict(spec, pl, "static", cal, host_slots=E // 4, host_hit_rate=0.9)  # a measured host hit rate
+    assert math.isclose(given.disk_bytes_per_token, L * K * 0.1 * nbytes) and math.isclose(given.host_tier_hit_rate, 0.9)
+    slower = predict(spec, pl, "static", cal.with_values(disk_read_bytes_per_s=1e8), host_slots=E // 4)
+    assert slower.ms_per_token > quarter.ms_per_token
+
+
+def test_calibration_files_without_a_disk_rate_still_load():
+    d = Calibration.assumed("cpu").to_dict()
+    del d["disk_read_bytes_per_s"]
+    cal = Calibration.from_dict(d)
+    assert cal.value("disk_read_bytes_per_s") == 1e9 and cal.sources()["disk_read_bytes_per_s"] == "assumed"

@@ -241,6 +241,47 @@ def overheads_ms(dev: torch.device, top_k: int, tokens: int = 24, runs: int = 2)
     return per_layer, per_step, how
 
 
+def disk_bandwidth(nbytes: int, chunk: int = 4 << 20, threads: int = 8) -> tuple[float, str]:
+    """(bytes/s, how) of reads from the disk tier's filesystem as the host cache does them: a file of ``nbytes``
+    written in the store directory, dropped from the page cache, read back in ``chunk`` records with O_DIRECT (where
+    the filesystem allows), ``threads`` in flight; the file is removed after."""
+    import os
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moe_offload.engines.offload.experts import diskstore
+    from moe_offload.hostmem import store_root
+
+    root = store_root()
+    root.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix="calibrate-", suffix=".bin", dir=root)
+    try:
+        block = os.urandom(chunk)
+        for _ in range(nbytes // chunk):
+            os.write(fd, block)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        fd = -1
+        try:
+            rfd, direct = os.open(name, os.O_RDONLY | os.O_DIRECT), True
+        except OSError:
+            rfd, direct = os.open(name, os.O_RDONLY), False
+        bufs = [memoryview(diskstore.aligned_empty(chunk).numpy()) for _ in range(threads)]
+        offsets = list(range(0, nbytes // chunk * chunk, chunk))
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            n = sum(ex.map(lambda i: os.preadv(rfd, [bufs[i % threads]], offsets[i]), range(len(offsets))))
+        dt = time.perf_counter() - t0
+        os.close(rfd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        os.unlink(name)
+    return n / dt, (f"{n >> 20} MiB in {chunk >> 20} MiB reads, {threads} in flight, "
+                    f"{'O_DIRECT' if direct else 'buffered'}, from {root}")
+
+
 def calibrate(device: str = "cpu", spec=None, *, quick: bool = False, overhead: bool = True) -> Calibration:
     """Measure a Calibration on ``device`` ("cpu" | "cuda[:N]") for ``spec``'s expert shape (a ModelSpec,
     or None: hidden 1024, intermediate 512, bf16). ``quick`` uses small buffers (tests);
@@ -281,6 +322,12 @@ def calibrate(device: str = "cpu", spec=None, *, quick: bool = False, overhead: 
         step_q = Quantity(per_step, "measured", ovh_how + ": the rest, per step")
     else:
         ovh_q, step_q = Calibration.assumed(dev.type).layer_overhead_ms, Calibration.assumed(dev.type).step_overhead_ms
+    try:
+        disk, disk_how = disk_bandwidth((32 if quick else 512) << 20)
+        disk_q = Quantity(disk, "measured", disk_how)
+    except OSError as e:  # a read-only or full store directory: the assumed rate, saying why
+        disk_q = Quantity(Calibration.assumed(dev.type).value("disk_read_bytes_per_s"), "assumed",
+                          f"not measured: {e}")
     m = "measured"
     return Calibration(
         device=str(dev),
@@ -294,6 +341,7 @@ def calibrate(device: str = "cpu", spec=None, *, quick: bool = False, overhead: 
                                           if dev.type == "cuda" else "copy of one expert into a preallocated slot buffer")),
         layer_overhead_ms=ovh_q,
         step_overhead_ms=step_q,
+        disk_read_bytes_per_s=disk_q,
         machine=_machine(dev),
         when=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         expert_shape={"hidden": H, "intermediate": I, "dtype": str(dtype).removeprefix("torch."), "expert_bytes": ebytes,

@@ -100,9 +100,13 @@ def calibrate_cmd(device: str, model: str | None, out: str | None, quick: bool, 
               help="Price the routed experts as stored in this format: int8, fp8, bf16 as the engine's --expert-dtype "
                    "holds them; bfloat16, float16, q8_0, q4_0, mxfp4; or bytes per parameter (default: as the "
                    "checkpoint stores them).")
+@click.option("--host-memory", default=None,
+              help="Host memory for routed experts (e.g. 6GiB) when they live on disk: predicts the disk tier's reads.")
+@click.option("--host-hit-rate", type=click.FloatRange(0, 1), default=None,
+              help="With --host-memory: use this host-tier hit rate (e.g. the measured `stats.disk.host_hit_rate`).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def predict_cmd(model, placement_path, fraction, policy, calibration_path, hardware, device, profile_path, hit_rate, tokens,
-                context, expert_dtype, as_json) -> None:
+                context, expert_dtype, host_memory, host_hit_rate, as_json) -> None:
     """Predicted ms/token of a placement under each miss policy, with its breakdown (a prediction, not a measurement)."""
     from moe_offload.control import placement as P
     from moe_offload.control.costmodel import predict
@@ -120,6 +124,15 @@ def predict_cmd(model, placement_path, fraction, policy, calibration_path, hardw
     expert_dtype = parse_expert_dtype(expert_dtype)  # any other format (q8_0, q4_0, ...) or bytes per parameter
     profile = Profile.load(profile_path).check(spec) if profile_path else None
     policies = MISS_POLICIES if policy == "all" else (policy,)
+    host_slots = None
+    if host_memory is not None:
+        from moe_offload.control.units import parse_size
+
+        # the engine gives each MoE layer an equal share of slots (records rounded up to 4 KiB, as stored)
+        record = -(-spec.expert_bytes // 4096) * 4096
+        host_slots = parse_size(host_memory, "--host-memory") // (record * spec.num_moe_layers)
+    elif host_hit_rate is not None:
+        raise ConfigError("--host-hit-rate needs --host-memory (the disk tier)")
     preds = []
     for pol in policies:
         if placement_path:
@@ -133,7 +146,7 @@ def predict_cmd(model, placement_path, fraction, policy, calibration_path, hardw
                                         P.for_miss_policy(pol, P.fraction_slots(spec, fraction), spec.num_experts),
                                         profile)
         preds.append(predict(spec, placement, pol, cal, hit_rates=hit_rate, profile=profile, tokens=tokens, context=context,
-                             expert_dtype=expert_dtype))
+                             expert_dtype=expert_dtype, host_slots=host_slots, host_hit_rate=host_hit_rate))
     lines = [f"{spec.name}: PREDICTED ms/token ({tokens} token{'s' if tokens > 1 else ''} per step, context {context}); "
              f"calibration {cal.label()}"]
     lines += prediction_rows(preds)

@@ -52,6 +52,9 @@ def prediction_rows(preds) -> list[str]:
         lines.append(f"  {p.policy:6} on {p.placement_policy:8} {p.ms_per_token:9.3f} ms/token ({p.tokens_per_s:7.1f} tok/s)"
                      f"  device experts {b['device_experts_ms']:.3f}, host experts {b['host_experts_ms']:.3f}, "
                      f"fetch {b['fetch_ms']:.3f}, dense {b['dense_ms']:.3f}, overhead {b['overhead_ms']:.3f}"
+                     + (f", disk {b['disk_ms']:.3f}" if b["disk_ms"] else "")
                      + (f", overlap {b['overlap_ms']:.3f}" if b["overlap_ms"] else "")
-                     + f"; hit rate {p.accelerator_hit_rate:.1%}")
+                     + f"; hit rate {p.accelerator_hit_rate:.1%}"
+                     + (f", host tier {p.host_tier_hit_rate:.1%} ({p.disk_bytes_per_token / 1e6:.1f} MB read/token)"
+                        if p.host_tier_hit_rate is not None else ""))
     return lines

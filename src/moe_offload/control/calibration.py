@@ -31,7 +31,10 @@ FIELD_HELP = {
     "bus_bytes_per_s": "host -> accelerator copy of one expert into a slot, bytes/s",
     "layer_overhead_ms": "fixed time per decoder layer and step (dispatch, router, norms, executor), ms",
     "step_overhead_ms": "fixed time per step outside the layers (embedding, LM head dispatch, sampling, loop), ms",
+    "disk_read_bytes_per_s": "expert store reads (O_DIRECT, 4 MiB, 8 in flight) from the disk tier's filesystem, bytes/s",
 }
+OPTIONAL = {"step_overhead_ms", "disk_read_bytes_per_s"}  # files written before these existed still load
+DISK_ASSUMED = 1e9  # bytes/s: an NVMe SSD's effective random-read rate for MiB-sized records (not measured)
 QUANTITIES = tuple(FIELD_HELP)
 
 
@@ -61,10 +64,10 @@ def _q(value, source="assumed", how="") -> Quantity:
 _ASSUMED = {
     "cuda": dict(device_read_bytes_per_s=2.0e12, device_gemv_bytes_per_s=1.2e12, device_expert_bytes_per_s=6e11,
                  device_expert_flops_per_s=2e14, host_expert_bytes_per_s=2e10, host_expert_flops_per_s=1e11,
-                 bus_bytes_per_s=25e9, layer_overhead_ms=0.15, step_overhead_ms=0.5),
+                 bus_bytes_per_s=25e9, layer_overhead_ms=0.15, step_overhead_ms=0.5, disk_read_bytes_per_s=DISK_ASSUMED),
     "cpu": dict(device_read_bytes_per_s=2e10, device_gemv_bytes_per_s=1e10, device_expert_bytes_per_s=1e10,
                 device_expert_flops_per_s=1e11, host_expert_bytes_per_s=1e10, host_expert_flops_per_s=1e11,
-                bus_bytes_per_s=10e9, layer_overhead_ms=0.3, step_overhead_ms=0.5),
+                bus_bytes_per_s=10e9, layer_overhead_ms=0.3, step_overhead_ms=0.5, disk_read_bytes_per_s=DISK_ASSUMED),
 }
 
 
@@ -86,6 +89,8 @@ class Calibration:
     bus_bytes_per_s: Quantity
     layer_overhead_ms: Quantity
     step_overhead_ms: Quantity = Quantity(0.0, "assumed", "not given")
+    disk_read_bytes_per_s: Quantity = Quantity(DISK_ASSUMED, "assumed", "an NVMe SSD's effective read rate; "
+                                                                       "`moe-offload calibrate` measures it")
     machine: str = ""
     when: str = ""
     expert_shape: Mapping[str, Any] = field(default_factory=dict)
@@ -175,12 +180,13 @@ class Calibration:
             raise ConfigError(f"calibration: expected a JSON object, got {type(data).__name__}")
         if data.get("format", FORMAT) != FORMAT:
             raise ConfigError(f"calibration: expected format {FORMAT!r}, got {data.get('format')!r}")
-        missing = [n for n in ("device", *QUANTITIES) if n not in data and n != "step_overhead_ms"]
+        missing = [n for n in ("device", *QUANTITIES) if n not in data and n not in OPTIONAL]
         if missing:
             raise ConfigError(f"calibration lacks {missing[0]!r}")
         kw: dict[str, Any] = {"device": data["device"]}
         for name in QUANTITIES:
-            v = data.get(name, {"value": 0.0, "source": "assumed", "how": "absent from the file"})
+            default = DISK_ASSUMED if name == "disk_read_bytes_per_s" else 0.0
+            v = data.get(name, {"value": default, "source": "assumed", "how": "absent from the file"})
             if isinstance(v, Mapping):
                 unknown = set(v) - {"value", "source", "how"}
                 if unknown or "value" not in v:

@@ -15,6 +15,10 @@ n = T*K/u tokens per expert, h = accelerator hit rate under the policy):
     CUDA overlaps the host's misses with the device's work (max); on a CPU "device" they add up.
     + dense weights (attention, norms, routers, shared experts, LM head) / device GEMV bandwidth
     + KV cache read / device read bandwidth  + per-layer fixed overhead x layers + per-step fixed overhead
+    disk tier (host_slots C per layer, the rest of the experts in the expert store file): of the experts a layer
+    asks the host for, a share g (the host tier's hit rate: given, Che's LRU approximation on the profile's
+    counts, else C/E) is in memory; the others are read:  u*(1-h)*(1-g) x expert bytes / disk read bandwidth,
+    overlapping the compute of the g in memory (the engine computes those while the reads run)
 
 Every number a Prediction carries is labelled predicted; every Calibration field says whether it was
 measured (where, when, how) or assumed. Pure Python: no torch, no numpy at import.
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
 from moe_offload.control.calibration import Calibration, load_calibration
+from moe_offload.control.hitrates import _host_name, _layer_split, host_tier_rates, layer_hit_rates
 from moe_offload.control.vocab import EXPERT_DTYPE_BYTES, MISS_POLICIES
 from moe_offload.errors import ConfigError, PlacementError
 
@@ -93,64 +98,6 @@ def _fetch_pays(cal, nbytes, params, n) -> bool:
 # ---- hit rates --------------------------------------------------------------------------------------------
 
 
-def _layer_split(placement, host: str):
-    """Per layer: (pinned mask [E] as bools, dynamic slots on accelerators)."""
-    out = []
-    for lp in placement.layers:
-        pinned = [h != host for h in lp.home]
-        dynamic = sum(max(0, lp.dynamic(t)) for t in lp.slots if t != host)
-        out.append((pinned, dynamic))
-    return out
-
-
-def _host_name(placement) -> str:
-    from moe_offload.control.placement import host_tier_name
-
-    return host_tier_name(placement.tiers) or placement.host_tier or placement.tiers[-1].name
-
-
-def layer_hit_rates(spec, placement, policy: str, profile=None) -> tuple[list[float], str]:
-    """Predicted accelerator hit rate per MoE layer under ``policy``, and where it comes from.
-
-    Pinned experts hit exactly (profile counts, else uniform routing). Dynamic slots count only under
-    lru/hybrid (static never fills them): Che's LRU approximation with a profile, d/E without one.
-    """
-    host = _host_name(placement)
-    split = _layer_split(placement, host)
-    E = spec.num_experts
-    rates = []
-    if profile is not None:
-        from moe_offload.control.placement import _che_hits
-
-        np = _np()
-        for li, (pinned, dyn) in enumerate(split):
-            counts = profile.counts[li].astype(np.float64)
-            total = float(counts.sum())
-            if total == 0:
-                rates.append(0.0)
-                continue
-            mask = np.array(pinned)
-            hits = float(counts[mask].sum())
-            if dyn and policy != "static":
-                hits += _che_hits(counts[~mask], dyn)
-            rates.append(min(1.0, hits / total))
-        return rates, f"profile {profile.source}" if getattr(profile, "source", None) else "profile"
-    for pinned, dyn in split:
-        p = sum(pinned)
-        d = min(dyn, E - p) if policy != "static" else 0
-        rates.append((p + d) / E)
-    return rates, "uniform routing (no profile)"
-
-
-def _np():
-    import numpy as np
-
-    return np
-
-
-# ---- predict ----------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Prediction:
     """Predicted (never measured) time of one decode step; ms are per generated token."""
@@ -164,7 +111,7 @@ class Prediction:
     fetch_ms: float
     dense_ms: float
     overhead_ms: float
-    overlap_ms: float  # host work hidden behind the accelerator's (CUDA); subtracted from the sum
+    overlap_ms: float  # host work hidden behind the accelerator's (CUDA), and reads behind compute; subtracted
     accelerator_hit_rate: float
     hit_rate_source: str
     fetches_per_token: float
@@ -174,13 +121,16 @@ class Prediction:
     calibration_sources: Mapping[str, str] = field(default_factory=dict)
     assumptions: tuple[str, ...] = ()
     label: str = "predicted"
+    disk_ms: float = 0.0  # reading experts from the disk tier (before the overlap)
+    host_tier_hit_rate: float | None = None  # the disk tier's: share of asked-for experts already in host memory
+    disk_bytes_per_token: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return 1000 / self.ms_per_token if self.ms_per_token > 0 else float("inf")
 
     def breakdown(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in ("device_experts_ms", "host_experts_ms", "fetch_ms", "dense_ms",
+        return {k: getattr(self, k) for k in ("device_experts_ms", "host_experts_ms", "fetch_ms", "disk_ms", "dense_ms",
                                               "overhead_ms", "overlap_ms")}
 
     def to_dict(self) -> dict[str, Any]:
@@ -206,7 +156,8 @@ def _distinct(E: int, K: int, T: int) -> float:
 
 
 def predict(spec, placement, policy: str, calibration: Calibration, *, hit_rates=None, profile=None, tokens: int = 1,
-            context: int = 0, hybrid_threshold: int | None = None, expert_dtype=None) -> Prediction:
+            context: int = 0, hybrid_threshold: int | None = None, expert_dtype=None, host_slots: int | None = None,
+            host_hit_rate: float | None = None) -> Prediction:
     """Predicted ms/token of a decode step of ``tokens`` tokens (1 = plain decode) with ``placement``
     under miss ``policy`` (static | lru | hybrid) on ``calibration``'s machine.
 
@@ -215,7 +166,9 @@ def predict(spec, placement, policy: str, calibration: Calibration, *, hit_rates
     ``profile``, else uniform routing. ``context``: tokens already in the KV cache (read every step).
     ``hybrid_threshold``: tokens per expert from which hybrid fetches (default: from the calibration).
     ``expert_dtype``: the routed experts' stored format (a name of ``EXPERT_DTYPE_BYTES`` or bytes per parameter),
-    when it differs from the config's dtype; the dense weights keep the config's.
+    when it differs from the config's dtype; the dense weights keep the config's. ``host_slots``: experts per layer
+    host memory holds when the rest live on disk (the disk tier); ``host_hit_rate``: its hit rate, if known
+    (measured), else predicted by ``host_tier_rates``.
     """
     if policy not in MISS_POLICIES:
         raise ConfigError(f"policy: expected one of {', '.join(MISS_POLICIES)}, got {policy!r}")
@@ -257,8 +210,12 @@ def predict(spec, placement, policy: str, calibration: Calibration, *, hit_rates
     act_ms = 0.0
     if cal.overlaps_host:  # activations to the host and outputs back: 2 x n x H per host-computed expert
         act_ms = 1000 * 2 * n * spec.hidden_size * spec.dtype_bytes / cal.value("bus_bytes_per_s")
-    dev_t = host_t = fetch_t = overlap = fetches = 0.0
-    for (pinned, dyn), h in zip(split, rates):
+    dev_t = host_t = fetch_t = overlap = fetches = disk_t = reads = 0.0
+    grates = None
+    if host_slots is not None:
+        grates = ([host_hit_rate] * len(split) if host_hit_rate is not None
+                  else host_tier_rates(spec, placement, host_slots, profile))
+    for li, ((pinned, dyn), h) in enumerate(zip(split, rates)):
         hits, misses = u * h, u * (1 - h)
         fetch = dyn > 0 and (policy == "lru" or (policy == "hybrid" and n >= threshold))
         ld, lf, lh = hits * dev_one, 0.0, 0.0
@@ -270,6 +227,12 @@ def predict(spec, placement, policy: str, calibration: Calibration, *, hit_rates
             lh = misses * (host_one + act_ms)
         if cal.overlaps_host:
             overlap += min(ld + lf, lh)
+        if grates is not None:  # the experts asked of host memory that are on disk are read first
+            g = grates[li]
+            n_read = misses * (1 - g)
+            ldisk = 1000 * n_read * nbytes / cal.value("disk_read_bytes_per_s")
+            overlap += min(ldisk, (lh + lf) * g)  # reads run while the experts already in memory compute
+            disk_t, reads = disk_t + ldisk, reads + n_read
         dev_t, fetch_t, host_t = dev_t + ld, fetch_t + lf, host_t + lh
     if policy != "static" and any(d == 0 for _, d in split):
         assumptions.append("layers without dynamic slots compute their misses on the host")
@@ -287,7 +250,11 @@ def predict(spec, placement, policy: str, calibration: Calibration, *, hit_rates
     overhead = cal.value("layer_overhead_ms") * spec.num_layers + cal.value("step_overhead_ms")
     if source.startswith("uniform"):
         assumptions.append("routing uniform over experts (no profile)")
-    total = dev_t + host_t + fetch_t + dense + overhead - overlap
+    if grates is not None:
+        assumptions.append(f"disk tier: {host_slots} host slots per layer, host hit rate "
+                           f"{'given' if host_hit_rate is not None else 'predicted (' + ('profile' if profile is not None else 'uniform routing') + ')'}"
+                           f"; reads overlap the in-memory experts' compute, not each other's wait")
+    total = dev_t + host_t + fetch_t + disk_t + dense + overhead - overlap
     per = 1.0 / T
     return Prediction(
         policy=policy, placement_policy=placement.policy, tokens=T, ms_per_token=total * per,
@@ -295,7 +262,9 @@ def predict(spec, placement, policy: str, calibration: Calibration, *, hit_rates
         overhead_ms=overhead * per, overlap_ms=-overlap * per,
         accelerator_hit_rate=sum(rates) / len(rates) if rates else 0.0, hit_rate_source=source,
         fetches_per_token=fetches * per, bytes_moved_per_token=fetches * nbytes * per, hybrid_threshold=threshold,
-        calibration=cal.label(), calibration_sources=cal.sources(), assumptions=tuple(assumptions))
+        calibration=cal.label(), calibration_sources=cal.sources(), assumptions=tuple(assumptions),
+        disk_ms=disk_t * per, disk_bytes_per_token=reads * nbytes * per,
+        host_tier_hit_rate=sum(grates) / len(grates) if grates else None)
 
 
 def _override_rate(hit_rates, host: str) -> float:
