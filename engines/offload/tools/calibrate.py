@@ -194,8 +194,10 @@ class _TimerOn(_Timer):
         return out
 
 
-def _tiny_step_ms(dev: torch.device, layers: int, top_k: int, tokens: int, runs: int) -> tuple[float, float]:
-    """(median decode ms/token, ms of one tiny expert call) of a tiny all-resident Qwen3-MoE through the real engine."""
+def _tiny_step_ms(dev: torch.device, layers: int, top_k: int, tokens: int, runs: int,
+                  dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """(median decode ms/token, ms of one tiny expert call) of a tiny all-resident Qwen3-MoE through the real engine,
+    in ``dtype`` (bf16 on the CPU takes the fused decode path, as a bf16 model's decode steps do)."""
     from transformers import Qwen3MoeConfig
 
     from moe_offload.demo import save_random_model
@@ -206,7 +208,7 @@ def _tiny_step_ms(dev: torch.device, layers: int, top_k: int, tokens: int, runs:
     cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=max(8, top_k),
                          num_experts_per_tok=top_k, vocab_size=256, max_position_embeddings=512,
-                         tie_word_embeddings=False, dtype="float32")
+                         tie_word_embeddings=False, dtype=str(dtype).removeprefix("torch."))
     with tempfile.TemporaryDirectory(prefix="moe-calibrate-") as tmp:
         save_random_model(tmp, cfg)
         engine = OffloadEngine(load_model(tmp, None, policy="static", device=str(dev)), None, backend=dev.type)
@@ -222,21 +224,24 @@ def _tiny_step_ms(dev: torch.device, layers: int, top_k: int, tokens: int, runs:
             best = statistics.quantiles(steps, n=4)[0] if len(steps) > 1 else steps[0]
             module = engine.model.model.layers[0].mlp.experts
             w = engine.executor.layers[0].cache.weights[0]
-            x = torch.full((1, 64), 0.5, dtype=torch.float32, device=dev)
+            x = torch.full((1, 64), 0.5, dtype=dtype, device=dev)
             call = _cycling(_Timer(dev), [lambda: expert_forward(module, x, *w)] * 64, 5)
         finally:
             engine.close()
     return best, call * 1000
 
 
-def overheads_ms(dev: torch.device, top_k: int, tokens: int = 24, runs: int = 2) -> tuple[float, float, str]:
-    """(per-layer ms, per-step ms, how): tiny all-resident models of 1 and 4 layers through the real engine,
-    their expert calls subtracted; the slope over layers is per layer, the rest per step."""
-    (one, call), (four, _) = _tiny_step_ms(dev, 1, top_k, tokens, runs), _tiny_step_ms(dev, 4, top_k, tokens, runs)
+def overheads_ms(dev: torch.device, top_k: int, tokens: int = 24, runs: int = 2,
+                 dtype: torch.dtype = torch.float32) -> tuple[float, float, str]:
+    """(per-layer ms, per-step ms, how): tiny all-resident models of 1 and 4 layers in ``dtype`` through the real
+    engine, their expert calls subtracted; the slope over layers is per layer, the rest per step."""
+    (one, call), (four, _) = (_tiny_step_ms(dev, 1, top_k, tokens, runs, dtype),
+                              _tiny_step_ms(dev, 4, top_k, tokens, runs, dtype))
     one_x, four_x = one - top_k * call, four - 4 * top_k * call  # without their expert calls
     per_layer = max(0.0, (four_x - one_x) / 3)
     per_step = max(0.0, one_x - per_layer)
-    how = (f"tiny qwen3_moe (hidden 64, top-{top_k}) all resident, 1 and 4 layers: {one:.3f} / {four:.3f} ms/token "
+    how = (f"tiny qwen3_moe (hidden 64, top-{top_k}, {str(dtype).removeprefix('torch.')}) all resident, 1 and 4 "
+           f"layers: {one:.3f} / {four:.3f} ms/token "
            f"minus expert calls of {call * 1000:.1f} us")
     return per_layer, per_step, how
 
@@ -317,7 +322,8 @@ def calibrate(device: str = "cpu", spec=None, *, quick: bool = False, overhead: 
             host_how = "dispatch.expert_forward on the host CPU"
         bus = bus_bandwidth(dev, H, I, dtype, cache_bytes, fmt)
     if overhead:
-        per_layer, per_step, ovh_how = overheads_ms(dev, min(k, 8), *((10, 1) if quick else (24, 3)))
+        # in the model's compute dtype: a bf16 model decodes through the fused path on the CPU, an fp32 one does not
+        per_layer, per_step, ovh_how = overheads_ms(dev, min(k, 8), *((10, 1) if quick else (24, 3)), dtype=dtype)
         ovh_q = Quantity(per_layer, "measured", ovh_how + ": slope per layer")
         step_q = Quantity(per_step, "measured", ovh_how + ": the rest, per step")
     else:
