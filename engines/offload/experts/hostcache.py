@@ -9,8 +9,8 @@ tensors are views of the bytes read). ``pinned`` experts (the placement's reside
 whose slots alias these) are read once and never evicted; the other slots are an LRU. Pinned experts are read in
 the background from the start (the warm-up, on the prefetch thread, layer after layer); one a forward needs
 before its turn is moved to the demand threads, so the first token waits only for the experts it routes to, as a
-memory-mapped file's first touch would, but with one large read per expert. A layer's own cache is the rule
-the issue's note asks for: each token walks the layers in the same order, and a global LRU (the page cache's) evicts
+memory-mapped file's first touch would, but with one large read per expert. A cache per layer is deliberate:
+each token walks the layers in the same order, and a global LRU (the page cache's) evicts
 the layer that comes next; a share per layer does not.
 
 Legend: E experts, C host slots of the layer, P pinned experts, D = C - P dynamic slots.
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from moe_offload.engines.offload.experts import diskstore
 from moe_offload.engines.offload.experts.store import LayerStore
+from moe_offload.engines.offload.experts.tiercache import TierSlots
 
 # host_hits: experts asked for that were in a slot (or on their way, prefetched); demand_reads: asked for, not there,
 # read then. disk_reads/disk_bytes: reads done (demand + prefetch). predicted/predicted_used/routed_experts: the
@@ -82,7 +82,7 @@ class IOPool:
         self.demand.shutdown(wait=True, cancel_futures=True)
 
 
-class CachedLayerStore(LayerStore):
+class CachedLayerStore(LayerStore, TierSlots):
     """One layer's experts in C host slots over its records in the store file. ``tensors`` are the slots' views
     ([C, ...], so format and per-expert bytes read as a LayerStore's); ``expert(e)`` returns expert e's views, reading
     it first when it is not in a slot. ``biases``: (up_bias [E, 2I] | None, down_bias [E, H] | None), in memory."""
@@ -99,16 +99,12 @@ class CachedLayerStore(LayerStore):
         # biases stay [E, ...] in memory (small); the weights are [C, ...] slot views
         super().__init__((up, down, self.ub, self.db, us, ds), compute_dtype)
         self._E = entry.num_experts
-        self.slot_of = [-1] * self._E
-        self.expert_in = [-1] * slots
+        self._init_slots(self._E, pinned, slots)
         self.pending: dict[int, Future] = {}  # slot -> read in flight
         self.unused_prefetch: set[int] = set()  # slots filled by a prefetch and not asked for yet
-        self.pinned = tuple(pinned)
-        self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(len(pinned), slots))
         self._lock = threading.Lock()
         self.warming: set[int] = set()  # pinned slots whose background read is queued or running
-        for s, e in enumerate(pinned):
-            self.slot_of[e], self.expert_in[s] = s, e
+        for s, e in enumerate(self.pinned):
             self.pending[s] = io.submit(self._read, s, e, prefetch=True)
             self.warming.add(s)
 
@@ -116,14 +112,6 @@ class CachedLayerStore(LayerStore):
     @property
     def num_experts(self) -> int:
         return self._E
-
-    @property
-    def num_slots(self) -> int:
-        return self.buf.shape[0]
-
-    @property
-    def dynamic(self) -> int:
-        return len(self.lru)
 
     @property
     def nbytes(self) -> int:
@@ -199,10 +187,7 @@ class CachedLayerStore(LayerStore):
             fut.result()
             return None
         except Exception as err:  # noqa: BLE001 - handed to the caller that needs this expert
-            e = self.expert_in[s]
-            if e >= 0:
-                self.slot_of[e] = -1
-            self.expert_in[s] = -1
+            self.release(s)
             self.unused_prefetch.discard(s)
             return err
 
@@ -250,9 +235,7 @@ class CachedLayerStore(LayerStore):
             if fut is not None and fut.cancel():
                 del self.pending[s]
                 self.unused_prefetch.discard(s)
-                e = self.expert_in[s]
-                self.slot_of[e], self.expert_in[s] = -1, -1
-                self.lru.move_to_end(s, last=False)
+                self.release(s)
                 self.disk.counts["prefetch_cancelled"] += 1
 
     def _use(self, s: int) -> None:
@@ -264,17 +247,13 @@ class CachedLayerStore(LayerStore):
             self.disk.prefetch_useful += (1.0 - self.disk.prefetch_useful) / 32
 
     def _start(self, e: int, prefetch: bool) -> None:
-        s, _ = self.lru.popitem(last=False)
-        self._settle(s)  # the slot's previous read must land before its buffer is reused (if it failed: evicted anyway)
-        old = self.expert_in[s]
-        if old >= 0:
-            self.slot_of[old] = -1
-            if s in self.unused_prefetch:
-                self.unused_prefetch.discard(s)
-                self.disk.counts["prefetch_wasted_bytes"] += self.entry.record_bytes
-                self.disk.prefetch_useful -= self.disk.prefetch_useful / 32
-        self.expert_in[s], self.slot_of[e] = e, s
-        self.lru[s] = None
+        s = self.victim()
+        self._settle(s)  # the slot's previous read must land before its buffer is reused (if it failed: emptied)
+        if s in self.unused_prefetch:  # a prefetched expert evicted before any layer asked for it
+            self.unused_prefetch.discard(s)
+            self.disk.counts["prefetch_wasted_bytes"] += self.entry.record_bytes
+            self.disk.prefetch_useful -= self.disk.prefetch_useful / 32
+        self.claim(e)
         if prefetch:
             self.unused_prefetch.add(s)
             self.disk.counts["prefetch_reads"] += 1
@@ -288,5 +267,3 @@ class CachedLayerStore(LayerStore):
             self.disk.counts["disk_reads"] += 1
             self.disk.counts["disk_bytes"] += n
 
-    def resident(self) -> list[int]:
-        return [e for e in self.expert_in if e >= 0]

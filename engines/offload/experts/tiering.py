@@ -5,8 +5,8 @@
                                    --miss: read the record up into a host slot (one pread; prefetched ahead)-->
     disk (the expert store file)
 
-Each boundary is a cache over the tier below it with a capacity in experts per layer; the executor asks the tier
-above first. Here: how many host slots each layer gets from a byte budget, and how a layer's host-computed experts
+Each boundary is a cache over the tier below it with a capacity in experts per layer, on one bookkeeping
+(tiercache.TierSlots: pinned slots and an LRU) with a filler of its own; the executor asks the tier above first. Here: how many host slots each layer gets from a byte budget, and how a layer's host-computed experts
 are run when some are still on disk (ready ones first, while the missing ones are read).
 """
 

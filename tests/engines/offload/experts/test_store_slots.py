@@ -54,3 +54,22 @@ def test_lru_evicts_least_recently_used():
     assert c == b and cache.slot_of[1] == -1 and cache.slot_of[0] == a and cache.slot_of[2] == c
     assert cache.slot_of[5] == 0 and torch.equal(cache.weights[c][0], up[2])
     assert sorted(cache.resident()) == [0, 2, 5] and copies == [a, b, c]
+
+
+def test_tier_slots_bookkeeping_is_shared_by_every_tier():
+    from moe_offload.engines.offload.experts.hostcache import CachedLayerStore
+    from moe_offload.engines.offload.experts.slots import SlotCache
+    from moe_offload.engines.offload.experts.tiercache import TierSlots
+
+    assert issubclass(SlotCache, TierSlots) and issubclass(CachedLayerStore, TierSlots)
+    t = TierSlots()
+    t._init_slots(6, [4], 3)  # expert 4 pinned in slot 0, slots 1 and 2 an LRU
+    assert t.slot_of[4] == 0 and t.dynamic == 2 and t.victim() == 1
+    assert t.claim(0) == (1, -1) and t.claim(1) == (2, -1)
+    t.touch(1)  # expert 0 used again: expert 1 is now the least recent
+    assert t.claim(2) == (2, 1) and t.slot_of[1] == -1 and t.slot_of[2] == 2
+    t.touch(0)  # a pinned slot is never in the LRU
+    assert 0 not in t.lru
+    t.release(1)  # its bytes are not expert 0's any more: first in line
+    assert t.slot_of[0] == -1 and t.expert_in[1] == -1 and t.victim() == 1
+    assert sorted(t.resident()) == [2, 4]
