@@ -186,15 +186,21 @@ def load_model(
 
 
 def expert_summary(executor: Executor) -> dict:
-    """{"expert_format", "expert_bytes" (one expert as stored), "host_store_bytes" (every expert once, as stored),
-    "slot_bytes" (accelerator buffers the slots allocated; pinned CPU slots alias the store)}."""
+    """{"expert_format", "expert_bytes" (one expert as stored), "host_store_bytes" (every expert once, as stored; with
+    the disk tier: the host slots), "slot_bytes" (accelerator buffers the slots allocated; pinned CPU slots alias the
+    store)}, and with the disk tier "disk_store_bytes", "host_slots_per_layer", "expert_store" (its directory)."""
     layers = executor.layers
-    return {
+    out = {
         "expert_format": layers[0].store.format if layers else "",
         "expert_bytes": layers[0].store.expert_bytes if layers else 0,
         "host_store_bytes": sum(s.store.nbytes for s in layers),
         "slot_bytes": sum(s.cache.buffer_bytes for s in layers),
     }
+    if layers and hasattr(layers[0].store, "disk_bytes"):  # the disk tier: host slots over the expert store file
+        out["disk_store_bytes"] = sum(s.store.disk_bytes for s in layers)
+        out["host_slots_per_layer"] = layers[0].store.num_slots
+        out["expert_store"] = str(layers[0].store.file.manifest.dir)
+    return out
 
 
 def resolve_device(device: str) -> torch.device:

@@ -153,9 +153,20 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
         click.echo(f"[{s.completion_tokens} tokens ({s.finish_reason}), prefill {s.prefill_ms:.0f} ms, "
                    f"decode {s.decode_ms_per_token:.1f} ms/token, hit rate {s.hit_rate:.0%}"
                    + (f" (predicted {', '.join(predicted)})" if predicted else "")
-                   + f", host expert tokens {s.host_expert_tokens}, copied {sum(s.bytes_moved.values()) / 1e6:.1f} MB]", err=True)
+                   + f", host expert tokens {s.host_expert_tokens}, "
+                   f"copied {sum(v for k, v in s.bytes_moved.items() if k != 'disk') / 1e6:.1f} MB" + _disk_line(s) + "]",
+                   err=True)
     finally:
         engine.close()
+
+
+def _disk_line(s) -> str:
+    """The disk tier's measured numbers for the summary line ("" without one)."""
+    d = s.disk_summary()
+    if not d:
+        return ""
+    return (f"; disk tier: host hits {d['host_hit_rate']:.0%}, read {d['disk_bytes_per_token'] / 1e6:.1f} MB/token, "
+            f"stall {d['stall_ms_per_token']:.1f} ms/token")
 
 
 def _experts(engine) -> dict:

@@ -174,3 +174,27 @@ def test_profile_plan_generate_round_trip(demo_dir, tmp_path, capsys):
     assert rc == 0, err
     s = json.loads(out)["stats"]
     assert 0 < s["hits"] and 0 < s["misses"] and s["host_expert_tokens"] == s["misses"]
+
+
+def test_convert_then_generate_on_the_disk_tier(demo_dir, tmp_path, monkeypatch, capsys):
+    """`convert` writes the expert store once; `generate --host-memory` below the experts' size reads them from it,
+    with the same tokens as the in-memory run, and reports the disk tier."""
+    monkeypatch.setenv("MOE_OFFLOAD_STORE_DIR", str(tmp_path / "stores"))
+    rc, out, _ = cli(capsys, "convert", "--model", str(demo_dir), "--json")
+    assert rc == 0 and json.loads(out)["written"] is True
+    rc, out, _ = cli(capsys, "convert", "--model", str(demo_dir), "--json")
+    assert rc == 0 and json.loads(out)["written"] is False  # found, not written again
+    common = ("generate", "--model", str(demo_dir), "--prompt", "The river runs", "--max-tokens", "6", "--ignore-eos")
+    monkeypatch.setenv("MOE_OFFLOAD_STORE_DIR", str(tmp_path / "none"))  # no store: the in-memory load
+    rc, out, _ = cli(capsys, *common, "--json")
+    ref = json.loads(out)["token_ids"]
+    monkeypatch.setenv("MOE_OFFLOAD_STORE_DIR", str(tmp_path / "stores"))
+    rc, out, _ = cli(capsys, *common, "--host-memory", "8MiB", "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["token_ids"] == ref
+    assert data["experts"]["disk_store_bytes"] > data["experts"]["host_store_bytes"]
+    assert data["stats"]["disk"]["disk_reads"] > 0 and data["stats"]["bytes_moved"]["disk"] > 0
+    rc, _, err = cli(capsys, *common, "--host-memory", "8MiB", "--no-prefetch")
+    assert rc == 0 and "disk tier: host hits" in err and "MB/token" in err
+    rc, _, err = cli(capsys, *common, "--host-memory", "1KiB")
+    assert rc != 0 and "expected at least" in err and "raise --host-memory" in err
