@@ -34,6 +34,16 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def disk_rates(d: Mapping[str, float]) -> dict[str, float]:
+    """The disk tier's ratios from its counters (hostcache.COUNTERS): ``host_hit_rate`` (experts asked of host memory
+    that were there), ``prefetch_precision`` (guesses the router then chose) and ``prefetch_recall`` (its choices
+    guessed); 0.0 where nothing was counted."""
+    asked = d.get("host_hits", 0) + d.get("demand_reads", 0)
+    return {"host_hit_rate": d.get("host_hits", 0) / asked if asked else 0.0,
+            "prefetch_precision": d["predicted_used"] / d["predicted"] if d.get("predicted") else 0.0,
+            "prefetch_recall": d["predicted_used"] / d["routed_experts"] if d.get("routed_experts") else 0.0}
+
+
 @dataclass
 class GenerationStats:
     """Measured numbers of one request. Times in ms; hit rates are fractions 0..1 of routed
@@ -101,13 +111,10 @@ class GenerationStats:
         if not d:
             return {}
         tokens = max(self.prompt_tokens + self.completion_tokens, 1)
-        asked = d.get("host_hits", 0) + d.get("demand_reads", 0)
         out = {k: round(v, 3) for k, v in d.items()}
         out["disk_bytes_per_token"] = round(d.get("disk_bytes", 0) / tokens)
         out["stall_ms_per_token"] = round(d.get("stall_ms", 0) / tokens, 3)
-        out["host_hit_rate"] = round(d.get("host_hits", 0) / asked, 6) if asked else 0.0
-        out["prefetch_precision"] = round(d["predicted_used"] / d["predicted"], 6) if d.get("predicted") else 0.0
-        out["prefetch_recall"] = round(d["predicted_used"] / d["routed_experts"], 6) if d.get("routed_experts") else 0.0
+        out.update({k: round(v, 6) for k, v in disk_rates(d).items()})
         return out
 
     def to_dict(self) -> dict[str, Any]:

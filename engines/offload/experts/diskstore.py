@@ -201,9 +201,7 @@ class StoreFile:
         off = entry.record_offset(e)
         view = memoryview(buf.numpy()).cast("B")
         try:
-            n = os.preadv(self.fd, [view], off)
-            if 0 < n < entry.record_bytes:  # a short read of a regular file: retry the rest once
-                n += os.preadv(self.fd, [view[n:]], off + n)
+            n = pread_into(self.fd, view, off)
         except OSError as err:
             raise ModelError(f"{self.manifest.data_path}: reading {entry.name} expert {e} failed: {err}") from None
         if n != entry.record_bytes:
@@ -217,6 +215,17 @@ class StoreFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Bytes read into ``view`` from ``fd`` at ``offset``: all of them, or fewer where the file ends first."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got
 
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:

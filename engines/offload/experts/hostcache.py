@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from moe_offload.engines.base import disk_rates
 from moe_offload.engines.offload.experts import diskstore
 from moe_offload.engines.offload.experts.store import LayerStore
 from moe_offload.engines.offload.experts.tiercache import TierSlots
@@ -55,10 +56,7 @@ class DiskStats:
 
     def snapshot(self) -> dict:
         c = dict(self.counts)
-        wanted = c["host_hits"] + c["demand_reads"]
-        c["host_hit_rate"] = c["host_hits"] / wanted if wanted else 0.0
-        c["prefetch_precision"] = c["predicted_used"] / c["predicted"] if c["predicted"] else 0.0
-        c["prefetch_recall"] = c["predicted_used"] / c["routed_experts"] if c["routed_experts"] else 0.0
+        c.update(disk_rates(c))
         c["stall_ms"] = self.stall_s * 1000
         c["read_ms"] = self.read_s * 1000
         c["read_gb_per_s"] = c["disk_bytes"] / self.read_s / 1e9 if self.read_s else 0.0

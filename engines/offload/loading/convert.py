@@ -38,6 +38,12 @@ def store_dir(root: Path, target: str) -> Path:
     return store_root() / f"{root.name}-{target}-{h.hexdigest()[:16]}"
 
 
+def stored_format(method: str | None, read_as: str, convert_to: str | None, dtype: torch.dtype) -> str:
+    """The name of the format the engine holds experts in: ``--expert-dtype``'s conversion, else the checkpoint's
+    quantized format kept as stored, else the compute dtype's name."""
+    return convert_to or (method if method and read_as == "stored" else str(dtype).removeprefix("torch."))
+
+
 def meta_model(config, dtype: torch.dtype):
     cls = architecture.model_class(config)
     with torch.device("meta"):
@@ -48,7 +54,7 @@ def ensure_store(root: Path, config, experts: list, method: str | None, read_as:
                  dtype: torch.dtype, out: Path | None = None) -> diskstore.Manifest:
     """The expert store of ``root`` as the engine would hold its experts (see loader.load_model's arguments), written
     now when there is none. ``out``: the directory (default: store_dir)."""
-    target = convert_to or (method if method and read_as == "stored" else str(dtype).removeprefix("torch."))
+    target = stored_format(method, read_as, convert_to, dtype)
     where = Path(out) if out is not None else store_dir(root, target)
     man = diskstore.read_manifest(where)
     if man is not None:
@@ -117,8 +123,7 @@ def _target(path: str, dtype: str | None, expert_dtype: str | None):
     read_as, convert_to = expert_target(method, expert_dtype)
     cfg_dtype = getattr(config, "dtype", None)
     compute = DTYPES[dtype] if dtype else (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32)
-    target = convert_to or (method if method and read_as == "stored" else str(compute).removeprefix("torch."))
-    return root, config, experts, method, read_as, convert_to, compute, target
+    return root, config, experts, method, read_as, convert_to, compute, stored_format(method, read_as, convert_to, compute)
 
 
 def existing_store(path: str, dtype: str | None = None, expert_dtype: str | None = None) -> diskstore.Manifest | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from moe_offload.engines.offload.experts.diskstore import pread_into
 from moe_offload.errors import ModelError
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -70,13 +71,9 @@ class Offsets:
             raise ModelError(f"{key}: {numel} values in the checkpoint, expected {dst.numel()}")
         tmp = dst if dt == dst.dtype else torch.empty(dst.shape, dtype=dt)
         view = memoryview(tmp.view(torch.uint8).reshape(-1).numpy())
-        fd = self._fd(path)
-        got = 0
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], off + got)
-            if n <= 0:
-                raise ModelError(f"{path}: {key} is truncated (read {got} of {len(view)} bytes)")
-            got += n
+        got = pread_into(self._fd(path), view, off)
+        if got != len(view):
+            raise ModelError(f"{path}: {key} is truncated (read {got} of {len(view)} bytes)")
         if tmp is not dst:
             dst.copy_(tmp)
 

@@ -158,10 +158,12 @@ def load_model(
         cached, executor.disk, executor.io = disk_stores(modules, experts, manifest, host_slots, pinned,
                                                          pin=dev.type == "cuda")
         stores = [(info, modules[info.name], st) for info, st in zip(experts, cached)]
-    for info in experts if host_cache is None else ():
-        module = modules[info.name]
-        store = take_from_module(module, pin=dev.type == "cuda", stored=stored.pop(info.name, None), convert_to=convert_to)
-        stores.append((info, module, store))
+    else:
+        for info in experts:
+            module = modules[info.name]
+            store = take_from_module(module, pin=dev.type == "cuda", stored=stored.pop(info.name, None),
+                                     convert_to=convert_to)
+            stores.append((info, module, store))
     if dev.type != "cpu":
         model.to(dev)  # non-expert weights only: the experts were detached above
     for info, module, store in stores:
@@ -312,11 +314,8 @@ def _direct(config) -> bool:
 
 
 def _top_k(config) -> int:
-    from moe_offload.control.hf_config import TOP_K_KEYS
+    from moe_offload.control.hf_config import top_k_of
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for k in TOP_K_KEYS:
-        v = getattr(text, k, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return 1
+    v = top_k_of(text.to_dict())
+    return v if isinstance(v, int) and v > 0 else 1

@@ -59,6 +59,11 @@ def _first(cfg: Mapping[str, Any], keys: tuple[str, ...], default=None):
     return default
 
 
+def top_k_of(cfg: Mapping[str, Any]):
+    """Experts per token of a text config (the first of TOP_K_KEYS it sets), or None."""
+    return _first(cfg, TOP_K_KEYS)
+
+
 def _int(cfg: Mapping[str, Any], key: str, where: str, default: Any = ...) -> int:
     v = cfg.get(key)
     if v is None:
@@ -221,7 +226,7 @@ def parse(cfg: dict[str, Any], name: str | None) -> dict[str, Any]:
         raise ModelError(f"{where}: not a routed MoE model: no num_experts / n_routed_experts / num_local_experts")
     if isinstance(E, bool) or not isinstance(E, int) or E < 1:
         raise ModelError(f"{where}: number of routed experts must be a positive integer, got {E!r}")
-    top_k = _first(cfg, TOP_K_KEYS)
+    top_k = top_k_of(cfg)
     if top_k is None:
         raise ModelError(f"{where}: config.json lacks 'num_experts_per_tok' (experts per token)")
     n = _num_layers(cfg, where)
