@@ -36,6 +36,11 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       sq/sk/sv/so: fp32 per-row scales of int8 wq/wk/wv/wo (``--dense-dtype int8``; quant.QuantLinear): the
       projections then run as gemv_q does (activations quantized per token in blocks of 32), bit for bit.
   rmsnorm_bf16(h [M, H], add [M, H]?, w [H], eps, norm_mode=0) -> [M, H]   the model's final norm        decode.cpp
+  mla_decode_bf16(q [B, Hq, N + P], lat [B * L, R], rope [B * L, P], lens [B] int64, wkv_b [Hq * (N + V), R], nope N,
+                  scaling) -> [B, Hq, V]
+      MLA decode attention over the latent cache with kv_b_proj absorbed into q and o (runtime/mla.py)     mla.cpp
+      sequence b attends to its first lens[b] of the L latent rows it owns; fp32 inside, bf16 out.
+Legend (MLA): N/P/V the nope/rope/value head dims, R kv_lora_rank, L key rows per sequence (padded).
 Legend: H hidden (input features), N output rows (gemv) or tokens (gemv_q), M / T tokens, I expert intermediate,
 K experts of a token (top-k) or input features (gemv_q), J experts of a layer, S routed pairs, R output rows or pool
 rows, Hq/Hkv query/KV heads, D head dim, RD rotary dims, NB blocks per sequence, bs block size, E experts.
@@ -89,6 +94,10 @@ def _rmsnorm(h, add, w, eps, norm_mode=0):
     return h.new_empty(h.shape)
 
 
+def _mla(q, lat, rope, lens, wkv_b, nope, scaling):
+    return q.new_empty((q.shape[0], q.shape[1], wkv_b.shape[0] // q.shape[1] - nope))
+
+
 FAKES = {
     "gemv_bf16": _gemv,
     "gemm_bf16": _gemv,
@@ -100,6 +109,7 @@ FAKES = {
     "experts_mlp_q": _experts_q,
     "decode_layer_bf16": _decode_layer,
     "rmsnorm_bf16": _rmsnorm,
+    "mla_decode_bf16": _mla,
 }
 
 

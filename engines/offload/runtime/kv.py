@@ -149,11 +149,16 @@ class active:
 
     def __exit__(self, *exc):
         _active.step = None
+        _active.latent = None
 
 
 def paged_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """Registered attention function. query [1, Hq, N, D]; key/value [1, Hk, X, D] in the step's key layout."""
     step: StepContext = _active.step
+    latent = getattr(_active, "latent", None)
+    if latent is not None:  # an MLA layer whose expand_kv kept the latents: absorbed decode (mla.py)
+        _active.latent = None
+        return latent(query, key, value, scaling), None
     # the layer's window: passed by most families; Qwen2-MoE keeps it on the module only (its mask applies it)
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_offload.engines.offload.runtime import fastpath, kv
+from moe_offload.engines.offload.runtime import fastpath, kv, mla
 from moe_offload.engines.offload.runtime.accounting import Accounting, snapshot
 from moe_offload.engines.offload.runtime.scheduler import SchedulerOutput
 
@@ -30,6 +30,8 @@ class ModelRunner:
         self.model, self.executor, self.pool, self.device = model, executor, pool, device
         self.accounting, self.paged = accounting, paged
         self.paged_cache = kv.PagedCache(pool)
+        # MLA layers decode over their latent cache with kv_b_proj absorbed (mla.py)
+        self.mla_layers = mla.prepare(model) if paged else 0
         # decode-only steps of covered bf16 CPU families skip transformers' modules (fastpath.py)
         self.fast = fastpath.DecodePlan.build(model, executor, pool) if paged else None
 

@@ -22,6 +22,8 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
         "int top_k, bool norm_topk, bool w_bf16, Tensor? sinks=None, Tensor? rb=None, int norm_mode=0, "
         "int router_mode=0, Tensor? sq=None, Tensor? sk=None, Tensor? sv=None, Tensor? so=None) -> Tensor[]");
   m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps, int norm_mode=0) -> Tensor");
+  // mla.cpp
+  m.def("mla_decode_bf16(Tensor q, Tensor lat, Tensor rope, Tensor lens, Tensor wkv_b, int nope, float scaling) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
@@ -35,4 +37,5 @@ TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
   m.impl("experts_mlp_q", &moe_quant::experts_mlp_q);
   m.impl("decode_layer_bf16", &moe_cpu::decode_layer_bf16);
   m.impl("rmsnorm_bf16", &moe_cpu::rmsnorm_bf16);
+  m.impl("mla_decode_bf16", &moe_cpu::mla_decode_bf16);
 }

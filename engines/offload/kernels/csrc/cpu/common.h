@@ -100,6 +100,10 @@ std::vector<at::Tensor> decode_layer_bf16(
 at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
                         int64_t norm_mode);
 
+// mla.cpp
+at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& lat, const at::Tensor& rope, const at::Tensor& lens,
+                           const at::Tensor& wkv_b, int64_t nope, double scaling);
+
 }  // namespace moe_cpu
 
 namespace moe_quant {

@@ -259,4 +259,41 @@ inline void axpy_bf16(float* o, float a, const uint16_t* v, int64_t D) {
   for (; d < D; ++d) o[d] += a * bf2f(v[d]);
 }
 
+// ---- MLA decode (mla.cpp): fp32 vectors against bf16 rows -----------------------------------------------------
+
+// sum_j w[j] * x[j], w bf16, x fp32 (AVX2 FMA on widened bf16; the AVX-512 machines run it too)
+inline float dot_bf16_f32(const uint16_t* w, const float* x, int64_t n) {
+  int64_t j = 0;
+  float r = 0.0f;
+#if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  for (; j + 16 <= n; j += 16) {
+    const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w + j))), 16));
+    const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w + j + 8))), 16));
+    a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + j), a0);
+    a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + j + 8), a1);
+  }
+  const __m256 v = _mm256_add_ps(a0, a1);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  r = _mm_cvtss_f32(s);
+#endif
+  for (; j < n; ++j) r += bf2f(w[j]) * x[j];
+  return r;
+}
+
+// o[j] += a * v[j], v bf16
+inline void axpy_f32(float* o, float a, const uint16_t* v, int64_t n) {
+  int64_t j = 0;
+#if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
+  const __m256 av = _mm256_set1_ps(a);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 vv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(v + j))), 16));
+    _mm256_storeu_ps(o + j, _mm256_fmadd_ps(av, vv, _mm256_loadu_ps(o + j)));
+  }
+#endif
+  for (; j < n; ++j) o[j] += a * bf2f(v[j]);
+}
+
 }  // namespace moe_cpu

@@ -1,0 +1,143 @@
+"""The family suite (issue 18): single-stream decode of mid-size checkpoints of several MoE families, this engine
+beside llama.cpp on the same weights, interleaved in one run, with the machine's measured bandwidth and the share
+of it each engine streams.
+
+    python bench/bench_families.py --families deepseek_v3,glm4_moe --root /tmp/families   # build, convert, measure
+    python bench/bench_families.py --families deepseek_v3 --build-only                   # checkpoints + GGUFs only
+
+    family --config class (FAMILIES below: 12 layers, hidden 1024, ~2 GB of experts)--> random bf16 checkpoint
+      --convert_hf_to_gguf.py (bench_llamacpp.to_gguf)--> GGUF bf16
+    rounds x [per family: llama-bench -p 0 -n T -d C | engine generate T tokens after C, static, fraction 1]
+      --> table: ms/token medians, ratio, bytes/token, GB/s streamed, share of the measured bandwidth
+
+Share = (bytes one token must read / ms per token) / measured read bandwidth: a faster machine cannot hide a
+slower kernel behind it. Both sides run 2 threads. Not part of CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+# Mid-size shapes of each family's own layout: 12 layers, hidden 1024, ~2 GB of bf16 experts.
+COMMON = dict(hidden_size=1024, num_hidden_layers=12, vocab_size=32000, max_position_embeddings=4096,
+              tie_word_embeddings=False)
+FAMILIES = {
+    # MLA (q and kv low rank, rotary on a 64-dim slice), grouped sigmoid router with a correction bias, one shared
+    # expert, a dense first layer: DeepSeek-V3's layout at a twelfth of its width
+    "deepseek_v3": dict(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+                        num_experts_per_tok=8, moe_intermediate_size=512, intermediate_size=2816, n_shared_experts=1,
+                        n_group=8, topk_group=4, first_k_dense_replace=1, norm_topk_prob=True,
+                        routed_scaling_factor=2.5),
+    "glm4_moe": dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64, partial_rotary_factor=0.5,
+                     n_routed_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, intermediate_size=2816,
+                     n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+                     use_qk_norm=False),
+    "gpt_oss": dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_local_experts=32,
+                    num_experts_per_tok=4, intermediate_size=1024, sliding_window=128),
+    "mixtral": dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_local_experts=8,
+                    num_experts_per_tok=2, intermediate_size=4096),
+    "qwen3_moe": dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64,
+                      num_experts_per_tok=8, moe_intermediate_size=512, intermediate_size=2048, norm_topk_prob=True),
+    "qwen2_moe": dict(num_attention_heads=16, num_key_value_heads=4, num_experts=64, num_experts_per_tok=8,
+                      moe_intermediate_size=512, shared_expert_intermediate_size=2048, intermediate_size=2048),
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build(family: str, out: Path, seed: int = 0) -> Path:
+    """The family's mid-size random bf16 checkpoint in ``out`` (built once)."""
+    from transformers import AutoConfig
+
+    from moe_offload.demo import save_random_model
+
+    if (out / "config.json").is_file():
+        return out
+    config = AutoConfig.for_model(family, **COMMON, **FAMILIES[family], dtype="bfloat16")
+    for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        setattr(config, k, None)
+    t0 = time.perf_counter()
+    save_random_model(out, config, seed=seed, dtype=torch.bfloat16)
+    gc.collect()
+    log(f"built {family} in {time.perf_counter() - t0:.0f} s at {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench_engine import prompt_ids, read_bandwidth
+    from bench_llamacpp import CACHE, bound_bytes, engine_decode, ensure_llamacpp, llama_bench, to_gguf
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {', '.join(FAMILIES)}")
+    ap.add_argument("--root", type=Path, default=Path("/tmp/families"), help="checkpoints go to ROOT/<family>")
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens per measurement (default 64)")
+    ap.add_argument("--context", type=int, default=128, help="tokens in the KV cache before decoding (default 128)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache", type=Path, default=CACHE, help="llama.cpp build and GGUF cache")
+    ap.add_argument("--build-only", action="store_true", help="build the checkpoints and their GGUFs, then stop")
+    a = ap.parse_args(argv)
+    fams = [f.strip() for f in a.families.split(",") if f.strip()]
+    unknown = [f for f in fams if f not in FAMILIES]
+    if unknown:
+        ap.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    tools = ensure_llamacpp(a.cache)
+    paths = {f: build(f, a.root / f) for f in fams}
+    ggufs = {f: to_gguf(p, "bf16", cache=a.cache, tools=tools) for f, p in paths.items()}
+    if a.build_only:
+        return 0
+
+    from moe_offload.control.spec import ModelSpec
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+
+    torch.set_num_threads(a.threads)
+    bw = [read_bandwidth() / 1e9]
+    runs: dict[tuple[str, str], list[float]] = {}
+    t_start: dict[str, float] = {}
+    for r in range(a.rounds):
+        for f in fams:
+            ms = llama_bench(ggufs[f], a.tokens, depth=a.context, threads=a.threads, tools=tools)["ms_per_token"]
+            runs.setdefault((f, "llama.cpp"), []).append(statistics.fmean(ms))
+            t0 = time.perf_counter()
+            e = build_offload_engine(paths[f], policy="static", fraction=1.0, dtype="bfloat16")
+            t_start.setdefault(f, time.perf_counter() - t0)
+            try:
+                prompt = prompt_ids(a.context, ModelSpec.from_hf_config(paths[f]).vocab_size)
+                engine_decode(e, prompt, 2)  # warm-up, as llama-bench does
+                runs.setdefault((f, "moe-offload"), []).append(statistics.fmean(engine_decode(e, prompt, a.tokens)))
+            finally:
+                e.close()
+            gc.collect()
+            log(f"round {r + 1}/{a.rounds} {f}: llama.cpp {runs[(f, 'llama.cpp')][-1]:.1f}, "
+                f"moe-offload {runs[(f, 'moe-offload')][-1]:.1f} ms/token")
+        bw.append(read_bandwidth() / 1e9)
+    gbs = statistics.median(bw)
+    print(f"\nmeasured read bandwidth: {gbs:.1f} GB/s (median of {len(bw)}: "
+          f"{', '.join(f'{b:.1f}' for b in bw)}); {a.tokens} tokens after {a.context}, {a.threads} threads, "
+          f"{a.rounds} rounds, medians\n")
+    print("| family | llama.cpp bf16 ms/token | moe-offload ms/token | ratio | MB/token | llama.cpp share | "
+          "moe-offload share | engine build s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for f in fams:
+        lc, mo = statistics.median(runs[(f, "llama.cpp")]), statistics.median(runs[(f, "moe-offload")])
+        b = bound_bytes(paths[f])
+        share = lambda ms: b / (ms / 1000) / 1e9 / gbs  # noqa: E731
+        print(f"| {f} | {lc:.1f} | {mo:.1f} | {mo / lc:.2f}x | {b / 1e6:.0f} | {share(lc):.0%} | {share(mo):.0%} | "
+              f"{t_start[f]:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""MLA decode over the latent cache with kv_b_proj absorbed (runtime/mla.py, kernels/csrc/cpu/mla.cpp).
+
+The absorbed attention is the expanded one with the products reassociated: W_uk^T q_nope dotted with a latent is
+q_nope dotted with W_uk latent, and W_uv applied after the weighted sum of latents is the weighted sum of W_uv
+latents. So it must match attention over the expanded keys and values to float rounding in fp32, and to bf16
+rounding in bf16, for sequences of different lengths in one call (the padding masked). Why it could fail: a head
+reading another head's rows of kv_b_proj, nope and value rows swapped, the rope part dropped, padding attended,
+a sequence reading another's latents; each moves the output far beyond rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_offload.engines.offload.kernels import jit
+from moe_offload.engines.offload.runtime import mla
+from moe_offload.engines.offload.runtime.build import build_offload_engine
+from moe_offload.engines.params import SamplingParams
+
+B, H, N, P, V, R, L = 3, 4, 32, 16, 24, 64, 21
+LENS = [21, 1, 9]
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, N + P, generator=g).to(dtype)
+    lat = torch.randn(B * L, R, generator=g).to(dtype)
+    rope = torch.randn(B * L, P, generator=g).to(dtype)
+    w = (torch.randn(H * (N + V), R, generator=g) * 0.1).to(dtype)
+    return q, lat, rope, torch.tensor(LENS), w
+
+
+def _expanded(q, lat, rope, lens, w, scaling):
+    """Attention as the module path computes it, in fp32: every latent expanded into H keys and values."""
+    wf = w.float().view(H, N + V, R)
+    out = []
+    for b in range(B):
+        n = int(lens[b])
+        lt, rp = lat.float().view(B, L, R)[b, :n], rope.float().view(B, L, P)[b, :n]
+        k = torch.einsum("lr,hnr->hln", lt, wf[:, :N])
+        v = torch.einsum("lr,hvr->hlv", lt, wf[:, N:])
+        s = (torch.einsum("hn,hln->hl", q[b, :, :N].float(), k) + torch.einsum("hp,lp->hl", q[b, :, N:].float(), rp))
+        out.append(torch.einsum("hl,hlv->hv", (s * scaling).softmax(-1), v))
+    return torch.stack(out)  # [B, H, V]
+
+
+def test_reference_is_the_expanded_attention_in_fp32():
+    q, lat, rope, lens, w = _inputs(torch.float32)
+    got = mla.reference(q, lat, rope, lens, w, N, 0.15)
+    torch.testing.assert_close(got, _expanded(q, lat, rope, lens, w, 0.15), rtol=1e-5, atol=1e-5)
+    # padding is masked: garbage past each sequence's length changes nothing
+    lat2 = lat.clone().view(B, L, R)
+    lat2[1, 1:] = 1e4
+    assert torch.equal(mla.reference(q, lat2.view(B * L, R), rope, lens, w, N, 0.15), got)
+
+
+@pytest.mark.skipif(not jit.load(), reason="the CPU kernels cannot be built here")
+def test_kernel_matches_the_reference_and_the_expanded_attention():
+    q, lat, rope, lens, w = _inputs(torch.bfloat16)
+    got = torch.ops.moe_offload.mla_decode_bf16(q, lat, rope, lens, w, N, 0.15)
+    assert got.shape == (B, H, V) and got.dtype == torch.bfloat16
+    ref = mla.reference(q, lat, rope, lens, w, N, 0.15)
+    assert (got.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()  # one bf16 rounding apart
+    exp = _expanded(q, lat, rope, lens, w, 0.15)
+    assert (got.float() - exp).abs().max() <= 2 ** -6 * exp.abs().max()
+    with pytest.raises(RuntimeError, match="lens"):
+        torch.ops.moe_offload.mla_decode_bf16(q, lat, rope, torch.tensor([22, 1, 1]), w, N, 0.15)
+
+
+class _Calls:
+    """Counts kv_b_proj's forwards (the expansion) across every MLA layer."""
+
+    def __init__(self, model):
+        self.n = 0
+        self.handles = [m.kv_b_proj.register_forward_hook(self) for m in model.modules() if hasattr(m, "kv_b_proj")]
+
+    def __call__(self, *args):
+        self.n += 1
+
+
+def test_decode_steps_attend_over_latents_and_keep_the_tokens(checkpoints, monkeypatch):
+    # fp32: three sequences of different lengths in 4-row blocks (padding, a gather over blocks); the absorbed path
+    # gives the expanded path's greedy tokens, and a decode step never expands (kv_b_proj runs only in prefill)
+    path, prompts = checkpoints("deepseek_v3"), ([3, 17, 42, 9, 88, 5, 61, 23], [7, 7, 100, 2], list(range(50, 75)))
+
+    def run():
+        engine = build_offload_engine(path, policy="lru", fraction=0.5, block_size=4)
+        try:
+            calls = _Calls(engine.model)
+            gens = [engine.start(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts]
+            while engine.step():
+                pass
+            return [g.drain() for g in gens], calls.n, engine.runner.mla_layers
+        finally:
+            engine.close()
+
+    absorbed, expansions, layers = run()
+    monkeypatch.setenv(mla.ENV, "0")
+    expanded, expansions_off, layers_off = run()
+    assert layers > 0 and layers_off == 0
+    assert absorbed == expanded
+    assert all(len(t) == 8 for t in absorbed)
+    # one step prefills the three prompts, then 7 decode-only steps: only the first expands
+    assert (expansions, expansions_off) == (layers, 8 * layers)
