@@ -167,7 +167,11 @@ def _extract_vendor(root: Path, version: str, src: Path) -> None:
 # ---- convert ----------------------------------------------------------------------------------------------
 
 # Runs convert_hf_to_gguf.py's main() with the BPE pre-tokenizer check falling back to a named pre-tokenizer
-# when the tokenizer's hash is unknown (a locally trained tokenizer always is). Argument 1: the pre-tokenizer.
+# when the tokenizer's hash is unknown (a locally trained tokenizer always is), and GLM's vocabulary step (which
+# looks up GLM's own special tokens by name) falling back to the plain GPT-2 BPE vocabulary when the tokenizer
+# lacks them; and the SentencePiece step (Llama/Mixtral) reporting the missing tokenizer.model as the file it
+# lacks (its fallback to the BPE vocabulary) without needing the sentencepiece package. Argument 1: the
+# pre-tokenizer.
 _CONVERT = r"""# written by moe-offload's bench/bench_llamacpp.py: convert_hf_to_gguf.py with a pre-tokenizer fallback
 import os, runpy, sys
 
@@ -189,6 +193,29 @@ def get_vocab_base_pre(self, tokenizer):
 
 
 base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+original_glm = base.TextModel._set_vocab_glm
+
+
+def set_vocab_glm(self):
+    from transformers import AutoTokenizer
+
+    if "[gMASK]" in AutoTokenizer.from_pretrained(self.dir_model).get_added_vocab():
+        return original_glm(self)
+    print("tokenizer without GLM's special tokens: plain BPE vocabulary", file=sys.stderr)
+    return self._set_vocab_gpt2()
+
+
+base.TextModel._set_vocab_glm = set_vocab_glm
+original_sp = base.TextModel._set_vocab_sentencepiece
+
+
+def set_vocab_sentencepiece(self, *args, **kwargs):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError(self.dir_model / "tokenizer.model")
+    return original_sp(self, *args, **kwargs)
+
+
+base.TextModel._set_vocab_sentencepiece = set_vocab_sentencepiece
 runpy.run_path(script, run_name="__main__")
 """
 

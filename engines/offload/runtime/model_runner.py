@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_offload.engines.offload.runtime import fastpath, kv, mla
+from moe_offload.engines.offload.runtime import fastpath, kv, mla, mla_plan
 from moe_offload.engines.offload.runtime.accounting import Accounting, snapshot
 from moe_offload.engines.offload.runtime.scheduler import SchedulerOutput
 
@@ -32,8 +32,10 @@ class ModelRunner:
         self.paged_cache = kv.PagedCache(pool)
         # MLA layers decode over their latent cache with kv_b_proj absorbed (mla.py)
         self.mla_layers = mla.prepare(model) if paged else 0
-        # decode-only steps of covered bf16 CPU families skip transformers' modules (fastpath.py)
-        self.fast = fastpath.DecodePlan.build(model, executor, pool) if paged else None
+        # decode-only steps of covered bf16 CPU families skip transformers' modules (fastpath.py; mla_plan.py for
+        # DeepSeek-V3's layout)
+        self.fast = (fastpath.DecodePlan.build(model, executor, pool) or mla_plan.MLADecodePlan.build(model, executor, pool)
+                     if paged else None)
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Logits [R, V] of the step (rows as output.py reads them), or None when no sequence has a row."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_offload.engines.offload.kernels import jit
-from moe_offload.engines.offload.runtime import mla
+from moe_offload.engines.offload.runtime import mla, mla_plan
 from moe_offload.engines.offload.runtime.build import build_offload_engine
 from moe_offload.engines.params import SamplingParams
 
@@ -103,3 +103,38 @@ def test_decode_steps_attend_over_latents_and_keep_the_tokens(checkpoints, monke
     assert all(len(t) == 8 for t in absorbed)
     # one step prefills the three prompts, then 7 decode-only steps: only the first expands
     assert (expansions, expansions_off) == (layers, 8 * layers)
+
+
+@pytest.mark.skipif(not jit.load(), reason="the CPU kernels cannot be built here")
+def test_fused_mla_decode_matches_the_module_path(checkpoints):
+    # bf16, three sequences of different lengths in 4-row blocks: every decode-only step computed by the MLA plan
+    # and by the module path from the same KV state (test_fastpath's comparison: same logits where routes agree)
+    from test_fastpath import _check, _compare_steps
+
+    engine = build_offload_engine(checkpoints("deepseek_v3"), dtype="bfloat16", block_size=4, policy="static",
+                                  fraction=0.5)
+    try:
+        assert isinstance(engine.runner.fast, mla_plan.MLADecodePlan)
+        prompts = ([3, 17, 42, 9, 88, 5, 61, 23], [7, 7, 100, 2], list(range(50, 90)))
+        gens = [engine.start(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+        steps = _compare_steps(engine, 40)
+    finally:
+        engine.close()
+    assert [len(g.drain()) for g in gens] == [12, 12, 12]
+    _check(steps)
+
+
+def test_the_mla_plan_covers_deepseek_v3_source_alikes_only(checkpoints, monkeypatch):
+    # a family whose layers are not DeepSeek-V3's source keeps the module path; the switch turns the plan off
+    engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16")
+    try:
+        assert not isinstance(engine.runner.fast, mla_plan.MLADecodePlan)
+        assert mla_plan.MLADecodePlan._refuse(engine.model, engine.executor) == "not DeepSeek-V3's decoder layer and MLA attention"
+    finally:
+        engine.close()
+    monkeypatch.setenv(mla.ENV, "0")
+    engine = build_offload_engine(checkpoints("deepseek_v3"), dtype="bfloat16")
+    try:
+        assert engine.runner.fast is None and engine.runner.mla_layers == 0
+    finally:
+        engine.close()

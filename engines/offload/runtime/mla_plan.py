@@ -1,0 +1,165 @@
+"""The fused decode path for MLA families: a decode step of a DeepSeek-V3-layout model without transformers' modules
+around attention.
+
+    ids [M] -> embedding -> rotary cos/sin (the model's rotary module)
+      -> per layer: h + add -> RMSNorm (moe_offload::rmsnorm_bf16) -> q_a, q_a_layernorm, q_b | q_proj; kv_a,
+         kv_a_layernorm (moe_offload::gemv_bf16 / gemm_bf16, rmsnorm_bf16) -> rotary on the rope slices (the
+         model's own rotary function) -> latents written to the paged pool -> moe_offload::mla_decode_bf16 over
+         each sequence's latents (kv_b_proj absorbed: mla.py) -> o_proj -> residual -> RMSNorm
+         -> the MLP as its module (router, shared experts; its experts go to the offload executor)
+      -> final norm -> LM head -> logits [M, V]
+
+Why: in the module path a DeepSeek-V3-layout decode step spends about a third of its time in ~2000 small torch
+ops (norms in 6-7 ops, the cache update, the split/cat/transpose of MLA, dtype copies; docs/benchmarks.md); here
+the attention half is ~12 calls per layer.
+
+Which models, by construction rather than by a list: every model whose decoder layer, MLA attention and RMSNorm
+have DeepSeek-V3's source code (transformers copies them into each family that shares the layout: the check
+compares the source with the class names taken out), in bf16 on the CPU with the kernels built and the paged cache.
+Each step computes what the module path computes, at the same roundings, through the same kernels (logits equal
+where the routes agree; tests/engines/offload/runtime/test_mla.py).
+Legend: M sequences (one token each), H hidden, Hh heads, N/P/V nope/rope/value head dims, R kv_lora_rank.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+import time
+
+import torch
+
+from moe_offload.engines.offload.kernels import jit
+from moe_offload.engines.offload.runtime import fastpath, mla
+from moe_offload.log import get_logger
+
+log = get_logger("moe_offload.fastpath")
+
+
+def _source(cls, name: str) -> str:
+    """``cls``'s source with its family prefix taken out (DeepseekV3Attention and KimiAttention read the same)."""
+    src = inspect.getsource(cls)
+    prefix = re.match(r"([A-Z][A-Za-z0-9]*?)(Attention|DecoderLayer|RMSNorm)$", name)
+    return src.replace(prefix.group(1), "X") if prefix else src
+
+
+def _same_as_deepseek_v3(obj, reference) -> bool:
+    try:
+        return _source(type(obj), type(obj).__name__) == _source(reference, reference.__name__)
+    except (OSError, TypeError):
+        return False
+
+
+def _reference_classes():
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+    return m.DeepseekV3DecoderLayer, m.DeepseekV3Attention, m.DeepseekV3RMSNorm
+
+
+class MLADecodePlan:
+    """Built once per engine by ``build`` (or None); ``forward`` runs one decode-only step, as fastpath.DecodePlan."""
+
+    def __init__(self, model, executor, pool):
+        self.model, self.executor, self.pool = model, executor, pool
+        inner = model.model
+        self.embed, self.rotary, self.norm, self.lm_head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
+        self.layers = list(inner.layers)
+        attn = self.layers[0].self_attn
+        mod = sys.modules[type(attn).__module__]
+        self.rope = mod.apply_rotary_pos_emb_interleave if attn.config.rope_interleave else mod.apply_rotary_pos_emb
+        self.steps = 0
+
+    @classmethod
+    def build(cls, model, executor, pool) -> "MLADecodePlan | None":
+        why = cls._refuse(model, executor)
+        if why:
+            log.debug("MLA fused decode path off", reason=why, model_type=getattr(model.config, "model_type", ""))
+            return None
+        log.info("fused decode path on", model_type=model.config.model_type, layers=len(model.model.layers),
+                 attention="mla (absorbed)", router="module")
+        return cls(model, executor, pool)
+
+    @staticmethod
+    def _refuse(model, executor) -> str:
+        if not fastpath.enabled_by_env() or not mla.enabled_by_env():
+            return "switched off"
+        inner = getattr(model, "model", None)
+        if executor is None or inner is None or not all(
+                hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
+            return "unexpected module layout"
+        layer_cls, attn_cls, norm_cls = _reference_classes()
+        for layer in inner.layers:
+            attn = getattr(layer, "self_attn", None)
+            if not (_same_as_deepseek_v3(layer, layer_cls) and _same_as_deepseek_v3(attn, attn_cls)
+                    and getattr(attn, "_moe_offload_mla", False)):
+                return "not DeepSeek-V3's decoder layer and MLA attention"
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.kv_a_layernorm]
+            norms += [attn.q_a_layernorm] if attn.q_lora_rank is not None else []
+            if not all(_same_as_deepseek_v3(n, norm_cls) for n in norms + [inner.norm]):
+                return "not DeepSeek-V3's RMSNorm"
+            linears = [attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj]
+            linears += [attn.q_a_proj, attn.q_b_proj] if attn.q_lora_rank is not None else [attn.q_proj]
+            if any(type(m) is not torch.nn.Linear for m in linears):
+                return "attention projections not all nn.Linear"
+            for m in [attn, layer.input_layernorm, layer.post_attention_layernorm]:
+                if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in m.parameters()):
+                    return "not bf16 on the CPU"
+        if not isinstance(getattr(model, "lm_head", None), torch.nn.Module):
+            return "no LM head"
+        if inner.norm.weight.dtype != torch.bfloat16 or inner.embed_tokens.weight.dtype != torch.bfloat16:
+            return "not bf16 on the CPU"
+        if not jit.load():
+            return "kernels unavailable"
+        return ""
+
+    def forward(self, ids: list[int], lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
+        """One decode token per sequence: ids [M], lens[t] its context length including the token, blocks[t] its
+        block table. Returns logits [M, V]."""
+        M, bs = len(ids), self.pool.block_size
+        lmax = max(lens)
+        pos = [n - 1 for n in lens]
+        slots = torch.tensor([blocks[t][p // bs] * bs + p % bs for t, p in enumerate(pos)], dtype=torch.long)
+        rows = []  # each sequence's pool rows of positions [0, lmax), padded with its first row
+        for t, n in enumerate(lens):
+            r = [blocks[t][p // bs] * bs + p % bs for p in range(n)]
+            rows += r + [r[0]] * (lmax - n)
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        h = self.embed(torch.tensor(ids, dtype=torch.long))  # [M, H]
+        cos, sin = self.rotary(h, torch.tensor(pos, dtype=torch.long).unsqueeze(0))  # [1, M, P]
+        ops, ex = torch.ops.moe_offload, self.executor
+        t0 = time.perf_counter()
+        ex.begin_forward()
+        for layer in self.layers:
+            a = layer.self_attn
+            x = ops.rmsnorm_bf16(h, None, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, 0)
+            if a.q_lora_rank is None:
+                q = a.q_proj(x)
+            else:
+                qa = a.q_a_proj(x)
+                q = a.q_b_proj(ops.rmsnorm_bf16(qa, None, a.q_a_layernorm.weight, a.q_a_layernorm.variance_epsilon, 0))
+            q = q.view(M, a.num_heads, a.qk_head_dim)  # [M, Hh, N + P]
+            ckv = a.kv_a_proj_with_mqa(x)  # [M, R + P]
+            lat = ops.rmsnorm_bf16(ckv[:, : a.kv_lora_rank].contiguous(), None, a.kv_a_layernorm.weight,
+                                   a.kv_a_layernorm.variance_epsilon, 0)  # [M, R]
+            q_rot, k_rot = self.rope(q[:, :, a.qk_nope_head_dim :].transpose(0, 1).unsqueeze(0),
+                                     ckv[:, a.kv_lora_rank :].view(1, 1, M, -1), cos, sin)  # [1, Hh, M, P], [1, 1, M, P]
+            q = torch.cat([q[:, :, : a.qk_nope_head_dim], q_rot[0].transpose(0, 1)], dim=-1)  # [M, Hh, N + P]
+            kp, vp = self.pool.layer_of(a.layer_idx, 1, a.kv_lora_rank, 1, a.qk_rope_head_dim, torch.bfloat16)
+            kp.index_copy_(0, slots, lat.unsqueeze(1))
+            vp.index_copy_(0, slots, k_rot[0, 0].unsqueeze(1))
+            o = ops.mla_decode_bf16(q, kp.index_select(0, rows_t).view(-1, a.kv_lora_rank),
+                                    vp.index_select(0, rows_t).view(-1, a.qk_rope_head_dim), lens_t,
+                                    a.kv_b_proj.weight, a.qk_nope_head_dim, float(a.scaling))  # [M, Hh, V]
+            h = h + a.o_proj(o.view(M, -1))  # the patched linears: kernels/dispatch.py
+            n2 = layer.post_attention_layernorm
+            x2 = ops.rmsnorm_bf16(h, None, n2.weight, n2.variance_epsilon, 0)
+            out = layer.mlp(x2.unsqueeze(0))
+            h = h + (out[0] if isinstance(out, tuple) else out)[0]
+        x = ops.rmsnorm_bf16(h, None, self.norm.weight, self.norm.variance_epsilon, 0)
+        logits = self.lm_head(x)  # [M, V]
+        ex.end_forward(t0)
+        self.steps += 1
+        return logits
+
