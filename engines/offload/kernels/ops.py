@@ -40,6 +40,8 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
                   scaling) -> [B, Hq, V]
       MLA decode attention over the latent cache with kv_b_proj absorbed into q and o (runtime/mla.py)     mla.cpp
       sequence b attends to its first lens[b] of the L latent rows it owns; fp32 inside, bf16 out.
+  grouped_topk(scores [M, E] fp32, bias [E] fp32?, n_group, topk_group, top_k, norm_topk, scale) -> [ids [M, K] int64,
+               w [M, K] fp32]   DeepSeek-V3's grouped selection from sigmoid scores (runtime/moe_blocks.py)  router.cpp
 Legend (MLA): N/P/V the nope/rope/value head dims, R kv_lora_rank, L key rows per sequence (padded).
 Legend: H hidden (input features), N output rows (gemv) or tokens (gemv_q), M / T tokens, I expert intermediate,
 K experts of a token (top-k) or input features (gemv_q), J experts of a layer, S routed pairs, R output rows or pool
@@ -98,6 +100,11 @@ def _mla(q, lat, rope, lens, wkv_b, nope, scaling):
     return q.new_empty((q.shape[0], q.shape[1], wkv_b.shape[0] // q.shape[1] - nope))
 
 
+def _grouped_topk(scores, bias, n_group, topk_group, top_k, norm_topk, scale):
+    m = scores.shape[0]
+    return [scores.new_empty((m, top_k), dtype=torch.long), scores.new_empty((m, top_k))]
+
+
 FAKES = {
     "gemv_bf16": _gemv,
     "gemm_bf16": _gemv,
@@ -110,6 +117,7 @@ FAKES = {
     "decode_layer_bf16": _decode_layer,
     "rmsnorm_bf16": _rmsnorm,
     "mla_decode_bf16": _mla,
+    "grouped_topk": _grouped_topk,
 }
 
 

@@ -13,7 +13,7 @@ decode-step profile); this path makes one call per layer for everything but the 
 When: bf16 weights on the CPU with the kernels built, the paged KV cache, a decode-only step, and a family
 whose layers this path reproduces (``FAMILIES``: qwen3_moe, qwen2_moe, olmoe, mixtral, gpt_oss with the router
 fused too; glm4_moe, dots1, hy_v3, solar_open, minimax_m2 with attention and norms fused and the MoE block run as
-its module; the roundings of each family's module path are mirrored); anything else,
+its module, or by moe_blocks.py where it is DeepSeek-V3's block (glm4_moe, dots1); the roundings of each family's module path are mirrored); anything else,
 a prefill chunk, fp32, CUDA, MOE_OFFLOAD_FAST_DECODE=0 run the module path). The KV rows it writes are the
 rows the module path writes, so the two paths mix freely within a sequence.
 """
@@ -28,6 +28,7 @@ import torch
 
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.quant import QuantLinear
+from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -86,6 +87,7 @@ class _Layer:
     router_bias: object | None = None  # [E]
     sinks: object | None = None  # [Hq]
     scales: tuple = (None, None, None, None)  # int8 q/k/v/o: fp32 row scales
+    block: object | None = None  # a MoE block run without its module (moe_blocks.py), else None
 
 
 class DecodePlan:
@@ -159,6 +161,8 @@ class DecodePlan:
                     layer.post_attention_layernorm.weight)
             lay = _Layer(i, (args, tail), moe, experts, state, None if moe is not None else mlp, shared)
             lay.sinks = getattr(attn, "sinks", None)
+            if moe is None and experts is not None:  # DeepSeek-V3's block (GLM-4.5+, dots.llm1): selection fused
+                lay.block = deepseek_block(mlp)
             if q8:
                 lay.scales = tuple(getattr(attn, a).weight_scale for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
             if moe is not None:
@@ -255,6 +259,8 @@ class DecodePlan:
                 if lay.shared is not None:
                     se, gate = lay.shared
                     out = out + torch.sigmoid(gate(x2)) * se(x2)
+            elif lay.block is not None:
+                out = lay.block(ex, x2)
             else:  # a dense layer's MLP, or a MoE block run as its module (its experts still go to the executor)
                 out = lay.mlp(x2.unsqueeze(0))
                 out = (out[0] if isinstance(out, tuple) else out)[0]

@@ -6,7 +6,8 @@ around attention.
          kv_a_layernorm (moe_offload::gemv_bf16 / gemm_bf16, rmsnorm_bf16) -> rotary on the rope slices (the
          model's own rotary function) -> latents written to the paged pool -> moe_offload::mla_decode_bf16 over
          each sequence's latents (kv_b_proj absorbed: mla.py) -> o_proj -> residual -> RMSNorm
-         -> the MLP as its module (router, shared experts; its experts go to the offload executor)
+         -> DeepSeek-V3's MoE block as moe_blocks.py runs it (fused selection, the executor, shared experts), any
+            other MLP as its module (a MoE module's experts still go to the offload executor)
       -> final norm -> LM head -> logits [M, V]
 
 Why: in the module path a DeepSeek-V3-layout decode step spends about a third of its time in ~2000 small torch
@@ -14,8 +15,8 @@ ops (norms in 6-7 ops, the cache update, the split/cat/transpose of MLA, dtype c
 the attention half is ~12 calls per layer.
 
 Which models, by construction rather than by a list: every model whose decoder layer, MLA attention and RMSNorm
-have DeepSeek-V3's source code (transformers copies them into each family that shares the layout: the check
-compares the source with the class names taken out), in bf16 on the CPU with the kernels built and the paged cache.
+have DeepSeek-V3's source code (transformers copies them into each family that shares the layout:
+moe_blocks.same_source compares the source with the family prefixes taken out), in bf16 on the CPU with the kernels built and the paged cache.
 Each step computes what the module path computes, at the same roundings, through the same kernels (logits equal
 where the routes agree; tests/engines/offload/runtime/test_mla.py).
 Legend: M sequences (one token each), H hidden, Hh heads, N/P/V nope/rope/value head dims, R kv_lora_rank.
@@ -23,8 +24,6 @@ Legend: M sequences (one token each), H hidden, Hh heads, N/P/V nope/rope/value 
 
 from __future__ import annotations
 
-import inspect
-import re
 import sys
 import time
 
@@ -32,23 +31,10 @@ import torch
 
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.runtime import fastpath, mla
+from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, same_source
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
-
-
-def _source(cls, name: str) -> str:
-    """``cls``'s source with its family prefix taken out (DeepseekV3Attention and KimiAttention read the same)."""
-    src = inspect.getsource(cls)
-    prefix = re.match(r"([A-Z][A-Za-z0-9]*?)(Attention|DecoderLayer|RMSNorm)$", name)
-    return src.replace(prefix.group(1), "X") if prefix else src
-
-
-def _same_as_deepseek_v3(obj, reference) -> bool:
-    try:
-        return _source(type(obj), type(obj).__name__) == _source(reference, reference.__name__)
-    except (OSError, TypeError):
-        return False
 
 
 def _reference_classes():
@@ -65,6 +51,7 @@ class MLADecodePlan:
         inner = model.model
         self.embed, self.rotary, self.norm, self.lm_head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
         self.layers = list(inner.layers)
+        self.blocks = [deepseek_block(layer.mlp) for layer in self.layers]  # None: the MLP runs as its module
         attn = self.layers[0].self_attn
         mod = sys.modules[type(attn).__module__]
         self.rope = mod.apply_rotary_pos_emb_interleave if attn.config.rope_interleave else mod.apply_rotary_pos_emb
@@ -72,7 +59,10 @@ class MLADecodePlan:
 
     @classmethod
     def build(cls, model, executor, pool) -> "MLADecodePlan | None":
-        why = cls._refuse(model, executor)
+        try:
+            why = cls._refuse(model, executor)
+        except (AttributeError, TypeError, ValueError) as e:  # a layout it does not expect: the module path
+            why = f"{type(e).__name__}: {e}"
         if why:
             log.debug("MLA fused decode path off", reason=why, model_type=getattr(model.config, "model_type", ""))
             return None
@@ -91,12 +81,12 @@ class MLADecodePlan:
         layer_cls, attn_cls, norm_cls = _reference_classes()
         for layer in inner.layers:
             attn = getattr(layer, "self_attn", None)
-            if not (_same_as_deepseek_v3(layer, layer_cls) and _same_as_deepseek_v3(attn, attn_cls)
+            if not (same_source(layer, layer_cls) and same_source(attn, attn_cls)
                     and getattr(attn, "_moe_offload_mla", False)):
                 return "not DeepSeek-V3's decoder layer and MLA attention"
             norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.kv_a_layernorm]
             norms += [attn.q_a_layernorm] if attn.q_lora_rank is not None else []
-            if not all(_same_as_deepseek_v3(n, norm_cls) for n in norms + [inner.norm]):
+            if not all(same_source(n, norm_cls) for n in norms + [inner.norm]):
                 return "not DeepSeek-V3's RMSNorm"
             linears = [attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj]
             linears += [attn.q_a_proj, attn.q_b_proj] if attn.q_lora_rank is not None else [attn.q_proj]
@@ -131,7 +121,7 @@ class MLADecodePlan:
         ops, ex = torch.ops.moe_offload, self.executor
         t0 = time.perf_counter()
         ex.begin_forward()
-        for layer in self.layers:
+        for layer, block in zip(self.layers, self.blocks):
             a = layer.self_attn
             x = ops.rmsnorm_bf16(h, None, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, 0)
             if a.q_lora_rank is None:
@@ -155,8 +145,11 @@ class MLADecodePlan:
             h = h + a.o_proj(o.view(M, -1))  # the patched linears: kernels/dispatch.py
             n2 = layer.post_attention_layernorm
             x2 = ops.rmsnorm_bf16(h, None, n2.weight, n2.variance_epsilon, 0)
-            out = layer.mlp(x2.unsqueeze(0))
-            h = h + (out[0] if isinstance(out, tuple) else out)[0]
+            if block is not None:
+                h = h + block(ex, x2)
+            else:
+                out = layer.mlp(x2.unsqueeze(0))
+                h = h + (out[0] if isinstance(out, tuple) else out)[0]
         x = ops.rmsnorm_bf16(h, None, self.norm.weight, self.norm.variance_epsilon, 0)
         logits = self.lm_head(x)  # [M, V]
         ex.end_forward(t0)

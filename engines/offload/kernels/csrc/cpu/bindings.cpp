@@ -23,6 +23,8 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
         "int router_mode=0, Tensor? sq=None, Tensor? sk=None, Tensor? sv=None, Tensor? so=None) -> Tensor[]");
   m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps, int norm_mode=0) -> Tensor");
   // mla.cpp
+  // router.cpp
+  m.def("grouped_topk(Tensor scores, Tensor? bias, int n_group, int topk_group, int top_k, bool norm_topk, float scale) -> Tensor[]");
   m.def("mla_decode_bf16(Tensor q, Tensor lat, Tensor rope, Tensor lens, Tensor wkv_b, int nope, float scaling) -> Tensor");
 }
 
@@ -38,4 +40,5 @@ TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
   m.impl("decode_layer_bf16", &moe_cpu::decode_layer_bf16);
   m.impl("rmsnorm_bf16", &moe_cpu::rmsnorm_bf16);
   m.impl("mla_decode_bf16", &moe_cpu::mla_decode_bf16);
+  m.impl("grouped_topk", &moe_cpu::grouped_topk);
 }

@@ -104,6 +104,10 @@ at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& ad
 at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& lat, const at::Tensor& rope, const at::Tensor& lens,
                            const at::Tensor& wkv_b, int64_t nope, double scaling);
 
+// router.cpp
+std::vector<at::Tensor> grouped_topk(const at::Tensor& scores, const std::optional<at::Tensor>& bias, int64_t n_group,
+                                     int64_t topk_group, int64_t top_k, bool norm_topk, double scale);
+
 }  // namespace moe_cpu
 
 namespace moe_quant {

@@ -1,0 +1,79 @@
+"""Layers the fused decode paths run without their modules, recognised by their source code, not by a family list.
+
+    same_source(module, reference class): the two classes' forward source with each one's family prefix taken out
+        (Glm4MoeMoE's and DeepseekV3MoE's both read ``self.gate``, ``self.experts``, ``self.shared_experts``) -- transformers copies a layer into every family that
+        shares it, so equal source means equal computation
+    deepseek_block(mlp, state): DeepSeek-V3's MoE block (sigmoid router with correction bias and expert groups, shared
+        experts; also GLM-4.5+, dots.llm1, Kimi K2, ...) as
+            F.linear(x, router fp32) -> sigmoid -> moe_offload::grouped_topk (kernels/csrc/cpu/router.cpp)
+            -> the offload executor (tiers, fetches, statistics) + shared experts (their module)
+
+Why: the module's router is ~15 small torch ops per layer; the selection is one call here. The logits and the
+sigmoid are the module's own ops, the selection the module's fp32 operations (tests: test_fastpath.py, test_mla.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+def _suffix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def same_source(obj, reference: type) -> bool:
+    """True when ``type(obj)``'s ``forward`` is ``reference``'s in source, with the family prefixes exchanged (the
+    computation; constructors differ in spelling, and the callers read the attributes they need)."""
+    cls = type(obj)
+    if cls is reference:
+        return True
+    n = _suffix(cls.__name__, reference.__name__)
+    mine, theirs = cls.__name__[: len(cls.__name__) - n], reference.__name__[: len(reference.__name__) - n]
+    if not n or not mine or not theirs:
+        return False
+    try:
+        return (inspect.getsource(cls.forward).replace(mine, "X")
+                == inspect.getsource(reference.forward).replace(theirs, "X"))
+    except (OSError, TypeError, AttributeError):
+        return False
+
+
+class DeepseekBlock:
+    """DeepSeek-V3's MoE block for decode rows: ``block(executor, x [M, H]) -> [M, H]``, as the module computes it."""
+
+    def __init__(self, mlp, state):
+        self.gate, self.experts, self.shared, self.state = mlp.gate, mlp.experts, mlp.shared_experts, mlp.experts._moe_offload
+        g = self.gate
+        self.args = (int(g.num_group), int(g.topk_group), int(g.top_k), bool(g.norm_topk_prob), float(g.routed_scaling_factor))
+
+    def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate
+        scores = F.linear(x.type(torch.float32), g.weight.type(torch.float32)).sigmoid()  # [M, E], the module's ops
+        bias = g.e_score_correction_bias
+        ids, w = torch.ops.moe_offload.grouped_topk(scores, bias if bias.dtype == torch.float32 else bias.float(), *self.args)
+        return ex.forward(self.state, self.experts, x, ids, w) + self.shared(x)
+
+
+def deepseek_block(mlp) -> DeepseekBlock | None:
+    """The block for ``mlp`` when it is DeepSeek-V3's MoE block with its experts on the executor, else None
+    (``MOE_OFFLOAD_FUSED_ROUTER=0`` also gives None: the block then runs as its module)."""
+    if os.environ.get("MOE_OFFLOAD_FUSED_ROUTER", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ref
+
+    experts = getattr(mlp, "experts", None)
+    if getattr(experts, "_moe_offload", None) is None or not hasattr(mlp, "shared_experts"):
+        return None
+    if not (same_source(mlp, ref.DeepseekV3MoE) and same_source(getattr(mlp, "gate", None), ref.DeepseekV3TopkRouter)):
+        return None
+    g = mlp.gate
+    if g.num_experts % g.num_group or g.top_k > (g.num_experts // g.num_group) * g.topk_group:
+        return None
+    return DeepseekBlock(mlp, experts._moe_offload)
