@@ -147,3 +147,48 @@ def test_for_miss_policy_gives_each_engine_policy_slots_to_work_with():
     assert for_miss_policy("lru", 4, 16) == "lru"
     assert for_miss_policy("hybrid", 4, 16) == "mix:2"
     assert for_miss_policy("lru", 16, 16) == "top"  # every expert resident: nothing can miss, pin them all
+
+
+# ---- three tiers: accelerators, host memory, disk (plan --host-memory) -------------------------------------------
+
+
+def test_three_tiers_pin_the_next_hottest_in_host_memory_and_the_rest_on_disk(spec, tiers):
+    counts = np.tile(np.arange(32)[::-1], (8, 1)) + 1  # expert 0 hottest in every layer
+    prof = Profile("tiny-moe", spec.moe_layers, counts, source="counts")
+    k = spec.top_k
+    p = P.plan(spec, tiers, {"npu0": 3}, "top", prof, host_slots=10)
+    assert P.disk_tier_name(p.tiers) == "disk" and p.tier("disk").kind == "disk"
+    lp = p.layers[0]
+    host = p.host_tier
+    assert lp.pinned("npu0") == [0, 1, 2]
+    assert lp.pinned(host) == list(range(3, 3 + 10 - k))  # the next hottest, top-k slots kept for disk reads
+    assert lp.pinned("disk") == list(range(3 + 10 - k, 32))
+    assert lp.slots[host] == 10 and lp.dynamic(host) == k
+    rates = p.predicted_hit_rate
+    assert sum(rates.values()) == pytest.approx(1.0)
+    total = counts[0].sum()
+    assert rates["npu0"] == pytest.approx(counts[0, :3].sum() / total)
+    # host memory serves at least its pinned experts, plus some of the disk's through its LRU slots
+    assert counts[0, 3:3 + 10 - k].sum() / total < rates[host] < counts[0, 3:13].sum() / total + 1e-9
+    assert rates["disk"] == pytest.approx(1.0 - rates["npu0"] - rates[host])
+    # a placement is a contract: it survives JSON, and the accelerator-only views ignore the lower tiers
+    assert Placement.from_json(p.to_json()) == p
+
+
+def test_three_tiers_without_a_profile_or_with_lru_cache_instead_of_pinning(spec, tiers):
+    for policy, profile in (("top", None), ("lru", Profile("tiny-moe", spec.moe_layers, np.ones((8, 32), int)))):
+        lp = P.plan(spec, tiers, {"npu0": 4}, policy, profile, host_slots=6).layers[1]
+        assert lp.pinned(P.host_tier_name(tiers)) == [] and lp.slots[P.host_tier_name(tiers)] == 6
+        assert len(lp.pinned("disk")) == 32 - len(lp.pinned("npu0"))
+
+
+def test_three_tiers_where_host_memory_holds_the_rest_have_no_disk_homes(spec, tiers):
+    p = P.plan(spec, tiers, {"npu0": 4}, "top", None, host_slots=28)
+    assert all("disk" not in lp.home for lp in p.layers)
+
+
+def test_three_tiers_need_one_tokens_experts_in_host_memory(spec, tiers):
+    with pytest.raises(PlacementError, match=f"at least top-k \\({spec.top_k}\\)"):
+        P.plan(spec, tiers, {"npu0": 4}, "top", None, host_slots=spec.top_k - 1)
+    with pytest.raises(ConfigError, match="host_slots"):
+        P.plan(spec, tiers, {"npu0": 4}, "top", None, host_slots=-1)

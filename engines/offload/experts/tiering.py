@@ -17,21 +17,25 @@ from moe_offload.errors import ConfigError
 GiB = 2**30
 
 
-def host_slots(experts: list, manifest, layout: dict, host_cache: int, top_k: int, alias: bool) -> dict[int, int]:
+def host_slots(experts: list, manifest, layout: dict, host_cache: int, top_k: int, alias: bool,
+               host_pinned: dict | None = None) -> dict[int, int]:
     """{layer: host slots}: ``host_cache`` bytes shared equally (in slots) by the MoE layers, at most every expert.
-    ``alias``: the accelerator's pinned experts live in these slots (a CPU accelerator) and are never evicted.
+    ``alias``: the accelerator's pinned experts live in these slots (a CPU accelerator) and are never evicted;
+    ``host_pinned``: {layer: experts} a three-tier placement pins in host memory, never evicted either.
     ConfigError when a layer would get fewer than its pinned experts plus ``top_k`` (one token's working set)."""
     records = {i.layer: manifest.layers[i.name].record_bytes for i in experts}
     per_round = sum(records.values())  # one slot in every layer
     n = host_cache // per_round
-    need = {i.layer: (len(layout[i.layer][0]) if alias else 0) + top_k for i in experts}
+    host_pinned = host_pinned or {}
+    pins = {i.layer: len(set(layout[i.layer][0] if alias else []) | set(host_pinned.get(i.layer, []))) for i in experts}
+    need = {i.layer: pins[i.layer] + top_k for i in experts}
     minimum = sum(min(need[i.layer], i.num_experts) * records[i.layer] for i in experts)
     if any(n < min(need[i.layer], i.num_experts) for i in experts):
-        pinned = max(len(layout[i.layer][0]) for i in experts) if alias else 0
+        pinned = max(pins.values())
         what = f"{pinned} pinned + {top_k} routed" if pinned else f"{top_k} (the experts one token routes to)"
         raise ConfigError(f"host memory for experts: {host_cache / GiB:.3f} GiB holds {n} experts per MoE layer; "
                           f"expected at least {what}: {minimum / GiB:.3f} GiB (raise --host-memory"
-                          f"{' or lower --fraction' if pinned else ''})")
+                          f"{' or pin fewer: lower --fraction, or plan with less --host-memory' if pinned else ''})")
     return {i.layer: min(n, i.num_experts) for i in experts}
 
 

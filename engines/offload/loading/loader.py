@@ -115,8 +115,9 @@ def load_model(
         from moe_offload.engines.offload.loading.split import load_split
 
         manifest = ensure_store(root, config, experts, method, read_as, convert_to, load_dtype)
+        pins = host_pins(placement)
         host_slots = tiering.host_slots(experts, manifest, layout, host_cache, _top_k(config),
-                                        alias=dev.type == "cpu")
+                                        alias=dev.type == "cpu", host_pinned=pins)
         model, _ = load_split(root, config, experts, method, read_as, load_dtype, read_experts=False)
     else:
         from moe_offload.engines.offload.loading.split import load_split
@@ -154,7 +155,8 @@ def load_model(
     if host_cache is not None:
         from moe_offload.engines.offload.loading.split import disk_stores
 
-        pinned = {layer: p for layer, (p, _) in layout.items()} if dev.type == "cpu" else {}
+        pinned = {layer: sorted(set(p if dev.type == "cpu" else []) | set(pins.get(layer, [])))
+                  for layer, (p, _) in layout.items()}
         cached, executor.disk, executor.io = disk_stores(modules, experts, manifest, host_slots, pinned,
                                                          pin=dev.type == "cuda")
         stores = [(info, modules[info.name], st) for info, st in zip(experts, cached)]
@@ -221,6 +223,15 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def host_pins(placement: Placement | None) -> dict[int, list[int]]:
+    """{layer: experts a three-tier placement pins in host memory} (plan --host-memory: the profile's hottest of
+    those no accelerator holds; the rest are homed on its disk tier); {} for any other placement."""
+    if placement is None or not any(t.kind == "disk" for t in placement.tiers):
+        return {}
+    host = placement.host_tier or "host"
+    return {lp.layer: lp.pinned(host) for lp in placement.layers}
+
+
 def plan_layers(experts: list[ExpertsInfo], placement: Placement | None, dev: torch.device):
     """(accelerator tier, host tier, {layer: (pinned expert ids, dynamic slots)}); PlacementError if it does not fit the model."""
     device_name = f"{dev.type}:{dev.index or 0}"
@@ -233,7 +244,8 @@ def plan_layers(experts: list[ExpertsInfo], placement: Placement | None, dev: to
             f"placement for model {placement.model!r} covers MoE layers {sorted(placed)}, "
             f"expected this model's MoE layers {sorted(layers)}"
         )
-    used = {t for lp in placement.layers for t in lp.slots if lp.slots[t] > 0}
+    below = {t.name for t in placement.tiers if t.accelerator is None}  # host memory and disk: no executor tier
+    used = {t for lp in placement.layers for t in lp.slots if lp.slots[t] > 0 and t not in below}
     candidates = [t.name for t in placement.tiers if t.accelerator is not None]
     if len(used) > 1:
         raise PlacementError(f"placement uses slots on {len(used)} accelerator tiers {sorted(used)}, expected one per executor")

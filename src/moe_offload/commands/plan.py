@@ -158,10 +158,13 @@ def _slot_tiers(spec, slots: list[int]):
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random policy.")
 @click.option("--out", default=None, help="Write the rm-core Placement JSON here.")
 @click.option("--simulate", "replay", is_flag=True, help="Also replay the routes file through the placement (LRU slots).")
+@click.option("--host-memory", default=None,
+              help="Host memory for the experts no accelerator holds (e.g. 8GiB); the rest go to a disk tier (the "
+                   "expert store): host memory pins the profile's hottest of them, else caches them (LRU).")
 @expert_dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, context, batch, reserve, layout, policy,
-             calibration_path, hardware, seed, out, replay, expert_dtype, as_json) -> None:
+             calibration_path, hardware, seed, out, replay, host_memory, expert_dtype, as_json) -> None:
     """Place experts on accelerators and print the predicted hit rate per tier."""
     from moe_offload.control import placement as P
     from moe_offload.control.profile import Profile, load_routes
@@ -203,13 +206,17 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
         from moe_offload.commands.options import load_calibration_option
 
         cal = load_calibration_option(calibration_path, "cpu" if backend == "cpu" else "cuda", hardware)
+    host_slots = host_slots_for(spec, host_memory)
     if auto:
+        if host_slots is not None:
+            raise ConfigError("--host-memory places one policy across three tiers: give --policy top, global, mix:H "
+                              "or lru, not auto")
         from moe_offload.control.costmodel import rank
 
         ranked = rank(spec, tiers, profile, cal, slots=slot_map, seed=seed)
         placement = ranked[0][1]
     else:
-        placement = P.plan(spec, tiers, slot_map, policy, profile, seed)
+        placement = P.plan(spec, tiers, slot_map, policy, profile, seed, host_slots=host_slots)
     result = {"placement": placement.to_dict(), "predicted_hit_rate": dict(placement.predicted_hit_rate)}
     lines = [f"{spec.name}: policy {placement.policy if not auto else f'auto -> {placement.policy}'}, "
              f"profile {placement.profile or 'none (expert-id order)'}"]
@@ -217,8 +224,16 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
         per_layer = [lp.slots.get(t.name, 0) for lp in placement.layers]
         pinned = sum(len(lp.pinned(t.name)) for lp in placement.layers)
         lines.append(f"  {t.name}: slots per layer {min(per_layer)}..{max(per_layer)} (total {sum(per_layer)}, {pinned} pinned)")
+    disk = P.disk_tier_name(placement.tiers)
+    host = P.host_tier_name(placement.tiers)
+    on_disk = sum(len(lp.pinned(disk)) for lp in placement.layers) if disk else 0
+    if host_slots is not None:
+        pinned = sum(len(lp.pinned(host)) for lp in placement.layers) if on_disk else 0
+        lines.append(f"  {host}: {host_slots} expert slots per layer ({pinned} pinned in all, the rest an LRU cache); "
+                     f"{disk}: {on_disk} experts in the expert store" if on_disk else
+                     f"  {host}: holds every expert no accelerator holds ({host_slots} slots per layer): no disk tier")
     if placement.predicted_hit_rate:
-        lines.append("  predicted hit rate: " + _rates(placement.predicted_hit_rate, P.host_tier_name(placement.tiers)))
+        lines.append("  predicted hit rate: " + _rates(placement.predicted_hit_rate, disk if on_disk else host))
     else:
         lines.append("  predicted hit rate: none (no profile)")
     if cal is not None:
@@ -226,7 +241,8 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
     if replay:
         sim = P.simulate(load_routes(profile_path), placement)
         result["simulated"] = {k: v for k, v in sim.items() if k != "per_layer"}
-        lines.append("  replayed hit rate: " + _rates(sim["hit_rate"], P.host_tier_name(placement.tiers)))
+        lines.append("  replayed hit rate: " + _rates(sim["hit_rate"], P.host_tier_name(placement.tiers))
+                     + (" (host memory and disk not replayed apart)" if on_disk else ""))
     if out:
         with open(out, "w", encoding="utf-8") as f:
             f.write(placement.to_json(indent=1))
@@ -234,8 +250,20 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
     emit(result, as_json, "\n".join(lines))
 
 
+def host_slots_for(spec, host_memory: str | None) -> int | None:
+    """Host expert slots per MoE layer in ``host_memory`` (each layer an equal share of records, 4 KiB aligned as
+    the expert store holds them; as `predict --host-memory` and the engine count them)."""
+    if host_memory is None:
+        return None
+    from moe_offload.control.units import parse_size
+
+    record = -(-spec.expert_bytes // 4096) * 4096
+    return parse_size(host_memory, "--host-memory") // (record * max(1, spec.num_moe_layers))
+
+
 def _rates(rates, host: str | None) -> str:
-    """Share of routed pairs per tier; the host's share is where the misses go, so it is not shown as a hit rate."""
+    """Share of routed pairs per tier; the bottom tier's share is where the misses go, so it is not shown as a hit
+    rate (the host's, or the disk's when there is one)."""
     text = ", ".join(f"{k} {v:.1%}" for k, v in rates.items() if k != host)
     return text + (f" (misses, on {host}: {rates[host]:.1%})" if host in rates else "")
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 def _layer_split(placement, host: str):
     """Per layer: (pinned mask [E] as bools, dynamic slots on accelerators)."""
+    below = {host} | {t.name for t in placement.tiers if t.kind == "disk"}  # on no accelerator
     out = []
     for lp in placement.layers:
-        pinned = [h != host for h in lp.home]
-        dynamic = sum(max(0, lp.dynamic(t)) for t in lp.slots if t != host)
+        pinned = [h not in below for h in lp.home]
+        dynamic = sum(max(0, lp.dynamic(t)) for t in lp.slots if t not in below)
         out.append((pinned, dynamic))
     return out
 

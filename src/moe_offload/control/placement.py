@@ -139,18 +139,26 @@ def _global_slots(profile, table):
 
 
 def plan(spec, tiers: Sequence[MemoryTier], slots: Mapping[str, Any], policy: str = "top", profile=None,
-         seed: int = 0) -> Placement:
+         seed: int = 0, host_slots: int | None = None) -> Placement:
     """Placement of ``spec``'s experts on ``tiers``.
 
     ``slots``: per accelerator tier, expert slots per MoE layer (an int, or one int per
     MoE layer). Accelerator tiers are filled in order, hottest experts first. Without a
     profile, ``top``/``global``/``mix`` use expert-id order (``Placement.profile`` is None
     and no hit rate is predicted).
+
+    ``host_slots``: host DRAM holds this many of each layer's remaining experts and a disk tier
+    (the expert store) the rest: three tiers. With a profile the hottest of them are pinned in
+    host memory, keeping top-k slots for one token's reads from disk (``slots[host]`` = pinned +
+    those); without one (or with ``lru``) none are pinned and host memory is an LRU cache.
     """
     kind, pinned_per_tier = parse_policy(policy)
     if profile is not None:
         profile.check(spec)
     tiers, host = _with_host(spec, tiers)
+    disk = None
+    if host_slots is not None:
+        tiers, disk = _with_disk(spec, tiers, host_slots)
     acc = accelerator_tiers(tiers)
     table = _slot_table(spec, acc, slots)
     if kind == "global" and profile is not None:
@@ -166,13 +174,38 @@ def plan(spec, tiers: Sequence[MemoryTier], slots: Mapping[str, Any], policy: st
             for e in order[li, nxt:nxt + pin]:
                 home[int(e)] = t.name
             nxt += pin
-        layers.append(LayerPlacement(layer, tuple(home), {t.name: int(table[ti, li]) for ti, t in enumerate(acc)}))
+        lslots = {t.name: int(table[ti, li]) for ti, t in enumerate(acc)}
+        rest = [int(e) for e in order[li, nxt:] if home[int(e)] == host]  # hottest first
+        if disk is not None and host_slots < len(rest):
+            keep = 0 if kind == "lru" or profile is None else max(0, host_slots - spec.top_k)
+            for e in rest[keep:]:
+                home[e] = disk
+            lslots[host] = host_slots
+        layers.append(LayerPlacement(layer, tuple(home), lslots))
     placement = Placement(model=spec.name, tiers=tuple(tiers), layers=tuple(layers), policy=policy,
                           profile=profile.source if profile is not None else None)
     if profile is None:
         return placement
     return Placement(model=placement.model, tiers=placement.tiers, layers=placement.layers, policy=policy,
                      predicted_hit_rate=hit_rates(profile, placement), profile=profile.source)
+
+
+def _with_disk(spec, tiers: list[MemoryTier], host_slots) -> tuple[list[MemoryTier], str]:
+    """``tiers`` with a disk tier (the expert store) for the experts host memory does not hold."""
+    if isinstance(host_slots, bool) or not isinstance(host_slots, int) or host_slots < 0:
+        raise ConfigError(f"host_slots: expected an integer >= 0, got {host_slots!r}")
+    if host_slots < spec.top_k:
+        raise PlacementError(f"host_slots={host_slots}: host memory needs at least top-k ({spec.top_k}) expert slots "
+                             "per layer, one token's experts read from disk")
+    disk = next((t.name for t in tiers if t.kind == "disk"), None)
+    if disk is None:
+        disk = "disk" if all(t.name != "disk" for t in tiers) else "expert-store"
+        tiers = [*tiers, MemoryTier(disk, "disk", spec.routed_expert_bytes, labels={"sized": "expert store"})]
+    return tiers, disk
+
+
+def disk_tier_name(tiers: Sequence[MemoryTier]) -> str | None:
+    return next((t.name for t in tiers if t.kind == "disk"), None)
 
 
 def fraction_slots(spec, fraction: float) -> int:
@@ -246,29 +279,37 @@ def hit_rates(profile, placement: Placement) -> dict[str, float]:
     """Predicted fraction (0..1) of the profile's routed token-expert pairs served by each tier.
 
     Pinned experts count exactly; dynamic (LRU) slots by Che's approximation, split over tiers by
-    their dynamic slots. The host tier gets the rest (the misses). Values sum to 1.
+    their dynamic slots. The host tier gets the rest (the misses), or, with a disk tier, its pinned
+    experts and its LRU slots' share of the disk-homed experts, and the disk the rest. Values sum to 1.
     """
     np = _np()
     _check_fits(placement, profile.layers, profile.num_experts, f"profile of {profile.model or 'unknown model'}")
     host = _host(placement)
     names = [t.name for t in placement.tiers]
+    disk = disk_tier_name(placement.tiers)
+    bottom = disk if disk is not None and any(disk in lp.home for lp in placement.layers) else host
     served = dict.fromkeys(names, 0.0)
     total = float(profile.counts.sum())
     for li, lp in enumerate(placement.layers):
         counts = profile.counts[li].astype(np.float64)
         home = np.array([names.index(h) for h in lp.home])
+        below = np.isin(home, [names.index(n) for n in (host, disk) if n is not None])  # on no accelerator
         for ti, name in enumerate(names):
-            if name != host:
+            if name not in (host, disk):
                 served[name] += float(counts[home == ti].sum())
-        dyn = {t: lp.dynamic(t) for t in lp.slots if lp.dynamic(t) > 0}
-        if dyn:
-            hits = _che_hits(counts[home == names.index(host)], sum(dyn.values()))
-            for t, n in dyn.items():
-                served[t] += hits * n / sum(dyn.values())
+        dyn = {t: lp.dynamic(t) for t in lp.slots if t not in (host, disk) and lp.dynamic(t) > 0}
+        acc_hits = _che_hits(counts[below], sum(dyn.values())) if dyn else 0.0
+        for t, n in dyn.items():
+            served[t] += acc_hits * n / sum(dyn.values())
+        if bottom != host:  # host memory: its pinned experts and an LRU over the disk's, after the accelerators'
+            left = 1.0 - acc_hits / max(float(counts[below].sum()), 1.0)
+            on_disk = counts[home == names.index(disk)]
+            served[host] += left * (float(counts[home == names.index(host)].sum())
+                                    + _che_hits(on_disk, max(0, lp.dynamic(host))))
     if total == 0:
         return {n: 0.0 for n in names}
-    rates = {n: min(1.0, max(0.0, v / total)) for n, v in served.items() if n != host}
-    rates[host] = max(0.0, 1.0 - sum(rates.values()))
+    rates = {n: min(1.0, max(0.0, v / total)) for n, v in served.items() if n != bottom and (n != host or bottom != host)}
+    rates[bottom] = max(0.0, 1.0 - sum(rates.values()))
     return rates
 
 
