@@ -71,6 +71,31 @@ def test_plan_writes_placement(capsys, tmp_path, model_dir, routes_file):
     assert main(["plan", "--model", str(model_dir), "--budget", "64MiB", "--policy", "lru"]) == 0
 
 
+def test_plan_across_three_tiers(capsys, tmp_path, model_dir, routes_file):
+    # --host-memory: host memory pins the next-hottest experts, the rest go to the disk tier (the expert store)
+    from moe_offload.control.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(str(model_dir))
+    record = -(-spec.expert_bytes // 4096) * 4096
+    host = record * spec.num_moe_layers * 12  # 12 host slots per layer
+    out = tmp_path / "placement.json"
+    assert main(["plan", "--model", str(model_dir), "--profile", str(routes_file), "--slots", "8", "--host-memory",
+                 str(host), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "host: 12 expert slots per layer" in text and f"disk: {(32 - 8 - (12 - 4)) * 8} experts in the expert store" in text
+    assert "(misses, on disk:" in text
+    from rm_core import Placement
+
+    p = Placement.from_json(out.read_text())
+    assert [t.kind for t in p.tiers][-1] == "disk"
+    assert all(len(lp.pinned("host")) == 12 - 4 and lp.slots["host"] == 12 for lp in p.layers)
+    assert sum(p.predicted_hit_rate.values()) == pytest.approx(1.0) and p.predicted_hit_rate["host"] > 0
+    _one_error_line(capsys, ["plan", "--model", str(model_dir), "--slots", "8", "--host-memory", str(record)],
+                    "at least top-k (4)")
+    _one_error_line(capsys, ["plan", "--model", str(model_dir), "--slots", "8", "--host-memory", str(host),
+                             "--policy", "auto"], "not auto")
+
+
 def test_bad_inputs_exit_with_one_line(capsys, tmp_path, model_dir, routes_file):
     dense = tmp_path / "dense.json"
     dense.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,

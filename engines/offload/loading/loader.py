@@ -226,8 +226,11 @@ def resolve_device(device: str) -> torch.device:
 def host_pins(placement: Placement | None) -> dict[int, list[int]]:
     """{layer: experts a three-tier placement pins in host memory} (plan --host-memory: the profile's hottest of
     those no accelerator holds; the rest are homed on its disk tier); {} for any other placement."""
-    if placement is None or not any(t.kind == "disk" for t in placement.tiers):
+    if placement is None:
         return {}
+    disks = {t.name for t in placement.tiers if t.kind == "disk"}
+    if not any(h in disks for lp in placement.layers for h in lp.home):
+        return {}  # no expert homed on disk: host homes mean "on no accelerator", not "pinned in host memory"
     host = placement.host_tier or "host"
     return {lp.layer: lp.pinned(host) for lp in placement.layers}
 

@@ -30,8 +30,9 @@ import time
 import torch
 
 from moe_offload.engines.offload.kernels import jit
+from moe_offload.engines.offload.kernels.dispatch import GEMM_MAX_TOKENS
 from moe_offload.engines.offload.runtime import fastpath, mla
-from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, same_source
+from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, fuse_rows, same_source
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -52,6 +53,9 @@ class MLADecodePlan:
         self.embed, self.rotary, self.norm, self.lm_head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
         self.layers = list(inner.layers)
         self.blocks = [deepseek_block(layer.mlp) for layer in self.layers]  # None: the MLP runs as its module
+        # q_a and kv_a read the same input: one GEMV over their rows (the modules' weights become views of it)
+        self.qkv_a = [fuse_rows(a.q_a_proj, a.kv_a_proj_with_mqa) if a.q_lora_rank is not None else None
+                      for a in (layer.self_attn for layer in self.layers)]
         attn = self.layers[0].self_attn
         mod = sys.modules[type(attn).__module__]
         self.rope = mod.apply_rotary_pos_emb_interleave if attn.config.rope_interleave else mod.apply_rotary_pos_emb
@@ -121,16 +125,20 @@ class MLADecodePlan:
         ops, ex = torch.ops.moe_offload, self.executor
         t0 = time.perf_counter()
         ex.begin_forward()
-        for layer, block in zip(self.layers, self.blocks):
+        for layer, block, qkv_a in zip(self.layers, self.blocks, self.qkv_a):
             a = layer.self_attn
             x = ops.rmsnorm_bf16(h, None, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, 0)
             if a.q_lora_rank is None:
                 q = a.q_proj(x)
+                ckv = a.kv_a_proj_with_mqa(x)  # [M, R + P]
             else:
-                qa = a.q_a_proj(x)
+                if qkv_a is not None and M <= GEMM_MAX_TOKENS:  # as the patched linears: GEMV / GEMM kernels
+                    both = ops.gemv_bf16(x, qkv_a, None) if M == 1 else ops.gemm_bf16(x, qkv_a, None)
+                    qa, ckv = both[:, : a.q_lora_rank].contiguous(), both[:, a.q_lora_rank :]
+                else:
+                    qa, ckv = a.q_a_proj(x), a.kv_a_proj_with_mqa(x)
                 q = a.q_b_proj(ops.rmsnorm_bf16(qa, None, a.q_a_layernorm.weight, a.q_a_layernorm.variance_epsilon, 0))
             q = q.view(M, a.num_heads, a.qk_head_dim)  # [M, Hh, N + P]
-            ckv = a.kv_a_proj_with_mqa(x)  # [M, R + P]
             lat = ops.rmsnorm_bf16(ckv[:, : a.kv_lora_rank].contiguous(), None, a.kv_a_layernorm.weight,
                                    a.kv_a_layernorm.variance_epsilon, 0)  # [M, R]
             q_rot, k_rot = self.rope(q[:, :, a.qk_nope_head_dim :].transpose(0, 1).unsqueeze(0),

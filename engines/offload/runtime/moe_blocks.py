@@ -45,20 +45,51 @@ def same_source(obj, reference: type) -> bool:
         return False
 
 
+def fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    """One [sum of out, in] weight whose row blocks become the linears' weights (views: no second copy), so that
+    one GEMV reads what several did; each row's sum is the same dot product as before (bit-identical outputs).
+    None (and nothing changed) unless they are bias-free bf16 CPU nn.Linears over the same input width."""
+    ws = [getattr(m, "weight", None) for m in linears]
+    if any(type(m) is not torch.nn.Linear or m.bias is not None for m in linears) or any(
+            w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] != ws[0].shape[1] for w in ws):
+        return None
+    fused = torch.cat([w.detach() for w in ws])
+    row = 0
+    for m, w in zip(linears, ws):
+        m.weight = torch.nn.Parameter(fused[row : row + w.shape[0]], requires_grad=False)
+        row += w.shape[0]
+    return fused
+
+
+def _silu_mlp(mlp) -> bool:
+    act = getattr(mlp, "act_fn", None)
+    return (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation") and all(
+        type(getattr(mlp, n, None)) is torch.nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+
+
 class DeepseekBlock:
-    """DeepSeek-V3's MoE block for decode rows: ``block(executor, x [M, H]) -> [M, H]``, as the module computes it."""
+    """DeepSeek-V3's MoE block for decode rows: ``block(executor, x [M, H]) -> [M, H]``, as the module computes it.
+    One token's shared experts run as one moe_offload::expert_mlp_bf16 call over their gate|up rows fused
+    (``fuse_rows``: silu(gate) * up then down, rounded as the module's three linears round)."""
 
     def __init__(self, mlp, state):
         self.gate, self.experts, self.shared, self.state = mlp.gate, mlp.experts, mlp.shared_experts, mlp.experts._moe_offload
         g = self.gate
         self.args = (int(g.num_group), int(g.topk_group), int(g.top_k), bool(g.norm_topk_prob), float(g.routed_scaling_factor))
+        sh = self.shared
+        self.gate_up = fuse_rows(sh.gate_proj, sh.up_proj) if _silu_mlp(sh) else None
+        if self.gate_up is not None and (sh.down_proj.bias is not None or sh.down_proj.weight.dtype != torch.bfloat16):
+            self.gate_up = None
 
     def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
         g = self.gate
         scores = F.linear(x.type(torch.float32), g.weight.type(torch.float32)).sigmoid()  # [M, E], the module's ops
         bias = g.e_score_correction_bias
         ids, w = torch.ops.moe_offload.grouped_topk(scores, bias if bias.dtype == torch.float32 else bias.float(), *self.args)
-        return ex.forward(self.state, self.experts, x, ids, w) + self.shared(x)
+        out = ex.forward(self.state, self.experts, x, ids, w)
+        if self.gate_up is not None and x.shape[0] == 1 and x.dtype == torch.bfloat16:
+            return out + torch.ops.moe_offload.expert_mlp_bf16(x, self.gate_up, self.shared.down_proj.weight, None, None)
+        return out + self.shared(x)
 
 
 def deepseek_block(mlp) -> DeepseekBlock | None:

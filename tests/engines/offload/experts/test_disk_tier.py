@@ -242,3 +242,34 @@ def test_a_written_store_is_read_lazily_when_every_expert_fits(checkpoints):
         assert all(f.done() and f.exception() is None for f in st.pending.values())
         for e in range(st.num_experts):
             assert torch.equal(st.views(e)[0], ref_layer.store.expert(e)[0])
+
+
+def test_a_three_tier_placement_pins_its_host_experts_and_keeps_the_tokens(checkpoints):
+    # plan --host-memory's placement: the accelerator's pinned experts, host-pinned experts (never evicted from the
+    # host slots), the rest homed on the disk tier; tokens as the in-memory engine's
+    import numpy as np
+
+    from moe_offload import backends
+    from moe_offload.control import placement as P
+    from moe_offload.control.profile import Profile
+    from moe_offload.control.spec import ModelSpec
+
+    path = checkpoints("qwen3_moe")
+    spec = ModelSpec.from_hf_config(path)
+    counts = [[(e * 7 + layer) % spec.num_experts + 1 for e in range(spec.num_experts)] for layer in spec.moe_layers]
+    prof = Profile(spec.name, spec.moe_layers, np.array(counts), source="counts")
+    acc = P.accelerator_tiers(backends.get_backend("cpu").tiers())
+    pl = P.plan(spec, acc, {acc[0].name: 1}, "top", prof, host_slots=TOP_K + 2)
+    host = pl.host_tier
+    assert all(len(lp.pinned(host)) == 2 and lp.pinned("disk") for lp in pl.layers)
+    ref = greedy(load_model(path, None).model, PROMPT, N_TOKENS)
+    om = load_model(path, pl, policy="static", host_cache=records(path) * (1 + TOP_K + 2))
+    try:
+        for state in om.executor.layers:  # host slots: the accelerator's pinned expert (a CPU alias) + the plan's two
+            lp = pl.layer(state.layer)
+            assert set(state.store.pinned) == set(lp.pinned(acc[0].name)) | set(lp.pinned(host))
+        tokens, logits = greedy(om.model, PROMPT, N_TOKENS)
+        assert tokens == ref[0]
+        torch.testing.assert_close(logits, ref[1], rtol=0, atol=1e-5)
+    finally:
+        om.executor.close()
