@@ -62,7 +62,7 @@ def expert_forward(
         h = torch.ops.moe_offload.gemm_bf16(x, up, up_bias if _bias_ok(up_bias) else None)  # [N, 2I]
         if up_bias is not None and not _bias_ok(up_bias):
             h = h + up_bias
-        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [N, I]
+        h = _gate(module, h)  # [N, I]
         y = torch.ops.moe_offload.gemm_bf16(h.to(down.dtype), down, down_bias if _bias_ok(down_bias) else None)  # [N, H]
         if down_bias is not None and not _bias_ok(down_bias):
             y = y + down_bias
@@ -123,7 +123,7 @@ def _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale) ->
                 and _is_silu_concat(module)):
             return ops.expert_mlp_q(x, up, up_scale, down, down_scale)
         h = ops.gemv_q(x, up, up_scale, up_bias, split)  # [N, 2I]
-        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [N, I]
+        h = _gate(module, h)  # [N, I]
         return ops.gemv_q(h, down, down_scale, down_bias, 0)  # [N, H]
     # a tile per expert: the stored weights in x's dtype (fp32 products as transformers' dequantizing loaders make)
     w_up = quant.dequantize(up, up_scale, split, x.dtype)  # [2I, H]
@@ -159,11 +159,41 @@ def _one_token(module, x, up, down, up_bias, down_bias) -> torch.Tensor:
     h = ops.gemv_bf16(x, up, up_bias if _bias_ok(up_bias) else None)  # [1, 2I]
     if up_bias is not None and not _bias_ok(up_bias):
         h = h + up_bias
-    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [1, I]
+    h = _gate(module, h)  # [1, I]
     y = ops.gemv_bf16(h.to(down.dtype), down, down_bias if _bias_ok(down_bias) else None)  # [1, H]
     if down_bias is not None and not _bias_ok(down_bias):
         y = y + down_bias
     return y
+
+
+def _gate(module, h: torch.Tensor) -> torch.Tensor:
+    """The expert's activation on gate|up rows h [N, 2I] -> [N, I]: gpt-oss's clamped SwiGLU in one kernel call
+    (moe_offload::clamped_swiglu_bf16) where the module's gate is gpt-oss's, else the module's own ops."""
+    if module.has_gate and h.dtype == torch.bfloat16 and h.is_cpu and _is_gpt_oss_gate(module):
+        return torch.ops.moe_offload.clamped_swiglu_bf16(h.contiguous(), float(module.alpha), float(module.limit))
+    return module._apply_gate(h) if module.has_gate else module.act_fn(h)
+
+
+_GPT_OSS_GATES: dict[type, bool] = {}
+
+
+def _is_gpt_oss_gate(module) -> bool:
+    """The module's _apply_gate is gpt-oss's (same source, whatever the family calls it)."""
+    cls = type(module)
+    ok = _GPT_OSS_GATES.get(cls)
+    if ok is None:
+        import inspect
+
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        fn = getattr(module._apply_gate, "__func__", None)
+        try:
+            ok = fn is not None and hasattr(module, "alpha") and hasattr(module, "limit") and (
+                fn is GptOssExperts._apply_gate or inspect.getsource(fn) == inspect.getsource(GptOssExperts._apply_gate))
+        except (OSError, TypeError):
+            ok = False
+        _GPT_OSS_GATES[cls] = ok
+    return ok
 
 
 def _bias_ok(b: torch.Tensor | None) -> bool:

@@ -14,6 +14,8 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
                    out [R, H] (mutated)) -> ()
       a layer's routed pairs (sorted by expert) through their experts in one call, written to out[perm[s]];
       every pair's row is bit-identical to expert_mlp_bf16 of its token alone
+  clamped_swiglu_bf16(gate_up [.., 2I], alpha, limit) -> [.., I]   gpt-oss's gate over interleaved gate|up columns,
+      rounded op by op as torch's bf16 ops round (dispatch.py uses it where the module's _apply_gate is gpt-oss's)
   gemv_q(x [N, K], w, w_scale, bias [R]?, split=0) -> [N, R]    bf16|fp32 x, N <= MAX_TOKENS;        moe_quant.cpp
       the format from w.dtype: int8 [R, K] + fp32 [R] | float8_e4m3fn [R, K] + fp32 block scales [RB, ceil(K/128)]
       (rows >= split read the second half's blocks) | uint8 mxfp4 blocks [R, K/2] + E8M0 scales [R, K/32]
@@ -71,6 +73,10 @@ def _moe_experts(x, gate_ups, downs, tok, perm, starts, counts, out):
     return None
 
 
+def _swiglu(gate_up, alpha, limit):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
 def _gemv_q(x, w, w_scale, bias=None, split=0):
     rows = w.shape[0]
     return x.new_empty((*x.shape[:-1], rows))
@@ -111,6 +117,7 @@ FAKES = {
     "expert_mlp_bf16": _expert,
     "experts_mlp_bf16": _experts,
     "moe_experts_bf16": _moe_experts,
+    "clamped_swiglu_bf16": _swiglu,
     "gemv_q": _gemv_q,
     "expert_mlp_q": _expert_q,
     "experts_mlp_q": _experts_q,

@@ -169,4 +169,32 @@ at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorL
   return out;
 }
 
+// gpt-oss's clamped SwiGLU over interleaved gate|up columns (gate = even, up = odd), op by op as torch computes it
+// in bf16: g = min(gate, limit), u = clamp(up, -limit, limit), out = bf16(bf16(u + 1) * bf16(g * bf16(sigmoid(bf16(g *
+// alpha))))). One call instead of eight small torch ops per expert. gate_up [N, 2I] bf16 -> [N, I].
+at::Tensor clamped_swiglu_bf16(const at::Tensor& gate_up, double alpha, double limit) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() &&
+                  gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
+              "clamped_swiglu_bf16: gate_up: expected a contiguous bf16 CPU tensor [.., 2I], got ", gate_up.scalar_type(),
+              " ", gate_up.sizes());
+  const int64_t I = gate_up.size(-1) / 2, rows = gate_up.numel() / std::max<int64_t>(1, 2 * I);
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, gate_up.options());
+  const uint16_t* gu = ptr(gate_up);
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const float a = float(alpha), lim = float(limit), lo = -lim;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      float g = bf2f(gu[r * 2 * I + 2 * i]), u = bf2f(gu[r * 2 * I + 2 * i + 1]);
+      g = std::min(g, lim);
+      u = std::min(std::max(u, lo), lim);
+      const float t = bf2f(f2bf(g * a));
+      const float sg = bf2f(f2bf(1.0f / (1.0f + std::exp(-t))));
+      const float glu = bf2f(f2bf(g * sg));
+      o[r * I + i] = f2bf(bf2f(f2bf(u + 1.0f)) * glu);
+    }
+  return out;
+}
+
 }  // namespace moe_cpu

@@ -1,0 +1,28 @@
+"""moe_offload::clamped_swiglu_bf16 (gpt-oss's expert gate in one call) against the module's own _apply_gate.
+
+Why it could fail: gate and up columns swapped (they interleave), a clamp on the wrong side, the +1 or alpha
+missed, a rounding the torch ops make skipped: any of them moves outputs by far more than one bf16 unit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GptOssConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+from moe_offload.engines.offload.kernels import dispatch, jit
+
+pytestmark = pytest.mark.skipif(not jit.load(), reason="the CPU kernels cannot be built here")
+
+
+def test_matches_the_module_gate_in_bf16():
+    experts = GptOssExperts(GptOssConfig(hidden_size=64, intermediate_size=96, num_local_experts=4))
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(5, 192, generator=g) * 6).to(torch.bfloat16)  # values beyond the clamp limit (7) too
+    ref = experts._apply_gate(h)
+    got = torch.ops.moe_offload.clamped_swiglu_bf16(h, float(experts.alpha), float(experts.limit))
+    assert got.shape == ref.shape == (5, 96) and got.dtype == torch.bfloat16
+    ulp = (got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-3)
+    assert (got == ref).float().mean() > 0.99 and ulp.max() <= 2 ** -7  # an exp's last bit, now and then
+    assert dispatch._is_gpt_oss_gate(experts)
