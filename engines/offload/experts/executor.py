@@ -181,10 +181,17 @@ class Executor:
         proj = None if T == 1 else torch.empty(T * K, hidden_states.shape[-1], dtype=state.store.compute_dtype, device=hidden_states.device)
         host_x = rows.to_host_async() if host and self._cuda else None
 
-        # ---- hits on the accelerator ----
+        # ---- hits on the accelerator (one token on the CPU: one call for all of them where the kernel applies,
+        # e.g. gpt-oss's biased, clamped-SwiGLU experts; rows bit-identical to the per-expert loop) ----
         t1 = time.perf_counter()
-        for g, s in hits:
-            self._compute(state, module, rows, g, cache.weights[s], out, proj, slot=s)
+        grouped = (dispatch.experts_one_token(module, hidden_states, [cache.weights[s] for _, s in hits])
+                   if T == 1 and hits and not self._cuda and len(hits) > 1 else None)
+        if grouped is not None:
+            for i, (g, _) in enumerate(hits):
+                out[g[1]] = grouped[i : i + 1]
+        else:
+            for g, s in hits:
+                self._compute(state, module, rows, g, cache.weights[s], out, proj, slot=s)
         t2 = time.perf_counter()
 
         # ---- misses fetched into dynamic slots (LRU), each computed right after its copy ----

@@ -226,14 +226,25 @@ def experts_one_token(module, x: torch.Tensor, weights: list[tuple], post_norm: 
     """Several experts of one token in one call: ``weights`` = [(up, down, up_bias, down_bias)] (slot or store views).
 
     Returns [K, H] whose row k is bit-identical to ``expert_forward(module, x, *weights[k])`` (so callers may
-    mix both freely without breaking exactness), or None where only ``expert_forward`` applies (biases,
-    another gate, several tokens, not bf16 on the CPU, kernels off).
+    mix both freely without breaking exactness), or None where only ``expert_forward`` applies (another gate
+    than silu's or gpt-oss's, several tokens, not bf16 on the CPU, kernels off).
     """
-    if x.shape[0] != 1 or not weights or not _fast(x, weights[0][0], module.is_transposed) or not _is_silu_concat(module):
+    if x.shape[0] != 1 or not weights or not _fast(x, weights[0][0], module.is_transposed):
         return None
-    if any(w[2] is not None or w[3] is not None for w in weights):
+    if _is_silu_concat(module):
+        gate = (0, 0.0, 0.0)
+    elif module.has_gate and _is_gpt_oss_gate(module):  # biases and the clamped SwiGLU in the same call
+        gate = (1, float(module.alpha), float(module.limit))
+    else:
         return None
-    y = torch.ops.moe_offload.experts_mlp_bf16(x.to(torch.bfloat16).reshape(-1), [w[0] for w in weights], [w[1] for w in weights])
+    if not all(_bias_ok(w[2]) and _bias_ok(w[3]) for w in weights):
+        return None
+    ub = [w[2] for w in weights] if any(w[2] is not None for w in weights) else None
+    db = [w[3] for w in weights] if any(w[3] is not None for w in weights) else None
+    if (ub is not None and any(b is None for b in ub)) or (db is not None and any(b is None for b in db)):
+        return None
+    y = torch.ops.moe_offload.experts_mlp_bf16(x.to(torch.bfloat16).reshape(-1), [w[0] for w in weights],
+                                               [w[1] for w in weights], ub, db, *gate)
     if post_norm and module.has_post_expert_norm:
         y = module.post_expert_norm(y)
     return y  # [K, H]

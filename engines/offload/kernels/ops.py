@@ -8,8 +8,10 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       once for all of them, and token t's row is bit-identical to gemv_bf16 of token t alone            gemm.cpp
   expert_mlp_bf16(x [.., H], gate_up [2I, H], down [H, I], gate_up_bias [2I]?, down_bias [H]?) -> [.., H]
       silu(gate) * up with gate = rows [0, I), up = rows [I, 2I) (transformers' concatenated layout)     moe.cpp
-  experts_mlp_bf16(x [H], gate_ups K x [2I, H], downs K x [H, I]) -> [K, H]
-      K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_bf16 of expert k
+  experts_mlp_bf16(x [H], gate_ups K x [2I, H], downs K x [H, I], gate_up_biases K x [2I]?, down_biases K x [H]?,
+                   gate=0, alpha=0, limit=0) -> [K, H]
+      K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_bf16 of expert k;
+      gate 1: gpt-oss's clamped SwiGLU over interleaved rows (as clamped_swiglu_bf16) between the two GEMVs
   moe_experts_bf16(x [T, H], gate_ups J x [2I, H], downs J x [H, I], tok [S], perm [S], starts [J], counts [J],
                    out [R, H] (mutated)) -> ()
       a layer's routed pairs (sorted by expert) through their experts in one call, written to out[perm[s]];
@@ -65,7 +67,7 @@ def _expert(x, gate_up, down, gate_up_bias=None, down_bias=None):
     return x.new_empty(x.shape)
 
 
-def _experts(x, gate_ups, downs):
+def _experts(x, gate_ups, downs, gate_up_biases=None, down_biases=None, gate=0, alpha=0.0, limit=0.0):
     return x.new_empty((len(gate_ups), downs[0].shape[0]))
 
 

@@ -219,10 +219,13 @@ def test_experts_one_token_rows_equal_expert_forward(ops):
     assert y.shape == (3, 48)
     for k, w in enumerate(weights):  # bit for bit: a caller may group some experts and not others
         assert torch.equal(y[k : k + 1], dispatch.expert_forward(m, x, *w)), k
-    # not applicable: several tokens, fp32, biases -> None (the caller loops over expert_forward)
+    # biases go into the same call, bit for bit as well
+    biased = [(*weights[0][:2], torch.randn(48).to(BF), None)]
+    assert torch.equal(dispatch.experts_one_token(m, x, biased), dispatch.expert_forward(m, x, *biased[0]))
+    # not applicable: several tokens, fp32, some experts biased and some not -> None (the caller loops)
     assert dispatch.experts_one_token(m, torch.randn(2, 48).to(BF), weights) is None
     assert dispatch.experts_one_token(m, x.float(), [tuple(t.float() if t is not None else None for t in w) for w in weights]) is None
-    assert dispatch.experts_one_token(m, x, [(*weights[0][:2], torch.zeros(48, dtype=BF), None)]) is None
+    assert dispatch.experts_one_token(m, x, biased + weights[:1]) is None
 
 
 def test_disabled_kernels_fall_back_to_f_linear(ops):

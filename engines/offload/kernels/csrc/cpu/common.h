@@ -80,7 +80,9 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
 // moe.cpp
 at::Tensor expert_mlp_bf16(const at::Tensor& x, const at::Tensor& up, const at::Tensor& dn,
                            const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& dn_bias);
-at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs);
+at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs,
+                            std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases,
+                            int64_t gate, double alpha, double limit);
 at::Tensor clamped_swiglu_bf16(const at::Tensor& gate_up, double alpha, double limit);
 void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs, const at::Tensor& tok,
                       const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts, const at::Tensor& out);

@@ -31,11 +31,27 @@ inline void silu_mul_rows(const uint16_t* gu, uint16_t* h, int64_t rows, int64_t
   });
 }
 
-// K experts (silu-gated, concatenated gate|up) of one token: out [K, H].
+// gpt-oss's clamped SwiGLU over interleaved gate|up columns (gate = even, up = odd), op by op as torch computes it
+// in bf16: g = min(gate, limit), u = clamp(up, -limit, limit), h = bf16(bf16(u + 1) * bf16(g * bf16(sigmoid(bf16(g *
+// alpha))))).
+inline void swiglu_rows(const uint16_t* gu, uint16_t* h, int64_t rows, int64_t I, float alpha, float limit) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      float g = bf2f(gu[r * 2 * I + 2 * i]), u = bf2f(gu[r * 2 * I + 2 * i + 1]);
+      g = std::min(g, limit);
+      u = std::min(std::max(u, -limit), limit);
+      const float t = bf2f(f2bf(g * alpha));
+      const float sg = bf2f(f2bf(1.0f / (1.0f + std::exp(-t))));
+      const float glu = bf2f(f2bf(g * sg));
+      h[r * I + i] = f2bf(bf2f(f2bf(u + 1.0f)) * glu);
+    }
+}
+
+// K experts (silu-gated, concatenated gate|up; gate 1: gpt-oss's clamped SwiGLU, interleaved) of one token: out [K, H].
 void experts_impl(const uint16_t* x, const std::vector<const uint16_t*>& up, const std::vector<int64_t>& up_ld,
                   const std::vector<const uint16_t*>& dn, const std::vector<int64_t>& dn_ld,
                   const std::vector<const uint16_t*>& up_b, const std::vector<const uint16_t*>& dn_b,
-                  int64_t H, int64_t I, uint16_t* out) {
+                  int64_t H, int64_t I, uint16_t* out, int64_t gate = 0, float alpha = 0.0f, float limit = 0.0f) {
   const int64_t K = (int64_t)up.size(), I2 = 2 * I;
   std::vector<uint16_t> gu(K * I2), h(K * I);
   at::parallel_for(0, K * I2, grain(H), [&](int64_t b, int64_t e) {
@@ -45,7 +61,10 @@ void experts_impl(const uint16_t* x, const std::vector<const uint16_t*>& up, con
       b = stop;
     }
   });
-  silu_mul_rows(gu.data(), h.data(), K, I);
+  if (gate == 1)
+    swiglu_rows(gu.data(), h.data(), K, I, alpha, limit);
+  else
+    silu_mul_rows(gu.data(), h.data(), K, I);
   at::parallel_for(0, K * H, grain(I), [&](int64_t b, int64_t e) {
     while (b < e) {
       int64_t k = b / H, stop = std::min(e, (k + 1) * H);
@@ -151,27 +170,34 @@ void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList do
   });
 }
 
-at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs) {
+at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs,
+                            std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases,
+                            int64_t gate, double alpha, double limit) {
   TORCH_CHECK(!ups.empty() && ups.size() == downs.size(), "experts_mlp_bf16: expected as many gate_up as down tensors (>= 1), got ",
               ups.size(), " and ", downs.size());
   check_weight(downs[0], "down");
   const int64_t K = (int64_t)ups.size(), H = downs[0].size(0), I = downs[0].size(1);
   at::Tensor xc = one_token(x, H, "experts_mlp_bf16 x");
-  std::vector<const uint16_t*> up(K), dn(K), none(K, nullptr);
+  TORCH_CHECK(gate == 0 || gate == 1, "experts_mlp_bf16: gate: expected 0 (silu) or 1 (gpt-oss), got ", gate);
+  TORCH_CHECK((!up_biases.has_value() || (int64_t)up_biases->size() == K) &&
+                  (!down_biases.has_value() || (int64_t)down_biases->size() == K),
+              "experts_mlp_bf16: expected one bias per expert");
+  std::vector<const uint16_t*> up(K), dn(K), ub(K, nullptr), db(K, nullptr);
   std::vector<int64_t> up_ld(K), dn_ld(K);
   for (int64_t k = 0; k < K; ++k) {
     check_expert(ups[k], downs[k], H, I);
     up[k] = ptr(ups[k]); up_ld[k] = ups[k].stride(0);
     dn[k] = ptr(downs[k]); dn_ld[k] = downs[k].stride(0);
+    if (up_biases.has_value()) ub[k] = opt_bias((*up_biases)[k], 2 * I, "gate_up_bias");
+    if (down_biases.has_value()) db[k] = opt_bias((*down_biases)[k], H, "down_bias");
   }
   at::Tensor out = at::empty({K, H}, x.options());
-  experts_impl(ptr(xc), up, up_ld, dn, dn_ld, none, none, H, I, reinterpret_cast<uint16_t*>(out.data_ptr()));
+  experts_impl(ptr(xc), up, up_ld, dn, dn_ld, ub, db, H, I, reinterpret_cast<uint16_t*>(out.data_ptr()), gate,
+               float(alpha), float(limit));
   return out;
 }
 
-// gpt-oss's clamped SwiGLU over interleaved gate|up columns (gate = even, up = odd), op by op as torch computes it
-// in bf16: g = min(gate, limit), u = clamp(up, -limit, limit), out = bf16(bf16(u + 1) * bf16(g * bf16(sigmoid(bf16(g *
-// alpha))))). One call instead of eight small torch ops per expert. gate_up [N, 2I] bf16 -> [N, I].
+// swiglu_rows as an op: one call instead of eight small torch ops per expert. gate_up [N, 2I] bf16 -> [N, I].
 at::Tensor clamped_swiglu_bf16(const at::Tensor& gate_up, double alpha, double limit) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == at::kBFloat16 && gate_up.is_contiguous() &&
                   gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
@@ -181,19 +207,7 @@ at::Tensor clamped_swiglu_bf16(const at::Tensor& gate_up, double alpha, double l
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
   auto out = at::empty(sizes, gate_up.options());
-  const uint16_t* gu = ptr(gate_up);
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const float a = float(alpha), lim = float(limit), lo = -lim;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < I; ++i) {
-      float g = bf2f(gu[r * 2 * I + 2 * i]), u = bf2f(gu[r * 2 * I + 2 * i + 1]);
-      g = std::min(g, lim);
-      u = std::min(std::max(u, lo), lim);
-      const float t = bf2f(f2bf(g * a));
-      const float sg = bf2f(f2bf(1.0f / (1.0f + std::exp(-t))));
-      const float glu = bf2f(f2bf(g * sg));
-      o[r * I + i] = f2bf(bf2f(f2bf(u + 1.0f)) * glu);
-    }
+  swiglu_rows(ptr(gate_up), reinterpret_cast<uint16_t*>(out.data_ptr()), rows, I, float(alpha), float(limit));
   return out;
 }
 
