@@ -43,7 +43,12 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
   mla_decode_bf16(q [B, Hq, N + P], lat [B * L, R], rope [B * L, P], lens [B] int64, wkv_b [Hq * (N + V), R], nope N,
                   scaling) -> [B, Hq, V]
       MLA decode attention over the latent cache with kv_b_proj absorbed into q and o (runtime/mla.py)     mla.cpp
-      sequence b attends to its first lens[b] of the L latent rows it owns; fp32 inside, bf16 out.
+      sequence b attends to its first lens[b] of the L latent rows it owns; fp32 inside, bf16 out. rows [B * L] int64?:
+      lat / rope are then the layer's pools [pool rows, 1, R | P] and rows picks each position's row (no gather copy)
+  mla_prologue_bf16(q [M, Hq, N + P] (mutated), ckv [M, R + P], kv_norm [R], eps, cos [M, P], sin [M, P], interleave,
+                    kpool [rows, 1, R] (mutated), vpool [rows, 1, P] (mutated), slots [M] int64, nope) -> ()
+      the new positions' latents normalised and written, k_rot and q's rope slice rotated as the model's rotary
+      function rounds in bf16 (interleaved pairs or rotate_half)                                          mla.cpp
   grouped_topk(scores [M, E] fp32, bias [E] fp32?, n_group, topk_group, top_k, norm_topk, scale) -> [ids [M, K] int64,
                w [M, K] fp32]   DeepSeek-V3's grouped selection from sigmoid scores (runtime/moe_blocks.py)  router.cpp
 Legend (MLA): N/P/V the nope/rope/value head dims, R kv_lora_rank, L key rows per sequence (padded).
@@ -104,8 +109,12 @@ def _rmsnorm(h, add, w, eps, norm_mode=0):
     return h.new_empty(h.shape)
 
 
-def _mla(q, lat, rope, lens, wkv_b, nope, scaling):
+def _mla(q, lat, rope, lens, wkv_b, nope, scaling, rows=None):
     return q.new_empty((q.shape[0], q.shape[1], wkv_b.shape[0] // q.shape[1] - nope))
+
+
+def _mla_prologue(q, ckv, kv_norm, eps, cos, sin, interleave, kpool, vpool, slots, nope):
+    return None
 
 
 def _grouped_topk(scores, bias, n_group, topk_group, top_k, norm_topk, scale):
@@ -127,6 +136,7 @@ FAKES = {
     "rmsnorm_bf16": _rmsnorm,
     "mla_decode_bf16": _mla,
     "grouped_topk": _grouped_topk,
+    "mla_prologue_bf16": _mla_prologue,
 }
 
 

@@ -2,10 +2,11 @@
 around attention.
 
     ids [M] -> embedding -> rotary cos/sin (the model's rotary module)
-      -> per layer: h + add -> RMSNorm (moe_offload::rmsnorm_bf16) -> q_a, q_a_layernorm, q_b | q_proj; kv_a,
-         kv_a_layernorm (moe_offload::gemv_bf16 / gemm_bf16, rmsnorm_bf16) -> rotary on the rope slices (the
-         model's own rotary function) -> latents written to the paged pool -> moe_offload::mla_decode_bf16 over
-         each sequence's latents (kv_b_proj absorbed: mla.py) -> o_proj -> residual -> RMSNorm
+      -> per layer: RMSNorm (moe_offload::rmsnorm_bf16) -> q_a|kv_a (one GEMV over their fused rows),
+         q_a_layernorm, q_b | q_proj -> moe_offload::mla_prologue_bf16 (kv_a_layernorm, latents into the paged
+         pool, rotary on k_rot and q's rope slice as the model's rotary functions round) ->
+         moe_offload::mla_decode_bf16 over each sequence's pool rows (kv_b_proj absorbed: mla.py) -> o_proj ->
+         residual -> RMSNorm
          -> DeepSeek-V3's MoE block as moe_blocks.py runs it (fused selection, the executor, shared experts), any
             other MLP as its module (a MoE module's experts still go to the offload executor)
       -> final norm -> LM head -> logits [M, V]
@@ -38,6 +39,20 @@ from moe_offload.log import get_logger
 log = get_logger("moe_offload.fastpath")
 
 
+def _same_rotary(attn) -> bool:
+    """The attention module's rotary functions are DeepSeek-V3's (what mla_prologue_bf16 reproduces)."""
+    import inspect
+
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ref
+
+    mod = sys.modules[type(attn).__module__]
+    try:
+        return all(inspect.getsource(getattr(mod, f)) == inspect.getsource(getattr(ref, f))
+                   for f in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "rotate_half"))
+    except (AttributeError, OSError, TypeError):
+        return False
+
+
 def _reference_classes():
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
 
@@ -56,9 +71,7 @@ class MLADecodePlan:
         # q_a and kv_a read the same input: one GEMV over their rows (the modules' weights become views of it)
         self.qkv_a = [fuse_rows(a.q_a_proj, a.kv_a_proj_with_mqa) if a.q_lora_rank is not None else None
                       for a in (layer.self_attn for layer in self.layers)]
-        attn = self.layers[0].self_attn
-        mod = sys.modules[type(attn).__module__]
-        self.rope = mod.apply_rotary_pos_emb_interleave if attn.config.rope_interleave else mod.apply_rotary_pos_emb
+        self.interleave = bool(self.layers[0].self_attn.config.rope_interleave)  # DeepSeek's rotary layout
         self.steps = 0
 
     @classmethod
@@ -99,6 +112,8 @@ class MLADecodePlan:
             for m in [attn, layer.input_layernorm, layer.post_attention_layernorm]:
                 if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in m.parameters()):
                     return "not bf16 on the CPU"
+        if not _same_rotary(inner.layers[0].self_attn):
+            return "not DeepSeek-V3's rotary functions"
         if not isinstance(getattr(model, "lm_head", None), torch.nn.Module):
             return "no LM head"
         if inner.norm.weight.dtype != torch.bfloat16 or inner.embed_tokens.weight.dtype != torch.bfloat16:
@@ -122,6 +137,7 @@ class MLADecodePlan:
         lens_t = torch.tensor(lens, dtype=torch.long)
         h = self.embed(torch.tensor(ids, dtype=torch.long))  # [M, H]
         cos, sin = self.rotary(h, torch.tensor(pos, dtype=torch.long).unsqueeze(0))  # [1, M, P]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
         ops, ex = torch.ops.moe_offload, self.executor
         t0 = time.perf_counter()
         ex.begin_forward()
@@ -139,17 +155,12 @@ class MLADecodePlan:
                     qa, ckv = a.q_a_proj(x), a.kv_a_proj_with_mqa(x)
                 q = a.q_b_proj(ops.rmsnorm_bf16(qa, None, a.q_a_layernorm.weight, a.q_a_layernorm.variance_epsilon, 0))
             q = q.view(M, a.num_heads, a.qk_head_dim)  # [M, Hh, N + P]
-            lat = ops.rmsnorm_bf16(ckv[:, : a.kv_lora_rank].contiguous(), None, a.kv_a_layernorm.weight,
-                                   a.kv_a_layernorm.variance_epsilon, 0)  # [M, R]
-            q_rot, k_rot = self.rope(q[:, :, a.qk_nope_head_dim :].transpose(0, 1).unsqueeze(0),
-                                     ckv[:, a.kv_lora_rank :].view(1, 1, M, -1), cos, sin)  # [1, Hh, M, P], [1, 1, M, P]
-            q = torch.cat([q[:, :, : a.qk_nope_head_dim], q_rot[0].transpose(0, 1)], dim=-1)  # [M, Hh, N + P]
             kp, vp = self.pool.layer_of(a.layer_idx, 1, a.kv_lora_rank, 1, a.qk_rope_head_dim, torch.bfloat16)
-            kp.index_copy_(0, slots, lat.unsqueeze(1))
-            vp.index_copy_(0, slots, k_rot[0, 0].unsqueeze(1))
-            o = ops.mla_decode_bf16(q, kp.index_select(0, rows_t).view(-1, a.kv_lora_rank),
-                                    vp.index_select(0, rows_t).view(-1, a.qk_rope_head_dim), lens_t,
-                                    a.kv_b_proj.weight, a.qk_nope_head_dim, float(a.scaling))  # [M, Hh, V]
+            # latents normalised into the pool, k_rot and q's rope slice rotated (the model's rotary, its roundings)
+            ops.mla_prologue_bf16(q, ckv, a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon, cos, sin,
+                                  self.interleave, kp, vp, slots, a.qk_nope_head_dim)
+            o = ops.mla_decode_bf16(q, kp, vp, lens_t, a.kv_b_proj.weight, a.qk_nope_head_dim, float(a.scaling),
+                                    rows_t)  # [M, Hh, V], each position's latent read from its pool row
             h = h + a.o_proj(o.view(M, -1))  # the patched linears: kernels/dispatch.py
             n2 = layer.post_attention_layernorm
             x2 = ops.rmsnorm_bf16(h, None, n2.weight, n2.variance_epsilon, 0)

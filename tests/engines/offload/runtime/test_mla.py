@@ -138,3 +138,33 @@ def test_the_mla_plan_covers_deepseek_v3_source_alikes_only(checkpoints, monkeyp
         assert engine.runner.fast is None and engine.runner.mla_layers == 0
     finally:
         engine.close()
+
+
+@pytest.mark.skipif(not jit.load(), reason="the CPU kernels cannot be built here")
+@pytest.mark.parametrize("interleave", [True, False])
+def test_prologue_is_the_models_norm_and_rotary(interleave):
+    # the new positions' latents and rotated keys land in their pool rows, q's rope slice is rotated in place: bit
+    # for bit what kv_a_layernorm and DeepSeek-V3's rotary functions give in bf16
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    g = torch.Generator().manual_seed(1)
+    M, Hh = 3, 4
+    q = torch.randn(M, Hh, N + P, generator=g).to(torch.bfloat16)
+    ckv = torch.randn(M, R + P, generator=g).to(torch.bfloat16)
+    norm = ds.DeepseekV3RMSNorm(R, eps=1e-6).to(torch.bfloat16)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.1)
+    ang = torch.randn(M, P // 2, generator=g)
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(torch.bfloat16)
+    kpool, vpool = torch.zeros(10, 1, R, dtype=torch.bfloat16), torch.zeros(10, 1, P, dtype=torch.bfloat16)
+    slots = torch.tensor([7, 2, 5])
+    q2 = q.clone()
+    torch.ops.moe_offload.mla_prologue_bf16(q2, ckv, norm.weight.detach(), 1e-6, cos, sin, interleave, kpool, vpool, slots, N)
+    rope = ds.apply_rotary_pos_emb_interleave if interleave else ds.apply_rotary_pos_emb
+    q_rot, k_rot = rope(q[:, :, N:].transpose(0, 1).unsqueeze(0), ckv[:, R:].view(1, 1, M, P), cos.unsqueeze(0),
+                        sin.unsqueeze(0))
+    with torch.no_grad():
+        assert torch.equal(kpool[slots, 0], norm(ckv[:, :R]))
+    assert torch.equal(vpool[slots, 0], k_rot[0, 0])
+    assert torch.equal(q2[:, :, N:], q_rot[0].transpose(0, 1)) and torch.equal(q2[:, :, :N], q[:, :, :N])
+    assert not kpool[[0, 1, 3]].any()  # no other row written

@@ -27,7 +27,10 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   // mla.cpp
   // router.cpp
   m.def("grouped_topk(Tensor scores, Tensor? bias, int n_group, int topk_group, int top_k, bool norm_topk, float scale) -> Tensor[]");
-  m.def("mla_decode_bf16(Tensor q, Tensor lat, Tensor rope, Tensor lens, Tensor wkv_b, int nope, float scaling) -> Tensor");
+  m.def("mla_decode_bf16(Tensor q, Tensor lat, Tensor rope, Tensor lens, Tensor wkv_b, int nope, float scaling, "
+        "Tensor? rows=None) -> Tensor");
+  m.def("mla_prologue_bf16(Tensor(a!) q, Tensor ckv, Tensor kv_norm, float eps, Tensor cos, Tensor sin, bool interleave, "
+        "Tensor(b!) kpool, Tensor(c!) vpool, Tensor slots, int nope) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
@@ -43,5 +46,6 @@ TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
   m.impl("decode_layer_bf16", &moe_cpu::decode_layer_bf16);
   m.impl("rmsnorm_bf16", &moe_cpu::rmsnorm_bf16);
   m.impl("mla_decode_bf16", &moe_cpu::mla_decode_bf16);
+  m.impl("mla_prologue_bf16", &moe_cpu::mla_prologue_bf16);
   m.impl("grouped_topk", &moe_cpu::grouped_topk);
 }

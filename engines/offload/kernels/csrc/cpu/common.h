@@ -20,6 +20,20 @@
 
 namespace moe_cpu {
 
+inline float rbf(float f) { return bf2f(f2bf(f)); }  // round to bf16 and back
+
+// y = bf16(w * bf16(x / rms(x))) over n features (transformers' RMSNorm in bf16: normalise in fp32, round, scale);
+// norm_mode 1: y = bf16(w * (x / rms(x))), one rounding (gpt-oss scales in fp32).
+inline void rmsnorm_row(const float* x, const uint16_t* w, int64_t n, double eps, uint16_t* y, int64_t norm_mode = 0) {
+  double ss = 0.0;
+  for (int64_t j = 0; j < n; ++j) ss += double(x[j]) * double(x[j]);
+  const float r = 1.0f / std::sqrt(float(ss / double(n)) + float(eps));
+  if (norm_mode == 1)
+    for (int64_t j = 0; j < n; ++j) y[j] = f2bf(bf2f(w[j]) * (x[j] * r));
+  else
+    for (int64_t j = 0; j < n; ++j) y[j] = f2bf(bf2f(w[j]) * rbf(x[j] * r));
+}
+
 // Rows per task: at least ~64 KiB of weights, so a thread's start-up is paid for.
 inline int64_t grain(int64_t n) { return std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(1, 2 * n)); }
 
@@ -105,7 +119,10 @@ at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& ad
 
 // mla.cpp
 at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& lat, const at::Tensor& rope, const at::Tensor& lens,
-                           const at::Tensor& wkv_b, int64_t nope, double scaling);
+                           const at::Tensor& wkv_b, int64_t nope, double scaling, const std::optional<at::Tensor>& rows);
+void mla_prologue_bf16(const at::Tensor& q, const at::Tensor& ckv, const at::Tensor& kv_norm, double eps,
+                       const at::Tensor& cos, const at::Tensor& sin, bool interleave, const at::Tensor& kpool,
+                       const at::Tensor& vpool, const at::Tensor& slots, int64_t nope);
 
 // router.cpp
 std::vector<at::Tensor> grouped_topk(const at::Tensor& scores, const std::optional<at::Tensor>& bias, int64_t n_group,

@@ -28,8 +28,6 @@ namespace moe_cpu {
 
 namespace {
 
-inline float rbf(float f) { return bf2f(f2bf(f)); }  // round to bf16 and back
-
 void check_bf16(const at::Tensor& t, int64_t numel, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && (numel < 0 || t.numel() == numel),
               what, ": expected a contiguous bf16 CPU tensor", numel >= 0 ? " of the right size" : "", ", got ",
@@ -40,18 +38,6 @@ const uint16_t* opt_vec(const std::optional<at::Tensor>& t, int64_t n, const cha
   if (!t.has_value()) return nullptr;
   check_bf16(*t, n, what);
   return ptr(*t);
-}
-
-// y = bf16(w * bf16(x / rms(x))) over n features (transformers' RMSNorm in bf16: normalise in fp32, round, scale);
-// norm_mode 1: y = bf16(w * (x / rms(x))), one rounding (gpt-oss scales in fp32).
-inline void rmsnorm_row(const float* x, const uint16_t* w, int64_t n, double eps, uint16_t* y, int64_t norm_mode = 0) {
-  double ss = 0.0;
-  for (int64_t j = 0; j < n; ++j) ss += double(x[j]) * double(x[j]);
-  const float r = 1.0f / std::sqrt(float(ss / double(n)) + float(eps));
-  if (norm_mode == 1)
-    for (int64_t j = 0; j < n; ++j) y[j] = f2bf(bf2f(w[j]) * (x[j] * r));
-  else
-    for (int64_t j = 0; j < n; ++j) y[j] = f2bf(bf2f(w[j]) * rbf(x[j] * r));
 }
 
 // the same, in place over a bf16 vector (q/k norms)

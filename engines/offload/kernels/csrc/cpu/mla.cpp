@@ -31,22 +31,39 @@ void check(const at::Tensor& t, int64_t dim, const char* what) {
 
 }  // namespace
 
-at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& lat, const at::Tensor& rope, const at::Tensor& lens,
-                           const at::Tensor& wkv_b, int64_t nope, double scaling) {
+at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& lat_in, const at::Tensor& rope_in, const at::Tensor& lens,
+                           const at::Tensor& wkv_b, int64_t nope, double scaling, const std::optional<at::Tensor>& rows) {
   check(q, 3, "q [B, H, N + P]");
-  check(lat, 2, "lat [B * L, R]");
-  check(rope, 2, "rope [B * L, P]");
+  // with rows: lat / rope are the layer's pools [pool rows, 1, R | P] and rows [B * L] picks each position's row
+  const at::Tensor lat = lat_in.dim() == 3 ? lat_in.view({lat_in.size(0), lat_in.size(2)}) : lat_in;
+  const at::Tensor rope = rope_in.dim() == 3 ? rope_in.view({rope_in.size(0), rope_in.size(2)}) : rope_in;
+  check(lat, 2, "lat [B * L | pool rows, R]");
+  check(rope, 2, "rope [B * L | pool rows, P]");
   check(wkv_b, 2, "kv_b_proj weight [H * (N + V), R]");
   const int64_t B = q.size(0), H = q.size(1), P = q.size(2) - nope, R = lat.size(1);
   TORCH_CHECK(nope > 0 && P >= 0 && rope.size(1) == P, "mla_decode_bf16: q's last dim ", q.size(2), " is not nope ", nope,
               " + rope ", rope.size(1));
-  TORCH_CHECK(B > 0 && lat.size(0) % B == 0 && rope.size(0) == lat.size(0), "mla_decode_bf16: ", lat.size(0),
-              " latent rows and ", rope.size(0), " rope rows for ", B, " sequences");
+  TORCH_CHECK(B > 0 && rope.size(0) == lat.size(0), "mla_decode_bf16: ", lat.size(0), " latent rows and ",
+              rope.size(0), " rope rows");
+  const int64_t* rp_idx = nullptr;
+  int64_t L = 0;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->dim() == 1 && rows->numel() % B == 0,
+                "mla_decode_bf16: rows: expected [B * L] int64");
+    rp_idx = rows->data_ptr<int64_t>();
+    L = rows->numel() / B;
+    for (int64_t i = 0; i < rows->numel(); ++i)
+      TORCH_CHECK(rp_idx[i] >= 0 && rp_idx[i] < lat.size(0), "mla_decode_bf16: rows[", i, "] = ", rp_idx[i],
+                  " outside the pool's ", lat.size(0), " rows");
+  } else {
+    TORCH_CHECK(lat.size(0) % B == 0, "mla_decode_bf16: ", lat.size(0), " latent rows for ", B, " sequences");
+    L = lat.size(0) / B;
+  }
   TORCH_CHECK(wkv_b.size(1) == R && wkv_b.size(0) % H == 0 && wkv_b.size(0) / H > nope,
               "mla_decode_bf16: kv_b_proj ", wkv_b.sizes(), " does not match R ", R, ", H ", H, ", nope ", nope);
   TORCH_CHECK(lens.device().is_cpu() && lens.scalar_type() == at::kLong && lens.numel() == B && lens.is_contiguous(),
               "mla_decode_bf16: lens: expected [B] int64");
-  const int64_t L = lat.size(0) / B, V = wkv_b.size(0) / H - nope;
+  const int64_t V = wkv_b.size(0) / H - nope;
   const int64_t* ln = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(ln[b] >= 1 && ln[b] <= L, "mla_decode_bf16: lens[", b, "] = ", ln[b], " outside [1, ", L, "]");
@@ -63,17 +80,73 @@ at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& lat, const at:
       std::fill(qlat.begin(), qlat.end(), 0.0f);
       for (int64_t k = 0; k < nope; ++k) axpy_f32(qlat.data(), bf2f(qi[k]), w + k * R, R);
       for (int64_t k = 0; k < P; ++k) qrot[k] = bf2f(qi[nope + k]);
-      const uint16_t *lb = lp + b * L * R, *rb = rp + b * L * P;
+      auto row = [&](int64_t t) { return rp_idx ? rp_idx[b * L + t] : b * L + t; };  // position t's pool row
       for (int64_t t = 0; t < n; ++t)
-        s[t] = (dot_bf16_f32(lb + t * R, qlat.data(), R) + dot_bf16_f32(rb + t * P, qrot.data(), P)) * sc;
+        s[t] = (dot_bf16_f32(lp + row(t) * R, qlat.data(), R) + dot_bf16_f32(rp + row(t) * P, qrot.data(), P)) * sc;
       softmax_row(s.data(), n);
       std::fill(olat.begin(), olat.end(), 0.0f);
-      for (int64_t t = 0; t < n; ++t) axpy_f32(olat.data(), s[t], lb + t * R, R);
+      for (int64_t t = 0; t < n; ++t) axpy_f32(olat.data(), s[t], lp + row(t) * R, R);
       uint16_t* o = op + (b * H + h) * V;
       for (int64_t j = 0; j < V; ++j) o[j] = f2bf(dot_bf16_f32(w + (nope + j) * R, olat.data(), R));
     }
   });
   return out;
+}
+
+// The step's new positions, before attention: per token t,
+//   lat = RMSNorm(ckv[t, :R]) (kv_a_layernorm, rounded as transformers' bf16 RMSNorm) -> kpool[slots[t]]
+//   k_rot = rotary(ckv[t, R:]) -> vpool[slots[t]];   q[t, h, N:] = rotary(q[t, h, N:]) in place
+// rotary as the model's own function rounds in bf16: interleaved (DeepSeek's rope_interleave: pairs (2i, 2i+1) rotated
+// by angle i, outputs [evens' | odds'] halves) or rotate_half. cos / sin [M, P] (the rotary module's, bf16).
+void mla_prologue_bf16(const at::Tensor& q, const at::Tensor& ckv, const at::Tensor& kv_norm, double eps,
+                       const at::Tensor& cos, const at::Tensor& sin, bool interleave, const at::Tensor& kpool,
+                       const at::Tensor& vpool, const at::Tensor& slots, int64_t nope) {
+  check(q, 3, "q [M, H, N + P]");
+  check(cos, 2, "cos [M, P]");
+  check(sin, 2, "sin [M, P]");
+  TORCH_CHECK(ckv.device().is_cpu() && ckv.scalar_type() == at::kBFloat16 && ckv.dim() == 2 && ckv.stride(1) == 1,
+              "mla_prologue_bf16: ckv: expected bf16 CPU rows [M, R + P]");
+  const int64_t M = q.size(0), H = q.size(1), P = q.size(2) - nope, R = ckv.size(1) - P;
+  TORCH_CHECK(ckv.size(0) == M && R > 0 && kv_norm.numel() == R && cos.size(0) == M && cos.size(1) == P &&
+                  sin.sizes() == cos.sizes() && P % 2 == 0,
+              "mla_prologue_bf16: shapes do not match: q ", q.sizes(), ", ckv ", ckv.sizes(), ", cos ", cos.sizes());
+  TORCH_CHECK(kpool.is_contiguous() && vpool.is_contiguous() && kpool.scalar_type() == at::kBFloat16 &&
+                  vpool.scalar_type() == at::kBFloat16 && kpool.numel() / kpool.size(0) == R && vpool.numel() / vpool.size(0) == P,
+              "mla_prologue_bf16: pools: expected contiguous bf16 [rows, 1, R] and [rows, 1, P]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == M && slots.is_contiguous(), "mla_prologue_bf16: slots: expected [M] int64");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  uint16_t* kp = reinterpret_cast<uint16_t*>(kpool.data_ptr());
+  uint16_t* vp = reinterpret_cast<uint16_t*>(vpool.data_ptr());
+  uint16_t* qp = reinterpret_cast<uint16_t*>(q.data_ptr());
+  const uint16_t *cp = ptr(cos), *sp = ptr(sin), *nw = ptr(kv_norm);
+  const int64_t half = P / 2;
+  std::vector<float> f(R);
+  std::vector<uint16_t> tmp(P);
+  auto rotate = [&](uint16_t* v, const uint16_t* c, const uint16_t* s) {  // in place, P values
+    if (interleave) {  // cos/sin = cat(freqs, freqs): angle i at [i]
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = bf2f(v[2 * i]), b = bf2f(v[2 * i + 1]), ci = bf2f(c[i]), si = bf2f(s[i]);
+        tmp[i] = f2bf(rbf(a * ci) - rbf(b * si));
+        tmp[half + i] = f2bf(rbf(b * ci) + rbf(a * si));
+      }
+    } else {  // v * cos + rotate_half(v) * sin
+      for (int64_t j = 0; j < P; ++j) {
+        const float r = j < half ? -bf2f(v[j + half]) : bf2f(v[j - half]);
+        tmp[j] = f2bf(rbf(bf2f(v[j]) * bf2f(c[j])) + rbf(r * bf2f(s[j])));
+      }
+    }
+    std::memcpy(v, tmp.data(), P * sizeof(uint16_t));
+  };
+  for (int64_t t = 0; t < M; ++t) {
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < kpool.size(0) && sl[t] < vpool.size(0), "mla_prologue_bf16: slot ", sl[t], " out of the pool");
+    const uint16_t* row = ptr(ckv) + t * ckv.stride(0);
+    for (int64_t j = 0; j < R; ++j) f[j] = bf2f(row[j]);
+    rmsnorm_row(f.data(), nw, R, eps, kp + sl[t] * R);
+    uint16_t* kr = vp + sl[t] * P;
+    std::memcpy(kr, row + R, P * sizeof(uint16_t));
+    rotate(kr, cp + t * P, sp + t * P);
+    for (int64_t h = 0; h < H; ++h) rotate(qp + (t * H + h) * (nope + P) + nope, cp + t * P, sp + t * P);
+  }
 }
 
 }  // namespace moe_cpu
