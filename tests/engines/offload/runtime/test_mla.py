@@ -109,19 +109,12 @@ def test_decode_steps_attend_over_latents_and_keep_the_tokens(checkpoints, monke
 def test_fused_mla_decode_matches_the_module_path(checkpoints):
     # bf16, three sequences of different lengths in 4-row blocks: every decode-only step computed by the MLA plan
     # and by the module path from the same KV state (test_fastpath's comparison: same logits where routes agree)
-    from test_fastpath import _check, _compare_steps
+    from test_fastpath import _run_both_paths
 
-    engine = build_offload_engine(checkpoints("deepseek_v3"), dtype="bfloat16", block_size=4, policy="static",
-                                  fraction=0.5)
-    try:
+    def expect(engine):
         assert isinstance(engine.runner.fast, mla_plan.MLADecodePlan)
-        prompts = ([3, 17, 42, 9, 88, 5, 61, 23], [7, 7, 100, 2], list(range(50, 90)))
-        gens = [engine.start(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
-        steps = _compare_steps(engine, 40)
-    finally:
-        engine.close()
-    assert [len(g.drain()) for g in gens] == [12, 12, 12]
-    _check(steps)
+
+    _run_both_paths(checkpoints("deepseek_v3"), expect=expect, policy="static", fraction=0.5)
 
 
 def test_the_mla_plan_covers_deepseek_v3_source_alikes_only(checkpoints, monkeypatch):

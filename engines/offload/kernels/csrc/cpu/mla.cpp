@@ -78,14 +78,14 @@ at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& lat_in, const 
       const uint16_t* qi = qp + (b * H + h) * (nope + P);
       const uint16_t* w = wp + h * (nope + V) * R;
       std::fill(qlat.begin(), qlat.end(), 0.0f);
-      for (int64_t k = 0; k < nope; ++k) axpy_f32(qlat.data(), bf2f(qi[k]), w + k * R, R);
+      for (int64_t k = 0; k < nope; ++k) axpy_bf16(qlat.data(), bf2f(qi[k]), w + k * R, R);
       for (int64_t k = 0; k < P; ++k) qrot[k] = bf2f(qi[nope + k]);
       auto row = [&](int64_t t) { return rp_idx ? rp_idx[b * L + t] : b * L + t; };  // position t's pool row
       for (int64_t t = 0; t < n; ++t)
         s[t] = (dot_bf16_f32(lp + row(t) * R, qlat.data(), R) + dot_bf16_f32(rp + row(t) * P, qrot.data(), P)) * sc;
       softmax_row(s.data(), n);
       std::fill(olat.begin(), olat.end(), 0.0f);
-      for (int64_t t = 0; t < n; ++t) axpy_f32(olat.data(), s[t], lp + row(t) * R, R);
+      for (int64_t t = 0; t < n; ++t) axpy_bf16(olat.data(), s[t], lp + row(t) * R, R);
       uint16_t* o = op + (b * H + h) * V;
       for (int64_t j = 0; j < V; ++j) o[j] = f2bf(dot_bf16_f32(w + (nope + j) * R, olat.data(), R));
     }

@@ -246,7 +246,8 @@ inline void prefetch_row(const uint16_t* p, int64_t n) {  // every cache line of
 #endif
 }
 
-// o[d] += a * v[d] over D values (v bf16): a value row into a head's fp32 output
+// o[d] += a * v[d] over D values (v bf16): a value row into a head's fp32 output (decode.cpp), a latent row into
+// MLA's fp32 sums (mla.cpp)
 inline void axpy_bf16(float* o, float a, const uint16_t* v, int64_t D) {
   int64_t d = 0;
 #if defined(MOE_AVX512BF16)
@@ -255,6 +256,10 @@ inline void axpy_bf16(float* o, float a, const uint16_t* v, int64_t D) {
     const __m512 vv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(v + d))), 16));
     _mm512_storeu_ps(o + d, _mm512_fmadd_ps(av, vv, _mm512_loadu_ps(o + d)));
   }
+#elif defined(MOE_AVX2)
+  const __m256 av = _mm256_set1_ps(a);
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(o + d, _mm256_fmadd_ps(av, load8(v + d), _mm256_loadu_ps(o + d)));
 #endif
   for (; d < D; ++d) o[d] += a * bf2f(v[d]);
 }
@@ -281,19 +286,6 @@ inline float dot_bf16_f32(const uint16_t* w, const float* x, int64_t n) {
 #endif
   for (; j < n; ++j) r += bf2f(w[j]) * x[j];
   return r;
-}
-
-// o[j] += a * v[j], v bf16
-inline void axpy_f32(float* o, float a, const uint16_t* v, int64_t n) {
-  int64_t j = 0;
-#if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
-  const __m256 av = _mm256_set1_ps(a);
-  for (; j + 8 <= n; j += 8) {
-    const __m256 vv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(v + j))), 16));
-    _mm256_storeu_ps(o + j, _mm256_fmadd_ps(av, vv, _mm256_loadu_ps(o + j)));
-  }
-#endif
-  for (; j < n; ++j) o[j] += a * bf2f(v[j]);
 }
 
 }  // namespace moe_cpu
