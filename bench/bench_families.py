@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=CACHE, help="llama.cpp build and GGUF cache")
     ap.add_argument("--build-only", action="store_true", help="build the checkpoints and their GGUFs, then stop")
+    ap.add_argument("--int8", action="store_true",
+                    help="also: --expert-dtype int8 --dense-dtype int8 against llama.cpp q8_0 (engines built once)")
     a = ap.parse_args(argv)
     fams = [f.strip() for f in a.families.split(",") if f.strip()]
     unknown = [f for f in fams if f not in FAMILIES]
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     tools = ensure_llamacpp(a.cache)
     paths = {f: build(f, a.root / f) for f in fams}
     ggufs = {f: to_gguf(p, "bf16", cache=a.cache, tools=tools) for f, p in paths.items()}
+    q8 = {f: to_gguf(p, "q8_0", cache=a.cache, tools=tools) for f, p in paths.items()} if a.int8 else {}
     if a.build_only:
         return 0
 
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     from moe_offload.engines.offload.runtime.build import build_offload_engine
 
     torch.set_num_threads(a.threads)
+    int8 = {f: build_offload_engine(paths[f], policy="static", fraction=1.0, dtype="bfloat16", expert_dtype="int8",
+                                    dense_dtype="int8") for f in q8}  # built once: quantizing at load takes a while
     bw = [read_bandwidth() / 1e9]
     runs: dict[tuple[str, str], list[float]] = {}
     t_start: dict[str, list[float]] = {}  # engine build seconds per round: the first writes the expert store
@@ -124,6 +129,14 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             log(f"round {r + 1}/{a.rounds} {f}: llama.cpp {runs[(f, 'llama.cpp')][-1]:.1f}, "
                 f"moe-offload {runs[(f, 'moe-offload')][-1]:.1f} ms/token")
+            if f in int8:
+                ms = llama_bench(q8[f], a.tokens, depth=a.context, threads=a.threads, tools=tools)["ms_per_token"]
+                runs.setdefault((f, "q8_0"), []).append(statistics.fmean(ms))
+                prompt = prompt_ids(a.context, ModelSpec.from_hf_config(paths[f]).vocab_size)
+                engine_decode(int8[f], prompt, 2)
+                runs.setdefault((f, "int8"), []).append(statistics.fmean(engine_decode(int8[f], prompt, a.tokens)))
+                log(f"round {r + 1}/{a.rounds} {f}: llama.cpp q8_0 {runs[(f, 'q8_0')][-1]:.1f}, "
+                    f"moe-offload int8 {runs[(f, 'int8')][-1]:.1f} ms/token")
         bw.append(read_bandwidth() / 1e9)
     gbs = statistics.median(bw)
     print(f"\nmeasured read bandwidth: {gbs:.1f} GB/s (median of {len(bw)}: "
@@ -140,6 +153,17 @@ def main(argv: list[str] | None = None) -> int:
         per_round = statistics.median(m / c for m, c in zip(runs[(f, "moe-offload")], runs[(f, "llama.cpp")]))
         print(f"| {f} | {lc:.1f} | {mo:.1f} | {mo / lc:.2f}x | {per_round:.2f}x | {b / 1e6:.0f} | {share(lc):.0%} | "
               f"{share(mo):.0%} | {first:.1f}, {cached:.1f} |")
+    if int8:
+        print("\nint8 experts + int8 attention projections and LM head (--expert-dtype int8 --dense-dtype int8) "
+              "against llama.cpp q8_0 (every weight 8-bit), same rounds\n")
+        print("| family | llama.cpp q8_0 ms/token | moe-offload int8 ms/token | ratio | ratio per round (median) |")
+        print("|---|---|---|---|---|")
+        for f in int8:
+            lc, mo = statistics.median(runs[(f, "q8_0")]), statistics.median(runs[(f, "int8")])
+            per_round = statistics.median(m / c for m, c in zip(runs[(f, "int8")], runs[(f, "q8_0")]))
+            print(f"| {f} | {lc:.1f} | {mo:.1f} | {mo / lc:.2f}x | {per_round:.2f}x |")
+        for e in int8.values():
+            e.close()
     return 0
 
 

@@ -32,6 +32,7 @@ import torch
 
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.kernels.dispatch import GEMM_MAX_TOKENS
+from moe_offload.engines.offload.loading.quant import QuantLinear
 from moe_offload.engines.offload.runtime import fastpath, mla
 from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, fuse_rows, same_source
 from moe_offload.log import get_logger
@@ -105,10 +106,14 @@ class MLADecodePlan:
             norms += [attn.q_a_layernorm] if attn.q_lora_rank is not None else []
             if not all(same_source(n, norm_cls) for n in norms + [inner.norm]):
                 return "not DeepSeek-V3's RMSNorm"
-            linears = [attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj]
-            linears += [attn.q_a_proj, attn.q_b_proj] if attn.q_lora_rank is not None else [attn.q_proj]
+            linears = [attn.kv_a_proj_with_mqa, attn.kv_b_proj]
+            linears += [attn.q_a_proj, attn.q_b_proj] if attn.q_lora_rank is not None else []
             if any(type(m) is not torch.nn.Linear for m in linears):
                 return "attention projections not all nn.Linear"
+            # q_proj and o_proj may be --dense-dtype int8's QuantLinear (called as modules, as the module path does)
+            if any(type(m) not in (torch.nn.Linear, QuantLinear)
+                   for m in [attn.o_proj] + ([attn.q_proj] if attn.q_lora_rank is None else [])):
+                return "q/o projections neither nn.Linear nor int8"
             for m in [attn, layer.input_layernorm, layer.post_attention_layernorm]:
                 if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in m.parameters()):
                     return "not bf16 on the CPU"

@@ -115,9 +115,21 @@ def test_fused_mla_decode_matches_the_module_path(checkpoints):
         assert isinstance(engine.runner.fast, mla_plan.MLADecodePlan)
 
     _run_both_paths(checkpoints("deepseek_v3"), expect=expect, policy="static", fraction=0.5)
+    # --dense-dtype int8: o_proj (and q_proj without q_lora) as int8 rows, still the MLA plan
+    _run_both_paths(checkpoints("deepseek_v3"), expect=expect, policy="lru", fraction=0.5, dense_dtype="int8")
 
 
-def test_the_mla_plan_covers_deepseek_v3_source_alikes_only(checkpoints, monkeypatch):
+def test_the_mla_plan_covers_deepseek_v3_source_alikes_only(checkpoints, monkeypatch, tmp_path):
+    # GLM-4.7-Flash's layers are DeepSeek-V3's source under another name: covered without being listed; DeepSeek-V2's
+    # attention differs (its rotary): absorbed attention, module path around it
+    import families
+
+    for family, plan in (("glm4_moe_lite", True), ("deepseek_v2", False)):
+        engine = build_offload_engine(families.build(family, tmp_path), dtype="bfloat16")
+        try:
+            assert isinstance(engine.runner.fast, mla_plan.MLADecodePlan) == plan and engine.runner.mla_layers > 0, family
+        finally:
+            engine.close()
     # a family whose layers are not DeepSeek-V3's source keeps the module path; the switch turns the plan off
     engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16")
     try:
