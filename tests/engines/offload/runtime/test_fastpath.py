@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from offload_helpers import FAMILIES
 
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.runtime import fastpath
