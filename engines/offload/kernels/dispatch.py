@@ -229,7 +229,7 @@ def experts_one_token(module, x: torch.Tensor, weights: list[tuple], post_norm: 
     mix both freely without breaking exactness), or None where only ``expert_forward`` applies (another gate
     than silu's or gpt-oss's, several tokens, not bf16 on the CPU, kernels off).
     """
-    if x.shape[0] != 1 or not weights or not _fast(x, weights[0][0], module.is_transposed):
+    if x.shape[0] != 1 or not weights or not all(_fast(x, w[0], module.is_transposed) for w in weights):
         return None
     if _is_silu_concat(module):
         gate = (0, 0.0, 0.0)

@@ -50,6 +50,9 @@ def eligible(module) -> bool:
         return False
     if getattr(module, "indexer", None) is not None or getattr(module, "sliding_window", None):
         return False
+    cfg = getattr(module, "config", None)  # DSA models: some layers reuse another layer's key selection (indexer None)
+    if any(getattr(cfg, k, None) is not None for k in ("index_topk", "indexer_types", "index_n_heads")):
+        return False
     w = module.kv_b_proj.weight
     return w.shape == (module.num_heads * (module.qk_nope_head_dim + module.v_head_dim), module.kv_lora_rank)
 

@@ -48,7 +48,9 @@ def same_source(obj, reference: type) -> bool:
 def fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor | None:
     """One [sum of out, in] weight whose row blocks become the linears' weights (views: no second copy), so that
     one GEMV reads what several did; each row's sum is the same dot product as before (bit-identical outputs).
-    None (and nothing changed) unless they are bias-free bf16 CPU nn.Linears over the same input width."""
+    None (and nothing changed) unless they are bias-free bf16 CPU nn.Linears over the same input width. Built
+    once the model is where it stays (a later ``model.to()`` would move the linears' weights, not the fused
+    tensor the caller keeps)."""
     ws = [getattr(m, "weight", None) for m in linears]
     if any(type(m) is not torch.nn.Linear or m.bias is not None for m in linears) or any(
             w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] != ws[0].shape[1] for w in ws):

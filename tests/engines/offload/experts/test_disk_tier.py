@@ -273,3 +273,19 @@ def test_a_three_tier_placement_pins_its_host_experts_and_keeps_the_tokens(check
         torch.testing.assert_close(logits, ref[1], rtol=0, atol=1e-5)
     finally:
         om.executor.close()
+
+
+def test_host_pins_only_where_a_layer_keeps_experts_on_disk():
+    # a layer whose remaining experts all fit in host memory homes them on host as "on no accelerator": pinning all
+    # of them (plus top-k for reads) would refuse a placement that fits
+    from rm_core import LayerPlacement, MemoryTier, Placement
+
+    from moe_offload.engines.offload.loading.loader import host_pins
+
+    tiers = (MemoryTier("acc", "device-hbm", 1 << 30, accelerator="n0/cpu:0"), MemoryTier("host", "host-dram", 1 << 30),
+             MemoryTier("disk", "disk", 1 << 30))
+    pl = Placement("m", tiers, (LayerPlacement(0, ("acc", "host", "host", "disk"), {"acc": 1, "host": 3}),
+                                LayerPlacement(1, ("acc", "acc", "host", "host"), {"acc": 2})), "top")
+    assert host_pins(pl) == {0: [1, 2]}
+    assert host_pins(Placement("m", tiers[:2], (LayerPlacement(0, ("acc", "host", "host", "host"), {"acc": 1}),),
+                               "top")) == {}

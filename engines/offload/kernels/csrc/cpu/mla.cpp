@@ -25,7 +25,7 @@ namespace moe_cpu {
 namespace {
 
 void check(const at::Tensor& t, int64_t dim, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == dim && t.is_contiguous(), "mla_decode_bf16: ",
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == dim && t.is_contiguous(), "MLA kernels: ",
               what, ": expected a contiguous ", dim, "-d bf16 CPU tensor, got ", t.scalar_type(), " ", t.sizes());
 }
 
@@ -110,11 +110,15 @@ void mla_prologue_bf16(const at::Tensor& q, const at::Tensor& ckv, const at::Ten
   TORCH_CHECK(ckv.size(0) == M && R > 0 && kv_norm.numel() == R && cos.size(0) == M && cos.size(1) == P &&
                   sin.sizes() == cos.sizes() && P % 2 == 0,
               "mla_prologue_bf16: shapes do not match: q ", q.sizes(), ", ckv ", ckv.sizes(), ", cos ", cos.sizes());
+  check(kv_norm, 1, "kv_norm [R]");
   TORCH_CHECK(kpool.is_contiguous() && vpool.is_contiguous() && kpool.scalar_type() == at::kBFloat16 &&
-                  vpool.scalar_type() == at::kBFloat16 && kpool.numel() / kpool.size(0) == R && vpool.numel() / vpool.size(0) == P,
+                  vpool.scalar_type() == at::kBFloat16 && kpool.dim() >= 1 && vpool.dim() >= 1 && kpool.size(0) > 0 &&
+                  vpool.size(0) > 0 && kpool.numel() / kpool.size(0) == R && vpool.numel() / vpool.size(0) == P,
               "mla_prologue_bf16: pools: expected contiguous bf16 [rows, 1, R] and [rows, 1, P]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == M && slots.is_contiguous(), "mla_prologue_bf16: slots: expected [M] int64");
   const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < M; ++t)  // every slot checked before anything is written
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < kpool.size(0) && sl[t] < vpool.size(0), "mla_prologue_bf16: slot ", sl[t], " out of the pool");
   uint16_t* kp = reinterpret_cast<uint16_t*>(kpool.data_ptr());
   uint16_t* vp = reinterpret_cast<uint16_t*>(vpool.data_ptr());
   uint16_t* qp = reinterpret_cast<uint16_t*>(q.data_ptr());
@@ -138,7 +142,6 @@ void mla_prologue_bf16(const at::Tensor& q, const at::Tensor& ckv, const at::Ten
     std::memcpy(v, tmp.data(), P * sizeof(uint16_t));
   };
   for (int64_t t = 0; t < M; ++t) {
-    TORCH_CHECK(sl[t] >= 0 && sl[t] < kpool.size(0) && sl[t] < vpool.size(0), "mla_prologue_bf16: slot ", sl[t], " out of the pool");
     const uint16_t* row = ptr(ckv) + t * ckv.stride(0);
     for (int64_t j = 0; j < R; ++j) f[j] = bf2f(row[j]);
     rmsnorm_row(f.data(), nw, R, eps, kp + sl[t] * R);
