@@ -278,9 +278,8 @@ def test_a_three_tier_placement_pins_its_host_experts_and_keeps_the_tokens(check
 def test_host_pins_only_where_a_layer_keeps_experts_on_disk():
     # a layer whose remaining experts all fit in host memory homes them on host as "on no accelerator": pinning all
     # of them (plus top-k for reads) would refuse a placement that fits
-    from rm_core import LayerPlacement, MemoryTier, Placement
-
     from moe_offload.engines.offload.loading.loader import host_pins
+    from rm_core import LayerPlacement, MemoryTier, Placement
 
     tiers = (MemoryTier("acc", "device-hbm", 1 << 30, accelerator="n0/cpu:0"), MemoryTier("host", "host-dram", 1 << 30),
              MemoryTier("disk", "disk", 1 << 30))
