@@ -134,11 +134,13 @@ class MLADecodePlan:
         lmax = max(lens)
         pos = [n - 1 for n in lens]
         slots = torch.tensor([blocks[t][p // bs] * bs + p % bs for t, p in enumerate(pos)], dtype=torch.long)
-        rows = []  # each sequence's pool rows of positions [0, lmax), padded with its first row
-        for t, n in enumerate(lens):
-            r = [blocks[t][p // bs] * bs + p % bs for p in range(n)]
-            rows += r + [r[0]] * (lmax - n)
-        rows_t = torch.tensor(rows, dtype=torch.long)
+        # each sequence's pool rows of positions [0, lmax), padded with its first row: [M * lmax], in tensor ops (a
+        # Python loop over every cached position would cost milliseconds a step at long contexts)
+        nb = -(-lmax // bs)
+        table = torch.tensor([b[:nb] + [b[0]] * (nb - len(b[:nb])) for b in blocks], dtype=torch.long)  # [M, nb]
+        rows_t = (table.unsqueeze(2) * bs + torch.arange(bs)).reshape(M, -1)[:, :lmax]  # [M, lmax]
+        pad = torch.arange(lmax).unsqueeze(0) >= torch.tensor(lens).unsqueeze(1)
+        rows_t = torch.where(pad, rows_t[:, :1], rows_t).reshape(-1).contiguous()
         lens_t = torch.tensor(lens, dtype=torch.long)
         h = self.embed(torch.tensor(ids, dtype=torch.long))  # [M, H]
         cos, sin = self.rotary(h, torch.tensor(pos, dtype=torch.long).unsqueeze(0))  # [1, M, P]
