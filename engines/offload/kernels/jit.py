@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.kernels import ops
 from moe_offload.errors import BackendUnavailable
 
@@ -67,7 +68,7 @@ def pick_variant(flags: set[str]) -> tuple[str, tuple[str, ...]]:
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switches.on(ENV)
 
 
 def build_dir(name: str) -> Path:

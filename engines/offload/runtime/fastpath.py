@@ -20,12 +20,12 @@ rows the module path writes, so the two paths mix freely within a sequence.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.quant import QuantLinear
 from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block
@@ -69,7 +69,7 @@ FAMILIES.update({name: MODULE_MLP for name in ("glm4_moe", "dots1", "hy_v3", "so
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switches.on(ENV)
 
 
 @dataclass

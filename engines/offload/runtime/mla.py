@@ -29,10 +29,10 @@ Legend: H heads, N/P/V nope/rope/value head dims, R kv_lora_rank, L cached posit
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.runtime import kv
 
@@ -40,7 +40,7 @@ ENV = "MOE_OFFLOAD_MLA_ABSORB"
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switches.on(ENV)
 
 
 def eligible(module) -> bool:

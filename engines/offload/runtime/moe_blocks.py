@@ -15,10 +15,11 @@ sigmoid are the module's own ops, the selection the module's fp32 operations (te
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 import torch.nn.functional as F
+
+from moe_offload.engines.offload import switches
 
 
 def _suffix(a: str, b: str) -> int:
@@ -97,7 +98,7 @@ class DeepseekBlock:
 def deepseek_block(mlp) -> DeepseekBlock | None:
     """The block for ``mlp`` when it is DeepSeek-V3's MoE block with its experts on the executor, else None
     (``MOE_OFFLOAD_FUSED_ROUTER=0`` also gives None: the block then runs as its module)."""
-    if os.environ.get("MOE_OFFLOAD_FUSED_ROUTER", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not switches.on("MOE_OFFLOAD_FUSED_ROUTER"):
         return None
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ref
 
