@@ -185,7 +185,7 @@ class Executor:
         # e.g. gpt-oss's biased, clamped-SwiGLU experts; rows bit-identical to the per-expert loop) ----
         t1 = time.perf_counter()
         grouped = (dispatch.experts_one_token(module, hidden_states, [cache.weights[s] for _, s in hits])
-                   if T == 1 and hits and not self._cuda and len(hits) > 1 else None)
+                   if T == 1 and len(hits) > 1 and not self._cuda else None)
         if grouped is not None:
             for i, (g, _) in enumerate(hits):
                 out[g[1]] = grouped[i : i + 1]

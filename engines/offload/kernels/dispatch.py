@@ -237,14 +237,17 @@ def experts_one_token(module, x: torch.Tensor, weights: list[tuple], post_norm: 
         gate = (1, float(module.alpha), float(module.limit))
     else:
         return None
-    if not all(_bias_ok(w[2]) and _bias_ok(w[3]) for w in weights):
-        return None
-    ub = [w[2] for w in weights] if any(w[2] is not None for w in weights) else None
-    db = [w[3] for w in weights] if any(w[3] is not None for w in weights) else None
-    if (ub is not None and any(b is None for b in ub)) or (db is not None and any(b is None for b in db)):
-        return None
+    biases = []  # per position (gate|up, down): every expert's bias, or None when no expert has one
+    for i in (2, 3):
+        bs = [w[i] for w in weights]
+        if all(b is None for b in bs):
+            biases.append(None)
+        elif all(b is not None and _bias_ok(b) for b in bs):
+            biases.append(bs)
+        else:  # some experts biased and some not, or a bias the kernel does not read
+            return None
     y = torch.ops.moe_offload.experts_mlp_bf16(x.to(torch.bfloat16).reshape(-1), [w[0] for w in weights],
-                                               [w[1] for w in weights], ub, db, *gate)
+                                               [w[1] for w in weights], *biases, *gate)
     if post_norm and module.has_post_expert_norm:
         y = module.post_expert_norm(y)
     return y  # [K, H]

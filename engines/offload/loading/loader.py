@@ -229,8 +229,6 @@ def host_pins(placement: Placement | None) -> dict[int, list[int]]:
     if placement is None:
         return {}
     disks = {t.name for t in placement.tiers if t.kind == "disk"}
-    if not any(h in disks for lp in placement.layers for h in lp.home):
-        return {}  # no expert homed on disk: host homes mean "on no accelerator", not "pinned in host memory"
     host = placement.host_tier or "host"
     # a layer with nothing on disk homes its other experts on host as "on no accelerator": nothing to pin there
     return {lp.layer: lp.pinned(host) for lp in placement.layers if any(h in disks for h in lp.home)}

@@ -84,9 +84,10 @@ class MLADecodePlan:
         if why:
             log.debug("MLA fused decode path off", reason=why, model_type=getattr(model.config, "model_type", ""))
             return None
-        log.info("fused decode path on", model_type=model.config.model_type, layers=len(model.model.layers),
-                 attention="mla (absorbed)", router="module")
-        return cls(model, executor, pool)
+        plan = cls(model, executor, pool)
+        log.info("fused decode path on", model_type=model.config.model_type, layers=len(plan.layers),
+                 attention="mla (absorbed)", router="fused" if any(plan.blocks) else "module")
+        return plan
 
     @staticmethod
     def _refuse(model, executor) -> str:

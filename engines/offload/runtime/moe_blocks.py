@@ -65,9 +65,11 @@ def fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor | None:
 
 
 def _silu_mlp(mlp) -> bool:
+    """silu(gate(x)) * up(x) -> down, three nn.Linears, down bias-free bf16 (what expert_mlp_bf16 computes)."""
     act = getattr(mlp, "act_fn", None)
-    return (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation") and all(
-        type(getattr(mlp, n, None)) is torch.nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+    return ((isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation")
+            and all(type(getattr(mlp, n, None)) is torch.nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+            and mlp.down_proj.bias is None and mlp.down_proj.weight.dtype == torch.bfloat16)
 
 
 class DeepseekBlock:
@@ -76,19 +78,16 @@ class DeepseekBlock:
     (``fuse_rows``: silu(gate) * up then down, rounded as the module's three linears round)."""
 
     def __init__(self, mlp, state):
-        self.gate, self.experts, self.shared, self.state = mlp.gate, mlp.experts, mlp.shared_experts, mlp.experts._moe_offload
+        self.gate, self.experts, self.shared, self.state = mlp.gate, mlp.experts, mlp.shared_experts, state
         g = self.gate
         self.args = (int(g.num_group), int(g.topk_group), int(g.top_k), bool(g.norm_topk_prob), float(g.routed_scaling_factor))
         sh = self.shared
         self.gate_up = fuse_rows(sh.gate_proj, sh.up_proj) if _silu_mlp(sh) else None
-        if self.gate_up is not None and (sh.down_proj.bias is not None or sh.down_proj.weight.dtype != torch.bfloat16):
-            self.gate_up = None
 
     def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
         g = self.gate
         scores = F.linear(x.type(torch.float32), g.weight.type(torch.float32)).sigmoid()  # [M, E], the module's ops
-        bias = g.e_score_correction_bias
-        ids, w = torch.ops.moe_offload.grouped_topk(scores, bias if bias.dtype == torch.float32 else bias.float(), *self.args)
+        ids, w = torch.ops.moe_offload.grouped_topk(scores, g.e_score_correction_bias.float(), *self.args)
         out = ex.forward(self.state, self.experts, x, ids, w)
         if self.gate_up is not None and x.shape[0] == 1 and x.dtype == torch.bfloat16:
             return out + torch.ops.moe_offload.expert_mlp_bf16(x, self.gate_up, self.shared.down_proj.weight, None, None)

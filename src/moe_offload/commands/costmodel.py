@@ -126,10 +126,10 @@ def predict_cmd(model, placement_path, fraction, policy, calibration_path, hardw
     policies = MISS_POLICIES if policy == "all" else (policy,)
     host_slots = None
     if host_memory is not None:
-        from moe_offload.commands.plan import host_slots_for
+        from moe_offload.control.hitrates import host_slots_for
+        from moe_offload.control.units import parse_size
 
-        # the engine gives each MoE layer an equal share of slots (records rounded up to 4 KiB, as stored)
-        host_slots = host_slots_for(spec, host_memory)
+        host_slots = host_slots_for(spec, parse_size(host_memory, "--host-memory"))
     elif host_hit_rate is not None:
         raise ConfigError("--host-hit-rate needs --host-memory (the disk tier)")
     preds = []

@@ -167,7 +167,9 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
              calibration_path, hardware, seed, out, replay, host_memory, expert_dtype, as_json) -> None:
     """Place experts on accelerators and print the predicted hit rate per tier."""
     from moe_offload.control import placement as P
+    from moe_offload.control.hitrates import host_slots_for
     from moe_offload.control.profile import Profile, load_routes
+    from moe_offload.control.units import parse_size
 
     spec = _spec(model, expert_dtype)
     auto = policy == "auto"
@@ -206,7 +208,7 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
         from moe_offload.commands.options import load_calibration_option
 
         cal = load_calibration_option(calibration_path, "cpu" if backend == "cpu" else "cuda", hardware)
-    host_slots = host_slots_for(spec, host_memory)
+    host_slots = None if host_memory is None else host_slots_for(spec, parse_size(host_memory, "--host-memory"))
     if auto:
         if host_slots is not None:
             raise ConfigError("--host-memory places one policy across three tiers: give --policy top, global, mix:H "
@@ -248,17 +250,6 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
             f.write(placement.to_json(indent=1))
         lines.append(f"  wrote {out}")
     emit(result, as_json, "\n".join(lines))
-
-
-def host_slots_for(spec, host_memory: str | None) -> int | None:
-    """Host expert slots per MoE layer in ``host_memory`` (each layer an equal share of records, 4 KiB aligned as
-    the expert store holds them; as `predict --host-memory` and the engine count them)."""
-    if host_memory is None:
-        return None
-    from moe_offload.control.units import parse_size
-
-    record = -(-spec.expert_bytes // 4096) * 4096
-    return parse_size(host_memory, "--host-memory") // (record * max(1, spec.num_moe_layers))
 
 
 def _rates(rates, host: str | None) -> str:

@@ -67,6 +67,16 @@ def _np():
 # ---- predict ----------------------------------------------------------------------------------------------
 
 
+RECORD_ALIGN = 4096  # the expert store pads each expert's record to the page size (engines' diskstore.ALIGN)
+
+
+def host_slots_for(spec, host_bytes: int) -> int:
+    """Host expert slots per MoE layer in ``host_bytes``: each layer an equal share of records, rounded up to
+    RECORD_ALIGN as the expert store holds them (as the engine counts them)."""
+    record = -(-spec.expert_bytes // RECORD_ALIGN) * RECORD_ALIGN
+    return host_bytes // (record * max(1, spec.num_moe_layers))
+
+
 def host_tier_rates(spec, placement, host_slots: int, profile=None) -> list[float]:
     """Per MoE layer, the predicted share of the experts a layer asks host memory for (those not pinned on the
     accelerator) that are in its ``host_slots`` (pinned experts of a CPU accelerator included): Che's approximation on

@@ -197,7 +197,7 @@ def _with_disk(spec, tiers: list[MemoryTier], host_slots) -> tuple[list[MemoryTi
     if host_slots < spec.top_k:
         raise PlacementError(f"host_slots={host_slots}: host memory needs at least top-k ({spec.top_k}) expert slots "
                              "per layer, one token's experts read from disk")
-    disk = next((t.name for t in tiers if t.kind == "disk"), None)
+    disk = disk_tier_name(tiers)
     if disk is None:
         disk = "disk" if all(t.name != "disk" for t in tiers) else "expert-store"
         tiers = [*tiers, MemoryTier(disk, "disk", spec.routed_expert_bytes, labels={"sized": "expert store"})]
