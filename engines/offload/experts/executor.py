@@ -234,7 +234,7 @@ class Executor:
                        quantized=False):
         """CPU, transformers' silu gate, no biases: each tier's pairs through one kernel call, written straight into
         their (token, k) rows; the same numbers as the per-expert path. bf16: moe_experts_bf16 (any number of
-        tokens); int8/fp8 (``quantized``, one token): experts_mlp_q."""
+        tokens); int8/fp8/ggml blocks (``quantized``, one token): experts_mlp_q."""
         T, K = top_k_index.shape
         cache = state.cache
         x = hidden_states.contiguous() if quantized else hidden_states.to(torch.bfloat16).contiguous()  # [T, H]
@@ -249,8 +249,8 @@ class Executor:
             if not groups:
                 return
             if quantized:  # one token: group g = (expert, k, 1) goes to row k
-                y = torch.ops.moe_offload.experts_mlp_q(x, [w[0] for w in weights], [w[4] for w in weights],
-                                                        [w[1] for w in weights], [w[5] for w in weights])
+                y = torch.ops.moe_offload.experts_mlp_q(x, [w[0] for w in weights], [dispatch.scale_arg(w[4]) for w in weights],
+                                                        [w[1] for w in weights], [dispatch.scale_arg(w[5]) for w in weights])
                 proj.index_copy_(0, torch.tensor([g[1] for g in groups]), y)
             else:
                 # an expert with more than KERNEL_MAX_GROUP tokens (prefill) goes through torch's GEMM, faster there

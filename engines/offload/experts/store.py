@@ -57,7 +57,10 @@ class LayerStore:
     def expert_params(self) -> int:
         """Weights of one expert (an mxfp4 byte holds two; scales are not weights), biases included."""
         up, down, ub, db = self.tensors[:4]
-        n = (up[0].numel() + down[0].numel()) * (2 if self.format == "mxfp4" else 1)
+        if quant.ggml.is_blocks(up):
+            n = up.shape[1] * quant.ggml.features(up) + down.shape[1] * quant.ggml.features(down)
+        else:
+            n = (up[0].numel() + down[0].numel()) * (2 if self.format == "mxfp4" else 1)
         return n + sum(b[0].numel() for b in (ub, db) if b is not None)
 
     @property
@@ -90,8 +93,10 @@ def convert(store: LayerStore, fmt: str, *, transposed: bool, split: int) -> Lay
             qe, se = quant.quantize(rows[e], fmt, s)
             if q is None:
                 q = torch.empty((rows.shape[0], *qe.shape), dtype=qe.dtype)
-                scales = torch.empty((rows.shape[0], *se.shape), dtype=se.dtype)
-            q[e], scales[e] = qe, se
+                scales = None if se is None else torch.empty((rows.shape[0], *se.shape), dtype=se.dtype)
+            q[e] = qe
+            if scales is not None:
+                scales[e] = se
         out.append((q, scales))
     (qu, su), (qd, sd) = out
     return LayerStore((qu, qd, ub, db, su, sd), store.compute_dtype)

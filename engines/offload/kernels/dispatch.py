@@ -7,8 +7,8 @@ bit-identical and greedy output does not depend on the resident fraction.
     one bf16 token on the CPU --> moe_offload::expert_mlp_bf16 (silu gate, concatenated gate|up)
                               |   moe_offload::gemv_bf16 x2 around the module's own gate (other gates)
     2..16 bf16 tokens on the CPU (a batched decode step) --> moe_offload::gemm_bf16 x2 around the gate
-    quantized weights (int8 | fp8 | mxfp4, the format is the stored dtype; quant.py):
-      1..16 tokens on the CPU --> moe_offload::expert_mlp_q (one token, silu gate, int8/fp8)
+    quantized weights (int8 | fp8 | mxfp4 | ggml blocks, the format is the stored dtype; quant.py):
+      1..16 tokens on the CPU --> moe_offload::expert_mlp_q (one token, silu gate, int8/fp8/ggml)
                               |   moe_offload::gemv_q x2 around the module's own gate (biases, gpt-oss, mxfp4)
       more tokens, CUDA, kernels off --> dequantize the expert to x's dtype, then the float path (a GEMM)
     anything else (prefill, fp32, CUDA, transposed layout) --> two GEMMs around the module's gate (gemm.py: torch's,
@@ -29,7 +29,7 @@ import torch
 
 from moe_offload.engines.offload.kernels import gemm, jit
 from moe_offload.engines.offload.kernels.ops import MAX_TOKENS
-from moe_offload.engines.offload.loading import quant
+from moe_offload.engines.offload.loading import ggml, quant
 
 
 def expert_forward(
@@ -102,9 +102,17 @@ def fused_experts_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
 def fused_experts_q_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
     """One token's int8/fp8 experts can go through moe_offload::experts_mlp_q (one call per tier): CPU, silu gate on
     a concatenated gate|up, no biases, no post-expert norm, kernels built."""
-    return (x.dim() == 2 and x.shape[0] == 1 and w.dtype in (torch.int8, torch.float8_e4m3fn) and w.is_cpu and x.is_cpu
+    return (x.dim() == 2 and x.shape[0] == 1 and w.dtype in Q_FUSED and w.is_cpu and x.is_cpu
             and x.dtype in (torch.bfloat16, torch.float32) and not getattr(module, "has_bias", False)
             and not module.has_post_expert_norm and _is_silu_concat(module) and jit.load())
+
+
+Q_FUSED = (torch.int8, torch.float8_e4m3fn, ggml.DTYPE)  # formats experts_mlp_q / expert_mlp_q compute (not mxfp4)
+NO_SCALE = torch.empty(0)  # the scale argument of ggml blocks, which carry their own
+
+
+def scale_arg(s: torch.Tensor | None) -> torch.Tensor:
+    return NO_SCALE if s is None else s
 
 
 def gate_up_split(module, rows: int) -> int:
@@ -119,6 +127,7 @@ def _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale) ->
     if (x.is_cpu and up.is_cpu and x.shape[0] <= MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float32)
             and jit.load() and not (torch.is_grad_enabled() and x.requires_grad)):
         ops = torch.ops.moe_offload
+        up_scale, down_scale = scale_arg(up_scale), scale_arg(down_scale)
         if (x.shape[0] == 1 and up.dtype != torch.uint8 and up_bias is None and down_bias is None
                 and _is_silu_concat(module)):
             return ops.expert_mlp_q(x, up, up_scale, down, down_scale)

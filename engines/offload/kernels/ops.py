@@ -21,8 +21,10 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
   gemv_q(x [N, K], w, w_scale, bias [R]?, split=0) -> [N, R]    bf16|fp32 x, N <= MAX_TOKENS;        moe_quant.cpp
       the format from w.dtype: int8 [R, K] + fp32 [R] | float8_e4m3fn [R, K] + fp32 block scales [RB, ceil(K/128)]
       (rows >= split read the second half's blocks) | uint8 mxfp4 blocks [R, K/2] + E8M0 scales [R, K/32]
-  expert_mlp_q(x [1, H], gate_up, gate_up_scale, down, down_scale) -> [1, H]   int8|fp8, silu(gate) * up, one
+      | bits8 ggml blocks [R, nb, S] (q8_0, q4_0, mxfp4, q4_k, q5_k, q6_k; the type from S; w_scale unused: empty)
+  expert_mlp_q(x [1, H], gate_up, gate_up_scale, down, down_scale) -> [1, H]   int8|fp8|ggml, silu(gate) * up, one
       token; intermediates rounded to x's dtype where the unfused path (gemv_q, torch silu, gemv_q) rounds
+  dequant_blocks(w [.., nb, S] bits8) -> fp32 [.., nb * B]   the weights ggml blocks mean (prefill, fp32 compute)
   experts_mlp_q(x [1, H], gate_ups K x, gate_up_scales K x, downs K x, down_scales K x) -> [K, H]
       K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_q of expert k
   decode_layer_bf16(h [M, H], add [M, H]?, ln1 [H], eps, wq [Hq*D, H], wk [Hkv*D, H], wv [Hkv*D, H], bq?, bk?, bv?,
@@ -97,6 +99,12 @@ def _experts_q(x, gate_ups, gate_up_scales, downs, down_scales):
     return x.new_empty((len(gate_ups), downs[0].shape[0]))
 
 
+def _dequant_blocks(w):
+    from moe_offload.engines.offload.loading.ggml import LAYOUTS
+
+    return w.new_empty((*w.shape[:-2], w.shape[-2] * LAYOUTS[w.shape[-1]].block), dtype=torch.float32)
+
+
 def _decode_layer(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kpool, vpool, blocks, lens, bs, scaling,
                   window, wo, bo, ln2, wr, top_k, norm_topk, w_bf16, sinks=None, rb=None, norm_mode=0, router_mode=0,
                   sq=None, sk=None, sv=None, so=None):
@@ -132,6 +140,7 @@ FAKES = {
     "gemv_q": _gemv_q,
     "expert_mlp_q": _expert_q,
     "experts_mlp_q": _experts_q,
+    "dequant_blocks": _dequant_blocks,
     "decode_layer_bf16": _decode_layer,
     "rmsnorm_bf16": _rmsnorm,
     "mla_decode_bf16": _mla,

@@ -4,9 +4,12 @@
     int8   (q int8 [R, K],              scale fp32 [R])          --expert-dtype int8: per output row
     fp8    (q float8_e4m3fn [R, K],     scale fp32 [RB, CB])     DeepSeek-V3 / --expert-dtype fp8: 128x128 blocks
     mxfp4  (blocks uint8 [R, K/2],      scales uint8 [R, K/32])  gpt-oss: e2m1 pairs + E8M0 per 32
+    ggml   (blocks bits8 [R, K/B, S],   None)                    GGUF files, --expert-dtype int4 (q4_0): llama.cpp's
+                                                                  block types, scales inside each block (ggml.py)
 
 A quantized projection is always stored [R, K] (output rows, as a GEMV reads them), whatever the family's
-float layout. The format of a stored tensor is its dtype: int8 -> int8, float8_e4m3fn -> fp8, uint8 -> mxfp4.
+float layout. The format of a stored tensor is its dtype: int8 -> int8, float8_e4m3fn -> fp8, uint8 -> mxfp4,
+bits8 -> the ggml block type its block size names (q8_0, q4_0, gguf_mxfp4, q4_k, q5_k, q6_k).
 ``dequantize`` is the fp32 meaning of every format; the kernels (kernels/csrc/cpu/quant.h) compute with exactly these
 weights (fp8, mxfp4) or with int8 activations on top (int8); a concatenated gate|up quantized in fp8 keeps its
 halves' block grids apart (``split`` = I), as DeepSeek's separate gate_proj / up_proj tensors do.
@@ -20,14 +23,17 @@ import torch
 
 from moe_offload.control.vocab import FP8_BLOCK, MX_BLOCK
 from moe_offload.control.vocab import QUANTIZED_FORMATS as QUANTIZED
+from moe_offload.engines.offload.loading import ggml
 
 FP8_MAX = 448.0  # largest finite e4m3fn
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-FORMAT_OF_DTYPE = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "mxfp4"}
+FORMAT_OF_DTYPE = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "mxfp4", ggml.DTYPE: "ggml"}
 
 
 def format_of(t: torch.Tensor) -> str | None:
-    """"int8" | "fp8" | "mxfp4" for a stored quantized weight, None for a float one."""
+    """"int8" | "fp8" | "mxfp4" | a ggml block type ("q4_k", ...) for a stored quantized weight, None for a float one."""
+    if t.dtype == ggml.DTYPE:
+        return ggml.layout_of(t).name
     return FORMAT_OF_DTYPE.get(t.dtype)
 
 
@@ -128,17 +134,22 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor | None, split: int = 0, dtyp
         return dequantize_fp8(w, scale, split, dtype)
     if fmt == "mxfp4":
         return dequantize_mxfp4(w, scale, dtype)
+    if fmt is not None:
+        return ggml.dequantize(w, dtype)
     return w.to(dtype)
 
 
-def quantize(w: torch.Tensor, fmt: str, split: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [.., R, K] float -> (stored weight, scale) in ``fmt`` ("int8" | "fp8" | "mxfp4")."""
+def quantize(w: torch.Tensor, fmt: str, split: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """w [.., R, K] float -> (stored weight, scale) in ``fmt`` ("int8" | "fp8" | "mxfp4" | "q8_0" | "q4_0" |
+    "gguf_mxfp4"; the ggml blocks carry their scales: None)."""
     if fmt == "int8":
         return quantize_int8(w)
     if fmt == "fp8":
         return quantize_fp8(w, split)
     if fmt == "mxfp4":
         return quantize_mxfp4(w)
+    if fmt in ggml.BY_NAME:
+        return ggml.quantize(w, fmt), None
     raise ValueError(f"quantize: expected one of {', '.join(QUANTIZED)}, got {fmt!r}")
 
 

@@ -18,11 +18,16 @@ DTYPE_BYTES = {
 }
 # Quantized expert formats the engine keeps as stored: int8 + an fp32 scale per row; fp8 e4m3 + an fp32 scale per
 # FP8_BLOCK x FP8_BLOCK block (DeepSeek's layout); mxfp4: two 4-bit weights per byte + an E8M0 scale per MX_BLOCK.
-QUANTIZED_FORMATS = ("int8", "fp8", "mxfp4")
+# llama.cpp's block types, kept as a GGUF file stores them: (weights, bytes) per block, each block carrying its own
+# scales (engines/offload/loading/ggml.py). gguf_mxfp4 is GGUF's MXFP4 (one E8M0 byte + 16 bytes of nibbles).
+GGML_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "gguf_mxfp4": (32, 17), "q4_k": (256, 144), "q5_k": (256, 176),
+               "q6_k": (256, 210)}
+QUANTIZED_FORMATS = ("int8", "fp8", "mxfp4", *GGML_BLOCKS)
 FP8_BLOCK = 128
 MX_BLOCK = 32
-# --expert-dtype choices -> the expert format they give (quantize a float checkpoint at load, or keep bf16).
-EXPERT_DTYPES = {"int8": "int8", "fp8": "fp8", "bf16": "bfloat16"}
+# --expert-dtype choices -> the expert format they give (quantize a float checkpoint at load, or keep bf16);
+# int4: group-wise symmetric 4-bit, group 32 (llama.cpp's q4_0 blocks: an fp16 scale per 32 weights).
+EXPERT_DTYPES = {"int8": "int8", "fp8": "fp8", "int4": "q4_0", "bf16": "bfloat16"}
 # --dense-dtype choices: attention projections and LM head as int8 rows, or as bf16.
 DENSE_DTYPES = ("int8", "bf16")
 
@@ -32,13 +37,13 @@ DENSE_DTYPES = ("int8", "bf16")
 # mxfp4: 16 bytes of fp4 + one E8M0 scale = 17/32. int8 and fp8 carry a scale per channel or per 128x128 block,
 # under 0.2 % of the weights at these widths: not counted.
 EXPERT_DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0,
-                      "q8_0": 34 / 32, "q4_0": 18 / 32, "mxfp4": 17 / 32}
+                      "mxfp4": 17 / 32, **{name: s / b for name, (b, s) in GGML_BLOCKS.items()}}
 
 
 def stored_weight_bytes(fmt: str, rows: int, cols: int, split: int = 0, float_bytes: int = 2) -> int:
     """Bytes of one [rows, cols] weight stored in ``fmt``: int8 + an fp32 scale per row; fp8 e4m3 + an fp32 scale
     per 128x128 block (``split``: a gate|up whose halves have their own block grids); mxfp4 two weights per byte +
-    an E8M0 byte per 32; a float format: ``float_bytes`` per weight."""
+    an E8M0 byte per 32; a ggml block type: its blocks; a float format: ``float_bytes`` per weight."""
     def blocks(n, b):
         return -(-n // b)
 
@@ -49,4 +54,7 @@ def stored_weight_bytes(fmt: str, rows: int, cols: int, split: int = 0, float_by
         return rows * cols + 4 * rb * blocks(cols, FP8_BLOCK)
     if fmt == "mxfp4":
         return rows * cols // 2 + rows * cols // MX_BLOCK
+    if fmt in GGML_BLOCKS:
+        per, size = GGML_BLOCKS[fmt]
+        return rows * blocks(cols, per) * size
     return rows * cols * float_bytes

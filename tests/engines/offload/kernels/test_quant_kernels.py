@@ -156,7 +156,7 @@ def test_rejects_bad_input(ops):
         ops.gemv_q(torch.randn(1, 16), q, s[:4])
     with pytest.raises(RuntimeError, match="1..16 bf16 or fp32 CPU tokens of 16 features"):
         ops.gemv_q(torch.randn(17, 16), q, s)
-    with pytest.raises(RuntimeError, match="expected int8, float8_e4m3fn or uint8"):
+    with pytest.raises(RuntimeError, match=r"expected int8, float8_e4m3fn, uint8 \(mxfp4 blocks\) or bits8"):
         ops.gemv_q(torch.randn(1, 16), q.float(), s)
     f, fs = quant.quantize_fp8(_rand(8, 16))
     with pytest.raises(RuntimeError, match=r"fp8: expected fp32 block scales \[1, 1\]"):
@@ -218,7 +218,7 @@ def test_experts_mlp_rejects_mixed_formats(ops):
     up, us = quant.quantize(_rand(32, 16), "int8", 16)
     dn, ds = quant.quantize(_rand(16, 16), "int8")
     up8, us8 = quant.quantize(_rand(32, 16), "fp8", 16)
-    with pytest.raises(RuntimeError, match="one format"):
+    with pytest.raises(RuntimeError, match="of one dtype"):
         ops.experts_mlp_q(torch.randn(1, 16), [up, up8], [us, us8], [dn, dn], [ds, ds])
 
 

@@ -139,5 +139,6 @@ at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Ten
                         const at::Tensor& dn_s);
 at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns,
                          at::TensorList dn_s);
+at::Tensor dequant_blocks(const at::Tensor& w);
 
 }  // namespace moe_quant

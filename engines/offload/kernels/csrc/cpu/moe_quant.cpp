@@ -8,6 +8,7 @@
 //   gemv_q:        x [N, K], w, w_scale, bias [R]?, split -> [N, R]      the format from w.dtype
 //   expert_mlp_q:  x [1, H], gate_up, its scale, down, its scale -> [1, H]   int8|fp8, silu(gate) * up, one token;
 //                  intermediates rounded to x's dtype where the unfused path (gemv_q, torch silu, gemv_q) rounds
+//   dequant_blocks: ggml blocks [.., nb, S] -> fp32 [.., K]
 //   experts_mlp_q: K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_q of expert k
 // Legend: N tokens, K input features, R output rows, H hidden, I expert intermediate (2I gate|up rows).
 #include <type_traits>
@@ -17,8 +18,9 @@
 
 namespace moe_quant {
 
-void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t) {
-  t.n = n; t.k = k; t.kp = (k + 63) / 64 * 64;
+void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t, int64_t qb) {
+  t.n = n; t.k = k; t.kp = (k + 63) / 64 * 64; t.qb = qb;
+  TORCH_CHECK(t.kp % qb == 0, "prepare: ", k, " features do not fill blocks of ", qb);
   std::vector<float> xf(n * t.kp, 0.0f);
   if (x.scalar_type() == at::kBFloat16) {
     const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -34,26 +36,32 @@ void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t) {
       for (int64_t j = 0; j < t.kp / 2; ++j) { t.even[i * t.kp / 2 + j] = xf[i * t.kp + 2 * j]; t.odd[i * t.kp / 2 + j] = xf[i * t.kp + 2 * j + 1]; }
     return;
   }
-  // int8: per 32-block symmetric; x / s rounded half to even (torch.round), as the test's reference does
-  const int64_t nb = t.kp / QB;
+  // int8: per qb-block symmetric; x / s rounded half to even (torch.round), as the test's reference does
+  const int64_t nb = t.kp / qb;
   t.q.assign(n * t.kp, 0); t.qabs.assign(n * t.kp, 0); t.qneg.assign(n * t.kp / 64, 0);
-  t.qs.assign(n * nb, 0.0f); t.qs16.assign(n * nb / 2 * 16, 0.0f);
+  t.qs.assign(n * nb, 0.0f);
+  if (qb == QB) t.qs16.assign(n * nb / 2 * 16, 0.0f);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t b = 0; b < nb; ++b) {
-      const float* v = xf.data() + i * t.kp + b * QB;
+      const float* v = xf.data() + i * t.kp + b * qb;
       float amax = 0.0f;
-      for (int64_t j = 0; j < QB; ++j) amax = std::max(amax, std::fabs(v[j]));
+      for (int64_t j = 0; j < qb; ++j) amax = std::max(amax, std::fabs(v[j]));
       float s = amax / 127.0f;
       t.qs[i * nb + b] = s;
-      for (int64_t j = 0; j < QB; ++j) {
+      for (int64_t j = 0; j < qb; ++j) {
         int q = s > 0.0f ? (int)std::nearbyint(v[j] / s) : 0;
         q = std::max(-127, std::min(127, q));
-        int64_t at = i * t.kp + b * QB + j;
+        int64_t at = i * t.kp + b * qb + j;
         t.q[at] = (int8_t)q; t.qabs[at] = (uint8_t)std::abs(q);
         if (q < 0) t.qneg[at / 64] |= uint64_t(1) << (at % 64);
       }
-      for (int64_t l = 0; l < 8; ++l) t.qs16[(i * nb / 2 + b / 2) * 16 + (b % 2) * 8 + l] = s;
+      if (qb == QB)
+        for (int64_t l = 0; l < 8; ++l) t.qs16[(i * nb / 2 + b / 2) * 16 + (b % 2) * 8 + l] = s;
     }
+  }
+  if (fmt == 'g') {
+    t.bs16.assign(n * t.kp / 16, 0);
+    for (int64_t j = 0; j < n * t.kp; ++j) t.bs16[j / 16] += t.q[j];
   }
 }
 
@@ -68,7 +76,7 @@ void rows_range(const Weight& W, const Tokens& t, const float* bias, int64_t beg
 }
 
 Weight weight_of(const at::Tensor& w, const at::Tensor& s, int64_t split, const char* what) {
-  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.stride(1) == 1, what,
+  TORCH_CHECK(w.device().is_cpu() && (w.dim() == 2 || w.scalar_type() == at::kBits8) && w.stride(-1) == 1, what,
               ": expected a 2-D CPU tensor with contiguous rows, got ", w.sizes(), " strides ", w.strides(), " on ", w.device());
   Weight W{};
   W.w = reinterpret_cast<const uint8_t*>(w.data_ptr());
@@ -94,8 +102,13 @@ Weight weight_of(const at::Tensor& w, const at::Tensor& s, int64_t split, const 
                 && s.stride(1) == 1, what, " mxfp4: expected uint8 E8M0 scales [", W.rows, ", ", W.k / MB,
                 "] (blocks of 32 over ", W.k, " features), got ", s.scalar_type(), " ", s.sizes());
     W.ms = s.data_ptr<uint8_t>(); W.s_ld = s.stride(0);
+  } else if (st == at::kBits8) {
+    TORCH_CHECK(w.dim() == 3 && moe_blocks::layout_of(w.size(2), W.gl) && w.stride(2) == 1 && w.stride(1) == w.size(2), what,
+                ": expected ggml blocks [R, nb, S] with S the bytes of a q8_0, q4_0, mxfp4, q4_k, q5_k or q6_k block "
+                "(34, 18, 17, 144, 176, 210), rows of contiguous blocks, got ", w.sizes(), " strides ", w.strides());
+    W.fmt = 'g'; W.k = w.size(1) * W.gl.block;
   } else {
-    TORCH_CHECK(false, what, ": expected int8, float8_e4m3fn or uint8 (mxfp4 blocks) weights, got ", st);
+    TORCH_CHECK(false, what, ": expected int8, float8_e4m3fn, uint8 (mxfp4 blocks) or bits8 (ggml blocks) weights, got ", st);
   }
   return W;
 }
@@ -131,7 +144,7 @@ at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_
   Weight W = weight_of(w, w_scale, split, "gemv_q w");
   at::Tensor xc = tokens_of(x, W.k, "gemv_q x");
   Tokens t;
-  prepare(xc, xc.numel() / W.k, W.k, W.fmt, t);
+  prepare(xc, xc.numel() / W.k, W.k, W, t);
   std::vector<float> b = bias_of(bias, W.rows, "gemv_q bias");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = W.rows;
@@ -140,19 +153,27 @@ at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_
   return out;
 }
 
+// gate_up [2I, H] and down [H, I] as stored, checked against each other; int8, fp8 or ggml blocks (mxfp4 as gpt-oss
+// ships it keeps gemv_q: its experts carry biases)
+void expert_pair(const at::Tensor& up, const at::Tensor& up_s, const at::Tensor& dn, const at::Tensor& dn_s, const char* what,
+                 Weight& U, Weight& D) {
+  TORCH_CHECK(up.scalar_type() == dn.scalar_type() && up.scalar_type() != at::kByte, what, ": expected int8, fp8 or ggml block "
+              "gate_up and down of one dtype, got ", up.scalar_type(), " and ", dn.scalar_type());
+  D = weight_of(dn, dn_s, 0, "down");
+  U = weight_of(up, up_s, D.k, "gate_up");
+  TORCH_CHECK(U.rows == 2 * D.k && U.k == D.rows, what, ": expected gate_up [2I, H] and down [H, I] with H=", D.rows, " I=",
+              D.k, ", got ", up.sizes(), " and ", dn.sizes());
+}
+
 at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Tensor& up_s, const at::Tensor& dn, const at::Tensor& dn_s) {
-  TORCH_CHECK(up.dim() == 2 && dn.dim() == 2, "expert_mlp_q: expected 2-D gate_up and down, got ", up.sizes(), " and ", dn.sizes());
-  TORCH_CHECK(up.scalar_type() == dn.scalar_type() && up.scalar_type() != at::kByte, "expert_mlp_q: expected int8 or fp8 gate_up and down "
-              "of one format, got ", up.scalar_type(), " and ", dn.scalar_type());
-  const int64_t H = dn.size(0), I = dn.size(1);
-  TORCH_CHECK(up.size(0) == 2 * I && up.size(1) == H, "expert_mlp_q: expected gate_up [2I, H] and down [H, I] with H=", H, " I=", I,
-              ", got ", up.sizes(), " and ", dn.sizes());
-  Weight U = weight_of(up, up_s, I, "gate_up"), D = weight_of(dn, dn_s, 0, "down");
+  Weight U, D;
+  expert_pair(up, up_s, dn, dn_s, "expert_mlp_q", U, D);
+  const int64_t H = D.rows, I = D.k;
   at::Tensor xc = tokens_of(x, H, "expert_mlp_q x");
   TORCH_CHECK(xc.numel() == H, "expert_mlp_q x: expected one token, got ", x.sizes());
   const bool bf = x.scalar_type() == at::kBFloat16;
   Tokens t;
-  prepare(xc, 1, H, U.fmt, t);
+  prepare(xc, 1, H, U, t);
   at::Tensor gu = at::empty({1, 2 * I}, x.options());
   run_rows(U, t, {}, gu);
   at::Tensor h = at::empty({1, I}, x.options());
@@ -166,7 +187,7 @@ at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Ten
     else h.data_ptr<float>()[i] = s * u;
   }
   Tokens th;
-  prepare(h, 1, I, D.fmt, th);
+  prepare(h, 1, I, D, th);
   at::Tensor out = at::empty(x.sizes(), x.options());
   run_rows(D, th, {}, out);
   return out;
@@ -180,23 +201,20 @@ at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList
   TORCH_CHECK(K >= 1 && up_s.size() == ups.size() && dns.size() == ups.size() && dn_s.size() == ups.size(),
               "experts_mlp_q: expected as many gate_ups, gate_up scales, downs and down scales (>= 1), got ", ups.size(), ", ",
               up_s.size(), ", ", dns.size(), ", ", dn_s.size());
-  TORCH_CHECK(dns[0].dim() == 2, "experts_mlp_q: expected 2-D downs, got ", dns[0].sizes());
-  const int64_t H = dns[0].size(0), I = dns[0].size(1), I2 = 2 * I;
   std::vector<Weight> U(K), D(K);
   for (int64_t k = 0; k < K; ++k) {
-    TORCH_CHECK(ups[k].dim() == 2 && dns[k].dim() == 2 && ups[k].size(0) == I2 && ups[k].size(1) == H && dns[k].size(0) == H
-                && dns[k].size(1) == I, "experts_mlp_q: expected gate_up [2I, H] and down [H, I] with H=", H, " I=", I, ", got ",
-                ups[k].sizes(), " and ", dns[k].sizes());
-    TORCH_CHECK(ups[k].scalar_type() == ups[0].scalar_type() && dns[k].scalar_type() == ups[0].scalar_type()
-                && ups[0].scalar_type() != at::kByte, "experts_mlp_q: expected int8 or fp8 weights, all of one format");
-    U[k] = weight_of(ups[k], up_s[k], I, "gate_up");
-    D[k] = weight_of(dns[k], dn_s[k], 0, "down");
+    expert_pair(ups[k], up_s[k], dns[k], dn_s[k], "experts_mlp_q", U[k], D[k]);
+    TORCH_CHECK(ups[k].scalar_type() == ups[0].scalar_type() && D[k].rows == D[0].rows && D[k].k == D[0].k
+                && U[k].gl.type == U[0].gl.type,
+                "experts_mlp_q: expected experts of one dtype and shape, got ", ups[k].scalar_type(), " ", ups[k].sizes(),
+                " after ", ups[0].scalar_type(), " ", ups[0].sizes());
   }
+  const int64_t H = D[0].rows, I = D[0].k, I2 = 2 * I;
   at::Tensor xc = tokens_of(x, H, "experts_mlp_q x");
   TORCH_CHECK(xc.numel() == H, "experts_mlp_q x: expected one token, got ", x.sizes());
   const bool bf = x.scalar_type() == at::kBFloat16;
   Tokens t;
-  prepare(xc, 1, H, U[0].fmt, t);
+  prepare(xc, 1, H, U[0], t);
   std::vector<float> gu(K * I2);  // fp32 results, rounded below exactly as rows_range's output dtype would be
   at::parallel_for(0, K * I2, grain(U[0].ld), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) gu[r] = row_dot(U[r / I2], r % I2, t, 0);
@@ -211,7 +229,7 @@ at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList
       if (bf) reinterpret_cast<uint16_t*>(h.data_ptr())[i] = f2bf(bf2f(f2bf(s)) * u);
       else h.data_ptr<float>()[i] = s * u;
     }
-    prepare(h, 1, I, D[k].fmt, th[k]);
+    prepare(h, 1, I, D[k], th[k]);
   }
   at::Tensor out = at::empty({K, H}, x.options());
   at::parallel_for(0, K * H, grain(D[0].ld), [&](int64_t b, int64_t e) {
@@ -219,6 +237,25 @@ at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList
       const float v = row_dot(D[r / H], r % H, th[r / H], 0);
       if (bf) reinterpret_cast<uint16_t*>(out.data_ptr())[r] = f2bf(v); else out.data_ptr<float>()[r] = v;
     }
+  });
+  return out;
+}
+
+// ggml blocks [.., nb, S] -> the fp32 weights [.., nb * B] they mean (blocks.h's decode; the prefill / fp32 path)
+at::Tensor dequant_blocks(const at::Tensor& w) {
+  moe_blocks::Layout L;
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBits8 && w.dim() >= 2 && moe_blocks::layout_of(w.size(-1), L),
+              "dequant_blocks: expected ggml blocks [.., nb, S] (bits8, S = 34, 18, 17, 144, 176 or 210 bytes) on the CPU, got ",
+              w.scalar_type(), " ", w.sizes(), " on ", w.device());
+  at::Tensor wc = w.contiguous();
+  std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 1);
+  shape.back() *= L.block;
+  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(at::kFloat));
+  const int64_t blocks = wc.numel() / L.bytes;
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(wc.data_ptr());
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, blocks, 256, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) moe_blocks::dequant_block(L.type, L.block, src + i * L.bytes, dst + i * L.block);
   });
   return out;
 }

@@ -16,6 +16,9 @@
 //   mxfp4  blocks uint8 [R, K/2] (two e2m1 values per byte, low nibble first) + scales uint8 [R, K/32] (E8M0:
 //          2^(s-127) per block of 32), the gpt-oss *_blocks / *_scales. A 16-entry table (vpermps) times the block's
 //          power of two gives the exact weight; x is split into even/odd elements once per call.
+//   ggml   bits8 [R, nb, S]: llama.cpp's block types (q8_0, q4_0, mxfp4, q4_k, q5_k, q6_k; blocks.h), the type from
+//          the block's S bytes; no separate scale. x is quantized as for int8 (its vec_dot pairs these types with
+//          8-bit activations too), plus the sum of each 16 values for the types with mins or offsets.
 // Legend: N tokens, K input features, R output rows, RB row blocks.
 #pragma once
 
@@ -27,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "blocks.h"
 #include "vec.h"
 
 namespace moe_quant {
@@ -63,17 +67,19 @@ inline const float FP4[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5
 // ---- x, prepared once per call and shared by every row ----------------------------------------------------------
 struct Tokens {
   int64_t n = 0, k = 0, kp = 0;  // tokens, features, features padded to 64
+  int64_t qb = QB;               // int8 x: values per scale (256 for the ggml k-quants)
   std::vector<float> f;          // [n, kp] fp32 copy, zero padded (fp8)
   std::vector<float> even, odd;  // [n, kp/2] deinterleaved x (mxfp4: low nibble = even element)
   std::vector<int8_t> q;         // [n, kp] int8 x (int8 weights)
   std::vector<uint8_t> qabs;     // [n, kp] |q|
   std::vector<uint64_t> qneg;    // [n, kp/64] sign bits of q (AVX-512 masks)
-  std::vector<float> qs;         // [n, kp/32] per-block scales
+  std::vector<float> qs;         // [n, kp/qb] per-block scales
   std::vector<float> qs16;       // [n, kp/64, 16] scales as lanes of a vpdpbusd result (lanes 0-7 block 2b, 8-15 block 2b+1)
+  std::vector<int32_t> bs16;     // [n, kp/16] sum of q per 16 values (ggml blocks)
 };
 
-// x as the format's dots read it (fmt 'q' int8, 'f' fp8, 'm' mxfp4); moe_quant.cpp
-void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t);
+// x as the format's dots read it (fmt 'q' int8, 'f' fp8, 'm' mxfp4, 'g' ggml blocks; qb: int8 x's block); moe_quant.cpp
+void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t, int64_t qb = QB);
 
 // ---- one row . one token, per format and ISA ----------------------------------------------------------------------
 // int8: sum_b qs[b] * sum_{j in b} qx_j * w_j (without the row's weight scale)
@@ -264,13 +270,14 @@ inline float dot_mxfp4(const uint8_t* w, const uint8_t* sc, const Tokens& t, int
 
 // ---- the weight of one projection, as stored -------------------------------------------------------------------
 struct Weight {
-  char fmt;             // 'q' int8, 'f' fp8, 'm' mxfp4
+  char fmt;             // 'q' int8, 'f' fp8, 'm' mxfp4, 'g' ggml blocks
   const uint8_t* w;     // row r starts at w + r * ld (bytes)
   int64_t ld, rows, k;  // k: input features (mxfp4: 2 per byte)
   const float* s;       // int8: [R]; fp8: [RB, CB] row-major
   int64_t s_ld;         // fp8: CB; mxfp4: scale-row stride in bytes
   const uint8_t* ms;    // mxfp4 scales
   int64_t split;        // fp8 gate|up split (R when none)
+  moe_blocks::Layout gl;  // ggml: the block type (nb = k / gl.block blocks per row)
 };
 
 inline float row_dot(const Weight& W, int64_t r, const Tokens& t, int64_t i) {
@@ -280,6 +287,9 @@ inline float row_dot(const Weight& W, int64_t r, const Tokens& t, int64_t i) {
     int64_t rb = r < W.split ? r / FB : (W.split + FB - 1) / FB + (r - W.split) / FB;
     return dot_fp8(row, W.s + rb * W.s_ld, t, i);
   }
+  if (W.fmt == 'g')
+    return moe_blocks::dot_row(W.gl, row, W.k / W.gl.block, t.q.data() + i * t.kp, t.qs.data() + i * (t.kp / t.qb),
+                               t.bs16.data() + i * (t.kp / 16));
   return dot_mxfp4(row, W.ms + r * W.s_ld, t, i);
 }
 
@@ -287,5 +297,10 @@ inline int64_t grain(int64_t row_bytes) { return std::max<int64_t>(4, (int64_t(1
 
 // the stored weight w and its scales s, checked; moe_quant.cpp
 Weight weight_of(const at::Tensor& w, const at::Tensor& s, int64_t split, const char* what);
+
+// x prepared for the dots of weight W (the k-quants read x in blocks of 256)
+inline void prepare(const at::Tensor& x, int64_t n, int64_t k, const Weight& W, Tokens& t) {
+  prepare(x, n, k, W.fmt, t, W.fmt == 'g' ? W.gl.act : QB);
+}
 
 }  // namespace moe_quant

@@ -1,0 +1,306 @@
+// GGML block formats: llama.cpp's quant types byte for byte as a GGUF file stores them, decoded in registers.
+// Used by quant.h (one row . one prepared token) and moe_quant.cpp (dequant_blocks, the prefill/fp32 path).
+//
+//   w bits8 [R, nb, S] (nb blocks of S bytes per row, each block B weights) --dot(row, int8 x)--> fp32
+//
+// The type follows from S (unique among these): ggml type id, B weights, S bytes, value of weight e
+//   q8_0   8   32   34  fp16 d, int8 q[32]                          d * q
+//   q4_0   2   32   18  fp16 d, q[16] nibbles (e<16 low, else high)  d * (q - 8)              (--expert-dtype int4)
+//   mxfp4 39   32   17  E8M0 e, q[16] nibbles as q4_0               2^(e-128) * {0,1,2,3,4,6,8,12,0,-1,..,-12}[q]
+//   q4_k  12  256  144  fp16 d, dmin, 12 B 6-bit scales/mins, qs[128]   d*sc[j] * q - dmin*m[j], j = e / 32
+//   q5_k  13  256  176  as q4_k + qh[32] (fifth bit)                    same, q in 0..31
+//   q6_k  14  256  210  ql[128], qh[64], int8 sc[16], fp16 d            d*sc[e/16] * (q - 32)
+// (ggml-quants.c's dequantize_row_*; the gguf package's quants.py is the reference the tests compare with.)
+//
+// Activations are quantized as llama.cpp's vec_dot does for these types: 8-bit with an fp32 scale per block of 32
+// (q8_0, q4_0, mxfp4) or per 256 (the k-quants, so a super-block's scales apply in integers: Layout::act; quant.h's
+// Tokens), y = sum over blocks of s_w * s_x * sum(q_w * q_x) - min terms, integer inner sums.
+// decode() gives the exact fp32 weights (value = scale * v - min in two roundings, as the reference computes them).
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "vec.h"
+
+namespace moe_blocks {
+
+enum Type : int { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
+
+struct Layout {
+  int type = 0;
+  int64_t block = 0, bytes = 0;  // weights and bytes per block
+  int64_t act = 32;              // x's quantization block: 32, or 256 for the k-quants (llama.cpp's q8_K)
+};
+
+// The layout stored in blocks of ``bytes``; false for a size no supported type has.
+inline bool layout_of(int64_t bytes, Layout& L) {
+  switch (bytes) {
+    case 34: L = {Q8_0, 32, 34}; return true;
+    case 18: L = {Q4_0, 32, 18}; return true;
+    case 17: L = {MXFP4, 32, 17}; return true;
+    case 144: L = {Q4_K, 256, 144, 256}; return true;
+    case 176: L = {Q5_K, 256, 176, 256}; return true;
+    case 210: L = {Q6_K, 256, 210, 256}; return true;
+    default: return false;
+  }
+}
+
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+// ggml_e8m0_to_fp32_half: 2^(e-128), subnormal for e < 2
+inline float e8m0_half(uint8_t e) {
+  uint32_t bits = e < 2 ? (0x00200000u << e) : (uint32_t(e - 1) << 23);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+alignas(16) inline const int8_t KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// q4_k / q5_k: the 6-bit scale and min of sub-block j (of 8) from the 12 packed bytes
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// All 8 scales and mins at once (the same values as scale_min_k4, by whole-word masks): out[0..7] sc, out[8..15] m
+inline void unpack_k4(const uint8_t* q, uint8_t* out) {
+  uint32_t u[3];
+  std::memcpy(u, q, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+  const uint32_t r[4] = {u[0] & low6,                                       // sc 0..3: bytes 0..3, low 6 bits
+                         (u[2] & low4) | (((u[0] >> 6) & top2) << 4),       // sc 4..7: low nibble of 8..11 | top of 0..3
+                         u[1] & low6,                                       // m 0..3: bytes 4..7, low 6 bits
+                         ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4)};  // m 4..7: high nibble of 8..11 | top of 4..7
+  std::memcpy(out, r, 16);
+}
+
+// One block -> int8 values v[B] and per-16 (scale, min): weight e = sc16[e/16] * v[e] - mn16[e/16].
+inline void decode(int type, const uint8_t* b, int8_t* v, float* sc16, float* mn16) {
+  switch (type) {
+    case Q8_0: {
+      const float d = h2f(b);
+      std::memcpy(v, b + 2, 32);
+      sc16[0] = sc16[1] = d; mn16[0] = mn16[1] = 0.0f;
+      return;
+    }
+    case Q4_0:
+    case MXFP4: {
+      const uint8_t* q = b + (type == Q4_0 ? 2 : 1);
+      for (int l = 0; l < 16; ++l) {
+        if (type == Q4_0) { v[l] = int8_t((q[l] & 0xF) - 8); v[l + 16] = int8_t((q[l] >> 4) - 8); }
+        else { v[l] = KV_MXFP4[q[l] & 0xF]; v[l + 16] = KV_MXFP4[q[l] >> 4]; }
+      }
+      sc16[0] = sc16[1] = type == Q4_0 ? h2f(b) : e8m0_half(b[0]);
+      mn16[0] = mn16[1] = 0.0f;
+      return;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const float d = h2f(b), dmin = h2f(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (type == Q4_K ? 16 : 48);
+      for (int c = 0; c < 4; ++c) {
+        for (int half = 0; half < 2; ++half) {
+          const int j = 2 * c + half;
+          int sc, m;
+          scale_min_k4(j, scales, sc, m);
+          sc16[2 * j] = sc16[2 * j + 1] = d * float(sc);
+          mn16[2 * j] = mn16[2 * j + 1] = dmin * float(m);
+          for (int l = 0; l < 32; ++l) {
+            int q = half ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 0xF;
+            if (type == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+            v[64 * c + 32 * half + l] = int8_t(q);
+          }
+        }
+      }
+      return;
+    }
+    case Q6_K: {
+      const float d = h2f(b + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      for (int n = 0; n < 2; ++n) {
+        const uint8_t* ql = b + 64 * n;
+        const uint8_t* qh = b + 128 + 32 * n;
+        int8_t* y = v + 128 * n;
+        for (int l = 0; l < 32; ++l) {
+          y[l] = int8_t(((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32);
+          y[l + 32] = int8_t(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+          y[l + 64] = int8_t(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+          y[l + 96] = int8_t(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+      }
+      for (int j = 0; j < 16; ++j) { sc16[j] = d * float(sc[j]); mn16[j] = 0.0f; }
+      return;
+    }
+  }
+}
+
+// The exact fp32 weights of one block: scale * v, minus min as a second rounding (no FMA contraction: the reference
+// rounds the product first).
+__attribute__((optimize("fp-contract=off"))) inline void dequant_block(int type, int64_t B, const uint8_t* b, float* y) {
+  int8_t v[256];
+  float sc16[16], mn16[16];
+  decode(type, b, v, sc16, mn16);
+  for (int64_t e = 0; e < B; ++e) {
+    volatile float p = sc16[e / 16] * float(v[e]);  // volatile: rounded before the subtraction on every compiler
+    y[e] = p - mn16[e / 16];
+  }
+}
+
+// ---- one row (nb blocks) . one token's int8 activations -------------------------------------------------------------
+// xq: the token's int8 values from the row's first weight; xs: fp32 scale per L.act values; bs16: sum of xq per 16.
+#if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(s);
+}
+// sum over 4-byte groups of (signed w) * (signed x): 8 int32 lanes, lane i covering bytes 4i..4i+3
+inline __m256i dot_s8(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x)), _mm256_set1_epi16(1));
+}
+// same with w unsigned (0..63)
+inline __m256i dot_u8(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+inline __m256i nibbles32(const uint8_t* q) {  // 16 bytes -> 32 values: low nibbles, then high nibbles
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), m4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
+}
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#endif
+
+inline float dot_row(const Layout& L, const uint8_t* w, int64_t nb, const int8_t* xq, const float* xs, const int32_t* bs16) {
+#if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  float minus = 0.0f;  // the min terms (q4_k, q5_k) and q6_k's offset of 32, subtracted at the end
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  switch (L.type) {
+    case Q8_0:
+      for (int64_t i = 0; i < nb; ++i, w += 34)
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(load32(w + 2), load32(xq + 32 * i))), _mm256_set1_ps(h2f(w) * xs[i]), acc);
+      return hsum8(acc);
+    case Q4_0:
+      for (int64_t i = 0; i < nb; ++i, w += 18) {
+        __m256i q = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(q, load32(xq + 32 * i))), _mm256_set1_ps(h2f(w) * xs[i]), acc);
+      }
+      return hsum8(acc);
+    case MXFP4: {
+      const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(KV_MXFP4)));
+      for (int64_t i = 0; i < nb; ++i, w += 17) {
+        __m256i q = _mm256_shuffle_epi8(lut, nibbles32(w + 1));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(q, load32(xq + 32 * i))), _mm256_set1_ps(e8m0_half(w[0]) * xs[i]), acc);
+      }
+      return hsum8(acc);
+    }
+    case Q4_K:
+    case Q5_K: {
+      // per super-block: the 6-bit scales applied in integers (madd), one float step with x's scale for the 256
+      const int64_t bytes = L.bytes;
+      __m256 mins = _mm256_setzero_ps();
+      for (int64_t i = 0; i < nb; ++i, w += bytes) {
+        const uint8_t* qs = w + (L.type == Q4_K ? 16 : 48);
+        const __m256i hb = L.type == Q5_K ? load32(w + 16) : _mm256_setzero_si256();
+        _mm_prefetch(reinterpret_cast<const char*>(w) + 8 * bytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w) + 8 * bytes + 64, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w) + 8 * bytes + 128, _MM_HINT_T0);
+        uint8_t sm[16];  // sc[0..7], m[0..7]
+        unpack_k4(w + 4, sm);
+        const uint8_t *sc = sm, *m = sm + 8;
+        const int8_t* x = xq + 256 * i;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v = load32(qs + 32 * c);
+          __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          if (L.type == Q5_K) {
+            const __m256i one = _mm256_set1_epi8(1);
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
+          }
+          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(x + 64 * c)), _mm256_set1_epi16(short(sc[2 * c]))));
+          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(x + 64 * c + 32)), _mm256_set1_epi16(short(sc[2 * c + 1]))));
+        }
+        // sum_j m_j * (sum of x over sub-block j) from the sums per 16: lanes j of two 8-lane products
+        const __m256i b16a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i));
+        const __m256i b16b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i + 8));
+        const __m256i pair = _mm256_permute4x64_epi64(_mm256_hadd_epi32(b16a, b16b), 0xD8);  // [8]: sum per 32
+        const __m256i mv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w) * xs[i]), _mm256_cvtepi32_ps(sumi), acc);
+        mins = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w + 2) * xs[i]), _mm256_cvtepi32_ps(_mm256_mullo_epi32(mv, pair)), mins);
+      }
+      return hsum8(_mm256_sub_ps(acc, mins));
+    }
+    case Q6_K: {
+      // q as unsigned 0..63 (the offset of 32 comes back through the sums of x), int8 scales per 16 applied by madd
+      const __m256i m3 = _mm256_set1_epi8(3);
+      __m256 offs = _mm256_setzero_ps();
+      for (int64_t i = 0; i < nb; ++i, w += 210) {
+        const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+        _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * 210, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * 210 + 64, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * 210 + 128, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * 210 + 192, _MM_HINT_T0);
+        const int8_t* x = xq + 256 * i;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int n = 0; n < 2; ++n) {
+          const __m256i l0 = load32(w + 64 * n), l1 = load32(w + 64 * n + 32), h = load32(w + 128 + 32 * n);
+          const __m256i q[4] = {
+              _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4)),
+              _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4))};
+          for (int k = 0; k < 4; ++k) {
+            const int j = 8 * n + 2 * k;  // the scales of this group's two halves of 16
+            const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], load32(x + 32 * (4 * n + k))), s));
+          }
+        }
+        // 32 * sum_j sc_j * (sum of x over the 16 values j)
+        const __m256i sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+        const __m256i sb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)));
+        const __m256i o = _mm256_add_epi32(_mm256_mullo_epi32(sa, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i))),
+                                           _mm256_mullo_epi32(sb, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i + 8))));
+        const __m256 d = _mm256_set1_ps(h2f(w + 208) * xs[i]);
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
+        offs = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_slli_epi32(o, 5)), offs);
+      }
+      return hsum8(_mm256_sub_ps(acc, offs));
+    }
+  }
+  return 0.0f;
+#else
+  int8_t v[256];
+  float sc16[16], mn16[16], total = 0.0f;
+  const int64_t B = L.block;
+  for (int64_t i = 0; i < nb; ++i, w += L.bytes) {
+    decode(L.type, w, v, sc16, mn16);
+    for (int64_t s = 0; s < B / 16; ++s) {
+      const int64_t e0 = i * B + 16 * s;
+      int32_t acc = 0;
+      for (int l = 0; l < 16; ++l) acc += int32_t(v[16 * s + l]) * int32_t(xq[e0 + l]);
+      total += xs[e0 / L.act] * (sc16[s] * float(acc) - mn16[s] * float(bs16[e0 / 16]));
+    }
+  }
+  return total;
+#endif
+}
+
+}  // namespace moe_blocks

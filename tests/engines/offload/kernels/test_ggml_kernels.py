@@ -1,0 +1,168 @@
+"""The ggml block kernels (csrc/cpu/blocks.h through gemv_q, expert_mlp_q, experts_mlp_q, dequant_blocks) against the
+gguf package's own dequantization (llama.cpp's Python reader), for every supported type.
+
+dequant_blocks gives exactly the reference's fp32 weights (bit for bit). The dot products quantize x per block of 32
+(8-bit, fp32 scale: llama.cpp's vec_dot pairs these types with 8-bit activations too): against an emulation of that
+over the reference weights they agree to fp32 rounding; against the float product they carry the activation
+rounding, bounded below.
+Legend: N tokens, R output rows, K input features, H hidden, I expert intermediate.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_offload.engines.offload.kernels import dispatch, jit
+from moe_offload.engines.offload.loading import ggml, quant
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
+TYPES = list(ggml.BY_NAME)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert jit.load(), jit.info()
+    return torch.ops.moe_offload
+
+
+def blocks(rows: int, cols: int, name: str, seed: int = 0) -> torch.Tensor:
+    if name in ("q8_0", "q4_0", "gguf_mxfp4") and seed % 2:  # the reference quantizer's output, too
+        g = torch.Generator().manual_seed(seed)
+        return ggml.quantize(torch.randn(rows, cols, generator=g) / cols ** 0.5, name)
+    return ggml.random_blocks(rows, cols, name, seed)
+
+
+def act_block(w: torch.Tensor) -> int:
+    """x's quantization block for these weights: 32, or 256 for the k-quants (llama.cpp's q8_K)."""
+    return 256 if ggml.layout_of(w).block == 256 else 32
+
+
+def emulated(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[N, R] fp64: the reference weights times x rounded as the kernels round it (per 32 or 256 values, |q| <= 127,
+    half to even)."""
+    N, K = x.shape
+    a = act_block(w)
+    b = x.float().view(N, K // a, a)
+    s = b.abs().amax(-1, keepdim=True) / 127.0
+    q = torch.where(s > 0, torch.round(b / torch.where(s > 0, s, 1)), 0).clamp(-127, 127)
+    return (q * s).view(N, K).double() @ ggml.reference_dequantize(w).double().T
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_dequantize_is_the_gguf_reference_bit_for_bit(ops, name):
+    for seed in (0, 1):
+        w = blocks(6, 512, name, seed)
+        assert torch.equal(ops.dequant_blocks(w), ggml.reference_dequantize(w))
+    three = torch.stack([blocks(4, 256, name, s) for s in range(3)])  # [E, R, nb, S] -> [E, R, K]
+    assert torch.equal(ops.dequant_blocks(three), ggml.reference_dequantize(three))
+    assert torch.equal(quant.dequantize(three[1], None), ggml.reference_dequantize(three[1]))
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("R,K,N", [(1, 256, 1), (7, 512, 3), (64, 1024, 16), (33, 2816, 2)])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_gemv_blocks(ops, name, R, K, N, xdtype):
+    w = blocks(R, K, name, seed=R + K)
+    x = (torch.randn(N, K, generator=torch.Generator().manual_seed(N)) * 2).to(xdtype)
+    bias = torch.randn(R).to(xdtype)
+    got = ops.gemv_q(x, w, dispatch.NO_SCALE, bias).double()
+    want = emulated(x, w) + bias.double()
+    tol = 1e-5 * (x.double().abs() @ ggml.reference_dequantize(w).double().abs().T).max().item()
+    if xdtype == torch.bfloat16:
+        tol += 2 ** -8 * want.abs().max().item()  # the output's bf16 rounding
+    torch.testing.assert_close(got, want, rtol=0, atol=tol)
+    # the float product: only the activation rounding apart, at most half a step (amax / 127 of its block) each
+    exact = x.double() @ ggml.reference_dequantize(w).double().T + bias.double()
+    a = act_block(w)
+    step = (x.float().view(N, K // a, a).abs().amax(-1, keepdim=True) / 127.0).expand(N, K // a, a).reshape(N, K)
+    bound = (step.double() / 2) @ ggml.reference_dequantize(w).double().abs().T
+    assert ((got - exact).abs() <= bound + tol).all()
+
+
+@pytest.mark.parametrize("up_name,down_name", [("q4_k", "q6_k"), ("q8_0", "q8_0"), ("q5_k", "q4_k"), ("q4_0", "q4_0"),
+                                               ("gguf_mxfp4", "gguf_mxfp4")])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_expert_mlps(ops, up_name, down_name, xdtype):
+    # llama.cpp's Q4_K_M mixes types within an expert (gate/up q4_k, down q6_k): each projection reads its own blocks
+    H, I, K = 256, 512, 3
+    ups = [blocks(2 * I, H, up_name, seed=s) for s in range(K)]
+    dns = [blocks(H, I, down_name, seed=10 + s) for s in range(K)]
+    x = torch.randn(1, H).to(xdtype)
+    rows = ops.experts_mlp_q(x, ups, [dispatch.NO_SCALE] * K, dns, [dispatch.NO_SCALE] * K)
+    for k in range(K):
+        one = ops.expert_mlp_q(x, ups[k], dispatch.NO_SCALE, dns[k], dispatch.NO_SCALE)
+        assert torch.equal(rows[k:k + 1], one)
+        # the unfused path (gemv_q, torch's silu in x's dtype, gemv_q) rounds at the same points; silu's own last
+        # bit may differ, which the int8 rounding of h can carry one step (1/127 of a block's amax)
+        g = ops.gemv_q(x, ups[k], dispatch.NO_SCALE)
+        chain = ops.gemv_q(F.silu(g[:, :I]) * g[:, I:], dns[k], dispatch.NO_SCALE)
+        torch.testing.assert_close(one, chain, rtol=2e-2, atol=2e-2 * chain.abs().max().item())
+        ref = F.linear(F.silu(x.double() @ ggml.reference_dequantize(ups[k]).double().T[:, :I])
+                       * (x.double() @ ggml.reference_dequantize(ups[k]).double().T[:, I:]),
+                       ggml.reference_dequantize(dns[k]).double())
+        assert (one.double() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_results_do_not_depend_on_thread_count(ops):
+    w = blocks(300, 1024, "q4_k", seed=3)
+    x = torch.randn(2, 1024)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.gemv_q(x, w, dispatch.NO_SCALE)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(ops.gemv_q(x, w, dispatch.NO_SCALE), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_rejects_bad_blocks(ops):
+    bad = torch.zeros(4, 2, 33, dtype=torch.uint8).view(torch.bits8)  # no type has 33-byte blocks
+    with pytest.raises(RuntimeError, match="expected ggml blocks"):
+        ops.gemv_q(torch.randn(1, 64), bad, dispatch.NO_SCALE)
+    with pytest.raises(RuntimeError, match="dequant_blocks: expected ggml blocks"):
+        ops.dequant_blocks(bad)
+    with pytest.raises(RuntimeError, match="expected 1..16"):  # features disagree with x
+        ops.gemv_q(torch.randn(1, 64), blocks(4, 256, "q4_k"), dispatch.NO_SCALE)
+    with pytest.raises(ValueError, match="expected bits8"):
+        ggml.layout_of(torch.zeros(4, 2, 33, dtype=torch.uint8))
+
+
+def test_expert_forward_takes_the_block_kernels(ops, monkeypatch):
+    # dispatch: one token -> expert_mlp_q; a prefill tile -> the dequantized weights through the GEMM
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    m = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=256, num_experts=2))
+    up, dn = blocks(512, 256, "q4_k", seed=1), blocks(256, 256, "q6_k", seed=2)
+    calls = []
+    real = ops.expert_mlp_q
+    monkeypatch.setattr(torch.ops.moe_offload, "expert_mlp_q", lambda *a: calls.append(1) or real(*a), raising=False)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = dispatch.expert_forward(m, x, up, dn)
+    assert calls and y.shape == (1, 256)
+    big = torch.randn(40, 256)
+    with torch.no_grad():
+        want = F.linear(m._apply_gate(F.linear(big, quant.dequantize(up, None))), quant.dequantize(dn, None))
+        assert torch.equal(dispatch.expert_forward(m, big, up, dn), want)
+
+
+def test_portable_variant():
+    # the portable loop in its own process (the AVX2 one is this machine's or the next test's), each type
+    from offload_helpers import run_in_variant
+
+    run_in_variant("portable", """
+from moe_offload.engines.offload.loading import ggml
+for name in ggml.BY_NAME:
+    w = ggml.random_blocks(9, 512, name, seed=4)
+    x = torch.randn(2, 512)
+    ref = x.double() @ ggml.reference_dequantize(w).double().T
+    assert torch.equal(ops.dequant_blocks(w), ggml.reference_dequantize(w)), name
+    err = (ops.gemv_q(x, w, torch.empty(0)).double() - ref).abs().max() / ref.abs().max()
+    assert err < 0.02, (name, err.item())
+""")
