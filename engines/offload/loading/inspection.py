@@ -37,7 +37,14 @@ class ExpertsInfo:
 
 
 def check_checkpoint(path: str) -> Path:
-    """A directory with config.json and every safetensors shard its index names; else ModelError."""
+    """A directory with config.json and every safetensors shard its index names; for a GGUF file (or a directory
+    holding one) the directory of its config.json and tokenizer (gguf_load.view_dir); else ModelError."""
+    from moe_offload.control import gguf_meta
+
+    if gguf_meta.is_gguf(path):
+        from moe_offload.engines.offload.loading.gguf_load import view_dir
+
+        return view_dir(path)
     root = Path(path)
     if not root.is_dir():
         raise ModelError(f"model: expected a checkpoint directory, got {path!r} (not a directory)")
@@ -53,7 +60,7 @@ def check_checkpoint(path: str) -> Path:
         missing = [s for s in shards if not (root / s).is_file()]
         if missing:
             raise ModelError(f"{root}: missing {len(missing)} of {len(shards)} safetensors shards named by the index: {', '.join(missing[:3])}")
-    elif not any(root.glob("*.safetensors")):
+    elif not any(root.glob("*.safetensors")) and "gguf_file" not in json.loads((root / "config.json").read_text()):
         raise ModelError(f"{root}: expected model.safetensors or a sharded index, found no safetensors files")
     return root
 
@@ -81,24 +88,39 @@ def inspect_checkpoint(root: str | Path, dtype: str | None = None, expert_dtype:
     cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
     torch_dtype = DTYPES[dtype] if dtype else (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None)
     method = checkpoint.quant_method(config, str(root))
-    read_as, convert_to = expert_target(method, expert_dtype)
+    read_as, convert_to = expert_target(method, expert_dtype, gguf=getattr(config, "gguf_file", None) is not None)
     priced_as = convert_to or (method if read_as == "stored" else "bfloat16")
     experts, dense_bytes = inspect_model(config, torch_dtype, priced_as)
     if not experts:
         raise ModelError(f"{root}: dense model (model_type {config.model_type!r}): no routed experts modules to offload")
+    if getattr(config, "gguf_file", None) is not None and read_as == "stored":  # priced as the file stores them
+        from dataclasses import replace
+
+        from moe_offload.control import gguf_meta
+
+        exact = gguf_meta.read(config.gguf_file).layer_expert_bytes()
+        experts = [replace(i, expert_bytes=exact[i.layer]) for i in experts]
     while len(_INSPECTED) >= 4:
         _INSPECTED.pop(next(iter(_INSPECTED)))
     _INSPECTED[key] = (config, experts, dense_bytes)
     return config, experts, dense_bytes
 
 
-def expert_target(method: str | None, expert_dtype: str | None) -> tuple[str, str | None]:
+def expert_target(method: str | None, expert_dtype: str | None, gguf: bool = False) -> tuple[str, str | None]:
     """(how a quantized checkpoint's experts are read: "stored" | "float" (dequantized to bf16), what the store is
-    converted to: None | "int8" | "fp8" | "bfloat16") for checkpoint quant ``method`` and ``--expert-dtype``."""
+    converted to: None | "int8" | "fp8" | "q4_0" (int4) | "bfloat16") for checkpoint quant ``method`` and
+    ``--expert-dtype``. ``gguf``: a GGUF file, whose experts are kept in their quant types or dequantized (bf16)."""
+    from moe_offload.control.vocab import EXPERT_DTYPES
+
     if expert_dtype is None:
         return "stored", None
+    if gguf:
+        if expert_dtype != "bf16":
+            raise ConfigError(f"expert_dtype {expert_dtype!r}: a GGUF file's experts stay in its quant types; expected "
+                              "bf16 (dequantize at load) or unset (keep them as stored)")
+        return "float", None
     if method is None:
-        return "stored", {"int8": "int8", "fp8": "fp8", "bf16": "bfloat16"}[expert_dtype]
+        return "stored", EXPERT_DTYPES[expert_dtype]
     if expert_dtype == "bf16":
         return "float", None
     if expert_dtype == method:

@@ -110,7 +110,15 @@ def load_model(
     register()
     stored: dict = {}
     load_dtype = compute_dtype or torch.float32
-    if host_cache is not None:
+    gguf_file = getattr(config, "gguf_file", None)
+    if gguf_file is not None and host_cache is not None:
+        raise ConfigError("host_cache: the disk tier reads an expert store written from safetensors; a GGUF model's "
+                          "experts are served from host memory (give no --host-memory)")
+    if gguf_file is not None:
+        from moe_offload.engines.offload.loading import gguf_load
+
+        model, stored = gguf_load.load(gguf_file, config, experts, load_dtype, dequantize=read_as == "float")
+    elif host_cache is not None:
         from moe_offload.engines.offload.loading.convert import ensure_store
         from moe_offload.engines.offload.loading.split import load_split
 

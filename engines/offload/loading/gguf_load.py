@@ -1,0 +1,222 @@
+"""A GGUF file as a transformers model whose routed experts stay in the file's quant types.
+
+    FILE.gguf --control/gguf_meta.read--> config dict, tensor list
+      --view_dir--> a directory beside nothing: config.json + the tokenizer transformers builds from the GGUF
+                    vocabulary (what --model DIR code paths read: tokenizer, chat template, spec)
+      --load--> meta model; every non-expert tensor dequantized (gguf package) to the compute dtype under its
+                transformers name, llama.cpp's converter undone where it changed a layout (llama's q/k row
+                permutation, DeepSeek's kv_b split into k_b / v_b, gpt-oss's de-interleaved gate/up);
+                the experts: ffn_gate_exps | ffn_up_exps rows concatenated (gpt-oss: interleaved) and ffn_down_exps,
+                as ggml blocks (ggml.py), read from the file's memory map once
+
+A truncated or corrupt file fails here, naming the tensor, never mid-generation: every tensor's bytes are checked
+against the file's size before anything is read.
+Legend: E experts, I expert intermediate, H hidden, nb blocks per row, S bytes per block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moe_offload.control import gguf_meta
+from moe_offload.engines.offload.loading import ggml
+from moe_offload.errors import ModelError
+
+VIEW_ROOT = Path(os.environ.get("MOE_OFFLOAD_GGUF_VIEWS", Path.home() / ".cache" / "moe-offload" / "gguf"))
+
+
+def view_dir(path: str | os.PathLike) -> Path:
+    """A directory with the config.json and tokenizer of GGUF ``path``, written once per file version."""
+    info = gguf_meta.read(path)
+    key = hashlib.sha256(json.dumps([(str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in info.files])
+                         .encode()).hexdigest()[:16]
+    out = VIEW_ROOT / f"{info.files[0].stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(info.files[0].parent), gguf_file=info.files[0].name)
+    except Exception as e:  # noqa: BLE001 - any failure of transformers' converter is a model problem here
+        raise ModelError(f"{info.files[0]}: transformers cannot build a tokenizer from the GGUF vocabulary "
+                         f"({type(e).__name__}: {e})") from None
+    tok.save_pretrained(tmp)
+    (tmp / "config.json").write_text(json.dumps(info.config, indent=1))
+    os.replace(tmp, out) if not out.exists() else None
+    return out
+
+
+def gguf_source(config) -> Path | None:
+    """The GGUF file a config.json written by view_dir stands for (None: a safetensors checkpoint)."""
+    src = getattr(config, "gguf_file", None) if not isinstance(config, dict) else config.get("gguf_file")
+    return Path(src) if src else None
+
+
+class Tensors:
+    """The file's tensors by name: bytes checked against the file, numpy views over its memory map."""
+
+    def __init__(self, info: gguf_meta.GGUFInfo):
+        from gguf import GGUFReader
+
+        self.info = info
+        self.t = {}
+        for f in info.files:
+            size = f.stat().st_size
+            try:
+                reader = GGUFReader(f)
+            except (ValueError, OSError, IndexError, KeyError) as e:
+                raise ModelError(f"{f}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+            for t in reader.tensors:
+                if t.data_offset + t.n_bytes > size:
+                    raise ModelError(f"{f}: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, past the file's "
+                                     f"{size} bytes (a truncated download?)")
+                self.t[t.name] = t
+
+    def has(self, name: str) -> bool:
+        return name in self.t
+
+    def qtype(self, name: str) -> str:
+        return self.t[name].tensor_type.name.lower()
+
+    def float(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor dequantized (numpy order) in ``dtype``."""
+        from gguf import quants
+
+        t = self._get(name)
+        try:
+            arr = quants.dequantize(t.data, t.tensor_type)
+        except (ValueError, NotImplementedError) as e:
+            raise ModelError(f"{self.info.files[0]}: tensor {name} of type {t.tensor_type.name}: {e}") from None
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(dtype)
+
+    def blocks(self, name: str) -> torch.Tensor:
+        """A quantized tensor's bytes as ggml blocks [.., R, nb, S] (a copy out of the map: the store owns it)."""
+        t = self._get(name)
+        kind = t.tensor_type.name.lower()
+        kind = "gguf_mxfp4" if kind == "mxfp4" else kind
+        if kind not in ggml.BY_NAME:
+            raise ModelError(f"{self.info.files[0]}: expert tensor {name} is {t.tensor_type.name}; the engine computes "
+                             f"{', '.join(k.upper() for k in ggml.BY_NAME)} experts as stored (or F32/F16/BF16)")
+        cols = int(t.shape[0])
+        return ggml.as_blocks(np.array(t.data, copy=True), kind, cols)
+
+    def _get(self, name: str):
+        if name not in self.t:
+            raise ModelError(f"{self.info.files[0]}: expected tensor {name}, which the file lacks")
+        return self.t[name]
+
+
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary row permutation of a llama q/k weight (rows grouped per head as pairs of halves)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(tmap, name: str, layer_re=re.compile(r"\.layers\.(\d+)\.")) -> str | None:
+    m = layer_re.search(name)
+    if name.endswith("e_score_correction_bias") and m:
+        return f"blk.{m[1]}.exp_probs_b.bias"
+    if name.endswith("self_attn.sinks") and m:
+        return f"blk.{m[1]}.attn_sinks.weight"
+    return tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+
+
+def state_dict(tensors: Tensors, meta, experts: list, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every non-expert tensor of ``meta`` (the model on the meta device) from the file, in transformers' layout."""
+    import gguf
+
+    info = tensors.info
+    cfg = info.config
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[info.arch]
+    tmap = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    modules = dict(meta.named_modules())
+    routed = {f"{i.name}.{n}" for i in experts for n in ("gate_up_proj", "down_proj", "up_proj", "gate_up_proj_bias",
+                                                          "down_proj_bias", "up_proj_bias")}
+    out = {}
+    for name, p in meta.state_dict().items():
+        if name in routed:
+            continue
+        if name == "lm_head.weight" and cfg["tie_word_embeddings"]:
+            continue
+        pdtype = p.dtype if p.dtype == torch.float32 else dtype
+        if name.endswith("kv_b_proj.weight") and not tensors.has(_gguf_name(tmap, name) or ""):
+            out[name] = _kv_b(tensors, name, cfg, pdtype)
+            continue
+        src = _gguf_name(tmap, name)
+        if src is None:
+            raise ModelError(f"{info.files[0]}: no GGUF tensor maps to {name} ({info.arch})")
+        w = tensors.float(src, pdtype)
+        if info.arch == "llama" and re.search(r"\.(q|k)_proj\.weight$", name):
+            w = _unpermute(w, cfg["num_attention_heads"] if ".q_proj" in name else cfg["num_key_value_heads"])
+        out[name] = w.reshape(p.shape)
+    for info_ in experts:  # per-expert biases (gpt-oss): gate|up interleaved as transformers holds them
+        m = modules[info_.name]
+        if getattr(m, "has_bias", False):
+            layer = info_.layer
+            g = tensors.float(f"blk.{layer}.ffn_gate_exps.bias", dtype)  # [E, I]
+            u = tensors.float(f"blk.{layer}.ffn_up_exps.bias", dtype)
+            out[f"{info_.name}.gate_up_proj_bias"] = torch.stack([g, u], dim=-1).flatten(-2)
+            out[f"{info_.name}.down_proj_bias"] = tensors.float(f"blk.{layer}.ffn_down_exps.bias", dtype)
+    return out
+
+
+def _kv_b(tensors: Tensors, name: str, cfg: dict, dtype: torch.dtype) -> torch.Tensor:
+    """DeepSeek's kv_b_proj [heads * (nope + v), kv_lora] from the converter's attn_k_b [heads, kv_lora, nope] (k part,
+    transposed) and attn_v_b [heads, v, kv_lora]."""
+    layer = re.search(r"\.layers\.(\d+)\.", name)[1]
+    k = tensors.float(f"blk.{layer}.attn_k_b.weight", dtype)
+    v = tensors.float(f"blk.{layer}.attn_v_b.weight", dtype)
+    heads = cfg["num_attention_heads"]
+    k = k.reshape(heads, cfg["kv_lora_rank"], cfg["qk_nope_head_dim"]).transpose(1, 2)
+    v = v.reshape(heads, cfg["v_head_dim"], cfg["kv_lora_rank"])
+    return torch.cat([k, v], dim=1).reshape(-1, cfg["kv_lora_rank"]).contiguous()
+
+
+def read_experts(tensors: Tensors, info, module, dtype: torch.dtype, dequantize: bool = False) -> tuple:
+    """(gate|up, down, None, None) of one layer as the store holds them: ggml blocks [E, 2I, nb, S] and [E, H, nb, S]
+    (gpt-oss: gate and up rows interleaved), or float [E, 2I, H] / [E, H, I] for F32/F16/BF16 experts and with
+    ``dequantize`` (--expert-dtype bf16)."""
+    names = [f"blk.{info.layer}.{t}.weight" for t in gguf_meta.EXPERT_TENSORS]
+    kinds = {tensors.qtype(n) for n in names[:2]}
+    if len(kinds) != 1:
+        raise ModelError(f"{tensors.info.files[0]}: layer {info.layer}'s ffn_gate_exps and ffn_up_exps are "
+                         f"{' and '.join(sorted(kinds))}; the engine keeps a layer's gate|up in one type")
+    interleave = getattr(module, "is_transposed", False)  # gpt-oss: its gate reads gate_up[..., ::2] / [..., 1::2]
+    if kinds <= {"f32", "f16", "bf16"} or dequantize:
+        g, u, d = (tensors.float(n, dtype) for n in names)
+        gu = torch.stack([g, u], dim=2).flatten(1, 2) if interleave else torch.cat([g, u], dim=1)
+        if interleave:  # the module's own transposed float layout
+            return gu.transpose(1, 2).contiguous(), d.transpose(1, 2).contiguous(), None, None
+        return gu, d, None, None
+    g, u, d = (tensors.blocks(n) for n in names)
+    gu = torch.stack([g, u], dim=2).flatten(1, 2) if interleave else torch.cat([g, u], dim=1)
+    return gu, d, None, None
+
+
+def load(path: str | os.PathLike, config, experts: list, dtype: torch.dtype, dequantize: bool = False):
+    """(model with placeholder experts, {experts module: (up, down, None, None)}); ``dequantize``: float experts."""
+    from moe_offload.engines.offload.experts.executor import IMPLEMENTATION
+    from moe_offload.engines.offload.loading.checkpoint import placeholders
+    from moe_offload.engines.offload.loading.convert import meta_model
+
+    info = gguf_meta.read(path)
+    tensors = Tensors(info)
+    meta = meta_model(config, dtype)
+    modules = dict(meta.named_modules())
+    stored = {i.name: read_experts(tensors, i, modules[i.name], dtype, dequantize) for i in experts}
+    sd = state_dict(tensors, meta, experts, dtype)
+    sd.update(placeholders(meta, experts, dtype))
+    model = type(meta).from_pretrained(None, config=config, state_dict=sd, dtype=dtype,
+                                       experts_implementation=IMPLEMENTATION)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.config.name_or_path = str(info.files[0])
+    return model, stored
