@@ -100,11 +100,18 @@ def fused_experts_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def fused_experts_q_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
-    """One token's int8/fp8 experts can go through moe_offload::experts_mlp_q (one call per tier): CPU, silu gate on
-    a concatenated gate|up, no biases, no post-expert norm, kernels built."""
+    """One token's int8/fp8/ggml experts can go through moe_offload::experts_mlp_q (one call per tier): CPU, silu
+    gate on a concatenated gate|up, no biases, no post-expert norm, kernels built."""
     return (x.dim() == 2 and x.shape[0] == 1 and w.dtype in Q_FUSED and w.is_cpu and x.is_cpu
-            and x.dtype in (torch.bfloat16, torch.float32) and not getattr(module, "has_bias", False)
+            and _q_kernel_dtype(w, x) and not getattr(module, "has_bias", False)
             and not module.has_post_expert_norm and _is_silu_concat(module) and jit.load())
+
+
+def _q_kernel_dtype(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """x's dtype suits the quantized kernels for weights w: bf16, or fp32 but not with ggml blocks. ggml blocks in fp32
+    compute take the dequantized weights instead: the GGUF exactness contract (fp32 = transformers on the dequantized
+    model, token for token) holds there, while bf16 takes llama.cpp's 8-bit activations (bounded, tested)."""
+    return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and w.dtype != ggml.DTYPE)
 
 
 Q_FUSED = (torch.int8, torch.float8_e4m3fn, ggml.DTYPE)  # formats experts_mlp_q / expert_mlp_q compute (not mxfp4)
@@ -124,7 +131,7 @@ def gate_up_split(module, rows: int) -> int:
 def _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale) -> torch.Tensor:
     """One expert from stored quantized tensors; x [N, H] -> [N, H] in x's dtype (the compute dtype)."""
     split = gate_up_split(module, up.shape[0]) if up.dtype == torch.float8_e4m3fn else 0
-    if (x.is_cpu and up.is_cpu and x.shape[0] <= MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float32)
+    if (x.is_cpu and up.is_cpu and x.shape[0] <= MAX_TOKENS and _q_kernel_dtype(up, x)
             and jit.load() and not (torch.is_grad_enabled() and x.requires_grad)):
         ops = torch.ops.moe_offload
         up_scale, down_scale = scale_arg(up_scale), scale_arg(down_scale)

@@ -10,7 +10,7 @@
                 as ggml blocks (ggml.py), read from the file's memory map once
 
 A truncated or corrupt file fails here, naming the tensor, never mid-generation: every tensor's bytes are checked
-against the file's size before anything is read.
+against the file's size before anything is read (gguf_meta.open_reader).
 Legend: E experts, I expert intermediate, H hidden, nb blocks per row, S bytes per block.
 """
 
@@ -65,20 +65,10 @@ class Tensors:
     """The file's tensors by name: bytes checked against the file, numpy views over its memory map."""
 
     def __init__(self, info: gguf_meta.GGUFInfo):
-        from gguf import GGUFReader
-
         self.info = info
         self.t = {}
         for f in info.files:
-            size = f.stat().st_size
-            try:
-                reader = GGUFReader(f)
-            except (ValueError, OSError, IndexError, KeyError) as e:
-                raise ModelError(f"{f}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-            for t in reader.tensors:
-                if t.data_offset + t.n_bytes > size:
-                    raise ModelError(f"{f}: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, past the file's "
-                                     f"{size} bytes (a truncated download?)")
+            for t in gguf_meta.open_reader(f).tensors:  # every tensor's bytes checked against the file's size
                 self.t[t.name] = t
 
     def has(self, name: str) -> bool:
@@ -96,7 +86,7 @@ class Tensors:
             arr = quants.dequantize(t.data, t.tensor_type)
         except (ValueError, NotImplementedError) as e:
             raise ModelError(f"{self.info.files[0]}: tensor {name} of type {t.tensor_type.name}: {e}") from None
-        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(dtype)
+        return torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)  # a copy: the map is read-only
 
     def blocks(self, name: str) -> torch.Tensor:
         """A quantized tensor's bytes as ggml blocks [.., R, nb, S] (a copy out of the map: the store owns it)."""

@@ -171,6 +171,10 @@ def priced_expert_bytes(module, tensors: list, fmt: str) -> int:
     total = bias  # biases keep their dtype in every format
     for i, w in enumerate((up, down)):
         R, K = (w.shape[2], w.shape[1]) if module.is_transposed else (w.shape[1], w.shape[2])
+        if fmt in quant.ggml.BY_NAME and K % quant.ggml.BY_NAME[fmt].block:
+            raise ConfigError(f"expert_dtype int4: groups of {quant.ggml.BY_NAME[fmt].block} weights need expert input "
+                              f"sizes divisible by it; this model's experts read {K} features "
+                              f"({'gate_up' if i == 0 else 'down'})")
         split = dispatch.gate_up_split(module, R) if i == 0 and fmt == "fp8" else 0
         total += quant.weight_bytes(fmt, R, K, split, float_bytes)
     return total

@@ -96,7 +96,7 @@ def load_model(
 
     config, experts, dense_bytes = inspect_checkpoint(root, dtype, expert_dtype)
     method = checkpoint.quant_method(config, str(root))
-    read_as, convert_to = expert_target(method, expert_dtype)
+    read_as, convert_to = expert_target(method, expert_dtype, gguf=getattr(config, "gguf_file", None) is not None)
     torch_dtype = DTYPES[dtype] if dtype else None
     cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
     compute_dtype = torch_dtype or (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None)

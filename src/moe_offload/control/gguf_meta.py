@@ -93,21 +93,47 @@ def files_of(path: str | os.PathLike) -> list[Path]:
 _CACHE: dict[tuple, GGUFInfo] = {}
 
 
+def open_reader(f: Path):
+    """gguf.GGUFReader over ``f``; ModelError naming the file, and for a truncated one the first tensor whose bytes
+    lie past its end, instead of the reader's own exception."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class Checked(GGUFReader):
+        def _build_tensors(self, start_offs, fields):
+            size = len(self.data)
+            for fld in fields:
+                _, name, _, dims, raw_type, off = fld.parts
+                try:
+                    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                except (ValueError, KeyError):
+                    raise ModelError(f"{f}: tensor {bytes(name).decode(errors='replace')} has unknown ggml type "
+                                     f"{int(raw_type[0])}") from None
+                end = int(start_offs + off[0]) + int(np.prod(dims)) * nbytes // block
+                if end > size:
+                    raise ModelError(f"{f}: tensor {bytes(name).decode(errors='replace')} ends at byte {end}, past the "
+                                     f"file's {size} bytes (truncated or corrupt)")
+            return super()._build_tensors(start_offs, fields)
+
+    import numpy as np
+
+    try:
+        return Checked(f)
+    except ModelError:
+        raise
+    except (ValueError, OSError, IndexError, KeyError) as e:  # a corrupt header
+        raise ModelError(f"{f}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
 def read(path: str | os.PathLike) -> GGUFInfo:
     """The model a GGUF file (or split) describes; ModelError naming the file for anything unreadable or unsupported."""
     files = files_of(path)
     key = tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
     if key in _CACHE:
         return _CACHE[key]
-    from gguf import GGUFReader
-
     meta: dict[str, Any] = {}
     tensors: dict[str, TensorInfo] = {}
     for i, f in enumerate(files):
-        try:
-            r = GGUFReader(f)
-        except (ValueError, OSError, IndexError, KeyError) as e:  # a truncated or corrupt header
-            raise ModelError(f"{f}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        r = open_reader(f)
         for k, fld in r.fields.items():
             if i == 0 or not k.startswith("split."):
                 meta.setdefault(k, _value(fld))

@@ -157,3 +157,20 @@ def dequantized_reference(path: str, dtype=torch.float32):
     method = AutoConfig.from_pretrained(path).quantization_config["quant_method"]
     qc = Mxfp4Config(dequantize=True) if method == "mxfp4" else FineGrainedFP8Config(dequantize=True)
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=qc, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def forced_logits(om, tokens, prompt):
+    """Teacher-forced decode (one token per step, the kernels' path): logits [steps, V] and each step's routes."""
+    from transformers import DynamicCache
+
+    om.executor.capture(True)
+    cache = DynamicCache(config=om.model.config)
+    out = om.model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    logits = [out.logits[0, -1].float()]
+    for t in tokens[:-1]:
+        out = om.model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+        logits.append(out.logits[0, -1].float())
+    routes = om.executor.captured()
+    om.executor.capture(False)
+    return torch.stack(logits), [{k: sorted(map(tuple, v)) for k, v in r.items()} for r in routes]

@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 from offload_helpers import greedy, moe_layers, placement
-from quant_helpers import dequantized_reference, tensor_bytes
+from quant_helpers import dequantized_reference, forced_logits, tensor_bytes
 
 from moe_offload.engines.offload.loading.loader import load_model
 from moe_offload.errors import ConfigError, ModelError
@@ -114,8 +114,8 @@ def test_bad_expert_dtype_and_unsupported_checkpoints(quantized_checkpoints, tmp
     path = quantized_checkpoints("gpt_oss_mxfp4")
     with pytest.raises(ConfigError, match="expert_dtype 'int8': this checkpoint's experts are mxfp4; expected bf16"):
         load_model(path, None, expert_dtype="int8")
-    with pytest.raises(ConfigError, match="expert_dtype: expected one of int8, fp8, bf16, got 'int4'"):
-        load_model(path, None, expert_dtype="int4")
+    with pytest.raises(ConfigError, match="expert_dtype: expected one of int8, fp8, int4, bf16, got 'int2'"):
+        load_model(path, None, expert_dtype="int2")
     import shutil
 
     for qc, msg in (({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
@@ -157,23 +157,6 @@ def test_quantized_at_load_is_exact_across_fractions(checkpoints, family, expert
         assert torch.equal(logits, first[1]), key
 
 
-@torch.no_grad()
-def _forced(om, tokens):
-    """Teacher-forced decode (one token per step, the kernels' path): logits [steps, V] and each step's routes."""
-    from transformers import DynamicCache
-
-    om.executor.capture(True)
-    cache = DynamicCache(config=om.model.config)
-    out = om.model(torch.tensor([PROMPT]), past_key_values=cache, use_cache=True)
-    logits = [out.logits[0, -1].float()]
-    for t in tokens[:-1]:
-        out = om.model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
-        logits.append(out.logits[0, -1].float())
-    routes = om.executor.captured()
-    om.executor.capture(False)
-    return torch.stack(logits), [{k: sorted(map(tuple, v)) for k, v in r.items()} for r in routes]
-
-
 # The stated bound for int8 experts against bf16 experts (bf16 compute, one token per step): while routing agrees,
 # max |logit error| <= INT8_BOUND * std(logits) of the step; over all steps the median is <= INT8_MEDIAN.
 # Measured on these models (seed 1234, 32 steps): 0.029-0.056 while routes agree, medians 0.015-0.029. A router
@@ -187,8 +170,8 @@ def test_int8_logit_error_is_bounded(checkpoints, family):
     path = checkpoints(family)
     base = load_model(path, None, dtype="bfloat16")
     tokens, _ = greedy(base.model, PROMPT, 32)
-    ref, ref_routes = _forced(base, tokens)
-    got, got_routes = _forced(load_model(path, None, dtype="bfloat16", expert_dtype="int8"), tokens)
+    ref, ref_routes = forced_logits(base, tokens, PROMPT)
+    got, got_routes = forced_logits(load_model(path, None, dtype="bfloat16", expert_dtype="int8"), tokens, PROMPT)
     rel = (got - ref).abs().amax(-1) / ref.std(-1)  # [steps]
     agree = 0
     while agree < len(rel) and ref_routes[agree] == got_routes[agree]:  # a step sees every earlier step's KV

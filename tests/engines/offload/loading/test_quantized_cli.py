@@ -96,7 +96,7 @@ def test_runner_config_key():
 
     assert RunConfig.parse({"expert_dtype": "int8"}).expert_dtype == "int8"
     with pytest.raises(ContractError, match="config.expert_dtype"):
-        RunConfig.parse({"expert_dtype": "int4"})
+        RunConfig.parse({"expert_dtype": "int2"})
     assert engine_options("cpu", expert_dtype="fp8") == {"expert_dtype": "fp8"}
     assert "expert_dtype" not in engine_options("mock", expert_dtype="fp8")
 
