@@ -30,8 +30,14 @@ FAMILIES = tuple(ARCH)
 
 
 def _config(family: str, vocab: int):
-    from transformers import (DeepseekV3Config, Glm4MoeConfig, GptOssConfig, MixtralConfig, Qwen2MoeConfig,
-                              Qwen3MoeConfig)
+    from transformers import (
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        GptOssConfig,
+        MixtralConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     c = dict(vocab_size=vocab, hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
              max_position_embeddings=512, initializer_range=0.05, dtype="float32", tie_word_embeddings=False,
