@@ -192,7 +192,7 @@ def load_model(
         quant.quantize_dense(model)
     from moe_offload.log import get_logger
 
-    get_logger("moe_offload.loader").info("experts_loaded", checkpoint=str(root), checkpoint_format=method or "float",
+    get_logger("moe_offload.loader").info("experts_loaded", checkpoint=str(root), checkpoint_format=method or ("gguf" if gguf_file else "float"),
                                           **expert_summary(executor))
     return OffloadedModel(model, model.config, executor, placement, dev, policy)
 

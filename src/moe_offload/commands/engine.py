@@ -104,7 +104,7 @@ def demo_model(out: str | None, seed: int) -> None:
 
 
 @click.command("generate")
-@click.option("--model", help="Checkpoint directory (default: the demo model, built on first use).")
+@click.option("--model", help="Checkpoint directory or GGUF file (default: the demo model, built on first use).")
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--chat", is_flag=True, help="Send the prompt as a user message through the tokenizer's chat template.")
 @click.option("--max-tokens", type=int, default=32, show_default=True, help="Tokens to generate at most.")
@@ -233,7 +233,7 @@ def capture_routes(engine, prompts: list[list[int]], max_tokens: int = 1) -> tup
 
 
 @click.command("profile")
-@click.option("--model", help="Checkpoint directory (default: the demo model).")
+@click.option("--model", help="Checkpoint directory or GGUF file (default: the demo model).")
 @click.option("--prompts", required=True, help='JSONL file, one {"prompt": "...", "class": "optional"} per line.')
 @click.option("--out", required=True, help="Routes file to write (.safetensors or .json).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=1, show_default=True,
@@ -279,7 +279,7 @@ def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction
 
 
 @click.command("convert")
-@click.option("--model", help="Checkpoint directory (default: the demo model).")
+@click.option("--model", help="Checkpoint directory or GGUF file (default: the demo model).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), help="Compute dtype, as for generate (default: the checkpoint's).")
 @click.option("--expert-dtype", type=EXPERT_DTYPE_CHOICE, help=EXPERT_DTYPE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the store's path and sizes as JSON.")

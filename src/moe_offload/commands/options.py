@@ -13,7 +13,7 @@ import click
 from moe_offload.control.vocab import DENSE_DTYPES, EXPERT_DTYPES, MISS_POLICIES
 from moe_offload.errors import ConfigError
 
-MODEL_HELP = "Checkpoint directory or config.json."
+MODEL_HELP = "Checkpoint directory, config.json, or a GGUF file (or a directory holding one)."
 PROFILE_HELP = "a built-in name (`moe-offload hardware` lists them) or a JSON file"
 EXPERT_DTYPE_CHOICE = click.Choice(list(EXPERT_DTYPES))
 DENSE_DTYPE_CHOICE = click.Choice(list(DENSE_DTYPES))

@@ -116,7 +116,7 @@ def _register(register, gateway_url, token, me, name) -> None:
 
 @click.command("worker")
 @click.option("--backend", default="cpu", show_default=True, help="Backend: mock | cpu | cuda | rngd (see `moe-offload backends`).")
-@click.option("--model", help="Checkpoint directory (default: the demo model).")
+@click.option("--model", help="Checkpoint directory or GGUF file (default: the demo model).")
 @_worker_options
 def worker_cmd(backend, model, **kw) -> None:
     """Serve one model over an OpenAI-compatible API (vLLM-style /metrics)."""
@@ -134,7 +134,7 @@ def _default_backend() -> str:
 
 @click.command("serve")
 @click.option("--backend", default=None, help="cpu (default when torch is installed) or mock; cuda/rngd with --model.")
-@click.option("--model", help="Checkpoint directory (default: the demo model, built on first use).")
+@click.option("--model", help="Checkpoint directory or GGUF file (default: the demo model, built on first use).")
 @_worker_options
 def serve_cmd(backend, model, **kw) -> None:
     """Serve the demo model (or --model) with sensible defaults; prints the URL and a curl line."""

@@ -143,6 +143,11 @@ def read(path: str | os.PathLike) -> GGUFInfo:
     arch = meta.get("general.architecture", "")
     info = GGUFInfo(files, arch, meta, tensors)
     info.config = config_of(info)
+    per_layer = info.layer_expert_bytes()
+    # the file's exact sizes, for the spec (control/spec.py): each layer's expert as stored, all tensors together
+    info.config["gguf_expert_bytes"] = [per_layer.get(i, 0) for i in range(info.config["num_hidden_layers"])]
+    info.config["gguf_tensor_bytes"] = sum(t.nbytes for t in tensors.values())
+    info.config["gguf_expert_types"] = sorted(info.expert_types)
     _CACHE[key] = info
     return info
 

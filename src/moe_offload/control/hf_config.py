@@ -24,7 +24,12 @@ _QKV_ONLY_BIAS = {"glm4_moe", "solar_open", "qwen2_moe"}
 
 
 def load_config(source: str | os.PathLike) -> dict[str, Any]:
-    """The parsed ``config.json`` of a checkpoint directory or config path."""
+    """The parsed ``config.json`` of a checkpoint directory or config path; for a GGUF file (or a directory holding
+    one) the config its metadata maps to, with the file's exact sizes (gguf_meta.read)."""
+    from moe_offload.control import gguf_meta
+
+    if gguf_meta.is_gguf(source):
+        return dict(gguf_meta.read(source).config)
     path = os.fspath(source)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -336,7 +341,18 @@ def parse(cfg: dict[str, Any], name: str | None) -> dict[str, Any]:
         estimated=tuple(estimated),
         expert_format=stored,
         checkpoint_expert_format=stored,
-    )
+    ) | _gguf_sizes(cfg, moe_layers)
+
+
+def _gguf_sizes(cfg: dict[str, Any], moe_layers) -> dict[str, Any]:
+    """A GGUF file's exact sizes as ModelSpec fields (its experts' block types, bytes per expert of each MoE layer,
+    all tensors), or nothing for a safetensors checkpoint."""
+    per_layer = cfg.get("gguf_expert_bytes")
+    if not per_layer:
+        return {}
+    fmt = "+".join(cfg.get("gguf_expert_types") or ["gguf"])
+    return {"stored_layer_expert_bytes": tuple(int(per_layer[i]) for i in sorted(moe_layers)),
+            "file_bytes": int(cfg.get("gguf_tensor_bytes", 0)), "expert_format": fmt, "checkpoint_expert_format": fmt}
 
 
 def _checkpoint_expert_format(quant: Any, where: str) -> str:

@@ -90,6 +90,10 @@ class ModelSpec(KVSizes):
     # storage: the experts' format in memory ("" = dtype) and as the checkpoint ships them
     expert_format: str = ""
     checkpoint_expert_format: str = ""
+    # a GGUF file: each MoE layer's expert as stored (its block types; Q4_K_M mixes them per layer) and all tensors,
+    # read from the file, not derived from the shape
+    stored_layer_expert_bytes: tuple[int, ...] = ()
+    file_bytes: int = 0
 
     def __post_init__(self):
         for f in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_intermediate_size", "vocab_size",
@@ -124,7 +128,8 @@ class ModelSpec(KVSizes):
             cfg = hf_config.load_config(source)
             if name is None:
                 p = os.path.abspath(os.fspath(source))
-                name = os.path.basename(p if os.path.isdir(p) else os.path.dirname(p))
+                name = (os.path.basename(p).removesuffix(".gguf") if p.endswith(".gguf")
+                        else os.path.basename(p if os.path.isdir(p) else os.path.dirname(p)))
         return cls(**hf_config.parse(cfg, name))
 
     # ---- layers -------------------------------------------------------------------------------
@@ -268,8 +273,16 @@ class ModelSpec(KVSizes):
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one routed expert as held in memory (its format: ``expert_format``, default the dtype)."""
+        """Bytes of one routed expert as held in memory (its format: ``expert_format``, default the dtype); a GGUF
+        file's largest (what a slot must hold)."""
+        if self._as_file:
+            return max(self.stored_layer_expert_bytes)
         return self.stored_expert_bytes(self.expert_format or self.dtype)
+
+    @property
+    def _as_file(self) -> bool:
+        """The experts are held as a GGUF file stores them (not dequantized by --expert-dtype bf16)."""
+        return bool(self.stored_layer_expert_bytes) and self.expert_format == self.checkpoint_expert_format
 
     def stored_expert_bytes(self, fmt: str) -> int:
         """Bytes of one routed expert stored in ``fmt`` (a quantized format, or a float dtype name); biases keep
@@ -288,12 +301,16 @@ class ModelSpec(KVSizes):
 
     @property
     def routed_expert_bytes(self) -> int:
+        if self._as_file:
+            return self.num_experts * sum(self.stored_layer_expert_bytes)
         return self.num_moe_layers * self.num_experts * self.expert_bytes
 
     @property
     def checkpoint_bytes(self) -> int:
         """Bytes of the checkpoint's tensors as shipped: experts in ``checkpoint_expert_format``; in an FP8 release
         also every linear but the router and LM head in block FP8, and the routing correction bias in fp32."""
+        if self.file_bytes:
+            return self.file_bytes
         fmt = self.checkpoint_expert_format or self.dtype
         experts = self.num_moe_layers * self.num_experts * self.stored_expert_bytes(fmt)
         rest = self.non_expert_bytes
@@ -334,6 +351,9 @@ class ModelSpec(KVSizes):
         if expert_dtype not in EXPERT_DTYPES:
             raise ConfigError(f"expert_dtype: expected one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
         fmt, stored = EXPERT_DTYPES[expert_dtype], self.checkpoint_expert_format
+        if self.stored_layer_expert_bytes and fmt != "bfloat16":
+            raise ConfigError(f"expert_dtype {expert_dtype!r}: a GGUF file's experts stay in its quant types; expected "
+                              "bf16 (dequantize at load) or unset (keep them as stored)")
         if stored in QUANTIZED_FORMATS and fmt != "bfloat16" and fmt != stored:
             raise ConfigError(f"expert_dtype {expert_dtype!r}: this checkpoint's experts are {stored}; expected bf16 "
                               f"(dequantize at load) or {stored} / unset (keep them as stored)")
@@ -377,6 +397,7 @@ class ModelSpec(KVSizes):
             expert_params=self.expert_params,
             expert_bytes=self.expert_bytes,
             layer_expert_bytes=self.layer_expert_bytes,
+            stored_layer_expert_bytes=list(self.stored_layer_expert_bytes),
             routed_expert_bytes=self.routed_expert_bytes,
             expert_format=self.expert_format or self.dtype,
             checkpoint_bytes=self.checkpoint_bytes,
