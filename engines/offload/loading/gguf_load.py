@@ -191,8 +191,54 @@ def read_experts(tensors: Tensors, info, module, dtype: torch.dtype, dequantize:
     return gu, d, None, None
 
 
-def load(path: str | os.PathLike, config, experts: list, dtype: torch.dtype, dequantize: bool = False):
-    """(model with placeholder experts, {experts module: (up, down, None, None)}); ``dequantize``: float experts."""
+def keep_dense_blocks(model, tensors: Tensors) -> int:
+    """Attention projections (q/k/v/o of a self_attn that has all four) and the LM head whose file tensors are ggml
+    blocks become BlockLinear over those blocks, as the file ships them (llama's q/k rows un-permuted); returns how
+    many. The dequantized weights they replace are freed."""
+    import gguf
+
+    from moe_offload.engines.offload.loading.quant import DENSE_NAMES, BlockLinear
+
+    info = tensors.info
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[info.arch]
+    tmap = gguf.get_tensor_name_map(arch, info.config["num_hidden_layers"])
+    cfg = info.config
+
+    def blocks_of(name: str, heads: int | None) -> torch.Tensor | None:
+        src = _gguf_name(tmap, name)
+        if src is None or not tensors.has(src) or tensors.qtype(src).replace("mxfp4", "gguf_mxfp4") not in ggml.BY_NAME:
+            return None
+        b = tensors.blocks(src)
+        return _unpermute(b, heads) if heads else b
+
+    n = 0
+    for name, module in list(model.named_modules()):
+        if not name.endswith("self_attn") or not all(type(getattr(module, a, None)) is torch.nn.Linear for a in DENSE_NAMES):
+            continue
+        found = {}
+        for a in DENSE_NAMES:
+            heads = None
+            if info.arch == "llama" and a in ("q_proj", "k_proj"):
+                heads = cfg["num_attention_heads"] if a == "q_proj" else cfg["num_key_value_heads"]
+            found[a] = blocks_of(f"{name}.{a}.weight", heads)
+        if any(b is None for b in found.values()):
+            continue
+        for a, b in found.items():
+            setattr(module, a, BlockLinear(b, getattr(module, a).bias))
+            n += 1
+    head = getattr(model, "lm_head", None)
+    if type(head) is torch.nn.Linear and not cfg["tie_word_embeddings"]:
+        b = blocks_of("lm_head.weight", None)
+        if b is not None:
+            model.lm_head = BlockLinear(b, head.bias)
+            n += 1
+    return n
+
+
+def load(path: str | os.PathLike, config, experts: list, dtype: torch.dtype, dequantize: bool = False,
+         dense_blocks: bool = False):
+    """(model with placeholder experts, {experts module: (up, down, None, None)}); ``dequantize``: float experts;
+    ``dense_blocks``: attention projections and LM head kept as the file's blocks (keep_dense_blocks)."""
     from moe_offload.engines.offload.experts.executor import IMPLEMENTATION
     from moe_offload.engines.offload.loading.checkpoint import placeholders
     from moe_offload.engines.offload.loading.convert import meta_model
@@ -208,5 +254,7 @@ def load(path: str | os.PathLike, config, experts: list, dtype: torch.dtype, deq
                                        experts_implementation=IMPLEMENTATION)
     if config.tie_word_embeddings:
         model.tie_weights()
+    if dense_blocks:
+        keep_dense_blocks(model, tensors)
     model.config.name_or_path = str(info.files[0])
     return model, stored

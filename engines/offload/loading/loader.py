@@ -117,7 +117,9 @@ def load_model(
     if gguf_file is not None:
         from moe_offload.engines.offload.loading import gguf_load
 
-        model, stored = gguf_load.load(gguf_file, config, experts, load_dtype, dequantize=read_as == "float")
+        # the attention projections and LM head stay the file's blocks too, on the CPU (--dense-dtype bf16: dequantized)
+        model, stored = gguf_load.load(gguf_file, config, experts, load_dtype, dequantize=read_as == "float",
+                                       dense_blocks=dev.type == "cpu" and dense_dtype != "bf16")
     elif host_cache is not None:
         from moe_offload.engines.offload.loading.convert import ensure_store
         from moe_offload.engines.offload.loading.split import load_split

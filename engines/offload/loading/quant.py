@@ -192,6 +192,34 @@ class QuantLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
+class BlockLinear(torch.nn.Module):
+    """An ``nn.Linear`` held as ggml blocks (a GGUF file's attention projection or LM head, kept as shipped).
+
+    Up to 16 bf16 tokens (decode) go through ``moe_offload::gemv_q`` with llama.cpp's 8-bit activations, as the block
+    experts do; anything else (prefill, fp32 compute, CUDA) through ``F.linear`` on the dequantized weight (the exact
+    weights: fp32 compute equals transformers on the dequantized model). ``weight_q`` / ``weight_scale`` (empty) are
+    what the fused decode layer reads, as for QuantLinear."""
+
+    def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight_q", blocks)
+        self.register_buffer("weight_scale", torch.empty(0), persistent=False)
+        self.bias = bias
+        self.in_features, self.out_features = ggml.features(blocks), blocks.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from moe_offload.engines.offload.kernels import jit
+        from moe_offload.engines.offload.kernels.ops import MAX_TOKENS
+
+        if (x.is_cpu and self.weight_q.is_cpu and x.dtype == torch.bfloat16
+                and 0 < x.numel() <= MAX_TOKENS * self.in_features and jit.load()):
+            return torch.ops.moe_offload.gemv_q(x, self.weight_q, self.weight_scale, self.bias, 0)
+        return torch.nn.functional.linear(x, ggml.dequantize(self.weight_q, x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {ggml.layout_of(self.weight_q).name}"
+
+
 DENSE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 

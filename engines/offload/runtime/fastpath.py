@@ -27,7 +27,7 @@ import torch
 
 from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.kernels import jit
-from moe_offload.engines.offload.loading.quant import QuantLinear
+from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block
 from moe_offload.log import get_logger
 
@@ -149,7 +149,8 @@ class DecodePlan:
             shared = None
             if moe is not None and hasattr(mlp, "shared_expert"):
                 shared = (mlp.shared_expert, mlp.shared_expert_gate)
-            q8 = isinstance(attn.q_proj, QuantLinear)  # --dense-dtype int8: int8 rows and their scales
+            # --dense-dtype int8: int8 rows and their scales; a GGUF file's projections: its blocks (empty scales)
+            q8 = isinstance(attn.q_proj, (QuantLinear, BlockLinear))
             w_of = (lambda m: m.weight_q) if q8 else (lambda m: m.weight)
             args = (
                 layer.input_layernorm.weight, eps,
@@ -190,15 +191,15 @@ class DecodePlan:
         inner = getattr(model, "model", None)
         if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return "unexpected module layout"
-        if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, QuantLinear)):
+        if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, QuantLinear, BlockLinear)):
             return "no linear LM head"
         if getattr(cfg, "clip_qkv", None) is not None:
             return "clip_qkv"
         for layer in inner.layers:
             attn = getattr(layer, "self_attn", None)
             kinds = {type(getattr(attn, a, None)) for a in ("q_proj", "k_proj", "v_proj", "o_proj")}
-            if kinds not in ({torch.nn.Linear}, {QuantLinear}):
-                return "attention without q/k/v/o projections (all nn.Linear, or all int8)"
+            if not (kinds == {torch.nn.Linear} or kinds <= {QuantLinear, BlockLinear}):
+                return "attention without q/k/v/o projections (all nn.Linear, or all int8 / ggml blocks)"
             if not all(hasattr(getattr(layer, a, None), "variance_epsilon") for a in ("input_layernorm",
                                                                                     "post_attention_layernorm")):
                 return "not the two RMSNorms around attention"

@@ -4,6 +4,8 @@ and the transformers model each one means (the reference of the exactness tests)
     transformers config (hidden 256, expert intermediate 256: whole k-quant blocks) --random weights--> model
     experts: ggml blocks of the chosen type (the reference quantizer for q8_0 / q4_0 / mxfp4, random codes for the
              k-quants), whose dequantization (the gguf package's) replaces the model's experts: the reference
+    attention projections and LM head: q8_0 (the reference quantizer; the model's weights set to what they mean), as
+                     llama-quantize leaves them quantized
     everything else: F32 under the converter's names and layouts (llama q/k rows permuted, DeepSeek's kv_b split into
                      k_b / v_b, gpt-oss's gate/up de-interleaved, routing bias as exp_probs_b)
     vocabulary: the demo's byte-level BPE tokenizer (tokens, types, merges)
@@ -15,6 +17,7 @@ docs/benchmarks.md), which CI cannot build.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -218,7 +221,18 @@ def write(family: str, root: Path, qtype: str = "q4_k", seed: int = 0, down_qtyp
             continue
         if family == "mixtral" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             a = _permute(a, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
-        w.add_tensor(tmap.get_name(name, try_suffixes=(".weight", ".bias")), np.ascontiguousarray(a))
+        target = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        if re.search(r"(attn_(q|k|v|output)|^output)\.weight$", target):  # quantized; the model means its blocks
+            blocks = ggml.quantize(torch.from_numpy(a), "q8_0")
+            with torch.no_grad():
+                deq = ggml.reference_dequantize(blocks)
+                if family == "mixtral" and ("q_proj" in name or "k_proj" in name):  # the permutation's inverse
+                    heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+                    deq = deq.reshape(heads, deq.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(deq.shape)
+                t.copy_(deq)
+            w.add_tensor(target, blocks.view(torch.uint8).flatten(-2).numpy(), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            continue
+        w.add_tensor(target, np.ascontiguousarray(a))
     for li, (g, u, d) in experts.items():
         for kind, t in (("gate", g), ("up", u), ("down", d)):
             raw = t.view(torch.uint8).flatten(-2).numpy()

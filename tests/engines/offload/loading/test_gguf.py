@@ -16,6 +16,7 @@ from offload_helpers import greedy, moe_layers, placement
 from quant_helpers import forced_logits
 
 from moe_offload.engines.offload.loading.loader import load_model
+from moe_offload.engines.offload.loading.quant import BlockLinear
 from moe_offload.errors import ConfigError, ModelError
 
 PROMPT = [3, 17, 42, 9, 88, 5, 61, 23]
@@ -57,6 +58,10 @@ def test_every_architecture_matches_the_dequantized_model(files, family):
         om = _load(path, policy, fraction, dtype="float32")
         store = om.executor.layers[0].store
         assert store.format == "q4_k" and store.tensors[0].dtype == torch.bits8
+        # the attention projections (where the family has q/k/v/o) and the LM head stay the file's blocks too
+        assert isinstance(om.model.lm_head, BlockLinear)
+        attn = om.model.model.layers[0].self_attn
+        assert isinstance(getattr(attn, "q_proj", None), BlockLinear) == (family != "deepseek_v3")
         got = greedy(om.model, PROMPT, 10)
         assert got[0] == want[0], (family, policy, fraction)
         torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
@@ -72,6 +77,28 @@ def test_every_block_type_matches_the_dequantized_model(files, qtype, down):
         assert om.executor.layers[0].store.format == qtype
         got = greedy(om.model, PROMPT, 10)
         assert got[0] == want[0], (qtype, down, policy)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_bf16_decode_fuses_the_block_layers(files, family):
+    # bf16 on the CPU: the fused decode layer reads the file's attention blocks; the tokens do not depend on the
+    # fraction or policy (one kernel per expert for every tier); --dense-dtype bf16 dequantizes them instead
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+    from moe_offload.engines.params import SamplingParams
+
+    path, _ = files(family)
+    outs = []
+    for policy, fraction in (("static", 1.0), ("lru", 0.25)):
+        e = build_offload_engine(str(path), policy=policy, fraction=fraction, dtype="bfloat16")
+        try:
+            fast = e.runner.fast
+            assert fast is not None and fast.layers[0].scales[0].numel() == 0  # the blocks carry their own scales
+            outs.append(list(e.generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))))
+        finally:
+            e.close()
+    assert outs[0] == outs[1]
+    om = load_model(str(path), None, dtype="bfloat16", dense_dtype="bf16")
+    assert type(om.model.lm_head) is torch.nn.Linear
 
 
 def test_host_store_holds_the_files_bytes(files):
@@ -157,8 +184,10 @@ def test_unsupported_expert_type_names_it(tmp_path, monkeypatch):
         return torch.zeros(R, K // 256, 84, dtype=torch.uint8).view(torch.bits8)
 
     monkeypatch.setattr(gguf_helpers, "_blocks", q2k)
-    monkeypatch.setattr(ggml, "reference_dequantize", lambda t: torch.zeros(*t.shape[:-2], t.shape[-2] * 256))
-    monkeypatch.setattr(ggml, "layout_of", lambda t: type("L", (), {"qtype": 10})())
+    real_deq, real_layout = ggml.reference_dequantize, ggml.layout_of
+    monkeypatch.setattr(ggml, "reference_dequantize",
+                        lambda t: torch.zeros(*t.shape[:-2], t.shape[-2] * 256) if t.shape[-1] == 84 else real_deq(t))
+    monkeypatch.setattr(ggml, "layout_of", lambda t: type("L", (), {"qtype": 10})() if t.shape[-1] == 84 else real_layout(t))
     path, _ = gguf_helpers.write("qwen3_moe", tmp_path, "q4_k")
     monkeypatch.undo()
     assert gguf_helpers._blocks is real

@@ -84,14 +84,19 @@ void project(const std::vector<const uint16_t*>& ws, const std::vector<int64_t>&
   });
 }
 
-// the same with int8 weights (per-row fp32 scales, quant.h): activations quantized per token as gemv_q does,
-// each output exactly gemv_q's (same row dots, bias added in fp32, one rounding)
+// the same with int8 weights (per-row fp32 scales) or ggml blocks (quant.h): activations quantized per token as
+// gemv_q does for each weight's format, each output exactly gemv_q's (same row dots, bias added in fp32, one rounding)
 void project_q(const std::vector<moe_quant::Weight>& ws, const std::vector<const uint16_t*>& bs,
                const std::vector<int64_t>& cut, const uint16_t* x, int64_t M, int64_t n, uint16_t* out) {
   at::Tensor xt = at::empty({M, n}, at::TensorOptions().dtype(at::kBFloat16));  // prepare() reads a tensor
   std::memcpy(xt.data_ptr(), x, M * n * sizeof(uint16_t));
-  moe_quant::Tokens t;
-  moe_quant::prepare(xt, M, n, 'q', t);
+  std::vector<moe_quant::Tokens> prepared(ws.size());  // one per weight whose x preparation differs from the previous
+  std::vector<const moe_quant::Tokens*> tw(ws.size());
+  for (size_t m = 0; m < ws.size(); ++m) {
+    const bool same = m > 0 && ws[m].fmt == ws[m - 1].fmt && ws[m].gl.act == ws[m - 1].gl.act;
+    if (!same) moe_quant::prepare(xt, M, n, ws[m], prepared[m]);
+    tw[m] = same ? tw[m - 1] : &prepared[m];
+  }
   const int64_t N = cut.back();
   at::parallel_for(0, N, std::max<int64_t>(1, moe_quant::grain(ws[0].ld) / M), [&](int64_t s, int64_t e) {
     size_t m = 0;
@@ -100,7 +105,7 @@ void project_q(const std::vector<moe_quant::Weight>& ws, const std::vector<const
       while (i >= cut[m]) lo = cut[m++];
       const int64_t r = i - lo;
       for (int64_t tok = 0; tok < M; ++tok) {
-        const float v = moe_quant::row_dot(ws[m], r, t, tok) + (bs[m] ? bf2f(bs[m][r]) : 0.0f);
+        const float v = moe_quant::row_dot(ws[m], r, *tw[m], tok) + (bs[m] ? bf2f(bs[m][r]) : 0.0f);
         out[tok * N + i] = f2bf(v);
       }
     }
@@ -138,10 +143,10 @@ std::vector<at::Tensor> decode_layer_bf16(
   const int64_t R = kpool.size(0), Hkv = kpool.size(1), D = kpool.size(2), Dv = vpool.size(2);
   TORCH_CHECK(vpool.size(0) == R && vpool.size(1) == Hkv && Dv == D, "vpool: expected the shape of kpool ", kpool.sizes(),
               ", got ", vpool.sizes());
-  const bool q8 = sq.has_value();  // int8 q/k/v/o with per-row scales (all four, or none)
+  const bool q8 = sq.has_value();  // int8 q/k/v/o with per-row scales, or ggml blocks (empty scales): all four, or none
   TORCH_CHECK(q8 == sk.has_value() && q8 == sv.has_value() && q8 == so.has_value(),
-              "sq/sk/sv/so: expected all four scales (int8 q/k/v/o) or none");
-  TORCH_CHECK(wq.dim() == 2, "wq: expected 2-D, got ", wq.sizes());
+              "sq/sk/sv/so: expected all four scales (int8 or ggml-block q/k/v/o) or none");
+  TORCH_CHECK(wq.dim() == 2 || (wq.scalar_type() == at::kBits8 && wq.dim() == 3), "wq: expected 2-D (or ggml blocks), got ", wq.sizes());
   const int64_t Nq = wq.size(0), Nk = Hkv * D, Hq = Nq / D;
   TORCH_CHECK(Nq % D == 0 && Hq % Hkv == 0, "wq: ", Nq, " rows are not a multiple of ", Hkv, " KV heads of ", D);
   std::vector<moe_quant::Weight> qw;
@@ -151,10 +156,12 @@ std::vector<at::Tensor> decode_layer_bf16(
     const int64_t rows[4] = {Nq, Nk, Nk, H}, cols[4] = {H, H, H, Nq};
     const char* names[4] = {"wq", "wk", "wv", "wo"};
     for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK(w4[i]->scalar_type() == at::kChar && w4[i]->dim() == 2 && w4[i]->size(0) == rows[i] && w4[i]->size(1) == cols[i],
-                  names[i], ": expected int8 [", rows[i], ", ", cols[i], "] with its scales, got ", w4[i]->scalar_type(), " ",
-                  w4[i]->sizes());
+      TORCH_CHECK((w4[i]->scalar_type() == at::kChar && w4[i]->dim() == 2) || w4[i]->scalar_type() == at::kBits8, names[i],
+                  ": expected int8 [", rows[i], ", ", cols[i], "] with its scales or ggml blocks, got ", w4[i]->scalar_type(),
+                  " ", w4[i]->sizes());
       qw.push_back(moe_quant::weight_of(*w4[i], **s4[i], 0, names[i]));
+      TORCH_CHECK(qw.back().rows == rows[i] && qw.back().k == cols[i], names[i], ": expected [", rows[i], ", ", cols[i],
+                  "] weights, got ", w4[i]->sizes());
     }
   } else {
     check_w(wq, Nq, H, "wq");
