@@ -187,7 +187,7 @@ inline __m256i nibbles32(const uint8_t* q) {  // 16 bytes -> 32 values: low nibb
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 #endif
 
-inline float dot_row(const Layout& L, const uint8_t* w, int64_t nb, const int8_t* xq, const float* xs, const int32_t* bs16) {
+__attribute__((always_inline)) inline float dot_row(const Layout& L, const uint8_t* w, int64_t nb, const int8_t* xq, const float* xs, const int16_t* bs16) {
 #if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
   __m256 acc = _mm256_setzero_ps();
   float minus = 0.0f;  // the min terms (q4_k, q5_k) and q6_k's offset of 32, subtracted at the end
@@ -213,18 +213,21 @@ inline float dot_row(const Layout& L, const uint8_t* w, int64_t nb, const int8_t
     }
     case Q4_K:
     case Q5_K: {
-      // per super-block: the 6-bit scales applied in integers (madd), one float step with x's scale for the 256
+      // per super-block: the 6-bit scales applied in integers (madd), one float step with x's scale for the 256;
+      // the mins likewise, against the sums of x per 16 (each min twice)
       const int64_t bytes = L.bytes;
       __m256 mins = _mm256_setzero_ps();
+      const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
       for (int64_t i = 0; i < nb; ++i, w += bytes) {
         const uint8_t* qs = w + (L.type == Q4_K ? 16 : 48);
         const __m256i hb = L.type == Q5_K ? load32(w + 16) : _mm256_setzero_si256();
         _mm_prefetch(reinterpret_cast<const char*>(w) + 8 * bytes, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w) + 8 * bytes + 64, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w) + 8 * bytes + 128, _MM_HINT_T0);
-        uint8_t sm[16];  // sc[0..7], m[0..7]
+        alignas(16) uint8_t sm[16];  // sc[0..7], m[0..7]
         unpack_k4(w + 4, sm);
-        const uint8_t *sc = sm, *m = sm + 8;
+        const __m128i smv = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));  // 8 int16 scales, both lanes
         const int8_t* x = xq + 256 * i;
         __m256i sumi = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
@@ -235,16 +238,15 @@ inline float dot_row(const Layout& L, const uint8_t* w, int64_t nb, const int8_t
             lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), one), 4));
             hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
           }
-          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(x + 64 * c)), _mm256_set1_epi16(short(sc[2 * c]))));
-          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(x + 64 * c + 32)), _mm256_set1_epi16(short(sc[2 * c + 1]))));
+          const __m256i s_lo = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short(0x0100 * (4 * c + 1) + 4 * c)));
+          const __m256i s_hi = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short(0x0100 * (4 * c + 3) + 4 * c + 2)));
+          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(x + 64 * c)), s_lo));
+          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(x + 64 * c + 32)), s_hi));
         }
-        // sum_j m_j * (sum of x over sub-block j) from the sums per 16: lanes j of two 8-lane products
-        const __m256i b16a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i));
-        const __m256i b16b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i + 8));
-        const __m256i pair = _mm256_permute4x64_epi64(_mm256_hadd_epi32(b16a, b16b), 0xD8);  // [8]: sum per 32
-        const __m256i mv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+        const __m256i m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(smv, 8), dup));  // m0 m0 m1 m1 ..
+        const __m256i mprod = _mm256_madd_epi16(m16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i)));
         acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w) * xs[i]), _mm256_cvtepi32_ps(sumi), acc);
-        mins = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w + 2) * xs[i]), _mm256_cvtepi32_ps(_mm256_mullo_epi32(mv, pair)), mins);
+        mins = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w + 2) * xs[i]), _mm256_cvtepi32_ps(mprod), mins);
       }
       return hsum8(_mm256_sub_ps(acc, mins));
     }
@@ -253,11 +255,12 @@ inline float dot_row(const Layout& L, const uint8_t* w, int64_t nb, const int8_t
       const __m256i m3 = _mm256_set1_epi8(3);
       __m256 offs = _mm256_setzero_ps();
       for (int64_t i = 0; i < nb; ++i, w += 210) {
-        const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
         _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * 210, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * 210 + 64, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * 210 + 128, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * 210 + 192, _MM_HINT_T0);
+        const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));  // 16 int8 scales
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);                                    // as int16
         const int8_t* x = xq + 256 * i;
         __m256i sumi = _mm256_setzero_si256();
         for (int n = 0; n < 2; ++n) {
@@ -267,17 +270,17 @@ inline float dot_row(const Layout& L, const uint8_t* w, int64_t nb, const int8_t
               _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4)),
               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4)),
               _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4))};
+          // this half's 8 scales in both lanes; group k takes scale 2k in the low lane, 2k+1 in the high lane
+          const __m256i half = _mm256_broadcastsi128_si256(n ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
           for (int k = 0; k < 4; ++k) {
-            const int j = 8 * n + 2 * k;  // the scales of this group's two halves of 16
-            const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[j + 1]), _mm_set1_epi16(sc[j]));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], load32(x + 32 * (4 * n + k))), s));
+            const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(short(0x0100 * (4 * k + 3) + 4 * k + 2)),
+                                                  _mm_set1_epi16(short(0x0100 * (4 * k + 1) + 4 * k)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], load32(x + 32 * (4 * n + k))),
+                                                            _mm256_shuffle_epi8(half, pick)));
           }
         }
         // 32 * sum_j sc_j * (sum of x over the 16 values j)
-        const __m256i sa = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
-        const __m256i sb = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8)));
-        const __m256i o = _mm256_add_epi32(_mm256_mullo_epi32(sa, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i))),
-                                           _mm256_mullo_epi32(sb, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i + 8))));
+        const __m256i o = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i)));
         const __m256 d = _mm256_set1_ps(h2f(w + 208) * xs[i]);
         acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
         offs = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_slli_epi32(o, 5)), offs);

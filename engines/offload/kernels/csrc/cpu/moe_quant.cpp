@@ -61,7 +61,7 @@ void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t, int
   }
   if (fmt == 'g') {
     t.bs16.assign(n * t.kp / 16, 0);
-    for (int64_t j = 0; j < n * t.kp; ++j) t.bs16[j / 16] += t.q[j];
+    for (int64_t j = 0; j < n * t.kp; ++j) t.bs16[j / 16] = int16_t(t.bs16[j / 16] + t.q[j]);
   }
 }
 

@@ -75,7 +75,7 @@ struct Tokens {
   std::vector<uint64_t> qneg;    // [n, kp/64] sign bits of q (AVX-512 masks)
   std::vector<float> qs;         // [n, kp/qb] per-block scales
   std::vector<float> qs16;       // [n, kp/64, 16] scales as lanes of a vpdpbusd result (lanes 0-7 block 2b, 8-15 block 2b+1)
-  std::vector<int32_t> bs16;     // [n, kp/16] sum of q per 16 values (ggml blocks)
+  std::vector<int16_t> bs16;     // [n, kp/16] sum of q per 16 values (ggml blocks; |sum| <= 16 * 127)
 };
 
 // x as the format's dots read it (fmt 'q' int8, 'f' fp8, 'm' mxfp4, 'g' ggml blocks; qb: int8 x's block); moe_quant.cpp
@@ -280,7 +280,7 @@ struct Weight {
   moe_blocks::Layout gl;  // ggml: the block type (nb = k / gl.block blocks per row)
 };
 
-inline float row_dot(const Weight& W, int64_t r, const Tokens& t, int64_t i) {
+__attribute__((always_inline)) inline float row_dot(const Weight& W, int64_t r, const Tokens& t, int64_t i) {
   const uint8_t* row = W.w + r * W.ld;
   if (W.fmt == 'q') return W.s[r] * dot_q8(reinterpret_cast<const int8_t*>(row), t, i);
   if (W.fmt == 'f') {
