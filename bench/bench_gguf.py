@@ -10,8 +10,7 @@
     (N sequences of the same prompt length, decode tok/s)
 
 Both read exactly the same bytes. The memory bandwidth of the run is measured first (an fp32 sum over 1 GiB) and
-each side's share of it is reported: bytes read per token (experts at the file's sizes, dense weights as each side
-holds them) / ms per token. Not part of CI; llama.cpp is built once into the cache (bench_llamacpp.py).
+each side's share of it is reported: bytes read per token (decode_bytes: the file's sizes) / ms per token. Not part of CI; llama.cpp is built once into the cache (bench_llamacpp.py).
 """
 
 from __future__ import annotations
@@ -51,18 +50,16 @@ def quantized(bf16: Path, qtype: str, exe: Path) -> Path:
     return out
 
 
-def decode_bytes(gguf: Path, dense_bf16: bool) -> int:
-    """Bytes one decode token reads from ``gguf``'s model: top-k experts per MoE layer at the file's sizes, plus the
-    dense weights (attention, norms, routers, LM head, one embedding row) as the file stores them, or in bf16 as this
-    engine holds them (``dense_bf16``)."""
+def decode_bytes(gguf: Path) -> int:
+    """Bytes one decode token reads from ``gguf``'s model, the same on both sides (this engine keeps the attention
+    projections and LM head as the file's blocks, as llama.cpp does): top-k experts per MoE layer and every other
+    tensor at the file's sizes, the embedding table as one row."""
     from moe_offload.control import gguf_meta
     from moe_offload.control.spec import ModelSpec
 
     info = gguf_meta.read(gguf)
     spec = ModelSpec.from_hf_config(gguf)
     experts = sum(spec.top_k * b for b in spec.stored_layer_expert_bytes)
-    if dense_bf16:
-        return experts + spec.dense_bytes + spec.lm_head_bytes + spec.hidden_size * 2
     dense = sum(t.nbytes for n, t in info.tensors.items() if "_exps." not in n and n != "token_embd.weight")
     emb = info.tensors["token_embd.weight"]
     return experts + dense + emb.nbytes // emb.shape[0]
@@ -110,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = to_gguf(a.model_dir, "bf16", tools=tools)
     files = {t: quantized(bf16, t, exe) for t in a.types.split(",")}
     torch.set_num_threads(a.threads)
-    bw = read_bandwidth() / 1e9 if read_bandwidth.__doc__ and "bytes" in read_bandwidth.__doc__ else read_bandwidth()
+    bw = read_bandwidth() / 1e9  # GB/s
     log(f"memory bandwidth {bw:.1f} GB/s")
     engines, start_s = {}, {}
     for t, f in files.items():
@@ -149,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     for t, f in files.items():
         th, us = runs[f"llama.cpp {t}"], runs[f"moe-offload {t}"]
         ratio = statistics.median(u / h for u, h in zip(us, th))
-        sh_th = decode_bytes(f, False) / (statistics.median(th) / 1e3) / 1e9 / bw
-        sh_us = decode_bytes(f, True) / (statistics.median(us) / 1e3) / 1e9 / bw
+        sh_th = decode_bytes(f) / (statistics.median(th) / 1e3) / 1e9 / bw
+        sh_us = decode_bytes(f) / (statistics.median(us) / 1e3) / 1e9 / bw
         print(f"| {f.name} | {statistics.median(th):.2f} | {statistics.median(us):.2f} | {ratio:.2f}x | "
               f"{sh_th:.0%} | {sh_us:.0%} | {start_s[t]:.1f} |")
         out[t] = {"ratio": ratio, "share_llamacpp": sh_th, "share_ours": sh_us}

@@ -21,6 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN = "<!-- family-table:begin (scripts/family_table.py writes this table; do not edit by hand) -->"
 END = "<!-- family-table:end -->"
+# transformers model_type -> the GGUF architecture that loads as it (control/gguf_meta.ARCHS, inverted)
+GGUF = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss",
+        "glm4_moe": "glm4moe", "mixtral": "llama"}
 
 
 def run_tests(out: Path) -> int:
@@ -44,23 +47,26 @@ def table(payload: dict) -> str:
         f"Generated from `tests/engines/offload/test_families.py` with transformers {payload['transformers']}: every family "
         "whose modeling file uses the experts interface, as a tiny random checkpoint; greedy tokens of the engine "
         "at `--fraction 0.25` against transformers' `generate`, fp32. *spec* compares `moe-offload spec`'s "
-        "parameter count of the tiny config with transformers' (tiny widths magnify what it only estimates).",
+        "parameter count of the tiny config with transformers' (tiny widths magnify what it only estimates). "
+        "*GGUF*: the llama.cpp architecture whose GGUF files load as this family, experts kept in the file's "
+        "block types (tests/engines/offload/loading/test_gguf.py).",
         "",
-        "| family | loaded as | layer kinds | MoE layers | static | lru | KV cache | spec |",
-        "|---|---|---|---|---|---|---|---|",
+        "| family | loaded as | layer kinds | MoE layers | static | lru | KV cache | spec | GGUF |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for fam in payload["families"]:
+        gguf = GGUF.get(fam, "")
         if fam in skipped:
-            lines.append(f"| {fam} | out of scope: {skipped[fam]} | | | | | | |")
+            lines.append(f"| {fam} | out of scope: {skipped[fam]} | | | | | | | {gguf} |")
             continue
         r = results.get(fam)
         if r is None or "cls" not in r:
-            lines.append(f"| {fam} | not run | | | | | | |")
+            lines.append(f"| {fam} | not run | | | | | | | {gguf} |")
             continue
         ok = {p: "match" if r.get(p) else ("**differs**" if p in r else "not run") for p in ("static", "lru")}
         moe = f"{len(r['moe_layers'])} of {r['layers']}"
         lines.append(f"| {fam} | {r['cls']} | {', '.join(r['layer_kinds'])} | {moe} | {ok['static']} | {ok['lru']} "
-                     f"| {r.get('cache', '-')} | {_spec_cell(r)} |")
+                     f"| {r.get('cache', '-')} | {_spec_cell(r)} | {gguf} |")
     return "\n".join(lines)
 
 

@@ -100,9 +100,10 @@ def _experts_q(x, gate_ups, gate_up_scales, downs, down_scales):
 
 
 def _dequant_blocks(w):
-    from moe_offload.engines.offload.loading.ggml import LAYOUTS
+    from moe_offload.control.vocab import GGML_BLOCKS
 
-    return w.new_empty((*w.shape[:-2], w.shape[-2] * LAYOUTS[w.shape[-1]].block), dtype=torch.float32)
+    block = {size: n for n, size in GGML_BLOCKS.values()}[w.shape[-1]]  # weights per block, from its bytes
+    return w.new_empty((*w.shape[:-2], w.shape[-2] * block), dtype=torch.float32)
 
 
 def _decode_layer(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kpool, vpool, blocks, lens, bs, scaling,

@@ -86,6 +86,13 @@ def text_path(model):
     raise ModelError(f"{type(model).__name__}: no sub-model with a forward that returns logits")
 
 
+def meta_model(config, dtype: torch.dtype):
+    """The text path of the model ``config`` describes, on the meta device (no memory)."""
+    cls = model_class(config)
+    with torch.device("meta"):
+        return text_path(cls._from_config(config, dtype=dtype))
+
+
 def _has_forward(module) -> bool:
     return type(module).forward is not torch.nn.Module.forward
 

@@ -21,7 +21,8 @@ import torch
 
 from moe_offload.engines.offload.experts import diskstore
 from moe_offload.engines.offload.experts.store import LayerStore, finalize
-from moe_offload.engines.offload.loading import architecture, checkpoint
+from moe_offload.engines.offload.loading import checkpoint
+from moe_offload.engines.offload.loading.architecture import meta_model
 from moe_offload.hostmem import store_root
 from moe_offload.log import get_logger
 
@@ -42,12 +43,6 @@ def stored_format(method: str | None, read_as: str, convert_to: str | None, dtyp
     """The name of the format the engine holds experts in: ``--expert-dtype``'s conversion, else the checkpoint's
     quantized format kept as stored, else the compute dtype's name."""
     return convert_to or (method if method and read_as == "stored" else str(dtype).removeprefix("torch."))
-
-
-def meta_model(config, dtype: torch.dtype):
-    cls = architecture.model_class(config)
-    with torch.device("meta"):
-        return architecture.text_path(cls._from_config(config, dtype=dtype))
 
 
 def ensure_store(root: Path, config, experts: list, method: str | None, read_as: str, convert_to: str | None,

@@ -240,8 +240,8 @@ def load(path: str | os.PathLike, config, experts: list, dtype: torch.dtype, deq
     """(model with placeholder experts, {experts module: (up, down, None, None)}); ``dequantize``: float experts;
     ``dense_blocks``: attention projections and LM head kept as the file's blocks (keep_dense_blocks)."""
     from moe_offload.engines.offload.experts.executor import IMPLEMENTATION
+    from moe_offload.engines.offload.loading.architecture import meta_model
     from moe_offload.engines.offload.loading.checkpoint import placeholders
-    from moe_offload.engines.offload.loading.convert import meta_model
 
     info = gguf_meta.read(path)
     tensors = Tensors(info)

@@ -21,7 +21,7 @@ from moe_offload.engines.offload.experts.executor import IMPLEMENTATION
 from moe_offload.engines.offload.experts.hostcache import CachedLayerStore, DiskStats, IOPool
 from moe_offload.engines.offload.experts.store import module_tensor_names
 from moe_offload.engines.offload.loading import checkpoint
-from moe_offload.engines.offload.loading.convert import meta_model
+from moe_offload.engines.offload.loading.architecture import meta_model
 from moe_offload.engines.offload.loading.direct import Offsets, read_float_layer
 from moe_offload.errors import ModelError
 

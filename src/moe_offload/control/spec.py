@@ -128,8 +128,7 @@ class ModelSpec(KVSizes):
             cfg = hf_config.load_config(source)
             if name is None:
                 p = os.path.abspath(os.fspath(source))
-                name = (os.path.basename(p).removesuffix(".gguf") if p.endswith(".gguf")
-                        else os.path.basename(p if os.path.isdir(p) else os.path.dirname(p)))
+                name = os.path.basename(p).removesuffix(".gguf") if p.endswith(".gguf") else os.path.basename(p if os.path.isdir(p) else os.path.dirname(p))
         return cls(**hf_config.parse(cfg, name))
 
     # ---- layers -------------------------------------------------------------------------------
@@ -275,9 +274,7 @@ class ModelSpec(KVSizes):
     def expert_bytes(self) -> int:
         """Bytes of one routed expert as held in memory (its format: ``expert_format``, default the dtype); a GGUF
         file's largest (what a slot must hold)."""
-        if self._as_file:
-            return max(self.stored_layer_expert_bytes)
-        return self.stored_expert_bytes(self.expert_format or self.dtype)
+        return max(self.stored_layer_expert_bytes) if self._as_file else self.stored_expert_bytes(self.expert_format or self.dtype)
 
     @property
     def _as_file(self) -> bool:
@@ -301,9 +298,7 @@ class ModelSpec(KVSizes):
 
     @property
     def routed_expert_bytes(self) -> int:
-        if self._as_file:
-            return self.num_experts * sum(self.stored_layer_expert_bytes)
-        return self.num_moe_layers * self.num_experts * self.expert_bytes
+        return self.num_experts * (sum(self.stored_layer_expert_bytes) if self._as_file else self.num_moe_layers * self.expert_bytes)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -391,23 +386,13 @@ class ModelSpec(KVSizes):
         d = asdict(self)
         d["extra"] = dict(self.extra)
         d.update(
-            dense_layers=list(self.dense_layers),
-            total_params=self.total_params,
-            active_params=self.active_params,
-            expert_params=self.expert_params,
-            expert_bytes=self.expert_bytes,
-            layer_expert_bytes=self.layer_expert_bytes,
-            stored_layer_expert_bytes=list(self.stored_layer_expert_bytes),
-            routed_expert_bytes=self.routed_expert_bytes,
-            expert_format=self.expert_format or self.dtype,
-            checkpoint_bytes=self.checkpoint_bytes,
-            dense_bytes=self.dense_bytes,
-            embedding_bytes=self.embedding_bytes,
-            lm_head_bytes=self.lm_head_bytes,
-            non_expert_bytes=self.non_expert_bytes,
-            total_bytes=self.total_bytes,
-            kv_bytes_per_token=self.kv_bytes_per_token,
-            kv_unknown_kinds=list(self.kv_unknown_kinds),
+            dense_layers=list(self.dense_layers), total_params=self.total_params, active_params=self.active_params,
+            expert_params=self.expert_params, expert_bytes=self.expert_bytes, layer_expert_bytes=self.layer_expert_bytes,
+            stored_layer_expert_bytes=list(self.stored_layer_expert_bytes), routed_expert_bytes=self.routed_expert_bytes,
+            expert_format=self.expert_format or self.dtype, checkpoint_bytes=self.checkpoint_bytes,
+            dense_bytes=self.dense_bytes, embedding_bytes=self.embedding_bytes, lm_head_bytes=self.lm_head_bytes,
+            non_expert_bytes=self.non_expert_bytes, total_bytes=self.total_bytes,
+            kv_bytes_per_token=self.kv_bytes_per_token, kv_unknown_kinds=list(self.kv_unknown_kinds),
         )
         d["linear_sizes"] = dict(self.linear_sizes)
         d["estimated"] = list(self.estimated)
