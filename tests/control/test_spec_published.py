@@ -154,7 +154,9 @@ def test_expert_dtype_prices_the_format():
     assert oss.with_expert_dtype("bf16").expert_bytes == oss.expert_params * 2
     with pytest.raises(ConfigError, match="this checkpoint's experts are mxfp4; expected bf16"):
         oss.with_expert_dtype("int8")
-    with pytest.raises(ConfigError, match="expected one of int8, fp8, bf16"):
+    q4 = mx.with_expert_dtype("int4")  # q4_0 blocks: an fp16 scale per 32 weights
+    assert q4.expert_bytes == 3 * H * I // 32 * 18
+    with pytest.raises(ConfigError, match="expected one of int8, fp8, int4, bf16"):
         mx.with_expert_dtype("q4")
 
 

@@ -233,3 +233,27 @@ def test_int4_at_load(tmp_path, family):
 def test_int4_needs_whole_groups(checkpoints):
     with pytest.raises(ConfigError, match="expert_dtype int4: groups of 32 weights need expert input sizes divisible"):
         load_model(checkpoints("qwen3_moe"), None, expert_dtype="int4")
+
+
+def test_spec_prices_the_files_exact_sizes(files):
+    # spec (control plane, no torch) reads the sizes from the file: Q4_K_M-style mixed layers, every tensor
+    import gguf as gguf_pkg
+
+    from moe_offload.control.spec import ModelSpec
+
+    path, _ = files("qwen3_moe", "q4_k", "q6_k")
+    spec = ModelSpec.from_hf_config(path)
+    tensors = gguf_pkg.GGUFReader(path).tensors
+    per_layer = {}
+    for t in tensors:
+        if "_exps." in t.name:
+            layer = int(t.name.split(".")[1])
+            per_layer[layer] = per_layer.get(layer, 0) + t.n_bytes // t.data.shape[0]
+    assert spec.stored_layer_expert_bytes == tuple(per_layer[i] for i in sorted(per_layer))
+    assert spec.expert_bytes == max(per_layer.values()) == (2 * 256 * 256) // 256 * 144 + 256 * 256 // 256 * 210
+    assert spec.routed_expert_bytes == 8 * sum(per_layer.values())
+    assert spec.checkpoint_bytes == sum(t.n_bytes for t in tensors)
+    assert spec.expert_format == "q4_k+q6_k" and spec.name == path.stem
+    assert spec.with_expert_dtype("bf16").expert_bytes == 3 * 256 * 256 * 2
+    with pytest.raises(ConfigError, match="a GGUF file's experts stay in its quant types"):
+        spec.with_expert_dtype("int8")
