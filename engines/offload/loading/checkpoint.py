@@ -26,10 +26,12 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.engines.offload.loading import quant
+from moe_offload.engines.offload.loading import int4, quant
 from moe_offload.errors import ModelError
 
-METHODS = ("mxfp4", "fp8")
+METHODS = ("mxfp4", "fp8", *int4.METHODS)
+# the format a method's experts are stored in by this loader (int4.py repacks 4-bit releases as q4_0 blocks)
+STORED_FORMAT = {"mxfp4": "mxfp4", "fp8": "fp8", "gptq": "q4_0", "compressed-tensors": "q4_0"}
 SCALE_SUFFIX = "_scale_inv"  # fp8: "<linear>.weight" -> "<linear>.weight_scale_inv"
 
 
@@ -42,7 +44,10 @@ def quant_method(config, where: str = "checkpoint") -> str | None:
     method = str(qc.get("quant_method", ""))
     if method not in METHODS:
         raise ModelError(f"{where}: quantization_config.quant_method {method!r} is not supported; expected one of "
-                         f"{', '.join(METHODS)} (gpt-oss MXFP4, DeepSeek-style block FP8) or an unquantized checkpoint")
+                         f"{', '.join(METHODS)} (gpt-oss MXFP4, DeepSeek-style block FP8, symmetric 4-bit GPTQ or "
+                         "compressed-tensors) or an unquantized checkpoint")
+    if method in int4.METHODS:
+        int4.check(qc, where)
     if method == "fp8":
         block = qc.get("weight_block_size")
         if block is None or list(block) != [quant.FP8_BLOCK, quant.FP8_BLOCK]:
@@ -114,6 +119,9 @@ class ExpertSources:
                     out.add(k)
                     if method == "fp8":
                         out.add(k + SCALE_SUFFIX)
+                    if method in int4.METHODS:
+                        base = k.removesuffix(int4.WEIGHT[method])
+                        out |= {base + x for x in int4.BESIDE[method]}
         return out
 
 
@@ -140,6 +148,11 @@ def find_sources(meta_model, experts: list, keys: list[str], method: str | None)
     for key in keys:
         if method == "fp8" and key.endswith(SCALE_SUFFIX):
             continue  # found through its weight
+        packed = key
+        if method in int4.METHODS:  # "<linear>.qweight" / ".weight_packed" stands for "<linear>.weight"
+            if not key.endswith(int4.WEIGHT[method]):
+                continue
+            key = key.removesuffix(int4.WEIGHT[method]) + ".weight"
         if method == "mxfp4" and (key.endswith("_blocks") or key.endswith("_scales")):
             target = key.rsplit("_", 1)[0]
             if target in wanted:
@@ -152,7 +165,7 @@ def find_sources(meta_model, experts: list, keys: list[str], method: str | None)
         name, which = wanted[renamed]
         proj = _proj(out[name], which)
         if pattern is None:
-            proj.fused = key
+            proj.fused = packed
             continue
         conv = by_pattern[pattern]
         _check_ops(conv, renamed)
@@ -160,7 +173,7 @@ def find_sources(meta_model, experts: list, keys: list[str], method: str | None)
         if match is None or not match.groups():
             raise ModelError(f"checkpoint key {key!r}: expected an expert index where {pattern!r} has '*'")
         proj.nparts = len(conv.source_patterns)
-        proj.parts.setdefault(int(match.group(1)), {})[conv.source_patterns.index(pattern)] = key
+        proj.parts.setdefault(int(match.group(1)), {})[conv.source_patterns.index(pattern)] = packed
     for info in experts:
         for which, proj in ((0, out[info.name].up), (1, out[info.name].down)):
             if proj.fused is None and sorted(proj.parts) != list(range(info.num_experts)):
@@ -198,16 +211,33 @@ def read_layer(files: Files, src: ExpertSources, module, num_experts: int, metho
             blocks = files.tensor(proj.fused + "_blocks")  # [E, R, K/32, 16]
             w, s = blocks.reshape(*blocks.shape[:2], -1), files.tensor(proj.fused + "_scales")  # [E, R, K/2], [E, R, K/32]
             split = 0
+        elif method in int4.METHODS:
+            w, s, split = _stack_int4(files, proj, num_experts, method), None, 0
         else:
             w, s = _stack_fp8(files, proj, num_experts)
             split = gate_up_split(module, w.shape[1]) if which == 0 and proj.nparts == 2 else 0
         if target == "float":
-            f = torch.stack([quant.dequantize(w[e], s[e], split, dtype) for e in range(num_experts)])  # [E, R, K]
+            f = torch.stack([quant.dequantize(w[e], s[e] if s is not None else None, split, dtype)
+                             for e in range(num_experts)])  # [E, R, K]
             out.append((f.transpose(1, 2).contiguous() if module.is_transposed else f, None))
         else:
-            out.append((w.contiguous(), s.contiguous()))
+            out.append((w.contiguous(), s.contiguous() if s is not None else None))
     (up, up_s), (down, down_s) = out
     return up, down, up_s, down_s
+
+
+def _stack_int4(files: Files, proj: Projection, num_experts: int, method: str) -> torch.Tensor:
+    """[E, R, K/32, 18] q4_0 blocks of a 4-bit release's per-expert linears (a gate|up pair: rows concatenated)."""
+    if proj.fused is not None:
+        raise ModelError(f"{proj.fused}: expected one 4-bit tensor per expert, found a fused tensor")
+    out = []
+    for e in range(num_experts):
+        parts = []
+        for i in range(proj.nparts):
+            prefix = proj.parts[e][i].removesuffix(int4.WEIGHT[method])
+            parts.append(int4.to_q4_0(*int4.read(files, prefix, method), prefix))
+        out.append(torch.cat(parts, dim=0))
+    return torch.stack(out)
 
 
 def _stack_fp8(files: Files, proj: Projection, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,10 +263,17 @@ def _stack_fp8(files: Files, proj: Projection, num_experts: int) -> tuple[torch.
 
 # ---- everything else: a state dict for from_pretrained ---------------------------------------------------------------
 def rest_state_dict(files: Files, skip: set[str], method: str, dtype: torch.dtype) -> dict:
-    """Every key not in ``skip``: lazy slices, except FP8 linears (weight + weight_scale_inv), dequantized to ``dtype``."""
+    """Every key not in ``skip``: lazy slices, except FP8 linears (weight + weight_scale_inv) and 4-bit linears
+    (int4.py), dequantized to ``dtype``."""
     sd = {}
     for key in files.keys():
         if key in skip or (method == "fp8" and key.endswith(SCALE_SUFFIX)):
+            continue
+        if method in int4.METHODS and any(key.endswith(x) for x in int4.BESIDE[method]):
+            continue  # read with its packed weight
+        if method in int4.METHODS and key.endswith(int4.WEIGHT[method]):  # another 4-bit linear: dequantized
+            prefix = key.removesuffix(int4.WEIGHT[method])
+            sd[prefix + ".weight"] = int4.dequantize(*int4.read(files, prefix, method), dtype)
             continue
         if method == "fp8" and key + SCALE_SUFFIX in files:
             sd[key] = quant.dequantize_fp8(files.tensor(key), files.tensor(key + SCALE_SUFFIX).float(), 0, dtype)

@@ -89,7 +89,7 @@ def inspect_checkpoint(root: str | Path, dtype: str | None = None, expert_dtype:
     torch_dtype = DTYPES[dtype] if dtype else (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None)
     method = checkpoint.quant_method(config, str(root))
     read_as, convert_to = expert_target(method, expert_dtype, gguf=getattr(config, "gguf_file", None) is not None)
-    priced_as = convert_to or (method if read_as == "stored" else "bfloat16")
+    priced_as = convert_to or (checkpoint.STORED_FORMAT.get(method, method) if read_as == "stored" else "bfloat16")
     experts, dense_bytes = inspect_model(config, torch_dtype, priced_as)
     if not experts:
         raise ModelError(f"{root}: dense model (model_type {config.model_type!r}): no routed experts modules to offload")

@@ -356,16 +356,20 @@ def _gguf_sizes(cfg: dict[str, Any], moe_layers) -> dict[str, Any]:
 
 
 def _checkpoint_expert_format(quant: Any, where: str) -> str:
-    """"mxfp4" | "fp8" for the quantized releases the engine loads as stored, "" for float checkpoints."""
+    """"mxfp4" | "fp8" | "q4_0" (4-bit GPTQ / compressed-tensors) for the quantized releases the engine loads as
+    stored, "" for float checkpoints."""
     if not isinstance(quant, Mapping):
         return ""
     method = quant.get("quant_method")
     if method == "mxfp4":
         return "mxfp4"
+    if method in ("gptq", "compressed-tensors"):  # symmetric 4-bit, held as q4_0 blocks (the loader checks the rest)
+        return "q4_0"
     if method == "fp8":
         block = quant.get("weight_block_size")
         if block is not None and list(block) != [FP8_BLOCK, FP8_BLOCK]:
             raise ModelError(f"{where}: FP8 weight_block_size {block!r} is not supported; expected [128, 128]")
         return "fp8"
-    raise ModelError(f"{where}: quantization_config.quant_method {method!r} is not supported; expected mxfp4 or fp8 "
-                     "(gpt-oss MXFP4, DeepSeek-style block FP8) or an unquantized checkpoint")
+    raise ModelError(f"{where}: quantization_config.quant_method {method!r} is not supported; expected mxfp4, fp8, "
+                     "gptq or compressed-tensors (gpt-oss MXFP4, DeepSeek-style block FP8, symmetric 4-bit) or an "
+                     "unquantized checkpoint")

@@ -32,7 +32,7 @@ ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "deepseek_v3": "deepse
 FAMILIES = tuple(ARCH)
 
 
-def _config(family: str, vocab: int):
+def config_for(family: str, vocab: int):
     from transformers import (
         DeepseekV3Config,
         Glm4MoeConfig,
@@ -72,7 +72,7 @@ def float_checkpoint(family: str, root: Path, seed: int = 0) -> str:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(family, 300))
+    model = AutoModelForCausalLM.from_config(config_for(family, 300))
     path = root / f"{family}-float-{seed}"
     model.save_pretrained(path)
     return str(path)
@@ -136,7 +136,7 @@ def write(family: str, root: Path, qtype: str = "q4_k", seed: int = 0, down_qtyp
 
     tok = build_tokenizer(300)
     torch.manual_seed(seed)
-    cfg = _config(family, len(tok))
+    cfg = config_for(family, len(tok))
     model = AutoModelForCausalLM.from_config(cfg).eval()
     if family == "gpt_oss":
         for layer in model.model.layers:

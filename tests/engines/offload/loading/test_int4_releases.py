@@ -1,0 +1,144 @@
+"""4-bit safetensors releases (GPTQ, compressed-tensors pack-quantized) loaded at 4 bits (loading/int4.py).
+
+The checkpoints are written here from each format's definition (packing and dequantization formulas written out
+below, independent of the loader): per-expert gate/up/down linears and one attention projection quantized
+symmetrically in groups, everything else float. The reference is transformers running the model those weights mean
+(scale * (q - 8)), in fp32: greedy tokens must be equal for every policy and fraction.
+Legend: R output rows, K input features, G group size.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from offload_helpers import greedy, moe_layers, placement
+
+from moe_offload.engines.offload.loading.loader import load_model
+from moe_offload.errors import ModelError
+
+PROMPT = [3, 17, 42, 9, 88, 5, 61, 23]
+
+
+def _pack8(codes: torch.Tensor, dim: int) -> torch.Tensor:
+    """uint8 codes (0..15) -> int32 words of 8 codes along ``dim``, code j of a word at bits 4j."""
+    c = codes.to(torch.int64).movedim(dim, -1)
+    c = c.reshape(*c.shape[:-1], -1, 8)
+    words = sum(c[..., j] << (4 * j) for j in range(8))
+    words = torch.where(words >= 2**31, words - 2**32, words)  # the int32 bit pattern
+    return words.to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def _quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, K] -> (codes [R, K] in 0..15, fp16 scale [R, K/G]): symmetric, value (q - 8) * scale."""
+    R, K = w.shape
+    g = w.reshape(R, K // group, group)
+    s = (g.abs().amax(-1) / 7).to(torch.float16)
+    q = torch.round(g / s.float().unsqueeze(-1)).clamp(-8, 7) + 8
+    return q.reshape(R, K).to(torch.uint8), s
+
+
+def _write(method: str, root, group: int = 64, scale_dtype=torch.float16):
+    from gguf_helpers import config_for
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = config_for("qwen3_moe", 300)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    I = cfg.moe_intermediate_size
+    tensors = {}
+
+    def put(prefix: str, w: torch.Tensor) -> torch.Tensor:  # writes one linear in the format; returns what it means
+        q, s = _quantize(w, group)
+        if method == "gptq":
+            K, R = w.shape[1], w.shape[0]
+            tensors[prefix + ".qweight"] = _pack8(q.T, 0)  # [K/8, R]
+            tensors[prefix + ".scales"] = s.T.contiguous()  # [K/G, R]
+            tensors[prefix + ".qzeros"] = _pack8(torch.full((K // group, R), 7, dtype=torch.uint8), 1)  # zero - 1
+            tensors[prefix + ".g_idx"] = (torch.arange(K) // group).to(torch.int32)
+        else:
+            tensors[prefix + ".weight_packed"] = _pack8(q, 1)  # [R, K/8]
+            tensors[prefix + ".weight_scale"] = s.to(scale_dtype)
+            tensors[prefix + ".weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int64)
+        return ((q.float() - 8) * s.to(scale_dtype).float().repeat_interleave(group, dim=1))
+
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith("experts.gate_up_proj"):
+                base = name.removesuffix(".gate_up_proj")
+                for e in range(t.shape[0]):
+                    t[e, :I] = put(f"{base}.{e}.gate_proj", t[e, :I].clone())
+                    t[e, I:] = put(f"{base}.{e}.up_proj", t[e, I:].clone())
+            elif name.endswith("experts.down_proj"):
+                base = name.removesuffix(".down_proj")
+                for e in range(t.shape[0]):
+                    t[e] = put(f"{base}.{e}.down_proj", t[e].clone())
+            elif name == "model.layers.0.self_attn.q_proj.weight":  # a quantized non-expert linear: dequantized
+                t.copy_(put(name.removesuffix(".weight"), t.clone()))
+            else:
+                tensors[name] = t.contiguous()
+    path = root / f"{method}-{group}"
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"))
+    c = cfg.to_dict()
+    if method == "gptq":
+        c["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
+                                    "desc_act": False, "checkpoint_format": "gptq"}
+    else:
+        c["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                        "group_size": group}}}}
+    (path / "config.json").write_text(json.dumps(c))
+    return str(path), model
+
+
+@pytest.mark.parametrize("method,scale_dtype", [("gptq", torch.float16), ("compressed-tensors", torch.bfloat16)])
+def test_release_matches_the_model_it_means(tmp_path, method, scale_dtype):
+    path, ref = _write(method, tmp_path, 64, scale_dtype)
+    want = greedy(ref, PROMPT, 10)
+    layers, num_experts = moe_layers(path)
+    for policy, fraction in (("static", 1.0), ("static", 0.0), ("lru", 0.25)):
+        om = load_model(path, placement(layers, num_experts, fraction, policy), policy=policy, dtype="float32")
+        store = om.executor.layers[0].store
+        assert store.format == "q4_0" and store.expert_bytes == 3 * 256 * 256 // 32 * 18  # 4.5 bits per weight
+        assert greedy(om.model, PROMPT, 10)[0] == want[0], (method, policy, fraction)
+    # bf16 compute: the block kernels; tokens do not depend on the fraction
+    a = greedy(load_model(path, None, dtype="bfloat16").model, PROMPT, 10)[0]
+    b = greedy(load_model(path, placement(layers, num_experts, 0.25, "lru"), policy="lru", dtype="bfloat16").model,
+               PROMPT, 10)[0]
+    assert a == b
+
+
+def test_spec_prices_the_release_at_4_bits(tmp_path):
+    from moe_offload.control.spec import ModelSpec
+
+    path, _ = _write("gptq", tmp_path, 32)
+    spec = ModelSpec.from_hf_config(path)
+    assert spec.expert_format == "q4_0" and spec.expert_bytes == 3 * 256 * 256 // 32 * 18
+
+
+def test_unsupported_releases_fail_in_one_line(tmp_path):
+    path, _ = _write("gptq", tmp_path, 64)
+    cfg = json.loads((tmp_path / "gptq-64" / "config.json").read_text())
+    for qc, msg in (({"sym": False}, "GPTQ with bits=4 sym=False"), ({"desc_act": True}, "desc_act=True"),
+                    ({"group_size": 48}, "group size 48 is not supported"), ({"bits": 8}, "bits=8")):
+        bad = dict(cfg, quantization_config=dict(cfg["quantization_config"], **qc))
+        (tmp_path / "gptq-64" / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ModelError, match=msg):
+            load_model(path, None)
+    bad = dict(cfg, quantization_config={"quant_method": "awq", "bits": 4})
+    (tmp_path / "gptq-64" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ModelError, match="quant_method 'awq' is not supported"):
+        load_model(path, None)
+
+
+def test_disk_tier_serves_the_release_at_4_bits(tmp_path, monkeypatch):
+    # experts on disk (the expert store file written from the release), host memory caching a few: same tokens
+    monkeypatch.setenv("MOE_OFFLOAD_STORE_DIR", str(tmp_path / "stores"))
+    path, ref = _write("gptq", tmp_path, 64)
+    om = load_model(path, None, dtype="float32", host_cache=3 * 2**20)
+    assert om.executor.layers[0].store.format == "q4_0" and om.executor.disk is not None
+    assert greedy(om.model, PROMPT, 8)[0] == greedy(ref, PROMPT, 8)[0]
