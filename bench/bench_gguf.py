@@ -139,17 +139,18 @@ def main(argv: list[str] | None = None) -> int:
         e.close()
 
     print(f"\nmemory bandwidth {bw:.1f} GB/s; {a.tokens} tokens after {a.context}; {a.threads} threads; {a.rounds} rounds\n")
-    print("| file | llama.cpp ms/token | moe-offload ms/token | ratio (per-round median) | llama.cpp share of bw | "
-          "ours share of bw | engine start s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| file | MB read / token | llama.cpp ms/token | moe-offload ms/token | ratio per round | median | "
+          "llama.cpp share of bw | ours share of bw | engine start s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     out = {"bandwidth_gbs": bw, "runs": runs, "batched": batched, "start_s": start_s}
     for t, f in files.items():
         th, us = runs[f"llama.cpp {t}"], runs[f"moe-offload {t}"]
-        ratio = statistics.median(u / h for u, h in zip(us, th))
+        ratios = [u / h for u, h in zip(us, th)]
+        ratio = statistics.median(ratios)
         sh_th = decode_bytes(f) / (statistics.median(th) / 1e3) / 1e9 / bw
         sh_us = decode_bytes(f) / (statistics.median(us) / 1e3) / 1e9 / bw
-        print(f"| {f.name} | {statistics.median(th):.2f} | {statistics.median(us):.2f} | {ratio:.2f}x | "
-              f"{sh_th:.0%} | {sh_us:.0%} | {start_s[t]:.1f} |")
+        print(f"| {f.name} | {decode_bytes(f) / 1e6:.1f} | {statistics.median(th):.2f} | {statistics.median(us):.2f} | "
+              f"{', '.join(f'{r:.2f}' for r in ratios)} | {ratio:.2f}x | {sh_th:.0%} | {sh_us:.0%} | {start_s[t]:.1f} |")
         out[t] = {"ratio": ratio, "share_llamacpp": sh_th, "share_ours": sh_us}
     for t, b in batched.items():
         print(f"\n{a.streams} streams, {t}: llama-batched-bench {b['llama.cpp tok/s']:.1f} tok/s, moe-offload "

@@ -161,8 +161,17 @@ def test_expert_dtype_prices_the_format():
 
 
 def test_unsupported_quantization_is_named():
-    with pytest.raises(ModelError, match="quant_method 'gptq' is not supported"):
-        ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+    # symmetric 4-bit GPTQ is held as q4_0 blocks; what the loader refuses, spec refuses with the same line
+    gptq = ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4}})
+    assert gptq.expert_format == "q4_0" and gptq.expert_bytes == 3 * 4096 * 14336 // 32 * 18
+    with pytest.raises(ModelError, match="quant_method 'awq' is not supported"):
+        ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "awq", "bits": 4}})
+    with pytest.raises(ModelError, match="GPTQ with bits=4 sym=False"):
+        ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4, "sym": False}})
+    fp8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float"}}}}
+    with pytest.raises(ModelError, match="compressed-tensors 'float-quantized'"):
+        ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": fp8})
 
 
 def test_a_budget_buys_slots_by_stored_bytes():

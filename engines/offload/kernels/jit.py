@@ -39,8 +39,8 @@ CSRC = Path(__file__).parent / "csrc"  # shipped as package data (pyproject.toml
 # ISA variants, best first: (name, /proc/cpuinfo flags it needs, compiler flags)
 VARIANTS = (
     # every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4) also has VNNI, which the int8 kernels use
-    ("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"),
-     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-DMOE_AVX512BF16")),
+    ("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c"),
+     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c", "-DMOE_AVX512BF16")),
     ("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-DMOE_AVX2")),
     ("portable", (), ()),
 )

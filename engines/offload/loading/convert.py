@@ -42,7 +42,8 @@ def store_dir(root: Path, target: str) -> Path:
 def stored_format(method: str | None, read_as: str, convert_to: str | None, dtype: torch.dtype) -> str:
     """The name of the format the engine holds experts in: ``--expert-dtype``'s conversion, else the checkpoint's
     quantized format kept as stored, else the compute dtype's name."""
-    return convert_to or (method if method and read_as == "stored" else str(dtype).removeprefix("torch."))
+    stored = checkpoint.STORED_FORMAT.get(method, method)  # a 4-bit release is held as q4_0 blocks
+    return convert_to or (stored if method and read_as == "stored" else str(dtype).removeprefix("torch."))
 
 
 def ensure_store(root: Path, config, experts: list, method: str | None, read_as: str, convert_to: str | None,
@@ -131,5 +132,10 @@ def convert_checkpoint(path: str, dtype: str | None = None, expert_dtype: str | 
     """(the expert store of checkpoint ``path`` as the engine would load it with ``dtype`` / ``expert_dtype``, whether
     it was written now). What `moe-offload convert` runs; the engine finds the store where this puts it."""
     root, config, experts, method, read_as, convert_to, compute, target = _target(path, dtype, expert_dtype)
+    if getattr(config, "gguf_file", None) is not None:
+        from moe_offload.engines.offload.loading.gguf_load import NO_DISK_TIER
+        from moe_offload.errors import ConfigError
+
+        raise ConfigError(NO_DISK_TIER)
     existed = diskstore.read_manifest(store_dir(root, target)) is not None
     return ensure_store(root, config, experts, method, read_as, convert_to, compute), not existed

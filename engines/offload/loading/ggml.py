@@ -110,9 +110,7 @@ def random_blocks(rows: int, cols: int, name: str, seed: int = 0, scale: float =
 
     d = g.uniform(0.5, 1.5, size=nb)
     if name == "q8_0":
-        f16(0, d * unit / 64)
-        raw[:, 2:][raw[:, 2:] == 0x80] = 0x81  # codes in [-127, 127], as llama.cpp's quantizer writes them (the
-        # kernels' sign trick, like llama.cpp's, would read -128 as +128)
+        f16(0, d * unit / 64)  # every code -128..127, -128 included
     elif name == "q4_0":
         f16(0, d * unit / 4)
     elif name == "gguf_mxfp4":

@@ -29,14 +29,17 @@ from moe_offload.control import gguf_meta
 from moe_offload.engines.offload.loading import ggml
 from moe_offload.errors import ModelError
 
+NO_DISK_TIER = ("the disk tier reads an expert store written from safetensors; a GGUF model's experts are served from "
+                "host memory (give no --host-memory, and no expert store to convert)")
 VIEW_ROOT = Path(os.environ.get("MOE_OFFLOAD_GGUF_VIEWS", Path.home() / ".cache" / "moe-offload" / "gguf"))
 
 
 def view_dir(path: str | os.PathLike) -> Path:
     """A directory with the config.json and tokenizer of GGUF ``path``, written once per file version."""
     info = gguf_meta.read(path)
-    key = hashlib.sha256(json.dumps([(str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in info.files])
-                         .encode()).hexdigest()[:16]
+    # the files' identity and the config this version maps them to: a mapping change writes a new view
+    key = hashlib.sha256(json.dumps([[(str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in info.files],
+                                     info.config], sort_keys=True).encode()).hexdigest()[:16]
     out = VIEW_ROOT / f"{info.files[0].stem}-{key}"
     if (out / "config.json").is_file():
         return out
@@ -51,7 +54,12 @@ def view_dir(path: str | os.PathLike) -> Path:
                          f"({type(e).__name__}: {e})") from None
     tok.save_pretrained(tmp)
     (tmp / "config.json").write_text(json.dumps(info.config, indent=1))
-    os.replace(tmp, out) if not out.exists() else None
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process wrote the same view first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

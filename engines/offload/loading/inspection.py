@@ -123,7 +123,7 @@ def expert_target(method: str | None, expert_dtype: str | None, gguf: bool = Fal
         return "stored", EXPERT_DTYPES[expert_dtype]
     if expert_dtype == "bf16":
         return "float", None
-    if expert_dtype == method:
+    if expert_dtype == method or EXPERT_DTYPES[expert_dtype] == checkpoint.STORED_FORMAT.get(method):
         return "stored", None
     raise ConfigError(f"expert_dtype {expert_dtype!r}: this checkpoint's experts are {method}; expected bf16 "
                       f"(dequantize at load) or {method} / unset (keep them as stored)")

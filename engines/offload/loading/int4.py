@@ -16,42 +16,18 @@ Legend: R output rows, K input features, G group size.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from moe_offload.control.quant_config import INT4_METHODS
+from moe_offload.control.quant_config import check_int4 as check  # noqa: F401 - the loader's entry point
 from moe_offload.engines.offload.loading import ggml
 from moe_offload.errors import ModelError
 
-METHODS = ("gptq", "compressed-tensors")
+METHODS = INT4_METHODS
 # each method's packed weight key (standing for "<linear>.weight") and the keys beside it
 WEIGHT = {"gptq": ".qweight", "compressed-tensors": ".weight_packed"}
-BESIDE = {"gptq": (".scales", ".qzeros", ".g_idx"), "compressed-tensors": (".weight_scale", ".weight_shape",
-                                                                          ".weight_zero_point")}
-
-
-def check(qc: dict[str, Any], where: str) -> None:
-    """ModelError unless ``qc`` describes symmetric 4-bit weights in groups of a multiple of 32."""
-    method = qc.get("quant_method")
-    if method == "gptq":
-        bits, group, sym = qc.get("bits"), qc.get("group_size", 128), qc.get("sym", True)
-        fmt = qc.get("checkpoint_format", "gptq")
-        if bits != 4 or not sym or qc.get("desc_act") or fmt != "gptq":
-            raise ModelError(f"{where}: GPTQ with bits={bits} sym={sym} desc_act={qc.get('desc_act')} "
-                             f"checkpoint_format={fmt!r} is not supported; expected 4-bit symmetric, no act-order, "
-                             "the gptq (v1) format")
-    else:
-        groups = list((qc.get("config_groups") or {}).values())
-        w = groups[0].get("weights", {}) if len(groups) == 1 else {}
-        bits, group, sym = w.get("num_bits"), w.get("group_size"), w.get("symmetric")
-        if (qc.get("format") != "pack-quantized" or bits != 4 or not sym or w.get("type") != "int"
-                or w.get("strategy") not in ("group", "channel")):
-            raise ModelError(f"{where}: compressed-tensors {qc.get('format')!r} with {len(groups)} config group(s), "
-                             f"weights {w} is not supported; expected one group of symmetric 4-bit int weights "
-                             "(group or channel strategy), pack-quantized")
-        group = group or -1
-    if group not in (-1, None) and group % 32:
-        raise ModelError(f"{where}: 4-bit group size {group} is not supported; expected a multiple of 32 (or per channel)")
+BESIDE = {"gptq": (".scales", ".qzeros", ".g_idx"),
+          "compressed-tensors": (".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")}
 
 
 def _unpack(words: torch.Tensor, dim: int) -> torch.Tensor:
@@ -80,6 +56,10 @@ def read(files, prefix: str, method: str) -> tuple[torch.Tensor, torch.Tensor]:
         s = files.tensor(prefix + ".weight_scale").float()
         if s.dim() == 1 or s.shape[-1] == 1:
             s = s.reshape(-1, 1)
+        if prefix + ".weight_g_idx" in files:
+            g_idx = files.tensor(prefix + ".weight_g_idx").long()
+            if not torch.equal(g_idx, torch.arange(g_idx.numel()) // (g_idx.numel() // s.shape[1])):
+                raise ModelError(f"{prefix}.weight_g_idx: act-order (permuted groups) is not supported")
         if prefix + ".weight_shape" in files:
             R, K = (int(v) for v in files.tensor(prefix + ".weight_shape").tolist())
             q = q[:R, :K]

@@ -112,8 +112,13 @@ def load_model(
     load_dtype = compute_dtype or torch.float32
     gguf_file = getattr(config, "gguf_file", None)
     if gguf_file is not None and host_cache is not None:
-        raise ConfigError("host_cache: the disk tier reads an expert store written from safetensors; a GGUF model's "
-                          "experts are served from host memory (give no --host-memory)")
+        from moe_offload.engines.offload.loading.gguf_load import NO_DISK_TIER
+
+        raise ConfigError(f"host_cache: {NO_DISK_TIER}")
+    blocks = read_as == "stored" and (gguf_file is not None or method in checkpoint.int4.METHODS)
+    if dev.type != "cpu" and (blocks or convert_to in quant.ggml.BY_NAME):
+        raise ConfigError(f"{dev}: ggml block experts (GGUF files, 4-bit releases, --expert-dtype int4) compute on the "
+                          "cpu only; give --expert-dtype bf16 to dequantize them at load")
     if gguf_file is not None:
         from moe_offload.engines.offload.loading import gguf_load
 

@@ -172,6 +172,10 @@ def config_of(info: GGUFInfo) -> dict[str, Any]:
             "deepseek2 without a routing bias (DeepSeek-V2)" if arch == "deepseek2" else repr(arch))
         raise ModelError(f"{info.files[0]}: GGUF architecture {what} is not supported; expected one of "
                          f"{', '.join(ARCHS)} (llama with experts: Mixtral; deepseek2: the DeepSeek-V3 layout)")
+    missing = [k for k in ("embedding_length", "block_count", "attention.head_count", "expert_count",
+                           "expert_used_count") if not g(k)]
+    if missing:
+        raise ModelError(f"{info.files[0]}: GGUF metadata lacks {', '.join(f'{arch}.{k}' for k in missing)}")
     heads = g("attention.head_count")
     head_dim = g("attention.key_length") or g("embedding_length") // heads
     vocab = g("vocab_size") or info.meta.get("tokenizer.ggml.tokens") or t["token_embd.weight"].shape[0]
@@ -189,7 +193,9 @@ def config_of(info: GGUFInfo) -> dict[str, Any]:
         "pad_token_id": info.meta.get("tokenizer.ggml.padding_token_id"),
         "dtype": "bfloat16", "gguf_file": str(info.files[0]),
     }
+    _rope_scaling(info, cfg["rope_parameters"], model_type)
     E, moe_i = g("expert_count"), g("expert_feed_forward_length") or g("feed_forward_length")
+    cfg["rms_norm_eps"] = float(f"{cfg['rms_norm_eps']:.7g}")  # stored as fp32: 1e-6, not 9.99999997e-07
     if model_type == "qwen3_moe":
         cfg |= {"num_experts": E, "moe_intermediate_size": moe_i, "norm_topk_prob": True, "decoder_sparse_step": 1,
                 "mlp_only_layers": [], "attention_bias": "blk.0.attn_q.bias" in t}
@@ -203,31 +209,49 @@ def config_of(info: GGUFInfo) -> dict[str, Any]:
         cfg |= {"num_local_experts": E, "intermediate_size": moe_i, "sliding_window": g("attention.sliding_window"),
                 "attention_bias": True,
                 "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(g("block_count"))]}
-        if g("rope.scaling.type") == "yarn":
-            cfg["rope_parameters"] |= {"rope_type": "yarn", "factor": g("rope.scaling.factor"), "beta_fast":
-                                       g("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": g("rope.scaling.yarn_beta_slow", 1.0),
-                                       "original_max_position_embeddings": g("rope.scaling.original_context_length"),
-                                       "truncate": False}
+        if cfg["rope_parameters"]["rope_type"] == "yarn":
+            cfg["rope_parameters"]["truncate"] = False  # gpt-oss's yarn keeps the fractional frequencies
     else:  # deepseek_v3, glm4_moe: grouped sigmoid routing with a bias, shared experts, leading dense layers
         cfg |= {"n_routed_experts": E, "moe_intermediate_size": moe_i, "n_shared_experts": g("expert_shared_count", 1),
                 "first_k_dense_replace": g("leading_dense_block_count", 0), "n_group": g("expert_group_count", 1),
                 "topk_group": g("expert_group_used_count", 1), "routed_scaling_factor": g("expert_weights_scale", 1.0),
                 "norm_topk_prob": bool(g("expert_weights_norm", True)), "num_nextn_predict_layers": 0}
         if model_type == "deepseek_v3":
-            rope, nope_qk = g("rope.dimension_count"), g("attention.key_length_mla")
+            # newer converters write the MLA head sizes apart (key_length then is kv_lora + rope); older ones
+            # only key_length (= nope + rope) and value_length, beside an unsplit attn_kv_b
+            rope = g("rope.dimension_count")
+            nope_qk = g("attention.key_length_mla") or g("attention.key_length")
+            v_dim = g("attention.value_length_mla") or g("attention.value_length")
+            if not (rope and nope_qk and v_dim and g("attention.kv_lora_rank")):
+                raise ModelError(f"{info.files[0]}: GGUF metadata lacks deepseek2's rope.dimension_count, "
+                                 "attention.key_length(_mla), value_length(_mla) or kv_lora_rank")
             cfg |= {"q_lora_rank": g("attention.q_lora_rank"), "kv_lora_rank": g("attention.kv_lora_rank"),
                     "qk_rope_head_dim": rope, "qk_nope_head_dim": nope_qk - rope, "qk_head_dim": nope_qk,
-                    "v_head_dim": g("attention.value_length_mla"), "num_key_value_heads": heads, "head_dim": rope,
-                    "rope_interleave": True}
+                    "v_head_dim": v_dim, "num_key_value_heads": heads, "head_dim": rope, "rope_interleave": True}
         else:
             nextn = g("nextn_predict_layers", 0)
             cfg |= {"num_hidden_layers": g("block_count") - nextn, "use_qk_norm": "blk.0.attn_q_norm.weight" in t,
                     "attention_bias": "blk.0.attn_q.bias" in t}
             cfg["rope_parameters"]["partial_rotary_factor"] = g("rope.dimension_count", head_dim) / head_dim
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts_per_tok") if not cfg.get(k)]
-    if missing or not E:
-        raise ModelError(f"{info.files[0]}: GGUF metadata lacks {', '.join(missing or ['expert_count'])} for {arch}")
     return cfg
+
+
+def _rope_scaling(info: GGUFInfo, rope: dict[str, Any], model_type: str) -> None:
+    """The file's rope scaling into transformers' rope_parameters: YaRN (gpt-oss; DeepSeek-V3/R1 and Kimi-K2 with
+    their attention-scale multiplier, which transformers calls mscale_all_dim); anything else is refused rather than
+    dropped (the logits would be another model's)."""
+    g = info.get
+    kind = g("rope.scaling.type")
+    if kind in (None, "none"):
+        return
+    if kind != "yarn":
+        raise ModelError(f"{info.files[0]}: rope scaling {kind!r} is not supported; expected yarn or none")
+    rope |= {"rope_type": "yarn", "factor": g("rope.scaling.factor"),
+             "original_max_position_embeddings": g("rope.scaling.original_context_length"),
+             "beta_fast": g("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": g("rope.scaling.yarn_beta_slow", 1.0)}
+    log_mul = g("rope.scaling.yarn_log_multiplier")
+    if model_type == "deepseek_v3" and log_mul:  # llama.cpp's converter writes 0.1 * mscale_all_dim
+        rope |= {"mscale_all_dim": round(log_mul / 0.1, 6), "mscale": 1.0}
 
 
 _CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",

@@ -13,6 +13,7 @@ import os
 from typing import Any, Mapping
 
 from moe_offload.control import layerkinds
+from moe_offload.control.quant_config import INT4_METHODS, check_int4
 from moe_offload.control.vocab import DTYPE_BYTES, FP8_BLOCK
 from moe_offload.errors import ConfigError, ModelError
 
@@ -363,7 +364,8 @@ def _checkpoint_expert_format(quant: Any, where: str) -> str:
     method = quant.get("quant_method")
     if method == "mxfp4":
         return "mxfp4"
-    if method in ("gptq", "compressed-tensors"):  # symmetric 4-bit, held as q4_0 blocks (the loader checks the rest)
+    if method in INT4_METHODS:  # symmetric 4-bit, held as q4_0 blocks; anything else refused, as the loader does
+        check_int4(dict(quant), where)
         return "q4_0"
     if method == "fp8":
         block = quant.get("weight_block_size")

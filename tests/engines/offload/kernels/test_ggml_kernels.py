@@ -1,8 +1,8 @@
 """The ggml block kernels (csrc/cpu/blocks.h through gemv_q, expert_mlp_q, experts_mlp_q, dequant_blocks) against the
 gguf package's own dequantization (llama.cpp's Python reader), for every supported type.
 
-dequant_blocks gives exactly the reference's fp32 weights (bit for bit). The dot products quantize x per block of 32
-(8-bit, fp32 scale: llama.cpp's vec_dot pairs these types with 8-bit activations too): against an emulation of that
+dequant_blocks gives exactly the reference's fp32 weights (bit for bit). The dot products quantize x per block of 32,
+or 256 for the k-quants (8-bit, fp32 scale: llama.cpp's vec_dot pairs these types with 8-bit activations too): against an emulation of that
 over the reference weights they agree to fp32 rounding; against the float product they carry the activation
 rounding, bounded below.
 Legend: N tokens, R output rows, K input features, H hidden, I expert intermediate.

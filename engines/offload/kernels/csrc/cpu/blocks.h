@@ -12,7 +12,8 @@
 //   q6_k  14  256  210  ql[128], qh[64], int8 sc[16], fp16 d            d*sc[e/16] * (q - 32)
 // (ggml-quants.c's dequantize_row_*; the gguf package's quants.py is the reference the tests compare with.)
 //
-// Activations are quantized as llama.cpp's vec_dot does for these types: 8-bit with an fp32 scale per block of 32
+// Activations are quantized to 8 bits where llama.cpp's vec_dot quantizes them for these types (its q8_0 / q8_K; here
+// amax / 127 and round half to even, as the int8 experts do): 8-bit with an fp32 scale per block of 32
 // (q8_0, q4_0, mxfp4) or per 256 (the k-quants, so a super-block's scales apply in integers: Layout::act; quant.h's
 // Tokens), y = sum over blocks of s_w * s_x * sum(q_w * q_x) - min terms, integer inner sums.
 // decode() gives the exact fp32 weights (value = scale * v - min in two roundings, as the reference computes them).
@@ -172,9 +173,10 @@ inline float hsum8(__m256 v) {
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(s);
 }
-// sum over 4-byte groups of (signed w) * (signed x): 8 int32 lanes, lane i covering bytes 4i..4i+3
+// sum over 4-byte groups of (signed w) * (signed x): 8 int32 lanes, lane i covering bytes 4i..4i+3. |w| is maddubs'
+// unsigned operand and x takes w's sign: exact for every code w in -128..127 (x is within +-127; pairs stay in int16)
 inline __m256i dot_s8(__m256i w, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x)), _mm256_set1_epi16(1));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
 }
 // same with w unsigned (0..63)
 inline __m256i dot_u8(__m256i w, __m256i x) {

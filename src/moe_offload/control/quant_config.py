@@ -1,0 +1,34 @@
+"""Quantized releases whose configs the control plane reads as the engine loads them (no torch): which 4-bit
+safetensors layouts are supported (engines/offload/loading/int4.py repacks them into q4_0 blocks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_offload.errors import ModelError
+
+INT4_METHODS = ("gptq", "compressed-tensors")
+
+
+def check_int4(qc: dict[str, Any], where: str) -> None:
+    """ModelError unless ``qc`` describes symmetric 4-bit weights in groups of a multiple of 32."""
+    method = qc.get("quant_method")
+    if method == "gptq":
+        bits, group, sym = qc.get("bits"), qc.get("group_size", 128), qc.get("sym", True)
+        fmt = qc.get("checkpoint_format", "gptq")
+        if bits != 4 or not sym or qc.get("desc_act") or fmt != "gptq":
+            raise ModelError(f"{where}: GPTQ with bits={bits} sym={sym} desc_act={qc.get('desc_act')} "
+                             f"checkpoint_format={fmt!r} is not supported; expected 4-bit symmetric, no act-order, "
+                             "the gptq (v1) format")
+    else:
+        groups = list((qc.get("config_groups") or {}).values())
+        w = groups[0].get("weights", {}) if len(groups) == 1 else {}
+        bits, group, sym = w.get("num_bits"), w.get("group_size"), w.get("symmetric")
+        if (qc.get("format") != "pack-quantized" or bits != 4 or not sym or w.get("type") != "int"
+                or w.get("strategy") not in ("group", "channel") or w.get("actorder")):
+            raise ModelError(f"{where}: compressed-tensors {qc.get('format')!r} with {len(groups)} config group(s), "
+                             f"weights {w} is not supported; expected one group of symmetric 4-bit int weights "
+                             "(group or channel strategy, no act-order), pack-quantized")
+        group = group or -1
+    if group not in (-1, None) and group % 32:
+        raise ModelError(f"{where}: 4-bit group size {group} is not supported; expected a multiple of 32 (or per channel)")
