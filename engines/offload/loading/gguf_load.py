@@ -99,8 +99,7 @@ class Tensors:
     def blocks(self, name: str) -> torch.Tensor:
         """A quantized tensor's bytes as ggml blocks [.., R, nb, S] (a copy out of the map: the store owns it)."""
         t = self._get(name)
-        kind = t.tensor_type.name.lower()
-        kind = "gguf_mxfp4" if kind == "mxfp4" else kind
+        kind = _engine_name(t.tensor_type.name.lower())
         if kind not in ggml.BY_NAME:
             raise ModelError(f"{self.info.files[0]}: expert tensor {name} is {t.tensor_type.name}; the engine computes "
                              f"{', '.join(k.upper() for k in ggml.BY_NAME)} experts as stored (or F32/F16/BF16)")
@@ -111,6 +110,11 @@ class Tensors:
         if name not in self.t:
             raise ModelError(f"{self.info.files[0]}: expected tensor {name}, which the file lacks")
         return self.t[name]
+
+
+def _engine_name(qtype: str) -> str:
+    """The engine's format name of a ggml type name (GGUF's MXFP4 is gguf_mxfp4: "mxfp4" is gpt-oss's layout)."""
+    return "gguf_mxfp4" if qtype == "mxfp4" else qtype
 
 
 def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -214,7 +218,7 @@ def keep_dense_blocks(model, tensors: Tensors) -> int:
 
     def blocks_of(name: str, heads: int | None) -> torch.Tensor | None:
         src = _gguf_name(tmap, name)
-        if src is None or not tensors.has(src) or tensors.qtype(src).replace("mxfp4", "gguf_mxfp4") not in ggml.BY_NAME:
+        if src is None or not tensors.has(src) or _engine_name(tensors.qtype(src)) not in ggml.BY_NAME:
             return None
         b = tensors.blocks(src)
         return _unpermute(b, heads) if heads else b
