@@ -26,12 +26,13 @@ from pathlib import Path
 
 import torch
 
+from moe_offload.control.quant_config import check_int4
 from moe_offload.engines.offload.loading import int4, quant
 from moe_offload.errors import ModelError
 
 METHODS = ("mxfp4", "fp8", *int4.METHODS)
 # the format a method's experts are stored in by this loader (int4.py repacks 4-bit releases as q4_0 blocks)
-STORED_FORMAT = {"mxfp4": "mxfp4", "fp8": "fp8", "gptq": "q4_0", "compressed-tensors": "q4_0"}
+STORED_FORMAT = {"mxfp4": "mxfp4", "fp8": "fp8", **dict.fromkeys(int4.METHODS, "q4_0")}
 SCALE_SUFFIX = "_scale_inv"  # fp8: "<linear>.weight" -> "<linear>.weight_scale_inv"
 
 
@@ -47,7 +48,7 @@ def quant_method(config, where: str = "checkpoint") -> str | None:
                          f"{', '.join(METHODS)} (gpt-oss MXFP4, DeepSeek-style block FP8, symmetric 4-bit GPTQ or "
                          "compressed-tensors) or an unquantized checkpoint")
     if method in int4.METHODS:
-        int4.check(qc, where)
+        check_int4(qc, where)
     if method == "fp8":
         block = qc.get("weight_block_size")
         if block is None or list(block) != [quant.FP8_BLOCK, quant.FP8_BLOCK]:

@@ -36,7 +36,6 @@ class Layout:
 _QTYPE = {"q8_0": 8, "q4_0": 2, "gguf_mxfp4": 39, "q4_k": 12, "q5_k": 13, "q6_k": 14}
 BY_NAME = {name: Layout(name, _QTYPE[name], b, s) for name, (b, s) in GGML_BLOCKS.items()}
 LAYOUTS = {lay.bytes: lay for lay in BY_NAME.values()}  # S -> layout
-BY_QTYPE = {lay.qtype: lay for lay in BY_NAME.values()}
 
 
 def is_blocks(t: torch.Tensor | None) -> bool:

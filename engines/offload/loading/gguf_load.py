@@ -63,12 +63,6 @@ def view_dir(path: str | os.PathLike) -> Path:
     return out
 
 
-def gguf_source(config) -> Path | None:
-    """The GGUF file a config.json written by view_dir stands for (None: a safetensors checkpoint)."""
-    src = getattr(config, "gguf_file", None) if not isinstance(config, dict) else config.get("gguf_file")
-    return Path(src) if src else None
-
-
 class Tensors:
     """The file's tensors by name: bytes checked against the file, numpy views over its memory map."""
 
@@ -122,6 +116,14 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _tensor_map(info: gguf_meta.GGUFInfo):
+    """gguf's transformers-name -> GGUF-name map for the file's architecture."""
+    import gguf
+
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[info.arch]
+    return gguf.get_tensor_name_map(arch, info.config["num_hidden_layers"])
+
+
 def _gguf_name(tmap, name: str, layer_re=re.compile(r"\.layers\.(\d+)\.")) -> str | None:
     m = layer_re.search(name)
     if name.endswith("e_score_correction_bias") and m:
@@ -133,12 +135,9 @@ def _gguf_name(tmap, name: str, layer_re=re.compile(r"\.layers\.(\d+)\.")) -> st
 
 def state_dict(tensors: Tensors, meta, experts: list, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every non-expert tensor of ``meta`` (the model on the meta device) from the file, in transformers' layout."""
-    import gguf
-
     info = tensors.info
     cfg = info.config
-    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[info.arch]
-    tmap = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    tmap = _tensor_map(info)
     modules = dict(meta.named_modules())
     routed = {f"{i.name}.{n}" for i in experts for n in ("gate_up_proj", "down_proj", "up_proj", "gate_up_proj_bias",
                                                           "down_proj_bias", "up_proj_bias")}
@@ -192,14 +191,11 @@ def read_experts(tensors: Tensors, info, module, dtype: torch.dtype, dequantize:
         raise ModelError(f"{tensors.info.files[0]}: layer {info.layer}'s ffn_gate_exps and ffn_up_exps are "
                          f"{' and '.join(sorted(kinds))}; the engine keeps a layer's gate|up in one type")
     interleave = getattr(module, "is_transposed", False)  # gpt-oss: its gate reads gate_up[..., ::2] / [..., 1::2]
-    if kinds <= {"f32", "f16", "bf16"} or dequantize:
-        g, u, d = (tensors.float(n, dtype) for n in names)
-        gu = torch.stack([g, u], dim=2).flatten(1, 2) if interleave else torch.cat([g, u], dim=1)
-        if interleave:  # the module's own transposed float layout
-            return gu.transpose(1, 2).contiguous(), d.transpose(1, 2).contiguous(), None, None
-        return gu, d, None, None
-    g, u, d = (tensors.blocks(n) for n in names)
+    as_float = kinds <= {"f32", "f16", "bf16"} or dequantize
+    g, u, d = ((tensors.float(n, dtype) if as_float else tensors.blocks(n)) for n in names)
     gu = torch.stack([g, u], dim=2).flatten(1, 2) if interleave else torch.cat([g, u], dim=1)
+    if as_float and interleave:  # the module's own transposed float layout
+        return gu.transpose(1, 2).contiguous(), d.transpose(1, 2).contiguous(), None, None
     return gu, d, None, None
 
 
@@ -207,13 +203,10 @@ def keep_dense_blocks(model, tensors: Tensors) -> int:
     """Attention projections (q/k/v/o of a self_attn that has all four) and the LM head whose file tensors are ggml
     blocks become BlockLinear over those blocks, as the file ships them (llama's q/k rows un-permuted); returns how
     many. The dequantized weights they replace are freed."""
-    import gguf
-
     from moe_offload.engines.offload.loading.quant import DENSE_NAMES, BlockLinear
 
     info = tensors.info
-    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[info.arch]
-    tmap = gguf.get_tensor_name_map(arch, info.config["num_hidden_layers"])
+    tmap = _tensor_map(info)
     cfg = info.config
 
     def blocks_of(name: str, heads: int | None) -> torch.Tensor | None:

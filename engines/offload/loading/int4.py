@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from moe_offload.control.quant_config import INT4_METHODS
-from moe_offload.control.quant_config import check_int4 as check  # noqa: F401 - the loader's entry point
 from moe_offload.engines.offload.loading import ggml
 from moe_offload.errors import ModelError
 

@@ -96,7 +96,8 @@ def load_model(
 
     config, experts, dense_bytes = inspect_checkpoint(root, dtype, expert_dtype)
     method = checkpoint.quant_method(config, str(root))
-    read_as, convert_to = expert_target(method, expert_dtype, gguf=getattr(config, "gguf_file", None) is not None)
+    gguf_file = getattr(config, "gguf_file", None)  # a GGUF file's view (gguf_load.view_dir)
+    read_as, convert_to = expert_target(method, expert_dtype, gguf=gguf_file is not None)
     torch_dtype = DTYPES[dtype] if dtype else None
     cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
     compute_dtype = torch_dtype or (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None)
@@ -110,7 +111,6 @@ def load_model(
     register()
     stored: dict = {}
     load_dtype = compute_dtype or torch.float32
-    gguf_file = getattr(config, "gguf_file", None)
     if gguf_file is not None and host_cache is not None:
         from moe_offload.engines.offload.loading.gguf_load import NO_DISK_TIER
 

@@ -67,18 +67,9 @@ inline float e8m0_half(uint8_t e) {
 }
 alignas(16) inline const int8_t KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-// q4_k / q5_k: the 6-bit scale and min of sub-block j (of 8) from the 12 packed bytes
-inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
-// All 8 scales and mins at once (the same values as scale_min_k4, by whole-word masks): out[0..7] sc, out[8..15] m
+// q4_k / q5_k: the 6-bit scales and mins of the 8 sub-blocks from the 12 packed bytes, by whole-word masks (sub-block
+// j < 4: low 6 bits of bytes j and j + 4; j >= 4: a nibble of byte j + 4 and the top 2 bits of bytes j - 4 and j):
+// out[0..7] sc, out[8..15] m
 inline void unpack_k4(const uint8_t* q, uint8_t* out) {
   uint32_t u[3];
   std::memcpy(u, q, 12);
@@ -116,13 +107,13 @@ inline void decode(int type, const uint8_t* b, int8_t* v, float* sc16, float* mn
       const uint8_t* scales = b + 4;
       const uint8_t* qh = b + 16;
       const uint8_t* qs = b + (type == Q4_K ? 16 : 48);
+      uint8_t sm[16];
+      unpack_k4(scales, sm);
       for (int c = 0; c < 4; ++c) {
         for (int half = 0; half < 2; ++half) {
           const int j = 2 * c + half;
-          int sc, m;
-          scale_min_k4(j, scales, sc, m);
-          sc16[2 * j] = sc16[2 * j + 1] = d * float(sc);
-          mn16[2 * j] = mn16[2 * j + 1] = dmin * float(m);
+          sc16[2 * j] = sc16[2 * j + 1] = d * float(sm[j]);
+          mn16[2 * j] = mn16[2 * j + 1] = dmin * float(sm[8 + j]);
           for (int l = 0; l < 32; ++l) {
             int q = half ? qs[32 * c + l] >> 4 : qs[32 * c + l] & 0xF;
             if (type == Q5_K) q |= ((qh[l] >> j) & 1) << 4;

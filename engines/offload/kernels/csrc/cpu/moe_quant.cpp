@@ -38,9 +38,11 @@ void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t, int
   }
   // int8: per qb-block symmetric; x / s rounded half to even (torch.round), as the test's reference does
   const int64_t nb = t.kp / qb;
-  t.q.assign(n * t.kp, 0); t.qabs.assign(n * t.kp, 0); t.qneg.assign(n * t.kp / 64, 0);
+  const bool vnni = fmt == 'q';  // |q| and its signs: only the int8 weights' AVX-512 dot reads them
+  t.q.assign(n * t.kp, 0);
+  if (vnni) { t.qabs.assign(n * t.kp, 0); t.qneg.assign(n * t.kp / 64, 0); }
   t.qs.assign(n * nb, 0.0f);
-  if (qb == QB) t.qs16.assign(n * nb / 2 * 16, 0.0f);
+  if (vnni) t.qs16.assign(n * nb / 2 * 16, 0.0f);
   for (int64_t i = 0; i < n; ++i) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* v = xf.data() + i * t.kp + b * qb;
@@ -52,10 +54,13 @@ void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t, int
         int q = s > 0.0f ? (int)std::nearbyint(v[j] / s) : 0;
         q = std::max(-127, std::min(127, q));
         int64_t at = i * t.kp + b * qb + j;
-        t.q[at] = (int8_t)q; t.qabs[at] = (uint8_t)std::abs(q);
-        if (q < 0) t.qneg[at / 64] |= uint64_t(1) << (at % 64);
+        t.q[at] = (int8_t)q;
+        if (vnni) {
+          t.qabs[at] = (uint8_t)std::abs(q);
+          if (q < 0) t.qneg[at / 64] |= uint64_t(1) << (at % 64);
+        }
       }
-      if (qb == QB)
+      if (vnni)
         for (int64_t l = 0; l < 8; ++l) t.qs16[(i * nb / 2 + b / 2) * 16 + (b % 2) * 8 + l] = s;
     }
   }
