@@ -29,8 +29,8 @@ from moe_offload.control import gguf_meta
 from moe_offload.engines.offload.loading import ggml
 from moe_offload.errors import ModelError
 
-NO_DISK_TIER = ("the disk tier reads an expert store written from safetensors; a GGUF model's experts are served from "
-                "host memory (give no --host-memory, and no expert store to convert)")
+NO_DISK_TIER = ("the disk tier reads an expert store written from safetensors, not GGUF files: a GGUF model's experts "
+                "are served from host memory only")
 VIEW_ROOT = Path(os.environ.get("MOE_OFFLOAD_GGUF_VIEWS", Path.home() / ".cache" / "moe-offload" / "gguf"))
 
 

@@ -114,7 +114,9 @@ def load_model(
     if gguf_file is not None and host_cache is not None:
         from moe_offload.engines.offload.loading.gguf_load import NO_DISK_TIER
 
-        raise ConfigError(f"host_cache: {NO_DISK_TIER}")
+        raise ConfigError(f"host_cache: the host memory for experts ({host_cache / 2**30:.2f} GiB: --host-memory, or what "
+                          "the process's memory limit leaves) is smaller than this GGUF model's experts, and "
+                          f"{NO_DISK_TIER}")
     blocks = read_as == "stored" and (gguf_file is not None or method in checkpoint.int4.METHODS)
     if dev.type != "cpu" and (blocks or convert_to in quant.ggml.BY_NAME):
         raise ConfigError(f"{dev}: ggml block experts (GGUF files, 4-bit releases, --expert-dtype int4) compute on the "

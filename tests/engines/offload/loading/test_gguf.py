@@ -170,6 +170,13 @@ def test_bad_files_fail_at_load_with_one_line(files, tmp_path):
     # --expert-dtype other than bf16
     with pytest.raises(ConfigError, match="a GGUF file's experts stay in its quant types"):
         load_model(str(path), None, expert_dtype="int8")
+    # less host memory than the experts (a cgroup limit or --host-memory): no disk tier for GGUF, one line
+    with pytest.raises(ConfigError, match=r"host memory for experts \(0.00 GiB.*smaller than this GGUF model's experts"):
+        load_model(str(path), None, host_cache=2**20)
+    from moe_offload.engines.offload.loading.convert import convert_checkpoint
+
+    with pytest.raises(ConfigError, match="the disk tier reads an expert store written from safetensors, not GGUF"):
+        convert_checkpoint(str(path))
 
 
 def test_unsupported_expert_type_names_it(tmp_path, monkeypatch):
