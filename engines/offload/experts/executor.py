@@ -233,8 +233,9 @@ class Executor:
     def _forward_fused(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0,
                        quantized=False):
         """CPU, transformers' silu gate, no biases: each tier's pairs through one kernel call, written straight into
-        their (token, k) rows; the same numbers as the per-expert path. bf16: moe_experts_bf16 (any number of
-        tokens); int8/fp8/ggml blocks (``quantized``, one token): experts_mlp_q."""
+        their (token, k) rows; the same numbers as the per-expert path. bf16: moe_experts_bf16; int8/fp8/ggml blocks
+        (``quantized``): experts_mlp_q for one token, moe_experts_q for a batched step (any number of tokens; an
+        expert with more than KERNEL_MAX_GROUP of them goes through expert_forward's GEMM)."""
         T, K = top_k_index.shape
         cache = state.cache
         x = hidden_states.contiguous() if quantized else hidden_states.to(torch.bfloat16).contiguous()  # [T, H]
@@ -243,26 +244,30 @@ class Executor:
         else:
             tok = perm // K  # [S] token of each expert-sorted pair
         proj = torch.empty(T * K, x.shape[1], dtype=x.dtype)  # [S, H] by (token, k)
-        call = torch.ops.moe_offload.moe_experts_bf16
+        ops = torch.ops.moe_offload
 
         def run(groups, weights):
             if not groups:
                 return
-            if quantized:  # one token: group g = (expert, k, 1) goes to row k
-                y = torch.ops.moe_offload.experts_mlp_q(x, [w[0] for w in weights], [dispatch.scale_arg(w[4]) for w in weights],
-                                                        [w[1] for w in weights], [dispatch.scale_arg(w[5]) for w in weights])
+            if quantized and T == 1:  # one token: group g = (expert, k, 1) goes to row k
+                y = ops.experts_mlp_q(x, [w[0] for w in weights], [dispatch.scale_arg(w[4]) for w in weights],
+                                      [w[1] for w in weights], [dispatch.scale_arg(w[5]) for w in weights])
                 proj.index_copy_(0, torch.tensor([g[1] for g in groups]), y)
-            else:
-                # an expert with more than KERNEL_MAX_GROUP tokens (prefill) goes through torch's GEMM, faster there
-                # than the few-token dot kernel (dispatch.KERNEL_MAX_GROUP says why 16); the rest in one call
-                small = [i for i, g in enumerate(groups) if g[2] <= dispatch.KERNEL_MAX_GROUP]
-                if small:
-                    call(x, [weights[i][0] for i in small], [weights[i][1] for i in small], tok, perm,
-                         [groups[i][1] for i in small], [groups[i][2] for i in small], proj)
-                for (_, start, n), w in zip(groups, weights):
-                    if n > dispatch.KERNEL_MAX_GROUP:
-                        y = expert_forward(module, x.index_select(0, tok[start : start + n]), *w)
-                        proj.index_copy_(0, perm[start : start + n], y)
+                return
+            # an expert with more than KERNEL_MAX_GROUP tokens (prefill) goes through torch's GEMM, faster there
+            # than the few-token dot kernel (dispatch.KERNEL_MAX_GROUP says why 16); the rest in one call
+            small = [i for i, g in enumerate(groups) if g[2] <= dispatch.KERNEL_MAX_GROUP]
+            if small and quantized:
+                ops.moe_experts_q(x, [weights[i][0] for i in small], [dispatch.scale_arg(weights[i][4]) for i in small],
+                                  [weights[i][1] for i in small], [dispatch.scale_arg(weights[i][5]) for i in small],
+                                  tok, perm, [groups[i][1] for i in small], [groups[i][2] for i in small], proj)
+            elif small:
+                ops.moe_experts_bf16(x, [weights[i][0] for i in small], [weights[i][1] for i in small], tok, perm,
+                                     [groups[i][1] for i in small], [groups[i][2] for i in small], proj)
+            for (_, start, n), w in zip(groups, weights):
+                if n > dispatch.KERNEL_MAX_GROUP:
+                    y = expert_forward(module, x.index_select(0, tok[start : start + n]), *w)
+                    proj.index_copy_(0, perm[start : start + n], y)
 
         t1 = time.perf_counter()
         run([g for g, _ in hits], [cache.weights[s] for _, s in hits])

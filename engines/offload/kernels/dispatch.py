@@ -100,9 +100,10 @@ def fused_experts_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def fused_experts_q_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
-    """One token's int8/fp8/ggml experts can go through moe_offload::experts_mlp_q (one call per tier): CPU, silu
-    gate on a concatenated gate|up, no biases, no post-expert norm, kernels built."""
-    return (x.dim() == 2 and x.shape[0] == 1 and w.dtype in Q_FUSED and w.is_cpu and x.is_cpu
+    """A layer's int8/fp8/ggml experts can go through moe_offload::experts_mlp_q (one token) or moe_experts_q (a
+    batched step), one call per tier: CPU, silu gate on a concatenated gate|up, no biases, no post-expert norm,
+    kernels built."""
+    return (x.dim() == 2 and w.dtype in Q_FUSED and w.is_cpu and x.is_cpu
             and _q_kernel_dtype(w, x) and not getattr(module, "has_bias", False)
             and not module.has_post_expert_norm and _is_silu_concat(module) and jit.load())
 

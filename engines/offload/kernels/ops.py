@@ -27,6 +27,10 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
   dequant_blocks(w [.., nb, S] bits8) -> fp32 [.., nb * B]   the weights ggml blocks mean (prefill, fp32 compute)
   experts_mlp_q(x [1, H], gate_ups K x, gate_up_scales K x, downs K x, down_scales K x) -> [K, H]
       K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_q of expert k
+  moe_experts_q(x [T, H], gate_ups J x, gate_up_scales J x, downs J x, down_scales J x, tok [S], perm [S], starts [J],
+                counts [J], out [R, H] (mutated, x's dtype)) -> ()
+      moe_experts_bf16's contract for int8|fp8|ggml experts: each weight row read once for its expert's pairs, every
+      pair's row bit-identical to expert_mlp_q of its token alone
   decode_layer_bf16(h [M, H], add [M, H]?, ln1 [H], eps, wq [Hq*D, H], wk [Hkv*D, H], wv [Hkv*D, H], bq?, bk?, bv?,
                     qn?, kn?, cos [M, RD], sin [M, RD] (RD <= D: partial), kpool [R, Hkv, D] (mutated),
                     vpool [R, Hkv, D] (mutated), blocks [M, NB] int64, lens [M] int64, bs, scaling, window,
@@ -99,6 +103,10 @@ def _experts_q(x, gate_ups, gate_up_scales, downs, down_scales):
     return x.new_empty((len(gate_ups), downs[0].shape[0]))
 
 
+def _moe_experts_q(x, gate_ups, gate_up_scales, downs, down_scales, tok, perm, starts, counts, out):
+    return None
+
+
 def _dequant_blocks(w):
     from moe_offload.control.vocab import GGML_BLOCKS
 
@@ -141,6 +149,7 @@ FAKES = {
     "gemv_q": _gemv_q,
     "expert_mlp_q": _expert_q,
     "experts_mlp_q": _experts_q,
+    "moe_experts_q": _moe_experts_q,
     "dequant_blocks": _dequant_blocks,
     "decode_layer_bf16": _decode_layer,
     "rmsnorm_bf16": _rmsnorm,

@@ -146,3 +146,13 @@ ops = torch.ops.moe_offload
     r = subprocess.run([sys.executable, "-c", code], env={**os.environ, jit.ENV: variant}, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def routed_pairs(T: int, K: int, E: int, seed: int = 0):
+    """A step's routing as the executor sorts it: top [T, K] experts, the expert-sorted pairs' token (tok) and (token, k)
+    row (perm), and per routed expert its first pair and count."""
+    top = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(seed + t))[:K] for t in range(T)])
+    sorted_ids, perm = torch.sort(top.reshape(-1), stable=True)
+    uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    starts = [0, *torch.cumsum(counts, 0)[:-1].tolist()]
+    return top, perm // K, perm, uniq.tolist(), starts, counts.tolist()

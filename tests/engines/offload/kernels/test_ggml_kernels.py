@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from offload_helpers import routed_pairs
 
 from moe_offload.engines.offload.kernels import dispatch, jit
 from moe_offload.engines.offload.loading import ggml, quant
@@ -105,6 +106,25 @@ def test_expert_mlps(ops, up_name, down_name, xdtype):
                        * (x.double() @ ggml.reference_dequantize(ups[k]).double().T[:, I:]),
                        ggml.reference_dequantize(dns[k]).double())
         assert (one.double() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("up_name,down_name", [("q4_k", "q6_k"), ("q8_0", "q8_0"), ("q5_k", "q4_0")])
+def test_moe_experts_q_batched_step(ops, up_name, down_name):
+    # a batched decode step of block experts in one call: every (token, k) row equals that token alone through
+    # expert_mlp_q (each weight row decoded once from memory for the expert's tokens, the sums per token unchanged)
+    T, K, E, H, I = 12, 4, 8, 256, 512
+    ups = [blocks(2 * I, H, up_name, seed=s) for s in range(E)]
+    dns = [blocks(H, I, down_name, seed=20 + s) for s in range(E)]
+    x = torch.randn(T, H).to(torch.bfloat16)
+    top, tok, perm, experts, starts, counts = routed_pairs(T, K, E, seed=3)
+    out = torch.full((T * K, H), float("nan")).to(torch.bfloat16)
+    ops.moe_experts_q(x, [ups[e] for e in experts], [dispatch.NO_SCALE] * len(experts), [dns[e] for e in experts],
+                      [dispatch.NO_SCALE] * len(experts), tok, perm, starts, counts, out)
+    for t in range(T):
+        for k in range(K):
+            e = int(top[t, k])
+            one = ops.expert_mlp_q(x[t : t + 1], ups[e], dispatch.NO_SCALE, dns[e], dispatch.NO_SCALE)[0]
+            assert torch.equal(out[t * K + k], one), (t, k)
 
 
 def test_results_do_not_depend_on_thread_count(ops):

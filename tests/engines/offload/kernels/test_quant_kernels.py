@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from offload_helpers import routed_pairs
 
 from moe_offload.engines.offload.kernels import dispatch, jit
 from moe_offload.engines.offload.loading import quant
@@ -212,6 +213,39 @@ def test_experts_mlp_is_bit_identical_to_one_expert_at_a_time(ops, fmt, H, I, K,
     assert y.shape == (K, H) and y.dtype == xdtype
     for k, (up, us, dn, ds) in enumerate(weights):
         assert torch.equal(y[k], ops.expert_mlp_q(x, up, us, dn, ds)[0]), k
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("T,K,E,H,I", [(1, 2, 4, 77, 45), (5, 3, 4, 64, 32), (16, 8, 32, 256, 128)])
+@pytest.mark.parametrize("xdtype", [torch.float32, BF])
+def test_moe_experts_q_rows_equal_each_token_through_its_expert_alone(ops, fmt, T, K, E, H, I, xdtype):
+    # a batched step's pairs in one call (each weight row read once for its expert's tokens): pair (t, k) lands in
+    # out[t * K + k] and equals expert_mlp_q of token t alone, so a token's output does not depend on the batch
+    weights = []
+    for e in range(E):
+        up, us = quant.quantize(_rand(2 * I, H, seed=H + e), fmt, I)
+        dn, ds = quant.quantize(_rand(H, I, seed=I + e), fmt)
+        weights.append((up, us, dn, ds))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(xdtype)
+    top, tok, perm, experts, starts, counts = routed_pairs(T, K, E)
+    out = torch.full((T * K, H), float("nan")).to(xdtype)
+    ops.moe_experts_q(x, *[[weights[e][i] for e in experts] for i in range(4)], tok, perm, starts, counts, out)
+    for t in range(T):
+        for k in range(K):
+            up, us, dn, ds = weights[int(top[t, k])]
+            assert torch.equal(out[t * K + k], ops.expert_mlp_q(x[t : t + 1], up, us, dn, ds)[0]), (t, k)
+
+
+def test_moe_experts_q_rejects_bad_pairs_and_out(ops):
+    up, us = quant.quantize(_rand(32, 16), "int8", 16)
+    dn, ds = quant.quantize(_rand(16, 16), "int8")
+    x, out = torch.randn(2, 16), torch.empty(4, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.moe_experts_q(x, [up], [us], [dn], [ds], torch.tensor([0, 5]), torch.tensor([0, 1]), [0], [2], out)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        ops.moe_experts_q(x, [up], [us], [dn], [ds], torch.tensor([0, 1]), torch.tensor([0, 1]), [1], [2], out)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        ops.moe_experts_q(x, [up], [us], [dn], [ds], torch.tensor([0, 1]), torch.tensor([0, 1]), [0], [2], out.to(BF))
 
 
 def test_experts_mlp_rejects_mixed_formats(ops):

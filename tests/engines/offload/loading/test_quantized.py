@@ -217,3 +217,27 @@ def test_one_token_int8_steps_take_one_call_per_tier(checkpoints, monkeypatch):
     per_expert = greedy(om.model, PROMPT, 6)
     assert not calls
     assert fused[0] == per_expert[0] and torch.equal(fused[1], per_expert[1])
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_batched_int8_step_gives_each_token_its_own_numbers(checkpoints, monkeypatch, fraction):
+    # a batched decode step's int8 experts go through one moe_experts_q call per tier, and each token's MoE output
+    # is exactly what it gets alone (one-token path): a sequence's output does not depend on what it is batched with
+    path = checkpoints("qwen3_moe")
+    layers, num_experts = moe_layers(path)
+    om = load_model(path, placement(layers, num_experts, fraction, "static"), policy="static", dtype="bfloat16",
+                    expert_dtype="int8")
+    mlp = om.model.model.layers[layers[0]].mlp
+    x = torch.randn(1, 6, om.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    calls = []
+    real = torch.ops.moe_offload.moe_experts_q
+    monkeypatch.setattr(torch.ops.moe_offload, "moe_experts_q", lambda *a: calls.append(len(a[1])) or real(*a),
+                        raising=False)
+    with torch.no_grad():
+        batched = mlp(x)
+        batched = batched[0] if isinstance(batched, tuple) else batched
+        assert calls and len(calls) <= 2
+        for t in range(6):
+            alone = mlp(x[:, t : t + 1])
+            alone = alone[0] if isinstance(alone, tuple) else alone
+            assert torch.equal(batched[0, t], alone[0, 0]), t

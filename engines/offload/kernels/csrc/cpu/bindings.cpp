@@ -18,6 +18,8 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.def("expert_mlp_q(Tensor x, Tensor gate_up, Tensor gate_up_scale, Tensor down, Tensor down_scale) -> Tensor");
   m.def("dequant_blocks(Tensor w) -> Tensor");
   m.def("experts_mlp_q(Tensor x, Tensor[] gate_ups, Tensor[] gate_up_scales, Tensor[] downs, Tensor[] down_scales) -> Tensor");
+  m.def("moe_experts_q(Tensor x, Tensor[] gate_ups, Tensor[] gate_up_scales, Tensor[] downs, Tensor[] down_scales, "
+        "Tensor tok, Tensor perm, int[] starts, int[] counts, Tensor(a!) out) -> ()");
   // decode.cpp
   m.def("decode_layer_bf16(Tensor h, Tensor? add, Tensor ln1, float eps, Tensor wq, Tensor wk, Tensor wv, Tensor? bq, "
         "Tensor? bk, Tensor? bv, Tensor? qn, Tensor? kn, Tensor cos, Tensor sin, Tensor(a!) kpool, Tensor(b!) vpool, "
@@ -44,6 +46,7 @@ TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
   m.impl("gemv_q", &moe_quant::gemv_q);
   m.impl("expert_mlp_q", &moe_quant::expert_mlp_q);
   m.impl("experts_mlp_q", &moe_quant::experts_mlp_q);
+  m.impl("moe_experts_q", &moe_quant::moe_experts_q);
   m.impl("dequant_blocks", &moe_quant::dequant_blocks);
   m.impl("decode_layer_bf16", &moe_cpu::decode_layer_bf16);
   m.impl("rmsnorm_bf16", &moe_cpu::rmsnorm_bf16);

@@ -155,8 +155,7 @@ __attribute__((optimize("fp-contract=off"))) inline void dequant_block(int type,
   }
 }
 
-// ---- one row (nb blocks) . one token's int8 activations -------------------------------------------------------------
-// xq: the token's int8 values from the row's first weight; xs: fp32 scale per L.act values; bs16: sum of xq per 16.
+// ---- rows (nb blocks each) . one token's int8 activations --------------------------------------------------------
 #if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -180,53 +179,76 @@ inline __m256i nibbles32(const uint8_t* q) {  // 16 bytes -> 32 values: low nibb
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 #endif
 
-__attribute__((always_inline)) inline float dot_row(const Layout& L, const uint8_t* w, int64_t nb, const int8_t* xq, const float* xs, const int16_t* bs16) {
 #if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
-  __m256 acc = _mm256_setzero_ps();
-  float minus = 0.0f;  // the min terms (q4_k, q5_k) and q6_k's offset of 32, subtracted at the end
+// NR rows' 8-lane sums -> out[0..NR): for 4 rows one hadd tree, which adds each row's lanes in hsum8's order
+// ((v0+v4) + (v1+v5)) + ((v2+v6) + (v3+v7)), so a row's result does not depend on how many rows share the call
+template <int NR>
+__attribute__((always_inline)) inline void hsum_rows(const __m256* v, float* out) {
+  if constexpr (NR == 4) {
+    __m128 s[4];
+    for (int r = 0; r < 4; ++r) s[r] = _mm_add_ps(_mm256_castps256_ps128(v[r]), _mm256_extractf128_ps(v[r], 1));
+    _mm_storeu_ps(out, _mm_hadd_ps(_mm_hadd_ps(s[0], s[1]), _mm_hadd_ps(s[2], s[3])));
+  } else {
+    for (int r = 0; r < NR; ++r) out[r] = hsum8(v[r]);
+  }
+}
+
+// the cache lines of one block of `bytes` at p (software prefetch: rows read in lockstep are NR streams, more than
+// the hardware prefetcher follows well)
+template <int64_t bytes>
+__attribute__((always_inline)) inline void prefetch_block(const uint8_t* p) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + o, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p) + bytes - 1, _MM_HINT_T0);
+}
+
+// NR (1..4) rows of type T, ld bytes apart, . one token's int8 activations -> out[0..NR). Each block's x is loaded
+// once for the NR rows, and their independent sums keep the core busy on short rows; each row's sum is formed
+// exactly as for NR = 1 (same accumulators, same order, same reduction). Each block prefetches the same block NR rows
+// on: the next call's rows when the caller walks a matrix in groups of NR (moe_quant::rows_tokens does).
+template <int T, int NR>
+__attribute__((always_inline)) inline void dot_rows_t(const uint8_t* w, int64_t ld, int64_t nb, const int8_t* xq, const float* xs,
+                                                      const int16_t* bs16, float* out) {
+  __m256 acc[NR], sub[NR];  // sub: the min terms (q4_k, q5_k) and q6_k's offset of 32, subtracted at the end
+  for (int r = 0; r < NR; ++r) acc[r] = sub[r] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  switch (L.type) {
-    case Q8_0:
-      for (int64_t i = 0; i < nb; ++i, w += 34)
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(load32(w + 2), load32(xq + 32 * i))), _mm256_set1_ps(h2f(w) * xs[i]), acc);
-      return hsum8(acc);
-    case Q4_0:
-      for (int64_t i = 0; i < nb; ++i, w += 18) {
-        __m256i q = _mm256_sub_epi8(nibbles32(w + 2), _mm256_set1_epi8(8));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(q, load32(xq + 32 * i))), _mm256_set1_ps(h2f(w) * xs[i]), acc);
+  if constexpr (T == Q8_0 || T == Q4_0 || T == MXFP4) {
+    constexpr int64_t bytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : 17;
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(KV_MXFP4)));
+    for (int64_t i = 0; i < nb; ++i) {
+      const __m256i x = load32(xq + 32 * i);
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* b = w + r * ld + i * bytes;
+        prefetch_block<bytes>(b + NR * ld);
+        __m256i q;
+        float d;
+        if constexpr (T == Q8_0) { q = load32(b + 2); d = h2f(b); }
+        else if constexpr (T == Q4_0) { q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); d = h2f(b); }
+        else { q = _mm256_shuffle_epi8(lut, nibbles32(b + 1)); d = e8m0_half(b[0]); }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(q, x)), _mm256_set1_ps(d * xs[i]), acc[r]);
       }
-      return hsum8(acc);
-    case MXFP4: {
-      const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(KV_MXFP4)));
-      for (int64_t i = 0; i < nb; ++i, w += 17) {
-        __m256i q = _mm256_shuffle_epi8(lut, nibbles32(w + 1));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(q, load32(xq + 32 * i))), _mm256_set1_ps(e8m0_half(w[0]) * xs[i]), acc);
-      }
-      return hsum8(acc);
     }
-    case Q4_K:
-    case Q5_K: {
-      // per super-block: the 6-bit scales applied in integers (madd), one float step with x's scale for the 256;
-      // the mins likewise, against the sums of x per 16 (each min twice)
-      const int64_t bytes = L.bytes;
-      __m256 mins = _mm256_setzero_ps();
-      const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-      for (int64_t i = 0; i < nb; ++i, w += bytes) {
-        const uint8_t* qs = w + (L.type == Q4_K ? 16 : 48);
-        const __m256i hb = L.type == Q5_K ? load32(w + 16) : _mm256_setzero_si256();
-        _mm_prefetch(reinterpret_cast<const char*>(w) + 8 * bytes, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w) + 8 * bytes + 64, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w) + 8 * bytes + 128, _MM_HINT_T0);
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    // per super-block: the 6-bit scales applied in integers (madd), one float step with x's scale for the 256;
+    // the mins likewise, against the sums of x per 16 (each min twice)
+    constexpr int64_t bytes = T == Q4_K ? 144 : 176;
+    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    for (int64_t i = 0; i < nb; ++i) {
+      const int8_t* x = xq + 256 * i;
+      const __m256i xsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i));
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* b = w + r * ld + i * bytes;
+        const uint8_t* qs = b + (T == Q4_K ? 16 : 48);
+        const __m256i hb = T == Q5_K ? load32(b + 16) : _mm256_setzero_si256();
+        prefetch_block<bytes>(b + NR * ld);
         alignas(16) uint8_t sm[16];  // sc[0..7], m[0..7]
-        unpack_k4(w + 4, sm);
+        unpack_k4(b + 4, sm);
         const __m128i smv = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
         const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));  // 8 int16 scales, both lanes
-        const int8_t* x = xq + 256 * i;
         __m256i sumi = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
           const __m256i v = load32(qs + 32 * c);
           __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-          if (L.type == Q5_K) {
+          if constexpr (T == Q5_K) {
             const __m256i one = _mm256_set1_epi8(1);
             lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), one), 4));
             hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
@@ -237,27 +259,23 @@ __attribute__((always_inline)) inline float dot_row(const Layout& L, const uint8
           sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(x + 64 * c + 32)), s_hi));
         }
         const __m256i m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(smv, 8), dup));  // m0 m0 m1 m1 ..
-        const __m256i mprod = _mm256_madd_epi16(m16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i)));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w) * xs[i]), _mm256_cvtepi32_ps(sumi), acc);
-        mins = _mm256_fmadd_ps(_mm256_set1_ps(h2f(w + 2) * xs[i]), _mm256_cvtepi32_ps(mprod), mins);
+        const __m256i mprod = _mm256_madd_epi16(m16, xsum);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b) * xs[i]), _mm256_cvtepi32_ps(sumi), acc[r]);
+        sub[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b + 2) * xs[i]), _mm256_cvtepi32_ps(mprod), sub[r]);
       }
-      return hsum8(_mm256_sub_ps(acc, mins));
     }
-    case Q6_K: {
-      // q as unsigned 0..63 (the offset of 32 comes back through the sums of x), int8 scales per 16 applied by madd
-      const __m256i m3 = _mm256_set1_epi8(3);
-      __m256 offs = _mm256_setzero_ps();
-      for (int64_t i = 0; i < nb; ++i, w += 210) {
-        _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * 210, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * 210 + 64, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * 210 + 128, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w) + 4 * 210 + 192, _MM_HINT_T0);
-        const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));  // 16 int8 scales
-        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);                                    // as int16
-        const int8_t* x = xq + 256 * i;
+  } else {  // Q6_K: q as unsigned 0..63 (the offset of 32 comes back through the sums of x), int8 scales per 16 by madd
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int64_t i = 0; i < nb; ++i) {
+      const int8_t* x = xq + 256 * i;
+      const __m256i xsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i));
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* b = w + r * ld + i * 210;
+        prefetch_block<210>(b + NR * ld);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));  // 16 scales
         __m256i sumi = _mm256_setzero_si256();
         for (int n = 0; n < 2; ++n) {
-          const __m256i l0 = load32(w + 64 * n), l1 = load32(w + 64 * n + 32), h = load32(w + 128 + 32 * n);
+          const __m256i l0 = load32(b + 64 * n), l1 = load32(b + 64 * n + 32), h = load32(b + 128 + 32 * n);
           const __m256i q[4] = {
               _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4)),
               _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4)),
@@ -273,29 +291,60 @@ __attribute__((always_inline)) inline float dot_row(const Layout& L, const uint8
           }
         }
         // 32 * sum_j sc_j * (sum of x over the 16 values j)
-        const __m256i o = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i)));
-        const __m256 d = _mm256_set1_ps(h2f(w + 208) * xs[i]);
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc);
-        offs = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_slli_epi32(o, 5)), offs);
+        const __m256i o = _mm256_madd_epi16(sc16, xsum);
+        const __m256 d = _mm256_set1_ps(h2f(b + 208) * xs[i]);
+        acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc[r]);
+        sub[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_slli_epi32(o, 5)), sub[r]);
       }
-      return hsum8(_mm256_sub_ps(acc, offs));
     }
   }
-  return 0.0f;
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_sub_ps(acc[r], sub[r]);
+  hsum_rows<NR>(acc, out);
+}
+
+template <int T>
+inline void dot_rows_n(const uint8_t* w, int64_t ld, int64_t nb, const int8_t* xq, const float* xs, const int16_t* bs16,
+                       int n, float* out) {
+  switch (n) {
+    case 4: dot_rows_t<T, 4>(w, ld, nb, xq, xs, bs16, out); return;
+    case 3: dot_rows_t<T, 3>(w, ld, nb, xq, xs, bs16, out); return;
+    case 2: dot_rows_t<T, 2>(w, ld, nb, xq, xs, bs16, out); return;
+    default: dot_rows_t<T, 1>(w, ld, nb, xq, xs, bs16, out); return;
+  }
+}
+#endif
+
+// n (1..4) rows (nb blocks each, ld bytes apart) . one token's int8 activations -> out[0..n).
+// xq: the token's int8 values from the row's first weight; xs: fp32 scale per L.act values; bs16: sum of xq per 16.
+inline void dot_rows(const Layout& L, const uint8_t* w, int64_t ld, int64_t nb, const int8_t* xq, const float* xs,
+                     const int16_t* bs16, int n, float* out) {
+#if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
+  switch (L.type) {
+    case Q8_0: dot_rows_n<Q8_0>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case Q4_0: dot_rows_n<Q4_0>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case MXFP4: dot_rows_n<MXFP4>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case Q4_K: dot_rows_n<Q4_K>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case Q5_K: dot_rows_n<Q5_K>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case Q6_K: dot_rows_n<Q6_K>(w, ld, nb, xq, xs, bs16, n, out); return;
+  }
 #else
   int8_t v[256];
-  float sc16[16], mn16[16], total = 0.0f;
+  float sc16[16], mn16[16];
   const int64_t B = L.block;
-  for (int64_t i = 0; i < nb; ++i, w += L.bytes) {
-    decode(L.type, w, v, sc16, mn16);
-    for (int64_t s = 0; s < B / 16; ++s) {
-      const int64_t e0 = i * B + 16 * s;
-      int32_t acc = 0;
-      for (int l = 0; l < 16; ++l) acc += int32_t(v[16 * s + l]) * int32_t(xq[e0 + l]);
-      total += xs[e0 / L.act] * (sc16[s] * float(acc) - mn16[s] * float(bs16[e0 / 16]));
+  for (int r = 0; r < n; ++r) {
+    const uint8_t* b = w + r * ld;
+    float total = 0.0f;
+    for (int64_t i = 0; i < nb; ++i, b += L.bytes) {
+      decode(L.type, b, v, sc16, mn16);
+      for (int64_t s = 0; s < B / 16; ++s) {
+        const int64_t e0 = i * B + 16 * s;
+        int32_t acc = 0;
+        for (int l = 0; l < 16; ++l) acc += int32_t(v[16 * s + l]) * int32_t(xq[e0 + l]);
+        total += xs[e0 / L.act] * (sc16[s] * float(acc) - mn16[s] * float(bs16[e0 / 16]));
+      }
     }
+    out[r] = total;
   }
-  return total;
 #endif
 }
 

@@ -139,6 +139,9 @@ at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Ten
                         const at::Tensor& dn_s);
 at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns,
                          at::TensorList dn_s);
+void moe_experts_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s,
+                   const at::Tensor& tok, const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts,
+                   const at::Tensor& out);
 at::Tensor dequant_blocks(const at::Tensor& w);
 
 }  // namespace moe_quant

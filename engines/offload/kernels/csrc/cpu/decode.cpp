@@ -101,13 +101,13 @@ void project_q(const std::vector<moe_quant::Weight>& ws, const std::vector<const
   at::parallel_for(0, N, std::max<int64_t>(1, moe_quant::grain(ws[0].ld) / M), [&](int64_t s, int64_t e) {
     size_t m = 0;
     int64_t lo = 0;
-    for (int64_t i = s; i < e; ++i) {
+    for (int64_t i = s; i < e;) {  // rows of one weight at a time
       while (i >= cut[m]) lo = cut[m++];
-      const int64_t r = i - lo;
-      for (int64_t tok = 0; tok < M; ++tok) {
-        const float v = moe_quant::row_dot(ws[m], r, *tw[m], tok) + (bs[m] ? bf2f(bs[m][r]) : 0.0f);
-        out[tok * N + i] = f2bf(v);
-      }
+      const int64_t stop = std::min(e, cut[m]);
+      moe_quant::rows_tokens(ws[m], i - lo, stop - lo, *tw[m], nullptr, M, [&](int64_t tok, int64_t r, float v) {
+        out[tok * N + lo + r] = f2bf(v + (bs[m] ? bf2f(bs[m][r]) : 0.0f));
+      });
+      i = stop;
     }
   });
 }

@@ -10,6 +10,7 @@
 //                  intermediates rounded to x's dtype where the unfused path (gemv_q, torch silu, gemv_q) rounds
 //   dequant_blocks: ggml blocks [.., nb, S] -> fp32 [.., K]
 //   experts_mlp_q: K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_q of expert k
+//   moe_experts_q: a step's routed pairs through their experts, each weight row read once for its expert's pairs
 // Legend: N tokens, K input features, R output rows, H hidden, I expert intermediate (2I gate|up rows).
 #include <type_traits>
 
@@ -73,11 +74,10 @@ void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t, int
 // out[i, r] for rows [begin, end): fp32 results (+bias), written as the output dtype
 template <typename Out>
 void rows_range(const Weight& W, const Tokens& t, const float* bias, int64_t begin, int64_t end, Out* out, int64_t out_ld) {
-  for (int64_t r = begin; r < end; ++r)
-    for (int64_t i = 0; i < t.n; ++i) {
-      float v = row_dot(W, r, t, i) + (bias ? bias[r] : 0.0f);
-      if constexpr (std::is_same<Out, float>::value) out[i * out_ld + r] = v; else out[i * out_ld + r] = f2bf(v);
-    }
+  rows_tokens(W, begin, end, t, nullptr, t.n, [&](int64_t i, int64_t r, float v) {
+    v += bias ? bias[r] : 0.0f;
+    if constexpr (std::is_same<Out, float>::value) out[i * out_ld + r] = v; else out[i * out_ld + r] = f2bf(v);
+  });
 }
 
 Weight weight_of(const at::Tensor& w, const at::Tensor& s, int64_t split, const char* what) {
@@ -198,52 +198,124 @@ at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Ten
   return out;
 }
 
-// K experts of one token (int8 or fp8, silu gate on a concatenated gate|up, no biases) in two parallel passes, one
-// over every expert's gate|up rows and one over every expert's down rows: row k is bit-identical to expert_mlp_q of
-// expert k (the same prepared x, row dots, roundings and per-expert prepared h). out [K, H] in x's dtype.
-at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s) {
+// Experts' gate|up and down as stored, checked: one dtype, shape and block type per projection across the experts
+void expert_set(at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s, const char* what,
+                std::vector<Weight>& U, std::vector<Weight>& D) {
   const int64_t K = (int64_t)ups.size();
-  TORCH_CHECK(K >= 1 && up_s.size() == ups.size() && dns.size() == ups.size() && dn_s.size() == ups.size(),
-              "experts_mlp_q: expected as many gate_ups, gate_up scales, downs and down scales (>= 1), got ", ups.size(), ", ",
+  TORCH_CHECK(K >= 1 && up_s.size() == ups.size() && dns.size() == ups.size() && dn_s.size() == ups.size(), what,
+              ": expected as many gate_ups, gate_up scales, downs and down scales (>= 1), got ", ups.size(), ", ",
               up_s.size(), ", ", dns.size(), ", ", dn_s.size());
-  std::vector<Weight> U(K), D(K);
+  U.resize(K); D.resize(K);
   for (int64_t k = 0; k < K; ++k) {
-    expert_pair(ups[k], up_s[k], dns[k], dn_s[k], "experts_mlp_q", U[k], D[k]);
+    expert_pair(ups[k], up_s[k], dns[k], dn_s[k], what, U[k], D[k]);
     TORCH_CHECK(ups[k].scalar_type() == ups[0].scalar_type() && D[k].rows == D[0].rows && D[k].k == D[0].k
-                && U[k].gl.type == U[0].gl.type,
-                "experts_mlp_q: expected experts of one dtype and shape, got ", ups[k].scalar_type(), " ", ups[k].sizes(),
+                && U[k].gl.type == U[0].gl.type && D[k].gl.type == D[0].gl.type, what,
+                ": expected experts of one dtype, shape and block type, got ", ups[k].scalar_type(), " ", ups[k].sizes(),
                 " after ", ups[0].scalar_type(), " ", ups[0].sizes());
   }
-  const int64_t H = D[0].rows, I = D[0].k, I2 = 2 * I;
-  at::Tensor xc = tokens_of(x, H, "experts_mlp_q x");
-  TORCH_CHECK(xc.numel() == H, "experts_mlp_q x: expected one token, got ", x.sizes());
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  Tokens t;
-  prepare(xc, 1, H, U[0], t);
-  std::vector<float> gu(K * I2);  // fp32 results, rounded below exactly as rows_range's output dtype would be
-  at::parallel_for(0, K * I2, grain(U[0].ld), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) gu[r] = row_dot(U[r / I2], r % I2, t, 0);
+}
+
+// P routed pairs through their experts (silu gate on a concatenated gate|up, no biases) in two parallel passes, one
+// over every expert's gate|up rows and one over every expert's down rows; expert j takes pairs [first[j], first[j+1]),
+// pair p reads prepared token xi[p] of t and writes out row oi[p] (x's dtype, H wide). Each weight row is read from
+// memory once for all of its expert's pairs; each pair's numbers are expert_mlp_q's for that token alone (the same
+// prepared x, row dots, roundings and prepared h: prepare quantizes each token on its own).
+void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const std::vector<int64_t>& first,
+               const Tokens& t, const int64_t* xi, const int64_t* oi, bool bf, void* out) {
+  const int64_t J = (int64_t)U.size(), H = D[0].rows, I = D[0].k, I2 = 2 * I, P = first[J];
+  std::vector<float> gu(P * I2);  // fp32 results, rounded below exactly as rows_range's output dtype would be
+  const int64_t avg = std::max<int64_t>(1, P / J);
+  at::parallel_for(0, J * I2, std::max<int64_t>(1, grain(U[0].ld) / avg), [&](int64_t b, int64_t e) {
+    while (b < e) {  // a task may span experts: split it at expert boundaries
+      const int64_t j = b / I2, stop = std::min(e, (j + 1) * I2);
+      rows_tokens(U[j], b - j * I2, stop - j * I2, t, xi + first[j], first[j + 1] - first[j],
+                  [&](int64_t q, int64_t r, float v) { gu[(first[j] + q) * I2 + r] = v; });
+      b = stop;
+    }
   });
-  std::vector<Tokens> th(K);
-  at::Tensor h = at::empty({1, I}, x.options());
-  for (int64_t k = 0; k < K; ++k) {
+  at::Tensor h = at::empty({P, I}, at::TensorOptions().dtype(bf ? at::kBFloat16 : at::kFloat));
+  for (int64_t p = 0; p < P; ++p)
     for (int64_t i = 0; i < I; ++i) {
-      float g = gu[k * I2 + i], u = gu[k * I2 + I + i];
+      float g = gu[p * I2 + i], u = gu[p * I2 + I + i];
       if (bf) { g = bf2f(f2bf(g)); u = bf2f(f2bf(u)); }
       float s = g / (1.0f + std::exp(-g));
-      if (bf) reinterpret_cast<uint16_t*>(h.data_ptr())[i] = f2bf(bf2f(f2bf(s)) * u);
-      else h.data_ptr<float>()[i] = s * u;
+      if (bf) reinterpret_cast<uint16_t*>(h.data_ptr())[p * I + i] = f2bf(bf2f(f2bf(s)) * u);
+      else h.data_ptr<float>()[p * I + i] = s * u;
     }
-    prepare(h, 1, I, D[k], th[k]);
-  }
-  at::Tensor out = at::empty({K, H}, x.options());
-  at::parallel_for(0, K * H, grain(D[0].ld), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const float v = row_dot(D[r / H], r % H, th[r / H], 0);
-      if (bf) reinterpret_cast<uint16_t*>(out.data_ptr())[r] = f2bf(v); else out.data_ptr<float>()[r] = v;
+  Tokens th;
+  prepare(h, P, I, D[0], th);
+  std::vector<int64_t> pi(P);  // pair p reads row p of th
+  for (int64_t p = 0; p < P; ++p) pi[p] = p;
+  at::parallel_for(0, J * H, std::max<int64_t>(1, grain(D[0].ld) / avg), [&](int64_t b, int64_t e) {
+    while (b < e) {
+      const int64_t j = b / H, stop = std::min(e, (j + 1) * H);
+      rows_tokens(D[j], b - j * H, stop - j * H, th, pi.data() + first[j], first[j + 1] - first[j], [&](int64_t q, int64_t r, float v) {
+        const int64_t o = oi[first[j] + q] * H + r;
+        if (bf) reinterpret_cast<uint16_t*>(out)[o] = f2bf(v); else reinterpret_cast<float*>(out)[o] = v;
+      });
+      b = stop;
     }
   });
+}
+
+// K experts of one token: row k is bit-identical to expert_mlp_q of expert k. out [K, H] in x's dtype.
+at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s) {
+  std::vector<Weight> U, D;
+  expert_set(ups, up_s, dns, dn_s, "experts_mlp_q", U, D);
+  const int64_t K = (int64_t)U.size(), H = D[0].rows;
+  at::Tensor xc = tokens_of(x, H, "experts_mlp_q x");
+  TORCH_CHECK(xc.numel() == H, "experts_mlp_q x: expected one token, got ", x.sizes());
+  Tokens t;
+  prepare(xc, 1, H, U[0], t);
+  std::vector<int64_t> first(K + 1), xi(K, 0), oi(K);
+  for (int64_t k = 0; k <= K; ++k) first[k] = k;
+  for (int64_t k = 0; k < K; ++k) oi[k] = k;
+  at::Tensor out = at::empty({K, H}, x.options());
+  pairs_mlp(U, D, first, t, xi.data(), oi.data(), x.scalar_type() == at::kBFloat16, out.data_ptr());
   return out;
+}
+
+// A step's routed pairs through their experts, one call per layer and tier (moe_experts_bf16's contract for the
+// quantized formats): expert j takes the pairs s in [starts[j], starts[j] + counts[j]) of the expert-sorted pair
+// list, pair s reading token x[tok[s]] and writing out[perm[s]]; each pair's numbers are expert_mlp_q's for its
+// token alone, so a token's result does not depend on the others in the step.
+void moe_experts_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s,
+                   const at::Tensor& tok, const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts,
+                   const at::Tensor& out) {
+  const int64_t J = (int64_t)ups.size();
+  TORCH_CHECK(J == (int64_t)starts.size() && J == (int64_t)counts.size(), "moe_experts_q: expected as many gate_ups, ",
+              "starts and counts, got ", J, ", ", starts.size(), ", ", counts.size());
+  if (J == 0) return;
+  std::vector<Weight> U, D;
+  expert_set(ups, up_s, dns, dn_s, "moe_experts_q", U, D);
+  const int64_t H = D[0].rows;
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.dim() == 2
+              && x.size(1) == H && x.is_contiguous(), "moe_experts_q x: expected contiguous bf16 or fp32 CPU tokens [T, ",
+              H, "], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == x.scalar_type() && out.dim() == 2 && out.size(1) == H
+              && out.is_contiguous(), "moe_experts_q out: expected a contiguous CPU tensor [S, ", H, "] of x's dtype, got ",
+              out.scalar_type(), " ", out.sizes());
+  TORCH_CHECK(tok.scalar_type() == at::kLong && perm.scalar_type() == at::kLong && tok.is_contiguous() && perm.is_contiguous()
+              && tok.numel() == perm.numel(), "moe_experts_q: expected int64 tok and perm of the same length");
+  const int64_t* tp = tok.data_ptr<int64_t>();
+  const int64_t* pp = perm.data_ptr<int64_t>();
+  const int64_t S = tok.numel(), T = x.size(0), R = out.size(0);
+  std::vector<int64_t> first(J + 1, 0);
+  for (int64_t j = 0; j < J; ++j) {
+    TORCH_CHECK(starts[j] >= 0 && counts[j] >= 0 && starts[j] + counts[j] <= S, "moe_experts_q: pair range ", j, " out of bounds");
+    first[j + 1] = first[j] + counts[j];
+  }
+  std::vector<int64_t> xi(first[J]), oi(first[J]);
+  for (int64_t j = 0; j < J; ++j)
+    for (int64_t q = 0; q < counts[j]; ++q) {
+      const int64_t s = starts[j] + q;
+      TORCH_CHECK(tp[s] >= 0 && tp[s] < T && pp[s] >= 0 && pp[s] < R, "moe_experts_q: token or output row out of range");
+      xi[first[j] + q] = tp[s];
+      oi[first[j] + q] = pp[s];
+    }
+  Tokens t;
+  prepare(x, T, H, U[0], t);
+  pairs_mlp(U, D, first, t, xi.data(), oi.data(), x.scalar_type() == at::kBFloat16, out.data_ptr());
 }
 
 // ggml blocks [.., nb, S] -> the fp32 weights [.., nb * B] they mean (blocks.h's decode; the prefill / fp32 path)

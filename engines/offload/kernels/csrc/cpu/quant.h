@@ -2,7 +2,7 @@
 // dot products per format and ISA (the only ISA #ifs besides vec.h). Used by moe_quant.cpp (gemv_q, the expert
 // MLPs) and decode.cpp (int8 attention projections, --dense-dtype int8).
 //
-//   x [N, K] bf16|fp32 --prepare--> Tokens (once per call) --row_dot(W, r, t, i)--> fp32 y[i, r]
+//   x [N, K] bf16|fp32 --prepare--> Tokens (once per call) --rows_dot(W, r, n, t, i)--> fp32 y[i, r .. r+n)
 //
 // Formats (what the host store and the slots hold, byte for byte):
 //   int8   w int8 [R, K] + w_scale fp32 [R] (per output row, symmetric, |q| <= 127): w ~ q * s.
@@ -281,17 +281,37 @@ struct Weight {
   moe_blocks::Layout gl;  // ggml: the block type (nb = k / gl.block blocks per row)
 };
 
-__attribute__((always_inline)) inline float row_dot(const Weight& W, int64_t r, const Tokens& t, int64_t i) {
+// rows r .. r+n-1 (n <= ROWS) . prepared token i -> out[0..n): ggml blocks n rows per call (blocks.h: x loaded once
+// for them, each row's sum as alone), the other formats row by row
+constexpr int ROWS = 4;
+__attribute__((always_inline)) inline void rows_dot(const Weight& W, int64_t r, int n, const Tokens& t, int64_t i, float* out) {
   const uint8_t* row = W.w + r * W.ld;
-  if (W.fmt == 'q') return W.s[r] * dot_q8(reinterpret_cast<const int8_t*>(row), t, i);
-  if (W.fmt == 'f') {
-    int64_t rb = r < W.split ? r / FB : (W.split + FB - 1) / FB + (r - W.split) / FB;
-    return dot_fp8(row, W.s + rb * W.s_ld, t, i);
+  if (W.fmt == 'g') {
+    moe_blocks::dot_rows(W.gl, row, W.ld, W.k / W.gl.block, t.q.data() + i * t.kp, t.qs.data() + i * (t.kp / t.qb),
+                         t.bs16.data() + i * (t.kp / 16), n, out);
+    return;
   }
-  if (W.fmt == 'g')
-    return moe_blocks::dot_row(W.gl, row, W.k / W.gl.block, t.q.data() + i * t.kp, t.qs.data() + i * (t.kp / t.qb),
-                               t.bs16.data() + i * (t.kp / 16));
-  return dot_mxfp4(row, W.ms + r * W.s_ld, t, i);
+  for (int m = 0; m < n; ++m, ++r, row += W.ld) {
+    if (W.fmt == 'q') out[m] = W.s[r] * dot_q8(reinterpret_cast<const int8_t*>(row), t, i);
+    else if (W.fmt == 'f') {
+      int64_t rb = r < W.split ? r / FB : (W.split + FB - 1) / FB + (r - W.split) / FB;
+      out[m] = dot_fp8(row, W.s + rb * W.s_ld, t, i);
+    } else out[m] = dot_mxfp4(row, W.ms + r * W.s_ld, t, i);
+  }
+}
+
+// rows [begin, end) . the tokens xi[0..np) of t, in groups of ROWS rows, each group read from memory once for all the
+// tokens: emit(p, r, value) for every (token p, row r)
+template <typename Emit>
+inline void rows_tokens(const Weight& W, int64_t begin, int64_t end, const Tokens& t, const int64_t* xi, int64_t np, Emit emit) {
+  float v[ROWS];
+  for (int64_t r = begin; r < end; r += ROWS) {
+    const int n = int(std::min<int64_t>(ROWS, end - r));
+    for (int64_t p = 0; p < np; ++p) {
+      rows_dot(W, r, n, t, xi ? xi[p] : p, v);
+      for (int m = 0; m < n; ++m) emit(p, r + m, v[m]);
+    }
+  }
 }
 
 inline int64_t grain(int64_t row_bytes) { return std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(1, row_bytes)); }
