@@ -248,6 +248,16 @@ def test_moe_experts_q_rejects_bad_pairs_and_out(ops):
         ops.moe_experts_q(x, [up], [us], [dn], [ds], torch.tensor([0, 1]), torch.tensor([0, 1]), [0], [2], out.to(BF))
 
 
+@pytest.mark.parametrize("K", [64, 97, 1024])
+def test_int8_row_in_a_group_equals_the_row_alone(ops, K):
+    # int8 rows are dotted up to four per call on AVX2; each row's sum is formed as when alone (tail block included)
+    w, s = quant.quantize(_rand(7, K, seed=K), "int8")
+    x = torch.randn(3, K).to(BF)
+    all_rows = ops.gemv_q(x, w, s)
+    for r in range(7):
+        assert torch.equal(all_rows[:, r : r + 1], ops.gemv_q(x, w[r : r + 1], s[r : r + 1])), r
+
+
 def test_experts_mlp_rejects_mixed_formats(ops):
     up, us = quant.quantize(_rand(32, 16), "int8", 16)
     dn, ds = quant.quantize(_rand(16, 16), "int8")

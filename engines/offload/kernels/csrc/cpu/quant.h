@@ -153,6 +153,53 @@ inline float dot_q8(const int8_t* w, const Tokens& t, int64_t i) {
 #endif
 }
 
+#if defined(MOE_AVX2) && !defined(MOE_AVX512BF16)
+// dot_q8 of NR (1..4) rows ld bytes apart at once (AVX2): x's |q|, its sign and the block scales loaded once for the
+// rows, each row's sum formed exactly as dot_q8 forms it (same accumulators and order, hsum8's reduction, the tail
+// block last), and the same column of the next group of NR rows prefetched
+template <int NR>
+__attribute__((always_inline)) inline void dot_q8_rows(const int8_t* w, int64_t ld, const Tokens& t, int64_t i, float* out) {
+  const int64_t k = t.k;
+  const int8_t* xq = t.q.data() + i * t.kp;
+  const float* qs = t.qs.data() + i * (t.kp / QB);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 a0[NR], a1[NR];
+  for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 64 <= k; j += 64) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + j)), x1 = _mm256_loadu_si256((const __m256i*)(xq + j + 32));
+    const __m256i ax0 = _mm256_sign_epi8(x0, x0), ax1 = _mm256_sign_epi8(x1, x1);
+    const __m256 s0 = _mm256_set1_ps(qs[j / QB]), s1 = _mm256_set1_ps(qs[j / QB + 1]);
+    for (int r = 0; r < NR; ++r) {
+      const int8_t* wr = w + r * ld + j;
+      _mm_prefetch(reinterpret_cast<const char*>(wr + 2 * NR * ld), _MM_HINT_T0);
+      const __m256i w0 = _mm256_loadu_si256((const __m256i*)wr), w1 = _mm256_loadu_si256((const __m256i*)(wr + 32));
+      const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax0, _mm256_sign_epi8(w0, x0)), ones);
+      const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax1, _mm256_sign_epi8(w1, x1)), ones);
+      a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), s0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), s1, a1[r]);
+    }
+  }
+  for (; j + 32 <= k; j += 32) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + j)), ax0 = _mm256_sign_epi8(x0, x0);
+    const __m256 s0 = _mm256_set1_ps(qs[j / QB]);
+    for (int r = 0; r < NR; ++r) {
+      const __m256i w0 = _mm256_loadu_si256((const __m256i*)(w + r * ld + j));
+      a0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ax0, _mm256_sign_epi8(w0, x0)), ones)),
+                              s0, a0[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) a0[r] = _mm256_add_ps(a0[r], a1[r]);
+  moe_blocks::hsum_rows<NR>(a0, out);
+  if (j < k)  // tail block: plain integer sum
+    for (int r = 0; r < NR; ++r) {
+      int32_t acc = 0;
+      for (int64_t l = j; l < k; ++l) acc += int32_t(xq[l]) * int32_t(w[r * ld + l]);
+      out[r] += float(acc) * qs[j / QB];
+    }
+}
+#endif
+
 // fp8: sum over 128-column blocks of scale[block] * sum_j x_j * fp8(w_j); srow = the row's scale row (ceil(K/128)).
 // e4m3 -> fp16 bits: the byte sign-extended to 16 bits and shifted left by 7 puts the sign in bit 15 and exponent +
 // mantissa in bits 7..13 (bit 14, a copy of the sign, is cleared): the fp16 value is the e4m3 value * 2^-8, exactly
@@ -281,8 +328,8 @@ struct Weight {
   moe_blocks::Layout gl;  // ggml: the block type (nb = k / gl.block blocks per row)
 };
 
-// rows r .. r+n-1 (n <= ROWS) . prepared token i -> out[0..n): ggml blocks n rows per call (blocks.h: x loaded once
-// for them, each row's sum as alone), the other formats row by row
+// rows r .. r+n-1 (n <= ROWS) . prepared token i -> out[0..n): ggml blocks and (AVX2) int8 n rows per call (x loaded
+// once for them, each row's sum as alone), the other formats row by row
 constexpr int ROWS = 4;
 __attribute__((always_inline)) inline void rows_dot(const Weight& W, int64_t r, int n, const Tokens& t, int64_t i, float* out) {
   const uint8_t* row = W.w + r * W.ld;
@@ -291,6 +338,19 @@ __attribute__((always_inline)) inline void rows_dot(const Weight& W, int64_t r, 
                          t.bs16.data() + i * (t.kp / 16), n, out);
     return;
   }
+#if defined(MOE_AVX2) && !defined(MOE_AVX512BF16)
+  if (W.fmt == 'q') {
+    const int8_t* q = reinterpret_cast<const int8_t*>(row);
+    switch (n) {
+      case 4: dot_q8_rows<4>(q, W.ld, t, i, out); break;
+      case 3: dot_q8_rows<3>(q, W.ld, t, i, out); break;
+      case 2: dot_q8_rows<2>(q, W.ld, t, i, out); break;
+      default: dot_q8_rows<1>(q, W.ld, t, i, out); break;
+    }
+    for (int m = 0; m < n; ++m) out[m] *= W.s[r + m];
+    return;
+  }
+#endif
   for (int m = 0; m < n; ++m, ++r, row += W.ld) {
     if (W.fmt == 'q') out[m] = W.s[r] * dot_q8(reinterpret_cast<const int8_t*>(row), t, i);
     else if (W.fmt == 'f') {
