@@ -250,9 +250,15 @@ class Executor:
             if not groups:
                 return
             if quantized and T == 1:  # one token: group g = (expert, k, 1) goes to row k
+                if len(groups) == K:  # the whole token in this tier: its experts in k order, rows written as they are
+                    order = sorted(range(K), key=lambda i: groups[i][1])
+                    groups, weights = [groups[i] for i in order], [weights[i] for i in order]
                 y = ops.experts_mlp_q(x, [w[0] for w in weights], [dispatch.scale_arg(w[4]) for w in weights],
                                       [w[1] for w in weights], [dispatch.scale_arg(w[5]) for w in weights])
-                proj.index_copy_(0, torch.tensor([g[1] for g in groups]), y)
+                if len(groups) == K:
+                    proj.copy_(y)
+                else:
+                    proj.index_copy_(0, torch.tensor([g[1] for g in groups]), y)
                 return
             # an expert with more than KERNEL_MAX_GROUP tokens (prefill) goes through torch's GEMM, faster there
             # than the few-token dot kernel (dispatch.KERNEL_MAX_GROUP says why 16); the rest in one call

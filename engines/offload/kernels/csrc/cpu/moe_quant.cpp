@@ -19,55 +19,64 @@
 
 namespace moe_quant {
 
-void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t, int64_t qb) {
+void prepare_init(int64_t n, int64_t k, char fmt, Tokens& t, int64_t qb) {
   t.n = n; t.k = k; t.kp = (k + 63) / 64 * 64; t.qb = qb;
   TORCH_CHECK(t.kp % qb == 0, "prepare: ", k, " features do not fill blocks of ", qb);
-  std::vector<float> xf(n * t.kp, 0.0f);
-  if (x.scalar_type() == at::kBFloat16) {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    for (int64_t i = 0; i < n; ++i) for (int64_t j = 0; j < k; ++j) xf[i * t.kp + j] = bf2f(p[i * k + j]);
-  } else {
-    const float* p = x.data_ptr<float>();
-    for (int64_t i = 0; i < n; ++i) std::memcpy(xf.data() + i * t.kp, p + i * k, k * sizeof(float));
-  }
-  if (fmt == 'f') { t.f.swap(xf); return; }
-  if (fmt == 'm') {
-    t.even.assign(n * t.kp / 2, 0.0f); t.odd.assign(n * t.kp / 2, 0.0f);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < t.kp / 2; ++j) { t.even[i * t.kp / 2 + j] = xf[i * t.kp + 2 * j]; t.odd[i * t.kp / 2 + j] = xf[i * t.kp + 2 * j + 1]; }
-    return;
-  }
-  // int8: per qb-block symmetric; x / s rounded half to even (torch.round), as the test's reference does
-  const int64_t nb = t.kp / qb;
+  if (fmt == 'f') { t.f.assign(n * t.kp, 0.0f); return; }
+  if (fmt == 'm') { t.even.assign(n * t.kp / 2, 0.0f); t.odd.assign(n * t.kp / 2, 0.0f); return; }
   const bool vnni = fmt == 'q';  // |q| and its signs: only the int8 weights' AVX-512 dot reads them
   t.q.assign(n * t.kp, 0);
   if (vnni) { t.qabs.assign(n * t.kp, 0); t.qneg.assign(n * t.kp / 64, 0); }
-  t.qs.assign(n * nb, 0.0f);
-  if (vnni) t.qs16.assign(n * nb / 2 * 16, 0.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* v = xf.data() + i * t.kp + b * qb;
-      float amax = 0.0f;
-      for (int64_t j = 0; j < qb; ++j) amax = std::max(amax, std::fabs(v[j]));
-      float s = amax / 127.0f;
-      t.qs[i * nb + b] = s;
-      for (int64_t j = 0; j < qb; ++j) {
-        int q = s > 0.0f ? (int)std::nearbyint(v[j] / s) : 0;
-        q = std::max(-127, std::min(127, q));
-        int64_t at = i * t.kp + b * qb + j;
-        t.q[at] = (int8_t)q;
-        if (vnni) {
-          t.qabs[at] = (uint8_t)std::abs(q);
-          if (q < 0) t.qneg[at / 64] |= uint64_t(1) << (at % 64);
-        }
-      }
-      if (vnni)
-        for (int64_t l = 0; l < 8; ++l) t.qs16[(i * nb / 2 + b / 2) * 16 + (b % 2) * 8 + l] = s;
-    }
+  t.qs.assign(n * (t.kp / qb), 0.0f);
+  if (vnni) t.qs16.assign(n * (t.kp / qb) / 2 * 16, 0.0f);
+  if (fmt == 'g') t.bs16.assign(n * t.kp / 16, 0);
+}
+
+void prepare_row(const float* v, int64_t i, char fmt, Tokens& t) {
+  const int64_t k = t.k, kp = t.kp, qb = t.qb;
+  if (fmt == 'f') { std::memcpy(t.f.data() + i * kp, v, k * sizeof(float)); return; }
+  if (fmt == 'm') {
+    for (int64_t j = 0; j < k / 2; ++j) { t.even[i * kp / 2 + j] = v[2 * j]; t.odd[i * kp / 2 + j] = v[2 * j + 1]; }
+    return;
   }
-  if (fmt == 'g') {
-    t.bs16.assign(n * t.kp / 16, 0);
-    for (int64_t j = 0; j < n * t.kp; ++j) t.bs16[j / 16] = int16_t(t.bs16[j / 16] + t.q[j]);
+  // int8: per qb-block symmetric; x / s rounded half to even (torch.round), as the test's reference does; the padding
+  // past k stays zero
+  const int64_t nb = kp / qb;
+  const bool vnni = fmt == 'q';
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t lo = b * qb, hi = std::min(k, lo + qb);
+    float amax = 0.0f;
+    for (int64_t j = lo; j < hi; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float s = amax / 127.0f;
+    t.qs[i * nb + b] = s;
+    for (int64_t j = lo; j < hi; ++j) {
+      int q = s > 0.0f ? (int)std::nearbyint(v[j] / s) : 0;
+      q = std::max(-127, std::min(127, q));
+      const int64_t at = i * kp + j;
+      t.q[at] = (int8_t)q;
+      if (vnni) {
+        t.qabs[at] = (uint8_t)std::abs(q);
+        if (q < 0) t.qneg[at / 64] |= uint64_t(1) << (at % 64);
+      }
+    }
+    if (vnni)
+      for (int64_t l = 0; l < 8; ++l) t.qs16[(i * nb / 2 + b / 2) * 16 + (b % 2) * 8 + l] = s;
+  }
+  if (fmt == 'g')
+    for (int64_t j = 0; j < kp; ++j) t.bs16[(i * kp + j) / 16] = int16_t(t.bs16[(i * kp + j) / 16] + t.q[i * kp + j]);
+}
+
+void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t, int64_t qb) {
+  prepare_init(n, k, fmt, t, qb);
+  std::vector<float> row(k);
+  for (int64_t i = 0; i < n; ++i) {
+    if (x.scalar_type() == at::kBFloat16) {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr()) + i * k;
+      for (int64_t j = 0; j < k; ++j) row[j] = bf2f(p[j]);
+    } else {
+      std::memcpy(row.data(), x.data_ptr<float>() + i * k, k * sizeof(float));
+    }
+    prepare_row(row.data(), i, fmt, t);
   }
 }
 
@@ -170,34 +179,6 @@ void expert_pair(const at::Tensor& up, const at::Tensor& up_s, const at::Tensor&
               D.k, ", got ", up.sizes(), " and ", dn.sizes());
 }
 
-at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Tensor& up_s, const at::Tensor& dn, const at::Tensor& dn_s) {
-  Weight U, D;
-  expert_pair(up, up_s, dn, dn_s, "expert_mlp_q", U, D);
-  const int64_t H = D.rows, I = D.k;
-  at::Tensor xc = tokens_of(x, H, "expert_mlp_q x");
-  TORCH_CHECK(xc.numel() == H, "expert_mlp_q x: expected one token, got ", x.sizes());
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  Tokens t;
-  prepare(xc, 1, H, U, t);
-  at::Tensor gu = at::empty({1, 2 * I}, x.options());
-  run_rows(U, t, {}, gu);
-  at::Tensor h = at::empty({1, I}, x.options());
-  // silu(gate) * up, rounded where torch's ops on x's dtype round: after silu, after the product
-  for (int64_t i = 0; i < I; ++i) {
-    float g, u;
-    if (bf) { g = bf2f(reinterpret_cast<uint16_t*>(gu.data_ptr())[i]); u = bf2f(reinterpret_cast<uint16_t*>(gu.data_ptr())[I + i]); }
-    else { g = gu.data_ptr<float>()[i]; u = gu.data_ptr<float>()[I + i]; }
-    float s = g / (1.0f + std::exp(-g));
-    if (bf) reinterpret_cast<uint16_t*>(h.data_ptr())[i] = f2bf(bf2f(f2bf(s)) * u);
-    else h.data_ptr<float>()[i] = s * u;
-  }
-  Tokens th;
-  prepare(h, 1, I, D, th);
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  run_rows(D, th, {}, out);
-  return out;
-}
-
 // Experts' gate|up and down as stored, checked: one dtype, shape and block type per projection across the experts
 void expert_set(at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s, const char* what,
                 std::vector<Weight>& U, std::vector<Weight>& D) {
@@ -233,17 +214,22 @@ void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const
       b = stop;
     }
   });
-  at::Tensor h = at::empty({P, I}, at::TensorOptions().dtype(bf ? at::kBFloat16 : at::kFloat));
-  for (int64_t p = 0; p < P; ++p)
-    for (int64_t i = 0; i < I; ++i) {
-      float g = gu[p * I2 + i], u = gu[p * I2 + I + i];
-      if (bf) { g = bf2f(f2bf(g)); u = bf2f(f2bf(u)); }
-      float s = g / (1.0f + std::exp(-g));
-      if (bf) reinterpret_cast<uint16_t*>(h.data_ptr())[p * I + i] = f2bf(bf2f(f2bf(s)) * u);
-      else h.data_ptr<float>()[p * I + i] = s * u;
-    }
+  // h = silu(gate) * up per pair, rounded where torch's ops on x's dtype round (after silu, after the product), and
+  // quantized for the down rows: pairs split over the threads
   Tokens th;
-  prepare(h, P, I, D[0], th);
+  prepare_init(P, I, D[0].fmt, th, D[0].fmt == 'g' ? D[0].gl.act : QB);
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> h(I);
+    for (int64_t p = b; p < e; ++p) {
+      for (int64_t i = 0; i < I; ++i) {
+        float g = gu[p * I2 + i], u = gu[p * I2 + I + i];
+        if (bf) { g = bf2f(f2bf(g)); u = bf2f(f2bf(u)); }
+        const float s = g / (1.0f + std::exp(-g));
+        h[i] = bf ? bf2f(f2bf(bf2f(f2bf(s)) * u)) : s * u;
+      }
+      prepare_row(h.data(), p, D[0].fmt, th);
+    }
+  });
   std::vector<int64_t> pi(P);  // pair p reads row p of th
   for (int64_t p = 0; p < P; ++p) pi[p] = p;
   at::parallel_for(0, J * H, std::max<int64_t>(1, grain(D[0].ld) / avg), [&](int64_t b, int64_t e) {
@@ -256,6 +242,22 @@ void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const
       b = stop;
     }
   });
+}
+
+// One token through one expert: pairs_mlp's numbers for a single pair (the same as every batched and grouped call)
+at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Tensor& up_s, const at::Tensor& dn, const at::Tensor& dn_s) {
+  std::vector<Weight> U(1), D(1);
+  expert_pair(up, up_s, dn, dn_s, "expert_mlp_q", U[0], D[0]);
+  const int64_t H = D[0].rows;
+  at::Tensor xc = tokens_of(x, H, "expert_mlp_q x");
+  TORCH_CHECK(xc.numel() == H, "expert_mlp_q x: expected one token, got ", x.sizes());
+  Tokens t;
+  prepare(xc, 1, H, U[0], t);
+  const std::vector<int64_t> first{0, 1};
+  const int64_t zero = 0;
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  pairs_mlp(U, D, first, t, &zero, &zero, x.scalar_type() == at::kBFloat16, out.data_ptr());
+  return out;
 }
 
 // K experts of one token: row k is bit-identical to expert_mlp_q of expert k. out [K, H] in x's dtype.

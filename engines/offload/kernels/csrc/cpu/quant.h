@@ -81,6 +81,9 @@ struct Tokens {
 
 // x as the format's dots read it (fmt 'q' int8, 'f' fp8, 'm' mxfp4, 'g' ggml blocks; qb: int8 x's block); moe_quant.cpp
 void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t, int64_t qb = QB);
+// the same in two steps: the arrays for n tokens, then token i from its k fp32 values (rows may be filled in parallel)
+void prepare_init(int64_t n, int64_t k, char fmt, Tokens& t, int64_t qb);
+void prepare_row(const float* v, int64_t i, char fmt, Tokens& t);
 
 // ---- one row . one token, per format and ISA ----------------------------------------------------------------------
 // int8: sum_b qs[b] * sum_{j in b} qx_j * w_j (without the row's weight scale)
