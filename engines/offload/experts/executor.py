@@ -41,6 +41,7 @@ class LayerState:
     cache: SlotCache
     expert_bytes: int
     events: dict = field(default_factory=dict)  # CUDA: slot -> event after its last use
+    fused: dict = field(default_factory=dict)  # (x dtype, x dims, kernels on, grad) -> which fused kernel applies
 
 
 def offload_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -171,11 +172,20 @@ class Executor:
         if hits and getattr(state.store, "pending", None):  # slots aliasing host slots still being read in
             state.store.settle([g[0] for g, _ in hits])
 
-        if not self._cuda and dispatch.fused_experts_ok(module, state.store.tensors[0], hidden_states):
-            return self._forward_fused(state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0)
-        if not self._cuda and dispatch.fused_experts_q_ok(module, state.store.tensors[0], hidden_states):
+        kind = None if self._cuda else self._fused_kind(state, module, hidden_states)
+        if kind == "q" and T == 1 and not fetch and not host:  # one token, every expert resident: one call, rows by k
+            t1 = time.perf_counter()
+            w = [cache.weights[s] for _, s in sorted(hits, key=lambda h: h[0][1])]
+            y = torch.ops.moe_offload.experts_mlp_q(hidden_states.contiguous(), [a[0] for a in w],
+                                                    [dispatch.scale_arg(a[4]) for a in w], [a[1] for a in w],
+                                                    [dispatch.scale_arg(a[5]) for a in w])  # [K, H]
+            t2 = time.perf_counter()
+            result = self._combine(state, y, hidden_states, top_k_index, top_k_weights, hits, host, 0)
+            self._stages(t1, t2, t2, t2, 0.0)
+            return result
+        if kind is not None:
             return self._forward_fused(state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0,
-                                       quantized=True)
+                                       quantized=kind == "q")
         rows = _Rows(hidden_states, perm, K, T)
         out: list = [None] * K if T == 1 else None  # T == 1: outputs by k
         proj = None if T == 1 else torch.empty(T * K, hidden_states.shape[-1], dtype=state.store.compute_dtype, device=hidden_states.device)
@@ -321,6 +331,19 @@ class Executor:
         self.stats.add(state.pos, hit_pairs, T * K - hit_pairs, sum(g[2] for g in host), fetched,
                        fetched * state.expert_bytes)
         return result
+
+    @staticmethod
+    def _fused_kind(state, module, x) -> str | None:
+        """Which one-call kernel takes this layer's pairs on the CPU: "bf16" (moe_experts_bf16), "q" (experts_mlp_q /
+        moe_experts_q) or None (the per-expert path); decided once per layer and kind of input (dispatch's checks)."""
+        key = (x.dtype, x.dim(), x.device.type, dispatch.kernels_active(), torch.is_grad_enabled() and x.requires_grad)
+        kind = state.fused.get(key, False)
+        if kind is False:
+            w = state.store.tensors[0]
+            kind = ("bf16" if dispatch.fused_experts_ok(module, w, x) else "q" if dispatch.fused_experts_q_ok(module, w, x)
+                    else None)
+            state.fused[key] = kind
+        return kind
 
     def _one_token_pairs(self, K):
         if K not in self._pairs1:
