@@ -189,11 +189,14 @@ for name in ggml.BY_NAME:
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_a_row_dotted_in_a_group_equals_the_row_alone(ops, name):
+def test_a_row_or_token_dotted_in_a_group_equals_it_alone(ops, name):
     # the dots take up to four rows per call (x loaded once for them); each row's sum must be formed as when alone,
     # so a row's result does not depend on where a task boundary or the matrix's end puts it in a group
+    # several tokens decode each block once for up to four of them: each token's sums as when alone
     w = blocks(7, 512, name, seed=5)
-    x = torch.randn(2, 512).to(torch.bfloat16)
+    x = torch.randn(5, 512).to(torch.bfloat16)
     all_rows = ops.gemv_q(x, w, dispatch.NO_SCALE)
     for r in range(7):
         assert torch.equal(all_rows[:, r : r + 1], ops.gemv_q(x, w[r : r + 1], dispatch.NO_SCALE)), r
+    for t in range(5):
+        assert torch.equal(all_rows[t], ops.gemv_q(x[t : t + 1], w, dispatch.NO_SCALE)[0]), t

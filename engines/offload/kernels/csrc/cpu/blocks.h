@@ -302,6 +302,114 @@ __attribute__((always_inline)) inline void dot_rows_t(const uint8_t* w, int64_t 
   hsum_rows<NR>(acc, out);
 }
 
+// One row of type T . NT (1..4) tokens -> out[0..NT) (a batched decode step: several tokens share an expert): each
+// block is decoded once for the tokens, and each token's sum is formed exactly as dot_rows_t forms it (same integer
+// sums in the same order, same accumulators, hsum8), so a token's result does not depend on the others.
+template <int T, int NT>
+__attribute__((always_inline)) inline void dot_tokens_t(const uint8_t* w, int64_t nb, const int8_t* const* xq,
+                                                        const float* const* xs, const int16_t* const* bs16, float* out) {
+  __m256 acc[NT], sub[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = sub[t] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  if constexpr (T == Q8_0 || T == Q4_0 || T == MXFP4) {
+    constexpr int64_t bytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : 17;
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(KV_MXFP4)));
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* b = w + i * bytes;
+      __m256i q;
+      float d;
+      if constexpr (T == Q8_0) { q = load32(b + 2); d = h2f(b); }
+      else if constexpr (T == Q4_0) { q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); d = h2f(b); }
+      else { q = _mm256_shuffle_epi8(lut, nibbles32(b + 1)); d = e8m0_half(b[0]); }
+      const __m256i aq = _mm256_sign_epi8(q, q);  // dot_s8's unsigned operand, once for the tokens
+      for (int t = 0; t < NT; ++t) {
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(load32(xq[t] + 32 * i), q)), ones);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xs[t][i]), acc[t]);
+      }
+    }
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    constexpr int64_t bytes = T == Q4_K ? 144 : 176;
+    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* b = w + i * bytes;
+      const uint8_t* qs = b + (T == Q4_K ? 16 : 48);
+      const __m256i hb = T == Q5_K ? load32(b + 16) : _mm256_setzero_si256();
+      alignas(16) uint8_t sm[16];
+      unpack_k4(b + 4, sm);
+      const __m128i smv = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
+      const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));
+      __m256i sumi[NT];
+      for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = load32(qs + 32 * c);
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if constexpr (T == Q5_K) {
+          const __m256i one = _mm256_set1_epi8(1);
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), one), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
+        }
+        const __m256i s_lo = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short(0x0100 * (4 * c + 1) + 4 * c)));
+        const __m256i s_hi = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short(0x0100 * (4 * c + 3) + 4 * c + 2)));
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* x = xq[t] + 256 * i;
+          sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(x + 64 * c)), s_lo));
+          sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(x + 64 * c + 32)), s_hi));
+        }
+      }
+      const __m256i m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(smv, 8), dup));
+      const float d = h2f(b), dmin = h2f(b + 2);
+      for (int t = 0; t < NT; ++t) {
+        const __m256i mprod = _mm256_madd_epi16(m16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16[t] + 16 * i)));
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs[t][i]), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        sub[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * xs[t][i]), _mm256_cvtepi32_ps(mprod), sub[t]);
+      }
+    }
+  } else {  // Q6_K
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* b = w + i * 210;
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+      __m256i sumi[NT];
+      for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+      for (int n = 0; n < 2; ++n) {
+        const __m256i l0 = load32(b + 64 * n), l1 = load32(b + 64 * n + 32), h = load32(b + 128 + 32 * n);
+        const __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4))};
+        const __m256i half = _mm256_broadcastsi128_si256(n ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
+        for (int k = 0; k < 4; ++k) {
+          const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(short(0x0100 * (4 * k + 3) + 4 * k + 2)),
+                                                _mm_set1_epi16(short(0x0100 * (4 * k + 1) + 4 * k)));
+          const __m256i sk = _mm256_shuffle_epi8(half, pick);
+          for (int t = 0; t < NT; ++t)
+            sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], load32(xq[t] + 256 * i + 32 * (4 * n + k))), sk));
+        }
+      }
+      const float dw = h2f(b + 208);
+      for (int t = 0; t < NT; ++t) {
+        const __m256i o = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16[t] + 16 * i)));
+        const __m256 d = _mm256_set1_ps(dw * xs[t][i]);
+        acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+        sub[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_slli_epi32(o, 5)), sub[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t] = hsum8(_mm256_sub_ps(acc[t], sub[t]));
+}
+
+template <int T>
+inline void dot_tokens_n(const uint8_t* w, int64_t nb, const int8_t* const* xq, const float* const* xs,
+                         const int16_t* const* bs16, int n, float* out) {
+  switch (n) {
+    case 4: dot_tokens_t<T, 4>(w, nb, xq, xs, bs16, out); return;
+    case 3: dot_tokens_t<T, 3>(w, nb, xq, xs, bs16, out); return;
+    case 2: dot_tokens_t<T, 2>(w, nb, xq, xs, bs16, out); return;
+    default: dot_tokens_t<T, 1>(w, nb, xq, xs, bs16, out); return;
+  }
+}
+
 template <int T>
 inline void dot_rows_n(const uint8_t* w, int64_t ld, int64_t nb, const int8_t* xq, const float* xs, const int16_t* bs16,
                        int n, float* out) {
@@ -313,6 +421,10 @@ inline void dot_rows_n(const uint8_t* w, int64_t ld, int64_t nb, const int8_t* x
   }
 }
 #endif
+
+// One row (nb blocks) . n (1..4) tokens' int8 activations -> out[0..n); the portable build takes them one at a time.
+inline void dot_tokens(const Layout& L, const uint8_t* w, int64_t nb, const int8_t* const* xq, const float* const* xs,
+                       const int16_t* const* bs16, int n, float* out);
 
 // n (1..4) rows (nb blocks each, ld bytes apart) . one token's int8 activations -> out[0..n).
 // xq: the token's int8 values from the row's first weight; xs: fp32 scale per L.act values; bs16: sum of xq per 16.
@@ -345,6 +457,22 @@ inline void dot_rows(const Layout& L, const uint8_t* w, int64_t ld, int64_t nb, 
     }
     out[r] = total;
   }
+#endif
+}
+
+inline void dot_tokens(const Layout& L, const uint8_t* w, int64_t nb, const int8_t* const* xq, const float* const* xs,
+                       const int16_t* const* bs16, int n, float* out) {
+#if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
+  switch (L.type) {
+    case Q8_0: dot_tokens_n<Q8_0>(w, nb, xq, xs, bs16, n, out); return;
+    case Q4_0: dot_tokens_n<Q4_0>(w, nb, xq, xs, bs16, n, out); return;
+    case MXFP4: dot_tokens_n<MXFP4>(w, nb, xq, xs, bs16, n, out); return;
+    case Q4_K: dot_tokens_n<Q4_K>(w, nb, xq, xs, bs16, n, out); return;
+    case Q5_K: dot_tokens_n<Q5_K>(w, nb, xq, xs, bs16, n, out); return;
+    case Q6_K: dot_tokens_n<Q6_K>(w, nb, xq, xs, bs16, n, out); return;
+  }
+#else
+  for (int t = 0; t < n; ++t) dot_rows(L, w, 0, nb, xq[t], xs[t], bs16[t], 1, out + t);
 #endif
 }
 

@@ -368,6 +368,22 @@ __attribute__((always_inline)) inline void rows_dot(const Weight& W, int64_t r, 
 template <typename Emit>
 inline void rows_tokens(const Weight& W, int64_t begin, int64_t end, const Tokens& t, const int64_t* xi, int64_t np, Emit emit) {
   float v[ROWS];
+  if (W.fmt == 'g' && np > 1) {  // ggml blocks, several tokens: a row's blocks decoded once for up to 4 of them
+    const int8_t* xq[4];
+    const float* xs[4];
+    const int16_t* bs[4];
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t p = 0; p < np; p += 4) {
+        const int n = int(std::min<int64_t>(4, np - p));
+        for (int m = 0; m < n; ++m) {
+          const int64_t i = xi ? xi[p + m] : p + m;
+          xq[m] = t.q.data() + i * t.kp; xs[m] = t.qs.data() + i * (t.kp / t.qb); bs[m] = t.bs16.data() + i * (t.kp / 16);
+        }
+        moe_blocks::dot_tokens(W.gl, W.w + r * W.ld, W.k / W.gl.block, xq, xs, bs, n, v);
+        for (int m = 0; m < n; ++m) emit(p + m, r, v[m]);
+      }
+    return;
+  }
   for (int64_t r = begin; r < end; r += ROWS) {
     const int n = int(std::min<int64_t>(ROWS, end - r));
     for (int64_t p = 0; p < np; ++p) {
