@@ -173,12 +173,16 @@ class Executor:
             state.store.settle([g[0] for g, _ in hits])
 
         kind = None if self._cuda else self._fused_kind(state, module, hidden_states)
-        if kind == "q" and T == 1 and not fetch and not host:  # one token, every expert resident: one call, rows by k
+        if kind is not None and T == 1 and not fetch and not host:  # one token, every expert resident: one call
             t1 = time.perf_counter()
-            w = [cache.weights[s] for _, s in sorted(hits, key=lambda h: h[0][1])]
-            y = torch.ops.moe_offload.experts_mlp_q(hidden_states.contiguous(), [a[0] for a in w],
-                                                    [dispatch.scale_arg(a[4]) for a in w], [a[1] for a in w],
-                                                    [dispatch.scale_arg(a[5]) for a in w])  # [K, H]
+            w = [cache.weights[s] for _, s in sorted(hits, key=lambda h: h[0][1])]  # rows in k order
+            ops = torch.ops.moe_offload
+            if kind == "q":
+                y = ops.experts_mlp_q(hidden_states.contiguous(), [a[0] for a in w], [dispatch.scale_arg(a[4]) for a in w],
+                                      [a[1] for a in w], [dispatch.scale_arg(a[5]) for a in w])  # [K, H]
+            else:  # each row is moe_experts_bf16's for that pair (both are expert_mlp_bf16's numbers)
+                y = ops.experts_mlp_bf16(hidden_states.to(torch.bfloat16).contiguous(), [a[0] for a in w],
+                                         [a[1] for a in w])
             t2 = time.perf_counter()
             result = self._combine(state, y, hidden_states, top_k_index, top_k_weights, hits, host, 0)
             self._stages(t1, t2, t2, t2, 0.0)
