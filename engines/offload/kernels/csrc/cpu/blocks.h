@@ -193,6 +193,61 @@ __attribute__((always_inline)) inline void hsum_rows(const __m256* v, float* out
   }
 }
 
+// ---- one block's values in registers, shared by the row and token dots below ----
+// q8_0 / q4_0 / mxfp4: the 32 signed values and the block's scale
+template <int T>
+__attribute__((always_inline)) inline __m256i small_block(const uint8_t* b, float& d) {
+  if constexpr (T == Q8_0) { d = h2f(b); return load32(b + 2); }
+  else if constexpr (T == Q4_0) { d = h2f(b); return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); }
+  else {
+    d = e8m0_half(b[0]);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(KV_MXFP4)));
+    return _mm256_shuffle_epi8(lut, nibbles32(b + 1));
+  }
+}
+// q4_k / q5_k chunk c (64 values: lo = sub-block 2c, hi = 2c+1, unsigned 0..15 or 0..31) and their scales as madd's
+// int16 operand; hb: q5_k's 32 bytes of fifth bits
+template <int T>
+__attribute__((always_inline)) inline void k4_chunk(const uint8_t* qs, __m256i hb, __m256i sc16, int c, __m256i& lo, __m256i& hi,
+                                                    __m256i& s_lo, __m256i& s_hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i v = load32(qs + 32 * c);
+  lo = _mm256_and_si256(v, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+  if constexpr (T == Q5_K) {
+    const __m256i one = _mm256_set1_epi8(1);
+    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), one), 4));
+    hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
+  }
+  s_lo = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short(0x0100 * (4 * c + 1) + 4 * c)));
+  s_hi = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short(0x0100 * (4 * c + 3) + 4 * c + 2)));
+}
+// q4_k / q5_k: the 8 scales as int16 in both lanes (sc16) and the 8 mins, each twice (m16: one per 16 values)
+__attribute__((always_inline)) inline void k4_scales(const uint8_t* b, __m256i& sc16, __m256i& m16) {
+  alignas(16) uint8_t sm[16];  // sc[0..7], m[0..7]
+  unpack_k4(b + 4, sm);
+  const __m128i smv = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
+  const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));
+  m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(smv, 8), dup));
+}
+// q6_k half n (128 values) as four vectors of unsigned 0..63, and the scale operand of its group k
+__attribute__((always_inline)) inline void q6k_half(const uint8_t* b, int n, __m256i* q) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+  const __m256i l0 = load32(b + 64 * n), l1 = load32(b + 64 * n + 32), h = load32(b + 128 + 32 * n);
+  q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4));
+  q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4));
+}
+// this half's 8 scales in both lanes; group k takes scale 2k in the low lane, 2k+1 in the high lane
+__attribute__((always_inline)) inline __m256i q6k_scale(__m256i sc16, int n, int k) {
+  const __m256i half = _mm256_broadcastsi128_si256(n ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
+  const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(short(0x0100 * (4 * k + 3) + 4 * k + 2)),
+                                        _mm_set1_epi16(short(0x0100 * (4 * k + 1) + 4 * k)));
+  return _mm256_shuffle_epi8(half, pick);
+}
+
 // the cache lines of one block of `bytes` at p (software prefetch: rows read in lockstep are NR streams, more than
 // the hardware prefetcher follows well)
 template <int64_t bytes>
@@ -210,20 +265,15 @@ __attribute__((always_inline)) inline void dot_rows_t(const uint8_t* w, int64_t 
                                                       const int16_t* bs16, float* out) {
   __m256 acc[NR], sub[NR];  // sub: the min terms (q4_k, q5_k) and q6_k's offset of 32, subtracted at the end
   for (int r = 0; r < NR; ++r) acc[r] = sub[r] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   if constexpr (T == Q8_0 || T == Q4_0 || T == MXFP4) {
     constexpr int64_t bytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : 17;
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(KV_MXFP4)));
     for (int64_t i = 0; i < nb; ++i) {
       const __m256i x = load32(xq + 32 * i);
       for (int r = 0; r < NR; ++r) {
         const uint8_t* b = w + r * ld + i * bytes;
         prefetch_block<bytes>(b + NR * ld);
-        __m256i q;
         float d;
-        if constexpr (T == Q8_0) { q = load32(b + 2); d = h2f(b); }
-        else if constexpr (T == Q4_0) { q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); d = h2f(b); }
-        else { q = _mm256_shuffle_epi8(lut, nibbles32(b + 1)); d = e8m0_half(b[0]); }
+        const __m256i q = small_block<T>(b, d);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(q, x)), _mm256_set1_ps(d * xs[i]), acc[r]);
       }
     }
@@ -231,41 +281,26 @@ __attribute__((always_inline)) inline void dot_rows_t(const uint8_t* w, int64_t 
     // per super-block: the 6-bit scales applied in integers (madd), one float step with x's scale for the 256;
     // the mins likewise, against the sums of x per 16 (each min twice)
     constexpr int64_t bytes = T == Q4_K ? 144 : 176;
-    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     for (int64_t i = 0; i < nb; ++i) {
       const int8_t* x = xq + 256 * i;
       const __m256i xsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i));
       for (int r = 0; r < NR; ++r) {
         const uint8_t* b = w + r * ld + i * bytes;
-        const uint8_t* qs = b + (T == Q4_K ? 16 : 48);
         const __m256i hb = T == Q5_K ? load32(b + 16) : _mm256_setzero_si256();
         prefetch_block<bytes>(b + NR * ld);
-        alignas(16) uint8_t sm[16];  // sc[0..7], m[0..7]
-        unpack_k4(b + 4, sm);
-        const __m128i smv = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
-        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));  // 8 int16 scales, both lanes
-        __m256i sumi = _mm256_setzero_si256();
+        __m256i sc16, m16, lo, hi, s_lo, s_hi, sumi = _mm256_setzero_si256();
+        k4_scales(b, sc16, m16);
         for (int c = 0; c < 4; ++c) {
-          const __m256i v = load32(qs + 32 * c);
-          __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-          if constexpr (T == Q5_K) {
-            const __m256i one = _mm256_set1_epi8(1);
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), one), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
-          }
-          const __m256i s_lo = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short(0x0100 * (4 * c + 1) + 4 * c)));
-          const __m256i s_hi = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short(0x0100 * (4 * c + 3) + 4 * c + 2)));
+          k4_chunk<T>(b + (T == Q4_K ? 16 : 48), hb, sc16, c, lo, hi, s_lo, s_hi);
           sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(x + 64 * c)), s_lo));
           sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(x + 64 * c + 32)), s_hi));
         }
-        const __m256i m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(smv, 8), dup));  // m0 m0 m1 m1 ..
         const __m256i mprod = _mm256_madd_epi16(m16, xsum);
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b) * xs[i]), _mm256_cvtepi32_ps(sumi), acc[r]);
         sub[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b + 2) * xs[i]), _mm256_cvtepi32_ps(mprod), sub[r]);
       }
     }
   } else {  // Q6_K: q as unsigned 0..63 (the offset of 32 comes back through the sums of x), int8 scales per 16 by madd
-    const __m256i m3 = _mm256_set1_epi8(3);
     for (int64_t i = 0; i < nb; ++i) {
       const int8_t* x = xq + 256 * i;
       const __m256i xsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i));
@@ -273,22 +308,12 @@ __attribute__((always_inline)) inline void dot_rows_t(const uint8_t* w, int64_t 
         const uint8_t* b = w + r * ld + i * 210;
         prefetch_block<210>(b + NR * ld);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));  // 16 scales
-        __m256i sumi = _mm256_setzero_si256();
+        __m256i sumi = _mm256_setzero_si256(), q[4];
         for (int n = 0; n < 2; ++n) {
-          const __m256i l0 = load32(b + 64 * n), l1 = load32(b + 64 * n + 32), h = load32(b + 128 + 32 * n);
-          const __m256i q[4] = {
-              _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4)),
-              _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4)),
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4))};
-          // this half's 8 scales in both lanes; group k takes scale 2k in the low lane, 2k+1 in the high lane
-          const __m256i half = _mm256_broadcastsi128_si256(n ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
-          for (int k = 0; k < 4; ++k) {
-            const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(short(0x0100 * (4 * k + 3) + 4 * k + 2)),
-                                                  _mm_set1_epi16(short(0x0100 * (4 * k + 1) + 4 * k)));
+          q6k_half(b, n, q);
+          for (int k = 0; k < 4; ++k)
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], load32(x + 32 * (4 * n + k))),
-                                                            _mm256_shuffle_epi8(half, pick)));
-          }
+                                                            q6k_scale(sc16, n, k)));
         }
         // 32 * sum_j sc_j * (sum of x over the 16 values j)
         const __m256i o = _mm256_madd_epi16(sc16, xsum);
@@ -310,17 +335,12 @@ __attribute__((always_inline)) inline void dot_tokens_t(const uint8_t* w, int64_
                                                         const float* const* xs, const int16_t* const* bs16, float* out) {
   __m256 acc[NT], sub[NT];
   for (int t = 0; t < NT; ++t) acc[t] = sub[t] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   if constexpr (T == Q8_0 || T == Q4_0 || T == MXFP4) {
     constexpr int64_t bytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : 17;
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(KV_MXFP4)));
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < nb; ++i) {
-      const uint8_t* b = w + i * bytes;
-      __m256i q;
       float d;
-      if constexpr (T == Q8_0) { q = load32(b + 2); d = h2f(b); }
-      else if constexpr (T == Q4_0) { q = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); d = h2f(b); }
-      else { q = _mm256_shuffle_epi8(lut, nibbles32(b + 1)); d = e8m0_half(b[0]); }
+      const __m256i q = small_block<T>(w + i * bytes, d);
       const __m256i aq = _mm256_sign_epi8(q, q);  // dot_s8's unsigned operand, once for the tokens
       for (int t = 0; t < NT; ++t) {
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(load32(xq[t] + 32 * i), q)), ones);
@@ -329,34 +349,20 @@ __attribute__((always_inline)) inline void dot_tokens_t(const uint8_t* w, int64_
     }
   } else if constexpr (T == Q4_K || T == Q5_K) {
     constexpr int64_t bytes = T == Q4_K ? 144 : 176;
-    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     for (int64_t i = 0; i < nb; ++i) {
       const uint8_t* b = w + i * bytes;
-      const uint8_t* qs = b + (T == Q4_K ? 16 : 48);
       const __m256i hb = T == Q5_K ? load32(b + 16) : _mm256_setzero_si256();
-      alignas(16) uint8_t sm[16];
-      unpack_k4(b + 4, sm);
-      const __m128i smv = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
-      const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(smv));
-      __m256i sumi[NT];
+      __m256i sc16, m16, lo, hi, s_lo, s_hi, sumi[NT];
+      k4_scales(b, sc16, m16);
       for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
-        const __m256i v = load32(qs + 32 * c);
-        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        if constexpr (T == Q5_K) {
-          const __m256i one = _mm256_set1_epi8(1);
-          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c)), one), 4));
-          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * c + 1)), one), 4));
-        }
-        const __m256i s_lo = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short(0x0100 * (4 * c + 1) + 4 * c)));
-        const __m256i s_hi = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short(0x0100 * (4 * c + 3) + 4 * c + 2)));
+        k4_chunk<T>(b + (T == Q4_K ? 16 : 48), hb, sc16, c, lo, hi, s_lo, s_hi);
         for (int t = 0; t < NT; ++t) {
           const int8_t* x = xq[t] + 256 * i;
           sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, load32(x + 64 * c)), s_lo));
           sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, load32(x + 64 * c + 32)), s_hi));
         }
       }
-      const __m256i m16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_srli_si128(smv, 8), dup));
       const float d = h2f(b), dmin = h2f(b + 2);
       for (int t = 0; t < NT; ++t) {
         const __m256i mprod = _mm256_madd_epi16(m16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16[t] + 16 * i)));
@@ -365,24 +371,15 @@ __attribute__((always_inline)) inline void dot_tokens_t(const uint8_t* w, int64_
       }
     }
   } else {  // Q6_K
-    const __m256i m3 = _mm256_set1_epi8(3);
     for (int64_t i = 0; i < nb; ++i) {
       const uint8_t* b = w + i * 210;
       const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
-      __m256i sumi[NT];
+      __m256i sumi[NT], q[4];
       for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
       for (int n = 0; n < 2; ++n) {
-        const __m256i l0 = load32(b + 64 * n), l1 = load32(b + 64 * n + 32), h = load32(b + 128 + 32 * n);
-        const __m256i q[4] = {
-            _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m3), 4)),
-            _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4))};
-        const __m256i half = _mm256_broadcastsi128_si256(n ? _mm256_extracti128_si256(sc16, 1) : _mm256_castsi256_si128(sc16));
+        q6k_half(b, n, q);
         for (int k = 0; k < 4; ++k) {
-          const __m256i pick = _mm256_set_m128i(_mm_set1_epi16(short(0x0100 * (4 * k + 3) + 4 * k + 2)),
-                                                _mm_set1_epi16(short(0x0100 * (4 * k + 1) + 4 * k)));
-          const __m256i sk = _mm256_shuffle_epi8(half, pick);
+          const __m256i sk = q6k_scale(sc16, n, k);
           for (int t = 0; t < NT; ++t)
             sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], load32(xq[t] + 256 * i + 32 * (4 * n + k))), sk));
         }
