@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_offload.engines.offload.experts import policies, tiering
+from moe_offload.engines.offload.experts import fused, policies
 from moe_offload.engines.offload.experts.slots import SlotCache
 from moe_offload.engines.offload.experts.stats import ExecutorStats
 from moe_offload.engines.offload.experts.store import LayerStore
@@ -134,7 +134,6 @@ class Executor:
 
     # ---- the per-layer path ----
     def forward(self, state: LayerState, module, hidden_states, top_k_index, top_k_weights):
-        t0 = time.perf_counter()
         T, K = top_k_index.shape
         cache = state.cache
         ids = top_k_index.reshape(-1).tolist()  # S ints (the one host sync per layer on CUDA)
@@ -172,24 +171,12 @@ class Executor:
         if hits and getattr(state.store, "pending", None):  # slots aliasing host slots still being read in
             state.store.settle([g[0] for g, _ in hits])
 
-        kind = None if self._cuda else self._fused_kind(state, module, hidden_states)
+        kind = None if self._cuda else fused.kind(state, module, hidden_states)
         if kind is not None and T == 1 and not fetch and not host:  # one token, every expert resident: one call
-            t1 = time.perf_counter()
-            w = [cache.weights[s] for _, s in sorted(hits, key=lambda h: h[0][1])]  # rows in k order
-            ops = torch.ops.moe_offload
-            if kind == "q":
-                y = ops.experts_mlp_q(hidden_states.contiguous(), [a[0] for a in w], [dispatch.scale_arg(a[4]) for a in w],
-                                      [a[1] for a in w], [dispatch.scale_arg(a[5]) for a in w])  # [K, H]
-            else:  # each row is moe_experts_bf16's for that pair (both are expert_mlp_bf16's numbers)
-                y = ops.experts_mlp_bf16(hidden_states.to(torch.bfloat16).contiguous(), [a[0] for a in w],
-                                         [a[1] for a in w])
-            t2 = time.perf_counter()
-            result = self._combine(state, y, hidden_states, top_k_index, top_k_weights, hits, host, 0)
-            self._stages(t1, t2, t2, t2, 0.0)
-            return result
+            return fused.one_token(self, state, kind, hidden_states, top_k_index, top_k_weights, hits)
         if kind is not None:
-            return self._forward_fused(state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0,
-                                       quantized=kind == "q")
+            return fused.forward(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host,
+                                 quantized=kind == "q")
         rows = _Rows(hidden_states, perm, K, T)
         out: list = [None] * K if T == 1 else None  # T == 1: outputs by k
         proj = None if T == 1 else torch.empty(T * K, hidden_states.shape[-1], dtype=state.store.compute_dtype, device=hidden_states.device)
@@ -244,72 +231,6 @@ class Executor:
         self._stages(t1, t2, t3, t4, fetch_compute_s)
         return result
 
-    def _forward_fused(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, t0,
-                       quantized=False):
-        """CPU, transformers' silu gate, no biases: each tier's pairs through one kernel call, written straight into
-        their (token, k) rows; the same numbers as the per-expert path. bf16: moe_experts_bf16; int8/fp8/ggml blocks
-        (``quantized``): experts_mlp_q for one token, moe_experts_q for a batched step (any number of tokens; an
-        expert with more than KERNEL_MAX_GROUP of them goes through expert_forward's GEMM)."""
-        T, K = top_k_index.shape
-        cache = state.cache
-        x = hidden_states.contiguous() if quantized else hidden_states.to(torch.bfloat16).contiguous()  # [T, H]
-        if T == 1:  # groups are (expert, k, 1): pair s = k
-            tok, perm = self._one_token_pairs(K)
-        else:
-            tok = perm // K  # [S] token of each expert-sorted pair
-        proj = torch.empty(T * K, x.shape[1], dtype=x.dtype)  # [S, H] by (token, k)
-        ops = torch.ops.moe_offload
-
-        def run(groups, weights):
-            if not groups:
-                return
-            if quantized and T == 1:  # one token: group g = (expert, k, 1) goes to row k
-                if len(groups) == K:  # the whole token in this tier: its experts in k order, rows written as they are
-                    order = sorted(range(K), key=lambda i: groups[i][1])
-                    groups, weights = [groups[i] for i in order], [weights[i] for i in order]
-                y = ops.experts_mlp_q(x, [w[0] for w in weights], [dispatch.scale_arg(w[4]) for w in weights],
-                                      [w[1] for w in weights], [dispatch.scale_arg(w[5]) for w in weights])
-                if len(groups) == K:
-                    proj.copy_(y)
-                else:
-                    proj.index_copy_(0, torch.tensor([g[1] for g in groups]), y)
-                return
-            # an expert with more than KERNEL_MAX_GROUP tokens (prefill) goes through torch's GEMM, faster there
-            # than the few-token dot kernel (dispatch.KERNEL_MAX_GROUP says why 16); the rest in one call
-            small = [i for i, g in enumerate(groups) if g[2] <= dispatch.KERNEL_MAX_GROUP]
-            if small and quantized:
-                ops.moe_experts_q(x, [weights[i][0] for i in small], [dispatch.scale_arg(weights[i][4]) for i in small],
-                                  [weights[i][1] for i in small], [dispatch.scale_arg(weights[i][5]) for i in small],
-                                  tok, perm, [groups[i][1] for i in small], [groups[i][2] for i in small], proj)
-            elif small:
-                ops.moe_experts_bf16(x, [weights[i][0] for i in small], [weights[i][1] for i in small], tok, perm,
-                                     [groups[i][1] for i in small], [groups[i][2] for i in small], proj)
-            for (_, start, n), w in zip(groups, weights):
-                if n > dispatch.KERNEL_MAX_GROUP:
-                    y = expert_forward(module, x.index_select(0, tok[start : start + n]), *w)
-                    proj.index_copy_(0, perm[start : start + n], y)
-
-        t1 = time.perf_counter()
-        run([g for g, _ in hits], [cache.weights[s] for _, s in hits])
-        t2 = time.perf_counter()
-        # fetched experts in chunks of the dynamic slot count: a later fetch must not evict one not yet computed
-        fetch_s = 0.0
-        for i in range(0, len(fetch), max(cache.dynamic, 1)):
-            chunk = fetch[i : i + max(cache.dynamic, 1)]
-            slots = [cache.fetch(g[0], _copy_sync, state.store.expert(g[0])) for g in chunk]
-            tc = time.perf_counter()
-            run(chunk, [cache.weights[s] for s in slots])
-            fetch_s += time.perf_counter() - tc
-        t3 = time.perf_counter()
-        if hasattr(state.store, "request"):  # host slots over the disk tier: misses read while the rest computes
-            tiering.run_host(state.store, host, run)
-        else:
-            run(host, [state.store.expert(g[0]) for g in host])
-        t4 = time.perf_counter()
-        result = self._combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, len(fetch))
-        self._stages(t1, t2, t3, t4, fetch_s)
-        return result
-
     def close(self) -> None:
         """Stop the disk tier's I/O threads (reads in flight finish first)."""
         if self.io is not None:
@@ -335,19 +256,6 @@ class Executor:
         self.stats.add(state.pos, hit_pairs, T * K - hit_pairs, sum(g[2] for g in host), fetched,
                        fetched * state.expert_bytes)
         return result
-
-    @staticmethod
-    def _fused_kind(state, module, x) -> str | None:
-        """Which one-call kernel takes this layer's pairs on the CPU: "bf16" (moe_experts_bf16), "q" (experts_mlp_q /
-        moe_experts_q) or None (the per-expert path); decided once per layer and kind of input (dispatch's checks)."""
-        key = (x.dtype, x.dim(), x.device.type, dispatch.kernels_active(), torch.is_grad_enabled() and x.requires_grad)
-        kind = state.fused.get(key, False)
-        if kind is False:
-            w = state.store.tensors[0]
-            kind = ("bf16" if dispatch.fused_experts_ok(module, w, x) else "q" if dispatch.fused_experts_q_ok(module, w, x)
-                    else None)
-            state.fused[key] = kind
-        return kind
 
     def _one_token_pairs(self, K):
         if K not in self._pairs1:
@@ -384,13 +292,7 @@ class Executor:
     def _copy_fn(self, state):
         if self._cuda:
             return lambda slot, dst, src: self._copier.copy(dst, src, state.events.get(slot))
-        return _copy_sync
-
-
-def _copy_sync(slot, dst, src):
-    for d, s in zip(dst, src):
-        if d is not None:
-            d.copy_(s)
+        return fused.copy_sync
 
 
 class _Rows:

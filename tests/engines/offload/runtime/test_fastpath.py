@@ -263,7 +263,7 @@ def test_close_releases_the_model(checkpoints):
 def test_prefill_sends_experts_with_many_tokens_to_torch_gemm(checkpoints, monkeypatch):
     # a 96-token prompt routes 20+ tokens to some experts of the tiny model: those go through expert_forward's
     # torch GEMM, the rest through one moe_experts_bf16 call; the logits agree with everything through the kernel
-    from moe_offload.engines.offload.experts import executor as executor_mod
+    from moe_offload.engines.offload.experts import fused
     from moe_offload.engines.offload.kernels import dispatch
 
     prompt = [(7 * i) % 120 + 3 for i in range(96)]
@@ -280,8 +280,8 @@ def test_prefill_sends_experts_with_many_tokens_to_torch_gemm(checkpoints, monke
             engine.close()
 
     sizes = []
-    real = executor_mod.expert_forward
-    monkeypatch.setattr(executor_mod, "expert_forward", lambda m, x, *w, **k: sizes.append(x.shape[0]) or real(m, x, *w, **k))
+    real = fused.expert_forward  # the one-call path's own calls (the per-expert path is not taken here)
+    monkeypatch.setattr(fused, "expert_forward", lambda m, x, *w, **k: sizes.append(x.shape[0]) or real(m, x, *w, **k))
     split = last_logits()
     assert sizes and min(sizes) > dispatch.KERNEL_MAX_GROUP  # only the big groups left the kernel
     sizes.clear()

@@ -1,0 +1,114 @@
+"""The executor's CPU paths that take a layer's routed pairs in one kernel call per tier (transformers' silu gate on a
+concatenated gate|up, no biases, no post-expert norm), with the same numbers as the per-expert path.
+
+    one token, every expert resident  --> experts_mlp_bf16 | experts_mlp_q, rows in k order       (one_token)
+    otherwise, per tier (hits, fetched chunks, host misses, the disk tier's reads as they land)
+        bf16 --> moe_experts_bf16; int8/fp8/ggml --> experts_mlp_q (one token) | moe_experts_q     (forward)
+        an expert with more than KERNEL_MAX_GROUP tokens (prefill) --> expert_forward's GEMM
+
+Legend: T tokens, K top-k, H hidden, S = T*K routed pairs; a group g = (expert, first sorted pair, count).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moe_offload.engines.offload.experts import tiering
+from moe_offload.engines.offload.kernels import dispatch
+from moe_offload.engines.offload.kernels.dispatch import expert_forward
+
+
+def kind(state, module, x) -> str | None:
+    """Which one-call kernel takes this layer's pairs on the CPU: "bf16" (moe_experts_bf16), "q" (experts_mlp_q /
+    moe_experts_q) or None (the per-expert path); decided once per layer and kind of input (dispatch's checks)."""
+    key = (x.dtype, x.dim(), x.device.type, dispatch.kernels_active(), torch.is_grad_enabled() and x.requires_grad)
+    k = state.fused.get(key, False)
+    if k is False:
+        w = state.store.tensors[0]
+        k = "bf16" if dispatch.fused_experts_ok(module, w, x) else "q" if dispatch.fused_experts_q_ok(module, w, x) else None
+        state.fused[key] = k
+    return k
+
+
+def one_token(ex, state, k, hidden_states, top_k_index, top_k_weights, hits) -> torch.Tensor:
+    """One token whose K experts are all hits: one call, its rows in k order, then the combine."""
+    t1 = time.perf_counter()
+    w = [state.cache.weights[s] for _, s in sorted(hits, key=lambda h: h[0][1])]
+    ops = torch.ops.moe_offload
+    if k == "q":
+        y = ops.experts_mlp_q(hidden_states.contiguous(), [a[0] for a in w], [dispatch.scale_arg(a[4]) for a in w],
+                              [a[1] for a in w], [dispatch.scale_arg(a[5]) for a in w])  # [K, H]
+    else:  # each row is moe_experts_bf16's for that pair (both are expert_mlp_bf16's numbers)
+        y = ops.experts_mlp_bf16(hidden_states.to(torch.bfloat16).contiguous(), [a[0] for a in w], [a[1] for a in w])
+    t2 = time.perf_counter()
+    result = ex._combine(state, y, hidden_states, top_k_index, top_k_weights, hits, [], 0)
+    ex._stages(t1, t2, t2, t2, 0.0)
+    return result
+
+
+def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, quantized=False):
+    """Each tier's pairs through one kernel call, written straight into their (token, k) rows. bf16:
+    moe_experts_bf16; int8/fp8/ggml blocks (``quantized``): experts_mlp_q for one token, moe_experts_q for a batched
+    step (any number of tokens; an expert with more than KERNEL_MAX_GROUP of them goes through expert_forward)."""
+    T, K = top_k_index.shape
+    cache = state.cache
+    x = hidden_states.contiguous() if quantized else hidden_states.to(torch.bfloat16).contiguous()  # [T, H]
+    if T == 1:  # groups are (expert, k, 1): pair s = k
+        tok, perm = ex._one_token_pairs(K)
+    else:
+        tok = perm // K  # [S] token of each expert-sorted pair
+    proj = torch.empty(T * K, x.shape[1], dtype=x.dtype)  # [S, H] by (token, k)
+    ops = torch.ops.moe_offload
+
+    def run(groups, weights):
+        if not groups:
+            return
+        if quantized and T == 1:  # one token: group g = (expert, k, 1) goes to row k
+            y = ops.experts_mlp_q(x, [w[0] for w in weights], [dispatch.scale_arg(w[4]) for w in weights],
+                                  [w[1] for w in weights], [dispatch.scale_arg(w[5]) for w in weights])
+            proj.index_copy_(0, torch.tensor([g[1] for g in groups]), y)
+            return
+        # an expert with more than KERNEL_MAX_GROUP tokens (prefill) goes through torch's GEMM, faster there
+        # than the few-token dot kernel (dispatch.KERNEL_MAX_GROUP says why 16); the rest in one call
+        small = [i for i, g in enumerate(groups) if g[2] <= dispatch.KERNEL_MAX_GROUP]
+        if small and quantized:
+            ops.moe_experts_q(x, [weights[i][0] for i in small], [dispatch.scale_arg(weights[i][4]) for i in small],
+                              [weights[i][1] for i in small], [dispatch.scale_arg(weights[i][5]) for i in small],
+                              tok, perm, [groups[i][1] for i in small], [groups[i][2] for i in small], proj)
+        elif small:
+            ops.moe_experts_bf16(x, [weights[i][0] for i in small], [weights[i][1] for i in small], tok, perm,
+                                 [groups[i][1] for i in small], [groups[i][2] for i in small], proj)
+        for (_, start, n), w in zip(groups, weights):
+            if n > dispatch.KERNEL_MAX_GROUP:
+                y = expert_forward(module, x.index_select(0, tok[start : start + n]), *w)
+                proj.index_copy_(0, perm[start : start + n], y)
+
+    t1 = time.perf_counter()
+    run([g for g, _ in hits], [cache.weights[s] for _, s in hits])
+    t2 = time.perf_counter()
+    # fetched experts in chunks of the dynamic slot count: a later fetch must not evict one not yet computed
+    fetch_s = 0.0
+    for i in range(0, len(fetch), max(cache.dynamic, 1)):
+        chunk = fetch[i : i + max(cache.dynamic, 1)]
+        slots = [cache.fetch(g[0], copy_sync, state.store.expert(g[0])) for g in chunk]
+        tc = time.perf_counter()
+        run(chunk, [cache.weights[s] for s in slots])
+        fetch_s += time.perf_counter() - tc
+    t3 = time.perf_counter()
+    if hasattr(state.store, "request"):  # host slots over the disk tier: misses read while the rest computes
+        tiering.run_host(state.store, host, run)
+    else:
+        run(host, [state.store.expert(g[0]) for g in host])
+    t4 = time.perf_counter()
+    result = ex._combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, len(fetch))
+    ex._stages(t1, t2, t3, t4, fetch_s)
+    return result
+
+
+def copy_sync(slot, dst, src):
+    """A slot's tensors from the store's, on the host (no stream, no event)."""
+    for d, s in zip(dst, src):
+        if d is not None:
+            d.copy_(s)
