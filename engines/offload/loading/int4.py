@@ -44,10 +44,7 @@ def read(files, prefix: str, method: str) -> tuple[torch.Tensor, torch.Tensor]:
         s = files.tensor(prefix + ".scales").float().T  # [R, K/G]
         z = _unpack(files.tensor(prefix + ".qzeros"), 1).T[: q.shape[0]].int() + 1  # [R, K/G], the +1 of v1
         if prefix + ".g_idx" in files:
-            g_idx = files.tensor(prefix + ".g_idx").long()
-            group = q.shape[1] // s.shape[1]
-            if not torch.equal(g_idx, torch.arange(q.shape[1]) // group):
-                raise ModelError(f"{prefix}.g_idx: act-order (permuted groups) is not supported")
+            _check_groups(files.tensor(prefix + ".g_idx"), q.shape[1], s.shape[1], prefix + ".g_idx")
         if not bool((z == 8).all()):
             raise ModelError(f"{where}: zero points other than 8 (asymmetric 4-bit) are not supported")
     else:
@@ -56,13 +53,18 @@ def read(files, prefix: str, method: str) -> tuple[torch.Tensor, torch.Tensor]:
         if s.dim() == 1 or s.shape[-1] == 1:
             s = s.reshape(-1, 1)
         if prefix + ".weight_g_idx" in files:
-            g_idx = files.tensor(prefix + ".weight_g_idx").long()
-            if not torch.equal(g_idx, torch.arange(g_idx.numel()) // (g_idx.numel() // s.shape[1])):
-                raise ModelError(f"{prefix}.weight_g_idx: act-order (permuted groups) is not supported")
+            g_idx = files.tensor(prefix + ".weight_g_idx")
+            _check_groups(g_idx, g_idx.numel(), s.shape[1], prefix + ".weight_g_idx")
         if prefix + ".weight_shape" in files:
             R, K = (int(v) for v in files.tensor(prefix + ".weight_shape").tolist())
             q = q[:R, :K]
     return q, s
+
+
+def _check_groups(g_idx: torch.Tensor, K: int, groups: int, key: str) -> None:
+    """ModelError unless the group index maps input k to group k // (K / groups) (else: act-order)."""
+    if not torch.equal(g_idx.long(), torch.arange(K) // (K // groups)):
+        raise ModelError(f"{key}: act-order (permuted groups) is not supported")
 
 
 def to_q4_0(codes: torch.Tensor, scale: torch.Tensor, where: str) -> torch.Tensor:
