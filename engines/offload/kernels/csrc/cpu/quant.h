@@ -86,80 +86,11 @@ void prepare_init(int64_t n, int64_t k, char fmt, Tokens& t, int64_t qb);
 void prepare_row(const float* v, int64_t i, char fmt, Tokens& t);
 
 // ---- one row . one token, per format and ISA ----------------------------------------------------------------------
-// int8: sum_b qs[b] * sum_{j in b} qx_j * w_j (without the row's weight scale)
-inline float dot_q8(const int8_t* w, const Tokens& t, int64_t i) {
-  const int64_t k = t.k;
-  const int8_t* xq = t.q.data() + i * t.kp;
-  const float* qs = t.qs.data() + i * (t.kp / QB);
-#if defined(MOE_AVX512BF16)
-  const uint8_t* xa = t.qabs.data() + i * t.kp;
-  const uint64_t* neg = t.qneg.data() + i * (t.kp / 64);
-  const float* s16 = t.qs16.data() + i * (t.kp / 64) * 16;
-  const __m512i zero = _mm512_setzero_si512();
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
-  int64_t j = 0;
-  for (; j + 128 <= k; j += 128) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + j) + PF_DIST, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + j) + PF_DIST + 64, _MM_HINT_T0);
-    __m512i w0 = _mm512_loadu_si512(w + j), w1 = _mm512_loadu_si512(w + j + 64);
-    w0 = _mm512_mask_sub_epi8(w0, (__mmask64)neg[j / 64], zero, w0);  // w * sign(x): |x| is the unsigned operand
-    w1 = _mm512_mask_sub_epi8(w1, (__mmask64)neg[j / 64 + 1], zero, w1);
-    __m512i d0 = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(xa + j), w0);
-    __m512i d1 = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(xa + j + 64), w1);
-    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_loadu_ps(s16 + (j / 64) * 16), a0);
-    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_loadu_ps(s16 + (j / 64 + 1) * 16), a1);
-  }
-  for (; j < k; j += 64) {  // last whole 64s, then the tail: a masked load reads zeros past the row end (masked loads
-    // stream from DRAM several times slower: only the tail takes one)
-    __m512i w0 = (k - j >= 64) ? _mm512_loadu_si512(w + j) : _mm512_maskz_loadu_epi8(((__mmask64)1 << (k - j)) - 1, w + j);
-    w0 = _mm512_mask_sub_epi8(w0, (__mmask64)neg[j / 64], zero, w0);
-    __m512i d0 = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(xa + j), w0);
-    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_loadu_ps(s16 + (j / 64) * 16), a0);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-#elif defined(MOE_AVX2)
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-  int64_t j = 0;
-  for (; j + 64 <= k; j += 64) {
-    __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + j)), x1 = _mm256_loadu_si256((const __m256i*)(xq + j + 32));
-    __m256i w0 = _mm256_loadu_si256((const __m256i*)(w + j)), w1 = _mm256_loadu_si256((const __m256i*)(w + j + 32));
-    __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x0, x0), _mm256_sign_epi8(w0, x0)), ones);
-    __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x1, x1), _mm256_sign_epi8(w1, x1)), ones);
-    a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(qs[j / QB]), a0);
-    a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(qs[j / QB + 1]), a1);
-  }
-  for (; j + 32 <= k; j += 32) {
-    __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + j)), w0 = _mm256_loadu_si256((const __m256i*)(w + j));
-    __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x0, x0), _mm256_sign_epi8(w0, x0)), ones);
-    a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(qs[j / QB]), a0);
-  }
-  __m256 v = _mm256_add_ps(a0, a1);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  float total = _mm_cvtss_f32(s);
-  if (j < k) {  // tail block: plain integer sum
-    int32_t acc = 0;
-    for (int64_t l = j; l < k; ++l) acc += int32_t(xq[l]) * int32_t(w[l]);
-    total += float(acc) * qs[j / QB];
-  }
-  return total;
-#else
-  float total = 0.0f;
-  for (int64_t b = 0; b * QB < k; ++b) {
-    int32_t acc = 0;
-    for (int64_t l = b * QB; l < std::min(k, (b + 1) * QB); ++l) acc += int32_t(xq[l]) * int32_t(w[l]);
-    total += float(acc) * qs[b];
-  }
-  return total;
-#endif
-}
-
 #if defined(MOE_AVX2) && !defined(MOE_AVX512BF16)
-// dot_q8 of NR (1..4) rows ld bytes apart at once (AVX2): x's |q|, its sign and the block scales loaded once for the
-// rows, each row's sum formed exactly as dot_q8 forms it (same accumulators and order, hsum8's reduction, the tail
-// block last), and the same column of the next group of NR rows prefetched
+// int8 (AVX2): NR (1..4) rows ld bytes apart . token i, each without its weight scale: x's |q|, its sign and the
+// block scales loaded once for the rows, each row's sum in its own accumulators (in 64s, then a 32, then the tail
+// block as a plain integer sum), one hsum tree that adds each row's lanes as hsum8 does, and the same column of the
+// next group of NR rows prefetched. dot_q8 is its one-row case on AVX2.
 template <int NR>
 __attribute__((always_inline)) inline void dot_q8_rows(const int8_t* w, int64_t ld, const Tokens& t, int64_t i, float* out) {
   const int64_t k = t.k;
@@ -202,6 +133,53 @@ __attribute__((always_inline)) inline void dot_q8_rows(const int8_t* w, int64_t 
     }
 }
 #endif
+
+// int8: sum_b qs[b] * sum_{j in b} qx_j * w_j (without the row's weight scale)
+inline float dot_q8(const int8_t* w, const Tokens& t, int64_t i) {
+  const int64_t k = t.k;
+  const int8_t* xq = t.q.data() + i * t.kp;
+  const float* qs = t.qs.data() + i * (t.kp / QB);
+#if defined(MOE_AVX512BF16)
+  const uint8_t* xa = t.qabs.data() + i * t.kp;
+  const uint64_t* neg = t.qneg.data() + i * (t.kp / 64);
+  const float* s16 = t.qs16.data() + i * (t.kp / 64) * 16;
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  int64_t j = 0;
+  for (; j + 128 <= k; j += 128) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + j) + PF_DIST, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + j) + PF_DIST + 64, _MM_HINT_T0);
+    __m512i w0 = _mm512_loadu_si512(w + j), w1 = _mm512_loadu_si512(w + j + 64);
+    w0 = _mm512_mask_sub_epi8(w0, (__mmask64)neg[j / 64], zero, w0);  // w * sign(x): |x| is the unsigned operand
+    w1 = _mm512_mask_sub_epi8(w1, (__mmask64)neg[j / 64 + 1], zero, w1);
+    __m512i d0 = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(xa + j), w0);
+    __m512i d1 = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(xa + j + 64), w1);
+    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_loadu_ps(s16 + (j / 64) * 16), a0);
+    a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_loadu_ps(s16 + (j / 64 + 1) * 16), a1);
+  }
+  for (; j < k; j += 64) {  // last whole 64s, then the tail: a masked load reads zeros past the row end (masked loads
+    // stream from DRAM several times slower: only the tail takes one)
+    __m512i w0 = (k - j >= 64) ? _mm512_loadu_si512(w + j) : _mm512_maskz_loadu_epi8(((__mmask64)1 << (k - j)) - 1, w + j);
+    w0 = _mm512_mask_sub_epi8(w0, (__mmask64)neg[j / 64], zero, w0);
+    __m512i d0 = _mm512_dpbusd_epi32(zero, _mm512_loadu_si512(xa + j), w0);
+    a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_loadu_ps(s16 + (j / 64) * 16), a0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#elif defined(MOE_AVX2)
+  float v;
+  dot_q8_rows<1>(w, 0, t, i, &v);
+  return v;
+#else
+  float total = 0.0f;
+  for (int64_t b = 0; b * QB < k; ++b) {
+    int32_t acc = 0;
+    for (int64_t l = b * QB; l < std::min(k, (b + 1) * QB); ++l) acc += int32_t(xq[l]) * int32_t(w[l]);
+    total += float(acc) * qs[b];
+  }
+  return total;
+#endif
+}
+
 
 // fp8: sum over 128-column blocks of scale[block] * sum_j x_j * fp8(w_j); srow = the row's scale row (ceil(K/128)).
 // e4m3 -> fp16 bits: the byte sign-extended to 16 bits and shifted left by 7 puts the sign in bit 15 and exponent +
