@@ -147,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         th, us = runs[f"llama.cpp {t}"], runs[f"moe-offload {t}"]
         ratios = [u / h for u, h in zip(us, th)]
         ratio = statistics.median(ratios)
-        sh_th = decode_bytes(f) / (statistics.median(th) / 1e3) / 1e9 / bw
-        sh_us = decode_bytes(f) / (statistics.median(us) / 1e3) / 1e9 / bw
-        print(f"| {f.name} | {decode_bytes(f) / 1e6:.1f} | {statistics.median(th):.2f} | {statistics.median(us):.2f} | "
+        nbytes = decode_bytes(f)  # reads the file's metadata
+        sh_th = nbytes / (statistics.median(th) / 1e3) / 1e9 / bw
+        sh_us = nbytes / (statistics.median(us) / 1e3) / 1e9 / bw
+        print(f"| {f.name} | {nbytes / 1e6:.1f} | {statistics.median(th):.2f} | {statistics.median(us):.2f} | "
               f"{', '.join(f'{r:.2f}' for r in ratios)} | {ratio:.2f}x | {sh_th:.0%} | {sh_us:.0%} | {start_s[t]:.1f} |")
         out[t] = {"ratio": ratio, "share_llamacpp": sh_th, "share_ours": sh_us}
     for t, b in batched.items():
