@@ -3,6 +3,8 @@
     python bench/bench_fastpath.py                         # gpt_oss and qwen3_moe mid-size models, 3 rounds
     python bench/bench_fastpath.py --families glm4_moe --rounds 5
     python bench/bench_fastpath.py --quick                 # tiny models, 2 rounds: proves it runs
+    python bench/bench_fastpath.py --families "" --models FILE.gguf,DIR --against layers
+                                                           # the whole-step call against the fused per-layer loop
 
     family config (mid-size widths below, random bf16 weights, built once under ~/.cache/moe-offload/fastpath-*)
       -> build_offload_engine (bf16, every expert resident, static) -> per round: decode --tokens tokens after a
@@ -11,7 +13,8 @@
 
 Both runs use the same weights, KV pool, executor and kernels: the difference is transformers' modules (the
 module path) against one compiled call per layer for attention, norms and (where the family's router is covered)
-routing (the fused path). Run on an idle machine.
+routing (the fused path). ``--against layers``: the fused path's whole-step call (runtime/decode_step.py, one C++
+call per step) against its per-layer loop (plan.step_call = None), same engine. Run on an idle machine.
 """
 
 from __future__ import annotations
@@ -87,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", default="", help="comma-separated model paths (GGUF files, checkpoint dirs) as well")
+    ap.add_argument("--against", choices=("module", "layers"), default="module",
+                    help="B side: the module path, or the fused path's per-layer loop (A: the whole-step call)")
     args = ap.parse_args(argv)
     from transformers.utils import logging
 
@@ -97,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rounds, tokens = (2, 8) if args.quick else (args.rounds, args.tokens)
     rows = []
-    for family in [f for f in args.families.split(",") if f]:
-        path = build(family, args.quick)
+    targets = [(f, build(f, args.quick)) for f in args.families.split(",") if f]
+    targets += [(Path(m).name, Path(m)) for m in args.models.split(",") if m]
+    for family, path in targets:
         engine = build_offload_engine(str(path), dtype="bfloat16", policy="static", fraction=1.0)
         try:
             plan = engine.runner.fast
@@ -109,22 +116,34 @@ def main(argv: list[str] | None = None) -> int:
             g = torch.Generator().manual_seed(1)
             prompt = torch.randint(3, vocab, (8 if args.quick else args.context,), generator=g).tolist()
             decode_ms(engine, prompt, 2)  # warm-up
+            step = plan.step_call
+            if args.against == "layers" and step is None:
+                print(f"{family}: the whole-step call does not cover this model (see the debug log)", file=sys.stderr)
+                continue
             fused, modules = [], []
             for _ in range(rounds):
                 engine.runner.fast = plan
                 fused.append(decode_ms(engine, prompt, tokens))
-                engine.runner.fast = None
+                if args.against == "layers":
+                    plan.step_call = None
+                else:
+                    engine.runner.fast = None
                 modules.append(decode_ms(engine, prompt, tokens))
+                plan.step_call = step
             engine.runner.fast = plan
             rows.append((family, fused, modules))
         finally:
             engine.close()
     cmd = "python bench/bench_fastpath.py" + (" " + " ".join(sys.argv[1:]) if argv is None and sys.argv[1:] else "")
     print(f"Command: `{cmd}`  ")
-    print(f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads  ")
+    from bench_engine import read_bandwidth
+
+    print(f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} threads, "
+          f"memory bandwidth {read_bandwidth() / 1e9:.1f} GB/s (fp32 sum, measured after the run)  ")
     print(f"{tokens} decode tokens after a {8 if args.quick else args.context}-token prompt, {rounds} interleaved "
           "round(s); ms/token = median over a measurement's tokens\n")
-    print("| family | fused path ms/token | module path ms/token | module / fused |")
+    a, b = ("whole step", "per-layer loop") if args.against == "layers" else ("fused path", "module path")
+    print(f"| model | {a} ms/token | {b} ms/token | {b} / {a} |")
     print("|---|---|---|---:|")
     for family, fused, modules in rows:
         f, m = statistics.median(fused), statistics.median(modules)

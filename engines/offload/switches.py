@@ -1,6 +1,7 @@
 """On/off switches of the offload engine, read from the environment: each is on unless set to 0, false, no or off.
 
     MOE_OFFLOAD_KERNELS (kernels/jit.py), MOE_OFFLOAD_FAST_DECODE (runtime/fastpath.py, mla_plan.py),
+    MOE_OFFLOAD_DECODE_STEP (runtime/decode_step.py),
     MOE_OFFLOAD_MLA_ABSORB (runtime/mla.py), MOE_OFFLOAD_FUSED_ROUTER (runtime/moe_blocks.py)
 """
 

@@ -231,6 +231,23 @@ class Executor:
         self._stages(t1, t2, t3, t4, fetch_compute_s)
         return result
 
+    def book_resident(self, states: list[LayerState], ids: torch.Tensor, experts_s: float) -> None:
+        """Book a decode step that ran every layer in one call with all experts resident (runtime/decode_step.py):
+        ids [L, T, K] the routes of ``states``' layers; each pair a slot hit, as ``forward`` books it."""
+        L, T, K = ids.shape
+        for st in states:
+            self.stats.add(st.pos, T * K, 0, 0, 0, 0)
+        if self.per_token and T > 1:
+            self.token_stats = torch.zeros(T, 2, dtype=torch.int64)
+            self.token_stats[:, 0] = L * K
+        if self._capturing:
+            if not self._records:
+                self._records.append({})
+            for st, routes in zip(states, ids.tolist()):
+                self._records[-1][st.layer] = routes
+        if self.timing:
+            self.stats.stage_s["device_experts"] += experts_s
+
     def close(self) -> None:
         """Stop the disk tier's I/O threads (reads in flight finish first)."""
         if self.io is not None:

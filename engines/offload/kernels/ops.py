@@ -57,6 +57,12 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       function rounds in bf16 (interleaved pairs or rotate_half)                                          mla.cpp
   grouped_topk(scores [M, E] fp32, bias [E] fp32?, n_group, topk_group, top_k, norm_topk, scale) -> [ids [M, K] int64,
                w [M, K] fp32]   DeepSeek-V3's grouped selection from sigmoid scores (runtime/moe_blocks.py)  router.cpp
+Class moe_offload.DecodeStep(bs, w_bf16, norm_mode, router_mode) (torch.classes; the family's constants)     step.cpp
+  .add_layer(decode_layer_bf16's weights of one layer, kpool, vpool, top_k, norm_topk, ..., the layer's E experts by
+             id: gate_ups, gate_up_scales ([] for bf16), downs, down_scales, quantized)
+  .step(h [M, H], cos, sin, blocks, lens, norm [H], eps) -> (x [M, H], ids [L, M, K], experts seconds)
+      a whole decode step: per layer decode_layer_bf16, the routed pairs through moe_experts_q | moe_experts_bf16,
+      the combine as the executor computes it; then the final norm (runtime/decode_step.py)
 Legend (MLA): N/P/V the nope/rope/value head dims, R kv_lora_rank, L key rows per sequence (padded).
 Legend: H hidden (input features), N output rows (gemv) or tokens (gemv_q), M / T tokens, I expert intermediate,
 K experts of a token (top-k) or input features (gemv_q), J experts of a layer, S routed pairs, R output rows or pool

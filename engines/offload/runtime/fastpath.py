@@ -28,6 +28,7 @@ import torch
 from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
+from moe_offload.engines.offload.runtime.decode_step import StepCall
 from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block
 from moe_offload.log import get_logger
 
@@ -101,6 +102,7 @@ class DecodePlan:
         self.lm_head = model.lm_head
         self.head_dim = inner.layers[0].self_attn.head_dim
         self.steps = 0
+        self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: not built yet
 
     # -- eligibility --------------------------------------------------------------------------------------------
     @classmethod
@@ -244,6 +246,11 @@ class DecodePlan:
         ex = self.executor
         t0 = time.perf_counter()
         ex.begin_forward()
+        if self.step_call is False:
+            self.step_call = StepCall.build(self)
+        if self.step_call is not None and self.step_call.takes(M):  # every layer in one call
+            x = self.step_call.run(h, cos, sin, table, lens_t, self.norm.weight, self.eps)
+            return self._logits(x, t0)
         op = torch.ops.moe_offload.decode_layer_bf16
         add = None
         fam = self.family
@@ -266,8 +273,10 @@ class DecodePlan:
                 out = lay.mlp(x2.unsqueeze(0))
                 out = (out[0] if isinstance(out, tuple) else out)[0]
             add = out.contiguous()
-        x = torch.ops.moe_offload.rmsnorm_bf16(h, add, self.norm.weight, self.eps, fam.norm_mode)
+        return self._logits(torch.ops.moe_offload.rmsnorm_bf16(h, add, self.norm.weight, self.eps, fam.norm_mode), t0)
+
+    def _logits(self, x: torch.Tensor, t0: float) -> torch.Tensor:
         logits = self.lm_head(x)  # [M, V]
-        ex.end_forward(t0)
+        self.executor.end_forward(t0)
         self.steps += 1
         return logits

@@ -1,0 +1,91 @@
+"""The fused decode path's whole-step call: every layer of a decode step in one C++ call when every expert is resident.
+
+    DecodePlan.forward --(eligible step)--> StepCall.run(h, cos, sin, table, lens)
+      --> moe_offload::DecodeStep.step (kernels/csrc/cpu/step.cpp: per layer decode_layer_bf16, the routed experts
+          through moe_experts_q | moe_experts_bf16, the combine; then the final norm)
+      --> (x [M, H], routes [L, M, K], experts seconds) --> Executor.book_resident (hits, stage time, captured routes)
+
+Why: with every expert resident the executor has nothing to decide per layer (no tier, no fetch, no eviction), yet
+its Python glue and two op calls of ~40 arguments cost a few hundred microseconds per layer while the second core
+waits; one call per step leaves only the bookkeeping, done once from the returned routes.
+
+When (else the per-layer loop runs, with the same numbers): a CPU executor without a disk tier, every layer's MoE
+block with its router fused (no shared expert, dense MLP or module-run block), every expert pinned (fraction 1.0 or
+a placement pinning all), experts the one-call kernels take (experts/fused.kind: "bf16" or "q"), top-k <= 16, at
+most KERNEL_MAX_GROUP tokens, not the load-time probe (dry). MOE_OFFLOAD_DECODE_STEP=0 keeps the per-layer loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_offload.engines.offload import switches
+from moe_offload.engines.offload.experts import fused
+from moe_offload.engines.offload.kernels import dispatch
+from moe_offload.log import get_logger
+
+log = get_logger("moe_offload.fastpath")
+
+ENV = "MOE_OFFLOAD_DECODE_STEP"
+
+
+class StepCall:
+    """A built moe_offload::DecodeStep and the executor states it books for."""
+
+    def __init__(self, obj, executor, states):
+        self.obj, self.executor, self.states = obj, executor, states
+
+    @classmethod
+    def build(cls, plan) -> "StepCall | None":
+        """The whole-step call for ``plan`` (a fastpath.DecodePlan), or None where the per-layer loop must run."""
+        why = cls._refuse(plan)
+        if why:
+            log.debug("whole-step decode off", reason=why)
+            return None
+        fam, hd = plan.family, plan.head_dim
+        obj = torch.classes.moe_offload.DecodeStep(plan.bs, fam.router_weights_bf16, fam.norm_mode, fam.router_mode)
+        probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
+        for lay in plan.layers:
+            cache = lay.state.cache
+            kind = fused.kind(lay.state, lay.experts, probe)
+            if kind is None or lay.top_k > 16:
+                log.debug("whole-step decode off", reason=f"layer {lay.idx}: experts the one-call kernels do not take")
+                return None
+            w = [cache.weights[cache.slot_of[e]] for e in range(cache.num_experts)]
+            (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
+            kp, vp = plan.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
+            q = kind == "q"
+            obj.add_layer(ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kp, vp, scaling, window, wo, bo, ln2, lay.router,
+                          lay.top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales,
+                          [a[0] for a in w], [dispatch.scale_arg(a[4]) for a in w] if q else [],
+                          [a[1] for a in w], [dispatch.scale_arg(a[5]) for a in w] if q else [], q)
+        log.info("whole-step decode on", layers=len(plan.layers))
+        return cls(obj, plan.executor, [lay.state for lay in plan.layers])
+
+    @staticmethod
+    def _refuse(plan) -> str:
+        if not switches.on(ENV):
+            return f"{ENV}=0"
+        ex = plan.executor
+        if ex.device.type != "cpu" or ex.disk is not None or ex.prefetcher is not None:
+            return "not a CPU executor over host memory"
+        if not plan.family.router:
+            return "routers not fused"
+        for lay in plan.layers:
+            if lay.moe is None or lay.shared is not None or lay.block is not None:
+                return f"layer {lay.idx}: not a routed MoE block alone"
+            cache = lay.state.cache
+            if len(cache.pinned) != cache.num_experts:
+                return f"layer {lay.idx}: not every expert pinned"
+        if len({lay.top_k for lay in plan.layers}) != 1:
+            return "layers with different top-k"
+        return ""
+
+    def takes(self, tokens: int) -> bool:
+        return tokens <= dispatch.KERNEL_MAX_GROUP and not self.executor.dry
+
+    def run(self, h, cos, sin, table, lens, norm, eps) -> torch.Tensor:
+        """One decode step through every layer; returns the final norm's output [M, H] and books the routes."""
+        x, ids, experts_s = self.obj.step(h, cos, sin, table, lens, norm, eps)
+        self.executor.book_resident(self.states, ids, experts_s)
+        return x

@@ -1,0 +1,115 @@
+"""The whole-step decode call (runtime/decode_step.py, kernels/csrc/cpu/step.cpp) against the per-layer loop it
+replaces: the same kernels in the same order and the executor's combine as torch computes it, so the logits must be
+identical bit for bit, the routes the same, and the executor's books (hits, per-token attribution) the same.
+
+Each decode-only step runs on both paths from the same KV state, with one and with three sequences. Why it could
+fail: the combine summing in another order or rounding the products where torch does not (Mixtral keeps fp32
+router weights, the others bf16), pairs grouped in another order, a layer's KV pool or experts mixed up, the
+routes booked to the wrong layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_offload.engines.offload.kernels import jit
+from moe_offload.engines.offload.runtime.build import build_offload_engine
+from moe_offload.engines.params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not jit.load(), reason="the CPU kernels cannot be built here")
+
+PROMPTS = ([3, 17, 42, 9, 88, 5, 61, 23], [7, 7, 100, 2], list(range(50, 90)))
+
+
+def _both_paths(path: str, prompts=PROMPTS, steps: int = 12, **options) -> int:
+    """Decode ``prompts`` together; every decode-only step computed with the whole-step call and with the per-layer
+    loop, compared. Returns how many steps were compared."""
+    engine = build_offload_engine(path, dtype="bfloat16", block_size=4, fraction=1.0, **options)
+    compared = 0
+    try:
+        runner, ex = engine.runner, engine.executor
+        plan = runner.fast
+        gens = [engine.start(p, SamplingParams(max_tokens=steps, ignore_eos=True)) for p in prompts]
+        for _ in range(4 * steps):
+            sched = engine.scheduler.schedule()
+            if sched.is_empty:
+                break
+            with torch.inference_mode():
+                if not all(n == 1 for _, n in sched.scheduled):
+                    engine.output.emit(sched, runner.forward_paged(sched))
+                    continue
+                out = []
+                for whole in (True, False):
+                    if whole:
+                        plan.step_call = False  # built at the first decode step, or rebuilt: the same object
+                    step = plan.step_call
+                    if not whole:
+                        plan.step_call = None
+                    ex.capture(True)
+                    before = ex.stats.snapshot()["layers"]
+                    logits = runner.forward_fast(sched)
+                    after = ex.stats.snapshot()["layers"]
+                    tokens = None if ex.token_stats is None else ex.token_stats.clone()
+                    out.append((logits, ex.captured()[0], {k: after[k]["hits"] - before[k]["hits"] for k in after},
+                                tokens))
+                    ex.capture(False)
+                    if whole:
+                        assert plan.step_call is not None, "the whole-step call was not taken"
+                        assert step is False or plan.step_call is not None
+                plan.step_call = False
+                (a, ra, ha, ta), (b, rb, hb, tb) = out
+                assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
+                assert ra == rb and ha == hb
+                assert (ta is None) == (tb is None) and (ta is None or torch.equal(ta, tb))
+                assert all(v == len(sched.scheduled) * len(ra[0][0]) for v in ha.values()), ha  # every pair a hit
+                compared += 1
+                engine.output.emit(sched, b)
+        assert all(len(g.drain()) == steps for g in gens)
+    finally:
+        engine.close()
+    return compared
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
+def test_whole_step_equals_the_layer_loop_bf16(checkpoints, family):
+    assert _both_paths(checkpoints(family)) >= 8  # three sequences, then the longest alone
+
+
+def test_whole_step_equals_the_layer_loop_int8_experts(checkpoints):
+    assert _both_paths(checkpoints("qwen3_moe"), expert_dtype="int8", dense_dtype="int8") >= 8
+
+
+def test_whole_step_equals_the_layer_loop_gguf(tmp_path):
+    from gguf_helpers import write
+
+    path, _ = write("qwen3_moe", tmp_path, "q4_k", down_qtype="q6_k")
+    assert _both_paths(str(path), prompts=([5, 9, 33, 2], [60, 61, 62])) >= 8
+
+
+def test_whole_step_is_taken_only_where_every_expert_is_resident(checkpoints, monkeypatch):
+    def plan_step(path, **options):
+        engine = build_offload_engine(path, dtype="bfloat16", **options)
+        try:
+            list(engine.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
+            return engine.runner.fast.step_call
+        finally:
+            engine.close()
+
+    assert plan_step(checkpoints("qwen3_moe"), fraction=1.0) is not None
+    assert plan_step(checkpoints("qwen3_moe"), fraction=0.5) is None  # misses: the executor decides per layer
+    assert plan_step(checkpoints("qwen2_moe"), fraction=1.0) is None  # a shared expert: the layer loop runs it
+    assert plan_step(checkpoints("gpt_oss"), fraction=1.0) is None  # biased, clamped experts: per-expert kernels
+    monkeypatch.setenv("MOE_OFFLOAD_DECODE_STEP", "0")
+    assert plan_step(checkpoints("qwen3_moe"), fraction=1.0) is None
+
+
+def test_decode_step_rejects_bad_layers():
+    step = torch.classes.moe_offload.DecodeStep(4, True, 0, 0)
+    h = torch.zeros(1, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="no layers"):
+        step.step(h, h, h, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), h[0], 1e-6)
+    w = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="by expert id"):
+        step.add_layer(h[0], 1e-6, w, w, w, None, None, None, None, None, w, w, 1.0, 0, w, None, h[0], w, 2, True,
+                       None, None, None, None, None, None, [w], [], [w], [], False)
