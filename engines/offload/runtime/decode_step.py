@@ -9,10 +9,12 @@ Why: with every expert resident the executor has nothing to decide per layer (no
 its Python glue and two op calls of ~40 arguments cost a few hundred microseconds per layer while the second core
 waits; one call per step leaves only the bookkeeping, done once from the returned routes.
 
-When (else the per-layer loop runs, with the same numbers): a CPU executor without a disk tier, every layer's MoE
-block with its router fused (no shared expert, dense MLP or module-run block), every expert pinned (fraction 1.0 or
-a placement pinning all), experts the one-call kernels take (experts/fused.kind: "bf16" or "q"), top-k <= 16, at
-most KERNEL_MAX_GROUP tokens, not the load-time probe (dry). MOE_OFFLOAD_DECODE_STEP=0 keeps the per-layer loop.
+When (else the per-layer loop runs, with the same numbers): a CPU executor, every layer's MoE block with its router
+fused (no shared expert, dense MLP or module-run block), every expert pinned (fraction 1.0 or a placement pinning
+all) and, over the expert store file, held in a host slot that is never evicted and already read in (until the
+background reads land, the loop runs and waits for what it routes to), experts the one-call kernels take
+(experts/fused.kind: "bf16" or "q"), top-k <= 16, at most KERNEL_MAX_GROUP tokens, not the load-time probe (dry).
+MOE_OFFLOAD_DECODE_STEP=0 keeps the per-layer loop.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.experts import fused
+from moe_offload.engines.offload.experts.tiercache import TierSlots
 from moe_offload.engines.offload.kernels import dispatch
 from moe_offload.log import get_logger
 
@@ -34,6 +37,9 @@ class StepCall:
 
     def __init__(self, obj, executor, states):
         self.obj, self.executor, self.states = obj, executor, states
+        self.reading = [st.store for st in states if hasattr(st.store, "pending")]  # host slots over the store file
+        self.broken = False  # a background read failed: its slot no longer holds the expert
+        self.calls = 0
 
     @classmethod
     def build(cls, plan) -> "StepCall | None":
@@ -67,8 +73,8 @@ class StepCall:
         if not switches.on(ENV):
             return f"{ENV}=0"
         ex = plan.executor
-        if ex.device.type != "cpu" or ex.disk is not None or ex.prefetcher is not None:
-            return "not a CPU executor over host memory"
+        if ex.device.type != "cpu":
+            return "not a CPU executor"
         if not plan.family.router:
             return "routers not fused"
         for lay in plan.layers:
@@ -77,15 +83,34 @@ class StepCall:
             cache = lay.state.cache
             if len(cache.pinned) != cache.num_experts:
                 return f"layer {lay.idx}: not every expert pinned"
+            if isinstance(lay.state.store, TierSlots) and lay.state.store.dynamic:
+                return f"layer {lay.idx}: host slots over the store file that evict"
         if len({lay.top_k for lay in plan.layers}) != 1:
             return "layers with different top-k"
         return ""
 
     def takes(self, tokens: int) -> bool:
-        return tokens <= dispatch.KERNEL_MAX_GROUP and not self.executor.dry
+        return tokens <= dispatch.KERNEL_MAX_GROUP and not self.executor.dry and self._read_in()
+
+    def _read_in(self) -> bool:
+        """Every host slot over the store file holds its expert. Background reads that have all landed are settled
+        here (without waiting); a failed one raises its error, as the per-layer loop would, and turns this call off."""
+        if self.broken:
+            return False
+        for store in self.reading:
+            if store.pending:
+                if not all(f.done() for f in list(store.pending.values())):
+                    return False
+                try:
+                    store.settle(list(range(store.num_experts)))
+                except BaseException:
+                    self.broken = True
+                    raise
+        return True
 
     def run(self, h, cos, sin, table, lens, norm, eps) -> torch.Tensor:
         """One decode step through every layer; returns the final norm's output [M, H] and books the routes."""
         x, ids, experts_s = self.obj.step(h, cos, sin, table, lens, norm, eps)
+        self.calls += 1
         self.executor.book_resident(self.states, ids, experts_s)
         return x
