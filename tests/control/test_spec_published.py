@@ -164,8 +164,15 @@ def test_unsupported_quantization_is_named():
     # symmetric 4-bit GPTQ is held as q4_0 blocks; what the loader refuses, spec refuses with the same line
     gptq = ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4}})
     assert gptq.expert_format == "q4_0" and gptq.expert_bytes == 3 * 4096 * 14336 // 32 * 18
-    with pytest.raises(ModelError, match="quant_method 'awq' is not supported"):
-        ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "awq", "bits": 4}})
+    # AWQ (a zero point per group) as q4_z blocks: 19 bytes per 32 weights
+    awq = ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "awq", "bits": 4,
+                                                                            "group_size": 128, "version": "gemm"}})
+    assert awq.expert_format == "q4_z" and awq.expert_bytes == 3 * 4096 * 14336 // 32 * 19
+    with pytest.raises(ModelError, match="quant_method 'hqq' is not supported"):
+        ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "hqq", "bits": 4}})
+    with pytest.raises(ModelError, match="AWQ with bits=4 zero_point=True version='gemv'"):
+        ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "awq", "bits": 4,
+                                                                            "version": "gemv"}})
     with pytest.raises(ModelError, match="GPTQ with bits=4 sym=False"):
         ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4, "sym": False}})
     fp8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {

@@ -31,8 +31,9 @@ from moe_offload.engines.offload.loading import int4, quant
 from moe_offload.errors import ModelError
 
 METHODS = ("mxfp4", "fp8", *int4.METHODS)
-# the format a method's experts are stored in by this loader (int4.py repacks 4-bit releases as q4_0 blocks)
-STORED_FORMAT = {"mxfp4": "mxfp4", "fp8": "fp8", **dict.fromkeys(int4.METHODS, "q4_0")}
+# the format a method's experts are stored in by this loader (int4.py repacks 4-bit releases as q4_0 blocks, AWQ's
+# with their zero points as q4_z)
+STORED_FORMAT = {"mxfp4": "mxfp4", "fp8": "fp8", **dict.fromkeys(int4.METHODS, "q4_0"), "awq": "q4_z"}
 SCALE_SUFFIX = "_scale_inv"  # fp8: "<linear>.weight" -> "<linear>.weight_scale_inv"
 
 
@@ -46,7 +47,7 @@ def quant_method(config, where: str = "checkpoint") -> str | None:
     if method not in METHODS:
         raise ModelError(f"{where}: quantization_config.quant_method {method!r} is not supported; expected one of "
                          f"{', '.join(METHODS)} (gpt-oss MXFP4, DeepSeek-style block FP8, symmetric 4-bit GPTQ or "
-                         "compressed-tensors) or an unquantized checkpoint")
+                         "compressed-tensors, AWQ) or an unquantized checkpoint")
     if method in int4.METHODS:
         check_int4(qc, where)
     if method == "fp8":
@@ -228,7 +229,8 @@ def read_layer(files: Files, src: ExpertSources, module, num_experts: int, metho
 
 
 def _stack_int4(files: Files, proj: Projection, num_experts: int, method: str) -> torch.Tensor:
-    """[E, R, K/32, 18] q4_0 blocks of a 4-bit release's per-expert linears (a gate|up pair: rows concatenated)."""
+    """[E, R, K/32, S] q4_0 (or AWQ's q4_z) blocks of a 4-bit release's per-expert linears (a gate|up pair: rows
+    concatenated)."""
     if proj.fused is not None:
         raise ModelError(f"{proj.fused}: expected one 4-bit tensor per expert, found a fused tensor")
     out = []
@@ -236,7 +238,7 @@ def _stack_int4(files: Files, proj: Projection, num_experts: int, method: str) -
         parts = []
         for i in range(proj.nparts):
             prefix = proj.parts[e][i].removesuffix(int4.WEIGHT[method])
-            parts.append(int4.to_q4_0(*int4.read(files, prefix, method), prefix))
+            parts.append(int4.to_blocks(*int4.read(files, prefix, method), prefix))
         out.append(torch.cat(parts, dim=0))
     return torch.stack(out)
 

@@ -32,10 +32,13 @@ class Layout:
     bytes: int  # bytes per block
 
 
-# ggml type ids (gguf.GGMLQuantizationType): the C++ and the GGUF reader agree on these
-_QTYPE = {"q8_0": 8, "q4_0": 2, "gguf_mxfp4": 39, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+# ggml type ids (gguf.GGMLQuantizationType): the C++ and the GGUF reader agree on these; q4_z (200) is the engine's
+# own block (q4_0 with a zero point, for AWQ releases), never read from or written to a GGUF file
+_QTYPE = {"q8_0": 8, "q4_0": 2, "q4_z": 200, "gguf_mxfp4": 39, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+Q4_Z = "q4_z"
 BY_NAME = {name: Layout(name, _QTYPE[name], b, s) for name, (b, s) in GGML_BLOCKS.items()}
 LAYOUTS = {lay.bytes: lay for lay in BY_NAME.values()}  # S -> layout
+GGUF_TYPES = tuple(n for n in BY_NAME if n != Q4_Z)  # the ones a GGUF file can hold
 
 
 def is_blocks(t: torch.Tensor | None) -> bool:
@@ -77,10 +80,17 @@ def dequantize(t: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
 
 
 def reference_dequantize(t: torch.Tensor) -> torch.Tensor:
-    """The gguf package's dequantization of bits8 [.., nb, S]: fp32 [.., nb * B]."""
+    """The gguf package's dequantization of bits8 [.., nb, S]: fp32 [.., nb * B] (q4_z, which gguf does not know: its
+    definition, d * (q - z) with q4_0's nibble order, written out here)."""
     from gguf import GGMLQuantizationType, quants
 
     lay = layout_of(t)
+    if lay.name == Q4_Z:
+        raw = t.contiguous().view(torch.uint8)
+        d = raw[..., :2].contiguous().view(torch.float16).float()  # [.., nb, 1]
+        z = raw[..., 2:3].float()
+        q = torch.cat([raw[..., 3:] & 0xF, raw[..., 3:] >> 4], dim=-1).float()  # element j low, j + 16 high
+        return (d * (q - z)).flatten(-2)
     raw = t.contiguous().view(torch.uint8).flatten(-2).numpy()
     return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType(lay.qtype)).copy())
 
@@ -112,6 +122,9 @@ def random_blocks(rows: int, cols: int, name: str, seed: int = 0, scale: float =
         f16(0, d * unit / 64)  # every code -128..127, -128 included
     elif name == "q4_0":
         f16(0, d * unit / 4)
+    elif name == Q4_Z:
+        f16(0, d * unit / 4)
+        raw[:, 2] = g.integers(0, 16, size=nb)  # |q - z| up to 15
     elif name == "gguf_mxfp4":
         raw[:, 0] = np.clip(np.round(np.log2(unit / 4)) + 128 + g.integers(-1, 2, size=nb), 1, 254)
     elif name in ("q4_k", "q5_k"):

@@ -94,9 +94,9 @@ class Tensors:
         """A quantized tensor's bytes as ggml blocks [.., R, nb, S] (a copy out of the map: the store owns it)."""
         t = self._get(name)
         kind = _engine_name(t.tensor_type.name.lower())
-        if kind not in ggml.BY_NAME:
+        if kind not in ggml.GGUF_TYPES:
             raise ModelError(f"{self.info.files[0]}: expert tensor {name} is {t.tensor_type.name}; the engine computes "
-                             f"{', '.join(k.upper() for k in ggml.BY_NAME)} experts as stored (or F32/F16/BF16)")
+                             f"{', '.join(k.upper() for k in ggml.GGUF_TYPES)} experts as stored (or F32/F16/BF16)")
         cols = int(t.shape[0])
         return ggml.as_blocks(np.array(t.data, copy=True), kind, cols)
 
@@ -211,7 +211,7 @@ def keep_dense_blocks(model, tensors: Tensors) -> int:
 
     def blocks_of(name: str, heads: int | None) -> torch.Tensor | None:
         src = _gguf_name(tmap, name)
-        if src is None or not tensors.has(src) or _engine_name(tensors.qtype(src)) not in ggml.BY_NAME:
+        if src is None or not tensors.has(src) or _engine_name(tensors.qtype(src)) not in ggml.GGUF_TYPES:
             return None
         b = tensors.blocks(src)
         return _unpermute(b, heads) if heads else b

@@ -1,16 +1,20 @@
-"""4-bit safetensors releases (W4A16): GPTQ and compressed-tensors ``pack-quantized``, kept at 4 bits.
+"""4-bit safetensors releases (W4A16): GPTQ, compressed-tensors ``pack-quantized`` and AWQ, kept at 4 bits.
 
     GPTQ (quant_method "gptq", checkpoint_format "gptq"):  <linear>.qweight int32 [K/8, R] (8 codes per word along K,
         code k at bits 4*(k%8)), .scales fp16 [K/G, R], .qzeros int32 [K/G, R/8] (zero - 1 along R), .g_idx [K]
         w[r, k] = scales[g, r] * (q[k, r] - (zeros[g, r] + 1)),  g = k / G
     compressed-tensors pack-quantized: <linear>.weight_packed int32 [R, K/8] (code k at bits 4*(k%8)),
         .weight_scale [R, K/G], .weight_shape [2]; symmetric: w[r, k] = weight_scale[r, g] * (q[r, k] - 8)
+    AWQ (quant_method "awq", version "gemm", zero_point): <linear>.qweight int32 [K, R/8] (8 codes per word along R in
+        AutoAWQ's order: nibble i holds column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i]), .qzeros int32 [K/G, R/8] (same
+        order), .scales fp16 [K/G, R]; w[r, k] = scales[g, r] * (q[k, r] - zeros[g, r])
 
 Both symmetric layouts (zero point 8, groups of a multiple of 32 along K) are exactly llama.cpp's q4_0 blocks: an
 fp16 scale and 32 codes, value (q - 8) * d. They are repacked to q4_0 at load (the same bits, another order; the
 scales are checked to survive fp16), so the store, the slots and the kernels are the GGUF path's (ggml.py) and a
-release costs its 4.5 bits per weight. Asymmetric releases (AWQ, GPTQ sym=false: a zero point per group) and
-act-order GPTQ (a permuted g_idx) are refused at load with one line.
+release costs its 4.5 bits per weight. AWQ's zero point per group makes them this engine's q4_z blocks instead: q4_0
+with a zero point byte, d * (q - z), 4.75 bits per weight, the weights exact in fp32 as the release defines them.
+GPTQ sym=false, asymmetric compressed-tensors and act-order GPTQ (a permuted g_idx) are refused at load in one line.
 Legend: R output rows, K input features, G group size.
 """
 
@@ -24,9 +28,11 @@ from moe_offload.errors import ModelError
 
 METHODS = INT4_METHODS
 # each method's packed weight key (standing for "<linear>.weight") and the keys beside it
-WEIGHT = {"gptq": ".qweight", "compressed-tensors": ".weight_packed"}
+WEIGHT = {"gptq": ".qweight", "compressed-tensors": ".weight_packed", "awq": ".qweight"}
 BESIDE = {"gptq": (".scales", ".qzeros", ".g_idx"),
-          "compressed-tensors": (".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")}
+          "compressed-tensors": (".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx"),
+          "awq": (".scales", ".qzeros")}
+AWQ_UNDO = [0, 4, 1, 5, 2, 6, 3, 7]  # column j of a word's 8 is nibble AWQ_UNDO[j] (inverse of AutoAWQ's order)
 
 
 def _unpack(words: torch.Tensor, dim: int) -> torch.Tensor:
@@ -36,9 +42,24 @@ def _unpack(words: torch.Tensor, dim: int) -> torch.Tensor:
     return codes.flatten(dim, dim + 1).to(torch.uint8)
 
 
-def read(files, prefix: str, method: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8 [R, K] with value (q - 8) * scale, scale fp32 [R, K/G]) of the linear ``prefix``."""
+def _unpack_awq(words: torch.Tensor) -> torch.Tensor:
+    """AWQ's int32 words [n, R/8] -> codes [n, R] in column order."""
+    u = _unpack(words, 1)
+    return u.view(u.shape[0], -1, 8)[..., AWQ_UNDO].reshape(u.shape[0], -1)
+
+
+def read(files, prefix: str, method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes uint8 [R, K], scale fp32 [R, K/G], zeros uint8 [R, K/G] or None) of the linear ``prefix``: the weight
+    is (q - z) * scale, z = 8 where zeros is None (the symmetric layouts)."""
     where = f"{prefix}{WEIGHT[method]}"
+    if method == "awq":
+        q = _unpack_awq(files.tensor(prefix + ".qweight")).T.contiguous()  # [R, K]
+        z = _unpack_awq(files.tensor(prefix + ".qzeros")).T.contiguous()  # [R, K/G]
+        s = files.tensor(prefix + ".scales").float().T.contiguous()  # [R, K/G]
+        if z.shape != s.shape or q.shape[0] != s.shape[0]:
+            raise ModelError(f"{where}: qweight, qzeros and scales do not agree ({list(q.shape)}, {list(z.shape)}, "
+                             f"{list(s.shape)} as [R, K], [R, K/G], [R, K/G])")
+        return q, s, z
     if method == "gptq":
         q = _unpack(files.tensor(prefix + ".qweight"), 0).T  # [R, K]
         s = files.tensor(prefix + ".scales").float().T  # [R, K/G]
@@ -58,13 +79,29 @@ def read(files, prefix: str, method: str) -> tuple[torch.Tensor, torch.Tensor]:
         if prefix + ".weight_shape" in files:
             R, K = (int(v) for v in files.tensor(prefix + ".weight_shape").tolist())
             q = q[:R, :K]
-    return q, s
+    return q, s, None
 
 
 def _check_groups(g_idx: torch.Tensor, K: int, groups: int, key: str) -> None:
     """ModelError unless the group index maps input k to group k // (K / groups) (else: act-order)."""
     if not torch.equal(g_idx.long(), torch.arange(K) // (K // groups)):
         raise ModelError(f"{key}: act-order (permuted groups) is not supported")
+
+
+def to_blocks(codes: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, where: str) -> torch.Tensor:
+    """read()'s weight as blocks of 32 holding the same weights: q4_0 [R, K/32, 18] (zeros None), else q4_z [R, K/32,
+    19] (the fp16 scale, the zero point byte, q4_0's nibbles)."""
+    q4 = to_q4_0(codes, scale, where)
+    if zeros is None:
+        return q4
+    R, K = codes.shape
+    if int(zeros.max()) > 15:
+        raise ModelError(f"{where}: zero points above 15 in a 4-bit release")
+    z = zeros.repeat_interleave((K // scale.shape[1]) // 32, dim=1)  # [R, K/32]
+    raw = q4.view(torch.uint8)
+    out = torch.empty(R, K // 32, 19, dtype=torch.uint8)
+    out[..., :2], out[..., 2], out[..., 3:] = raw[..., :2], z.to(torch.uint8), raw[..., 2:]
+    return out.view(ggml.DTYPE)
 
 
 def to_q4_0(codes: torch.Tensor, scale: torch.Tensor, where: str) -> torch.Tensor:
@@ -84,7 +121,8 @@ def to_q4_0(codes: torch.Tensor, scale: torch.Tensor, where: str) -> torch.Tenso
     return out.view(ggml.DTYPE)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The float weight [R, K] of codes [R, K] and scale [R, K/G]: scale * (q - 8), in fp32 then ``dtype``."""
-    K = codes.shape[1]
-    return ((codes.float() - 8) * scale.repeat_interleave(K // scale.shape[1], dim=1)).to(dtype)
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The float weight [R, K] of read()'s codes, scale and zeros: scale * (q - z), in fp32 then ``dtype``."""
+    G = codes.shape[1] // scale.shape[1]
+    z = 8.0 if zeros is None else zeros.float().repeat_interleave(G, dim=1)
+    return ((codes.float() - z) * scale.repeat_interleave(G, dim=1)).to(dtype)

@@ -357,21 +357,21 @@ def _gguf_sizes(cfg: dict[str, Any], moe_layers) -> dict[str, Any]:
 
 
 def _checkpoint_expert_format(quant: Any, where: str) -> str:
-    """"mxfp4" | "fp8" | "q4_0" (4-bit GPTQ / compressed-tensors) for the quantized releases the engine loads as
+    """"mxfp4" | "fp8" | "q4_0" (4-bit GPTQ / compressed-tensors) | "q4_z" (AWQ) for the quantized releases the engine loads as
     stored, "" for float checkpoints."""
     if not isinstance(quant, Mapping):
         return ""
     method = quant.get("quant_method")
     if method == "mxfp4":
         return "mxfp4"
-    if method in INT4_METHODS:  # symmetric 4-bit, held as q4_0 blocks; anything else refused, as the loader does
+    if method in INT4_METHODS:  # 4-bit, held as q4_0 blocks (AWQ's zero points: q4_z); the rest refused, as the loader does
         check_int4(dict(quant), where)
-        return "q4_0"
+        return "q4_z" if method == "awq" else "q4_0"
     if method == "fp8":
         block = quant.get("weight_block_size")
         if block is not None and list(block) != [FP8_BLOCK, FP8_BLOCK]:
             raise ModelError(f"{where}: FP8 weight_block_size {block!r} is not supported; expected [128, 128]")
         return "fp8"
     raise ModelError(f"{where}: quantization_config.quant_method {method!r} is not supported; expected mxfp4, fp8, "
-                     "gptq or compressed-tensors (gpt-oss MXFP4, DeepSeek-style block FP8, symmetric 4-bit) or an "
+                     "gptq, compressed-tensors or awq (gpt-oss MXFP4, DeepSeek-style block FP8, 4-bit) or an "
                      "unquantized checkpoint")

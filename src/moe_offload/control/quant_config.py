@@ -1,5 +1,5 @@
 """Quantized releases whose configs the control plane reads as the engine loads them (no torch): which 4-bit
-safetensors layouts are supported (engines/offload/loading/int4.py repacks them into q4_0 blocks)."""
+safetensors layouts are supported (engines/offload/loading/int4.py repacks them into q4_0 blocks, AWQ's into q4_z)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,20 @@ from typing import Any
 
 from moe_offload.errors import ModelError
 
-INT4_METHODS = ("gptq", "compressed-tensors")
+INT4_METHODS = ("gptq", "compressed-tensors", "awq")
 
 
 def check_int4(qc: dict[str, Any], where: str) -> None:
-    """ModelError unless ``qc`` describes symmetric 4-bit weights in groups of a multiple of 32."""
+    """ModelError unless ``qc`` describes 4-bit weights in groups of a multiple of 32: symmetric (GPTQ,
+    compressed-tensors) or with a zero point per group (AWQ's GEMM layout)."""
     method = qc.get("quant_method")
-    if method == "gptq":
+    if method == "awq":
+        bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
+        version = str(qc.get("version", "gemm")).lower()
+        if bits != 4 or not qc.get("zero_point", True) or version != "gemm":
+            raise ModelError(f"{where}: AWQ with bits={bits} zero_point={qc.get('zero_point', True)} "
+                             f"version={version!r} is not supported; expected 4-bit, zero points, the gemm layout")
+    elif method == "gptq":
         bits, group, sym = qc.get("bits"), qc.get("group_size", 128), qc.get("sym", True)
         fmt = qc.get("checkpoint_format", "gptq")
         if bits != 4 or not sym or qc.get("desc_act") or fmt != "gptq":

@@ -1,9 +1,10 @@
-"""4-bit safetensors releases (GPTQ, compressed-tensors pack-quantized) loaded at 4 bits (loading/int4.py).
+"""4-bit safetensors releases (GPTQ, compressed-tensors pack-quantized, AWQ) loaded at 4 bits (loading/int4.py).
 
 The checkpoints are written here from each format's definition (packing and dequantization formulas written out
-below, independent of the loader): per-expert gate/up/down linears and one attention projection quantized
-symmetrically in groups, everything else float. The reference is transformers running the model those weights mean
-(scale * (q - 8)), in fp32: greedy tokens must be equal for every policy and fraction.
+below, independent of the loader): per-expert gate/up/down linears and one attention projection quantized in groups
+(symmetrically, or with AWQ's zero point per group), everything else float. The reference is transformers running
+the model those weights mean (scale * (q - 8), AWQ: scale * (q - zero)), in fp32: greedy tokens must be equal for
+every policy and fraction.
 Legend: R output rows, K input features, G group size.
 """
 
@@ -39,6 +40,27 @@ def _quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(R, K).to(torch.uint8), s
 
 
+def _quantize_zero(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [R, K] -> (codes [R, K], fp16 scale [R, K/G], zeros [R, K/G], all codes 0..15): value (q - zero) * scale."""
+    R, K = w.shape
+    g = w.reshape(R, K // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    s = ((hi - lo) / 15).to(torch.float16)
+    z = torch.round(-lo / s.float()).clamp(0, 15)
+    q = (torch.round(g / s.float().unsqueeze(-1)) + z.unsqueeze(-1)).clamp(0, 15)
+    return q.reshape(R, K).to(torch.uint8), s, z.to(torch.uint8)
+
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM packing: nibble i of word c holds column 8c + AWQ_ORDER[i]
+
+
+def _pack_awq(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [n, R] -> int32 words [n, R/8] as AutoAWQ packs them."""
+    c = codes.to(torch.int64).reshape(codes.shape[0], -1, 8)
+    words = sum(c[..., AWQ_ORDER[i]] << (4 * i) for i in range(8))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+
 def _write(method: str, root, group: int = 64, scale_dtype=torch.float16):
     from gguf_helpers import config_for
     from safetensors.torch import save_file
@@ -51,6 +73,12 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16):
     tensors = {}
 
     def put(prefix: str, w: torch.Tensor) -> torch.Tensor:  # writes one linear in the format; returns what it means
+        if method == "awq":
+            q, s, z = _quantize_zero(w, group)
+            tensors[prefix + ".qweight"] = _pack_awq(q.T)  # [K, R/8]
+            tensors[prefix + ".qzeros"] = _pack_awq(z.T)  # [K/G, R/8]
+            tensors[prefix + ".scales"] = s.T.contiguous()  # [K/G, R]
+            return (q.float() - z.float().repeat_interleave(group, dim=1)) * s.float().repeat_interleave(group, dim=1)
         q, s = _quantize(w, group)
         if method == "gptq":
             K, R = w.shape[1], w.shape[0]
@@ -83,7 +111,10 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16):
     path.mkdir()
     save_file(tensors, str(path / "model.safetensors"))
     c = cfg.to_dict()
-    if method == "gptq":
+    if method == "awq":
+        c["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                    "version": "gemm"}
+    elif method == "gptq":
         c["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
                                     "desc_act": False, "checkpoint_format": "gptq"}
     else:
@@ -95,15 +126,17 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16):
     return str(path), model
 
 
-@pytest.mark.parametrize("method,scale_dtype", [("gptq", torch.float16), ("compressed-tensors", torch.bfloat16)])
+@pytest.mark.parametrize("method,scale_dtype", [("gptq", torch.float16), ("compressed-tensors", torch.bfloat16),
+                                                ("awq", torch.float16)])
 def test_release_matches_the_model_it_means(tmp_path, method, scale_dtype):
     path, ref = _write(method, tmp_path, 64, scale_dtype)
     want = greedy(ref, PROMPT, 10)
     layers, num_experts = moe_layers(path)
+    fmt, block = ("q4_z", 19) if method == "awq" else ("q4_0", 18)  # 4.75 / 4.5 bits per weight
     for policy, fraction in (("static", 1.0), ("static", 0.0), ("lru", 0.25)):
         om = load_model(path, placement(layers, num_experts, fraction, policy), policy=policy, dtype="float32")
         store = om.executor.layers[0].store
-        assert store.format == "q4_0" and store.expert_bytes == 3 * 256 * 256 // 32 * 18  # 4.5 bits per weight
+        assert store.format == fmt and store.expert_bytes == 3 * 256 * 256 // 32 * block
         assert greedy(om.model, PROMPT, 10)[0] == want[0], (method, policy, fraction)
     # bf16 compute: the block kernels; tokens do not depend on the fraction
     a = greedy(load_model(path, None, dtype="bfloat16").model, PROMPT, 10)[0]
@@ -118,6 +151,9 @@ def test_spec_prices_the_release_at_4_bits(tmp_path):
     path, _ = _write("gptq", tmp_path, 32)
     spec = ModelSpec.from_hf_config(path)
     assert spec.expert_format == "q4_0" and spec.expert_bytes == 3 * 256 * 256 // 32 * 18
+    path, _ = _write("awq", tmp_path, 32)
+    spec = ModelSpec.from_hf_config(path)
+    assert spec.expert_format == "q4_z" and spec.expert_bytes == 3 * 256 * 256 // 32 * 19
 
 
 def test_unsupported_releases_fail_in_one_line(tmp_path):
@@ -129,10 +165,12 @@ def test_unsupported_releases_fail_in_one_line(tmp_path):
         (tmp_path / "gptq-64" / "config.json").write_text(json.dumps(bad))
         with pytest.raises(ModelError, match=msg):
             load_model(path, None)
-    bad = dict(cfg, quantization_config={"quant_method": "awq", "bits": 4})
-    (tmp_path / "gptq-64" / "config.json").write_text(json.dumps(bad))
-    with pytest.raises(ModelError, match="quant_method 'awq' is not supported"):
-        load_model(path, None)
+    for qc, msg in (({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ with bits=4 zero_point=True "
+                                                                           "version='gemv' is not supported"),
+                    ({"quant_method": "hqq", "bits": 4}, "quant_method 'hqq' is not supported")):
+        (tmp_path / "gptq-64" / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc)))
+        with pytest.raises(ModelError, match=msg):
+            load_model(path, None)
 
 
 def test_disk_tier_serves_the_release_at_4_bits(tmp_path, monkeypatch):

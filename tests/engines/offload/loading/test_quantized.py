@@ -118,7 +118,7 @@ def test_bad_expert_dtype_and_unsupported_checkpoints(quantized_checkpoints, tmp
         load_model(path, None, expert_dtype="int2")
     import shutil
 
-    for qc, msg in (({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not supported"),
+    for qc, msg in (({"quant_method": "hqq", "bits": 4}, "quant_method 'hqq' is not supported"),
                     ({"quant_method": "fp8", "weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\] is not supported")):
         bad = tmp_path / qc["quant_method"]
         shutil.copytree(quantized_checkpoints("deepseek_v3_fp8"), bad)

@@ -6,15 +6,18 @@
 // The type follows from S (unique among these): ggml type id, B weights, S bytes, value of weight e
 //   q8_0   8   32   34  fp16 d, int8 q[32]                          d * q
 //   q4_0   2   32   18  fp16 d, q[16] nibbles (e<16 low, else high)  d * (q - 8)              (--expert-dtype int4)
+//   q4_z 200   32   19  fp16 d, uint8 z, q[16] nibbles as q4_0       d * (q - z)   (not a GGUF type: this engine's
+//                       block for 4-bit releases with a zero point per group, AWQ; the weights exact in fp32)
 //   mxfp4 39   32   17  E8M0 e, q[16] nibbles as q4_0               2^(e-128) * {0,1,2,3,4,6,8,12,0,-1,..,-12}[q]
 //   q4_k  12  256  144  fp16 d, dmin, 12 B 6-bit scales/mins, qs[128]   d*sc[j] * q - dmin*m[j], j = e / 32
 //   q5_k  13  256  176  as q4_k + qh[32] (fifth bit)                    same, q in 0..31
 //   q6_k  14  256  210  ql[128], qh[64], int8 sc[16], fp16 d            d*sc[e/16] * (q - 32)
-// (ggml-quants.c's dequantize_row_*; the gguf package's quants.py is the reference the tests compare with.)
+// (ggml-quants.c's dequantize_row_*; the gguf package's quants.py is the reference the tests compare with; for q4_z,
+// loading/ggml.py's reference_dequantize.)
 //
 // Activations are quantized to 8 bits where llama.cpp's vec_dot quantizes them for these types (its q8_0 / q8_K; here
 // amax / 127 and round half to even, as the int8 experts do): 8-bit with an fp32 scale per block of 32
-// (q8_0, q4_0, mxfp4) or per 256 (the k-quants, so a super-block's scales apply in integers: Layout::act; quant.h's
+// (q8_0, q4_0, q4_z, mxfp4) or per 256 (the k-quants, so a super-block's scales apply in integers: Layout::act; quant.h's
 // Tokens), y = sum over blocks of s_w * s_x * sum(q_w * q_x) - min terms, integer inner sums.
 // decode() gives the exact fp32 weights (value = scale * v - min in two roundings, as the reference computes them).
 #pragma once
@@ -28,7 +31,7 @@
 
 namespace moe_blocks {
 
-enum Type : int { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
+enum Type : int { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39, Q4_Z = 200 };
 
 struct Layout {
   int type = 0;
@@ -41,6 +44,7 @@ inline bool layout_of(int64_t bytes, Layout& L) {
   switch (bytes) {
     case 34: L = {Q8_0, 32, 34}; return true;
     case 18: L = {Q4_0, 32, 18}; return true;
+    case 19: L = {Q4_Z, 32, 19}; return true;
     case 17: L = {MXFP4, 32, 17}; return true;
     case 144: L = {Q4_K, 256, 144, 256}; return true;
     case 176: L = {Q5_K, 256, 176, 256}; return true;
@@ -91,13 +95,15 @@ inline void decode(int type, const uint8_t* b, int8_t* v, float* sc16, float* mn
       return;
     }
     case Q4_0:
+    case Q4_Z:
     case MXFP4: {
-      const uint8_t* q = b + (type == Q4_0 ? 2 : 1);
+      const uint8_t* q = b + (type == Q4_0 ? 2 : type == Q4_Z ? 3 : 1);
+      const int z = type == Q4_Z ? b[2] : 8;
       for (int l = 0; l < 16; ++l) {
-        if (type == Q4_0) { v[l] = int8_t((q[l] & 0xF) - 8); v[l + 16] = int8_t((q[l] >> 4) - 8); }
+        if (type != MXFP4) { v[l] = int8_t((q[l] & 0xF) - z); v[l + 16] = int8_t((q[l] >> 4) - z); }
         else { v[l] = KV_MXFP4[q[l] & 0xF]; v[l + 16] = KV_MXFP4[q[l] >> 4]; }
       }
-      sc16[0] = sc16[1] = type == Q4_0 ? h2f(b) : e8m0_half(b[0]);
+      sc16[0] = sc16[1] = type == MXFP4 ? e8m0_half(b[0]) : h2f(b);
       mn16[0] = mn16[1] = 0.0f;
       return;
     }
@@ -199,6 +205,7 @@ template <int T>
 __attribute__((always_inline)) inline __m256i small_block(const uint8_t* b, float& d) {
   if constexpr (T == Q8_0) { d = h2f(b); return load32(b + 2); }
   else if constexpr (T == Q4_0) { d = h2f(b); return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); }
+  else if constexpr (T == Q4_Z) { d = h2f(b); return _mm256_sub_epi8(nibbles32(b + 3), _mm256_set1_epi8(char(b[2]))); }
   else {
     d = e8m0_half(b[0]);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(KV_MXFP4)));
@@ -265,8 +272,8 @@ __attribute__((always_inline)) inline void dot_rows_t(const uint8_t* w, int64_t 
                                                       const int16_t* bs16, float* out) {
   __m256 acc[NR], sub[NR];  // sub: the min terms (q4_k, q5_k) and q6_k's offset of 32, subtracted at the end
   for (int r = 0; r < NR; ++r) acc[r] = sub[r] = _mm256_setzero_ps();
-  if constexpr (T == Q8_0 || T == Q4_0 || T == MXFP4) {
-    constexpr int64_t bytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : 17;
+  if constexpr (T == Q8_0 || T == Q4_0 || T == Q4_Z || T == MXFP4) {
+    constexpr int64_t bytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : T == Q4_Z ? 19 : 17;
     for (int64_t i = 0; i < nb; ++i) {
       const __m256i x = load32(xq + 32 * i);
       for (int r = 0; r < NR; ++r) {
@@ -335,8 +342,8 @@ __attribute__((always_inline)) inline void dot_tokens_t(const uint8_t* w, int64_
                                                         const float* const* xs, const int16_t* const* bs16, float* out) {
   __m256 acc[NT], sub[NT];
   for (int t = 0; t < NT; ++t) acc[t] = sub[t] = _mm256_setzero_ps();
-  if constexpr (T == Q8_0 || T == Q4_0 || T == MXFP4) {
-    constexpr int64_t bytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : 17;
+  if constexpr (T == Q8_0 || T == Q4_0 || T == Q4_Z || T == MXFP4) {
+    constexpr int64_t bytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : T == Q4_Z ? 19 : 17;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < nb; ++i) {
       float d;
@@ -431,6 +438,7 @@ inline void dot_rows(const Layout& L, const uint8_t* w, int64_t ld, int64_t nb, 
   switch (L.type) {
     case Q8_0: dot_rows_n<Q8_0>(w, ld, nb, xq, xs, bs16, n, out); return;
     case Q4_0: dot_rows_n<Q4_0>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case Q4_Z: dot_rows_n<Q4_Z>(w, ld, nb, xq, xs, bs16, n, out); return;
     case MXFP4: dot_rows_n<MXFP4>(w, ld, nb, xq, xs, bs16, n, out); return;
     case Q4_K: dot_rows_n<Q4_K>(w, ld, nb, xq, xs, bs16, n, out); return;
     case Q5_K: dot_rows_n<Q5_K>(w, ld, nb, xq, xs, bs16, n, out); return;
@@ -463,6 +471,7 @@ inline void dot_tokens(const Layout& L, const uint8_t* w, int64_t nb, const int8
   switch (L.type) {
     case Q8_0: dot_tokens_n<Q8_0>(w, nb, xq, xs, bs16, n, out); return;
     case Q4_0: dot_tokens_n<Q4_0>(w, nb, xq, xs, bs16, n, out); return;
+    case Q4_Z: dot_tokens_n<Q4_Z>(w, nb, xq, xs, bs16, n, out); return;
     case MXFP4: dot_tokens_n<MXFP4>(w, nb, xq, xs, bs16, n, out); return;
     case Q4_K: dot_tokens_n<Q4_K>(w, nb, xq, xs, bs16, n, out); return;
     case Q5_K: dot_tokens_n<Q5_K>(w, nb, xq, xs, bs16, n, out); return;
