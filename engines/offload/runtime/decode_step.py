@@ -43,7 +43,16 @@ class StepCall:
 
     @classmethod
     def build(cls, plan) -> "StepCall | None":
-        """The whole-step call for ``plan`` (a fastpath.DecodePlan), or None where the per-layer loop must run."""
+        """The whole-step call for ``plan`` (a fastpath.DecodePlan), or None where the per-layer loop must run. Never
+        raises: weights the call's checks refuse mean the loop."""
+        try:
+            return cls._build(plan)
+        except (RuntimeError, TypeError, ValueError) as e:
+            log.info("whole-step decode off: the per-layer loop runs", reason=f"{type(e).__name__}: {e}")
+            return None
+
+    @classmethod
+    def _build(cls, plan) -> "StepCall | None":
         why = cls._refuse(plan)
         if why:
             log.debug("whole-step decode off", reason=why)

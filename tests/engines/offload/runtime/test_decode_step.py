@@ -132,3 +132,20 @@ def test_decode_step_rejects_bad_layers():
     with pytest.raises(RuntimeError, match="by expert id"):
         step.add_layer(h[0], 1e-6, w, w, w, None, None, None, None, None, w, w, 1.0, 0, w, None, h[0], w, 2, True,
                        None, None, None, None, None, None, [w], [], [w], [], False)
+
+
+def test_a_layer_the_call_refuses_leaves_the_loop(checkpoints):
+    # weights the C++ checks refuse at build (here a router of 3 experts for a layer of 8) mean the per-layer loop,
+    # with a log line, never a failed request
+    from moe_offload.engines.offload.runtime.decode_step import StepCall
+
+    engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16", fraction=1.0)
+    try:
+        plan = engine.runner.fast
+        router = plan.layers[0].router
+        plan.layers[0].router = router[:3]
+        assert StepCall.build(plan) is None
+        plan.layers[0].router = router
+        assert StepCall.build(plan) is not None
+    finally:
+        engine.close()
