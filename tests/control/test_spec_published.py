@@ -173,8 +173,10 @@ def test_unsupported_quantization_is_named():
     with pytest.raises(ModelError, match="AWQ with bits=4 zero_point=True version='gemv'"):
         ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "awq", "bits": 4,
                                                                             "version": "gemv"}})
-    with pytest.raises(ModelError, match="GPTQ with bits=4 sym=False"):
-        ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4, "sym": False}})
+    zp = ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4, "sym": False}})
+    assert zp.expert_format == "q4_z"  # zero points: q4_z blocks
+    with pytest.raises(ModelError, match="GPTQ with bits=4 desc_act=True"):
+        ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4, "desc_act": True}})
     fp8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "float"}}}}
     with pytest.raises(ModelError, match="compressed-tensors 'float-quantized'"):

@@ -5,6 +5,7 @@
         w[r, k] = scales[g, r] * (q[k, r] - (zeros[g, r] + 1)),  g = k / G
     compressed-tensors pack-quantized: <linear>.weight_packed int32 [R, K/8] (code k at bits 4*(k%8)),
         .weight_scale [R, K/G], .weight_shape [2]; symmetric: w[r, k] = weight_scale[r, g] * (q[r, k] - 8)
+    GPTQ sym=false ("gptq_zp" here): the same tensors, zeros[g, r] + 1 any of 1..16, the same formula
     AWQ (quant_method "awq", version "gemm", zero_point): <linear>.qweight int32 [K, R/8] (8 codes per word along R in
         AutoAWQ's order: nibble i holds column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i]), .qzeros int32 [K/G, R/8] (same
         order), .scales fp16 [K/G, R]; w[r, k] = scales[g, r] * (q[k, r] - zeros[g, r])
@@ -12,9 +13,9 @@
 Both symmetric layouts (zero point 8, groups of a multiple of 32 along K) are exactly llama.cpp's q4_0 blocks: an
 fp16 scale and 32 codes, value (q - 8) * d. They are repacked to q4_0 at load (the same bits, another order; the
 scales are checked to survive fp16), so the store, the slots and the kernels are the GGUF path's (ggml.py) and a
-release costs its 4.5 bits per weight. AWQ's zero point per group makes them this engine's q4_z blocks instead: q4_0
-with a zero point byte, d * (q - z), 4.75 bits per weight, the weights exact in fp32 as the release defines them.
-GPTQ sym=false, asymmetric compressed-tensors and act-order GPTQ (a permuted g_idx) are refused at load in one line.
+release costs its 4.5 bits per weight. A zero point per group (AWQ, GPTQ sym=false) makes them this engine's q4_z
+blocks instead: q4_0 with a zero point byte, d * (q - z), 4.75 bits per weight, the weights exact in fp32 as the
+release defines them. Asymmetric compressed-tensors and act-order GPTQ (a permuted g_idx) are refused in one line.
 Legend: R output rows, K input features, G group size.
 """
 
@@ -26,10 +27,11 @@ from moe_offload.control.quant_config import INT4_METHODS
 from moe_offload.engines.offload.loading import ggml
 from moe_offload.errors import ModelError
 
-METHODS = INT4_METHODS
+# gptq_zp: a GPTQ release with sym=false, as checkpoint.quant_method names it (the config says "gptq")
+METHODS = (*INT4_METHODS, "gptq_zp")
 # each method's packed weight key (standing for "<linear>.weight") and the keys beside it
-WEIGHT = {"gptq": ".qweight", "compressed-tensors": ".weight_packed", "awq": ".qweight"}
-BESIDE = {"gptq": (".scales", ".qzeros", ".g_idx"),
+WEIGHT = {"gptq": ".qweight", "gptq_zp": ".qweight", "compressed-tensors": ".weight_packed", "awq": ".qweight"}
+BESIDE = {"gptq": (".scales", ".qzeros", ".g_idx"), "gptq_zp": (".scales", ".qzeros", ".g_idx"),
           "compressed-tensors": (".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx"),
           "awq": (".scales", ".qzeros")}
 AWQ_UNDO = [0, 4, 1, 5, 2, 6, 3, 7]  # column j of a word's 8 is nibble AWQ_UNDO[j] (inverse of AutoAWQ's order)
@@ -60,14 +62,16 @@ def read(files, prefix: str, method: str) -> tuple[torch.Tensor, torch.Tensor, t
             raise ModelError(f"{where}: qweight, qzeros and scales do not agree ({list(q.shape)}, {list(z.shape)}, "
                              f"{list(s.shape)} as [R, K], [R, K/G], [R, K/G])")
         return q, s, z
-    if method == "gptq":
+    if method in ("gptq", "gptq_zp"):
         q = _unpack(files.tensor(prefix + ".qweight"), 0).T  # [R, K]
         s = files.tensor(prefix + ".scales").float().T  # [R, K/G]
         z = _unpack(files.tensor(prefix + ".qzeros"), 1).T[: q.shape[0]].int() + 1  # [R, K/G], the +1 of v1
         if prefix + ".g_idx" in files:
             _check_groups(files.tensor(prefix + ".g_idx"), q.shape[1], s.shape[1], prefix + ".g_idx")
+        if method == "gptq_zp":
+            return q, s, z.to(torch.uint8)  # 1..16: v1 stores zero - 1
         if not bool((z == 8).all()):
-            raise ModelError(f"{where}: zero points other than 8 (asymmetric 4-bit) are not supported")
+            raise ModelError(f"{where}: zero points other than 8 in a release whose config says sym=true")
     else:
         q = _unpack(files.tensor(prefix + ".weight_packed"), 1)  # [R, K]
         s = files.tensor(prefix + ".weight_scale").float()
@@ -95,8 +99,8 @@ def to_blocks(codes: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | No
     if zeros is None:
         return q4
     R, K = codes.shape
-    if int(zeros.max()) > 15:
-        raise ModelError(f"{where}: zero points above 15 in a 4-bit release")
+    if int(zeros.max()) > 16:  # 4-bit codes; GPTQ v1's stored zero - 1 can read back as 16
+        raise ModelError(f"{where}: zero points above 16 in a 4-bit release")
     z = zeros.repeat_interleave((K // scale.shape[1]) // 32, dim=1)  # [R, K/32]
     raw = q4.view(torch.uint8)
     out = torch.empty(R, K // 32, 19, dtype=torch.uint8)

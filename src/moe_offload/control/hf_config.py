@@ -13,7 +13,7 @@ import os
 from typing import Any, Mapping
 
 from moe_offload.control import layerkinds
-from moe_offload.control.quant_config import INT4_METHODS, check_int4
+from moe_offload.control.quant_config import INT4_METHODS, check_int4, has_zero_points
 from moe_offload.control.vocab import DTYPE_BYTES, FP8_BLOCK
 from moe_offload.errors import ConfigError, ModelError
 
@@ -357,7 +357,7 @@ def _gguf_sizes(cfg: dict[str, Any], moe_layers) -> dict[str, Any]:
 
 
 def _checkpoint_expert_format(quant: Any, where: str) -> str:
-    """"mxfp4" | "fp8" | "q4_0" (4-bit GPTQ / compressed-tensors) | "q4_z" (AWQ) for the quantized releases the engine loads as
+    """"mxfp4" | "fp8" | "q4_0" (4-bit GPTQ / compressed-tensors) | "q4_z" (AWQ, GPTQ sym=false) for the quantized releases the engine loads as
     stored, "" for float checkpoints."""
     if not isinstance(quant, Mapping):
         return ""
@@ -366,7 +366,7 @@ def _checkpoint_expert_format(quant: Any, where: str) -> str:
         return "mxfp4"
     if method in INT4_METHODS:  # 4-bit, held as q4_0 blocks (AWQ's zero points: q4_z); the rest refused, as the loader does
         check_int4(dict(quant), where)
-        return "q4_z" if method == "awq" else "q4_0"
+        return "q4_z" if has_zero_points(dict(quant)) else "q4_0"
     if method == "fp8":
         block = quant.get("weight_block_size")
         if block is not None and list(block) != [FP8_BLOCK, FP8_BLOCK]:

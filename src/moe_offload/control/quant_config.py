@@ -12,7 +12,7 @@ INT4_METHODS = ("gptq", "compressed-tensors", "awq")
 
 def check_int4(qc: dict[str, Any], where: str) -> None:
     """ModelError unless ``qc`` describes 4-bit weights in groups of a multiple of 32: symmetric (GPTQ,
-    compressed-tensors) or with a zero point per group (AWQ's GEMM layout)."""
+    compressed-tensors) or with a zero point per group (AWQ's GEMM layout, GPTQ sym=false)."""
     method = qc.get("quant_method")
     if method == "awq":
         bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
@@ -23,9 +23,9 @@ def check_int4(qc: dict[str, Any], where: str) -> None:
     elif method == "gptq":
         bits, group, sym = qc.get("bits"), qc.get("group_size", 128), qc.get("sym", True)
         fmt = qc.get("checkpoint_format", "gptq")
-        if bits != 4 or not sym or qc.get("desc_act") or fmt != "gptq":
-            raise ModelError(f"{where}: GPTQ with bits={bits} sym={sym} desc_act={qc.get('desc_act')} "
-                             f"checkpoint_format={fmt!r} is not supported; expected 4-bit symmetric, no act-order, "
+        if bits != 4 or qc.get("desc_act") or fmt != "gptq":
+            raise ModelError(f"{where}: GPTQ with bits={bits} desc_act={qc.get('desc_act')} "
+                             f"checkpoint_format={fmt!r} is not supported; expected 4-bit, no act-order, "
                              "the gptq (v1) format")
     else:
         groups = list((qc.get("config_groups") or {}).values())
@@ -39,3 +39,8 @@ def check_int4(qc: dict[str, Any], where: str) -> None:
         group = group or -1
     if group not in (-1, None) and group % 32:
         raise ModelError(f"{where}: 4-bit group size {group} is not supported; expected a multiple of 32 (or per channel)")
+
+
+def has_zero_points(qc: dict[str, Any]) -> bool:
+    """The 4-bit release keeps a zero point per group (AWQ, GPTQ sym=false): held as q4_z blocks, else q4_0."""
+    return qc.get("quant_method") == "awq" or (qc.get("quant_method") == "gptq" and not qc.get("sym", True))

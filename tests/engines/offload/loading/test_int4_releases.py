@@ -40,13 +40,14 @@ def _quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(R, K).to(torch.uint8), s
 
 
-def _quantize_zero(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [R, K] -> (codes [R, K], fp16 scale [R, K/G], zeros [R, K/G], all codes 0..15): value (q - zero) * scale."""
+def _quantize_zero(w: torch.Tensor, group: int, lowest: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [R, K] -> (codes [R, K], fp16 scale [R, K/G], zeros [R, K/G] in lowest..15, codes 0..15): value
+    (q - zero) * scale."""
     R, K = w.shape
     g = w.reshape(R, K // group, group)
     lo, hi = g.amin(-1), g.amax(-1)
     s = ((hi - lo) / 15).to(torch.float16)
-    z = torch.round(-lo / s.float()).clamp(0, 15)
+    z = torch.round(-lo / s.float()).clamp(lowest, 15)
     q = (torch.round(g / s.float().unsqueeze(-1)) + z.unsqueeze(-1)).clamp(0, 15)
     return q.reshape(R, K).to(torch.uint8), s, z.to(torch.uint8)
 
@@ -61,7 +62,7 @@ def _pack_awq(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
 
 
-def _write(method: str, root, group: int = 64, scale_dtype=torch.float16):
+def _write(method: str, root, group: int = 64, scale_dtype=torch.float16, sym: bool = True):
     from gguf_helpers import config_for
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -78,6 +79,14 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16):
             tensors[prefix + ".qweight"] = _pack_awq(q.T)  # [K, R/8]
             tensors[prefix + ".qzeros"] = _pack_awq(z.T)  # [K/G, R/8]
             tensors[prefix + ".scales"] = s.T.contiguous()  # [K/G, R]
+            return (q.float() - z.float().repeat_interleave(group, dim=1)) * s.float().repeat_interleave(group, dim=1)
+        if method == "gptq" and not sym:  # zero points, stored as zero - 1 (the v1 format): zeros 1..15 here
+            K, R = w.shape[1], w.shape[0]
+            q, s, z = _quantize_zero(w, group, lowest=1)
+            tensors[prefix + ".qweight"] = _pack8(q.T, 0)  # [K/8, R]
+            tensors[prefix + ".scales"] = s.T.contiguous()  # [K/G, R]
+            tensors[prefix + ".qzeros"] = _pack8((z - 1).T.contiguous(), 1)  # [K/G, R/8]
+            tensors[prefix + ".g_idx"] = (torch.arange(K) // group).to(torch.int32)
             return (q.float() - z.float().repeat_interleave(group, dim=1)) * s.float().repeat_interleave(group, dim=1)
         q, s = _quantize(w, group)
         if method == "gptq":
@@ -107,7 +116,7 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16):
                 t.copy_(put(name.removesuffix(".weight"), t.clone()))
             else:
                 tensors[name] = t.contiguous()
-    path = root / f"{method}-{group}"
+    path = root / f"{method}-{group}{'' if sym else '-zp'}"
     path.mkdir()
     save_file(tensors, str(path / "model.safetensors"))
     c = cfg.to_dict()
@@ -115,7 +124,7 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16):
         c["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
                                     "version": "gemm"}
     elif method == "gptq":
-        c["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
+        c["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym,
                                     "desc_act": False, "checkpoint_format": "gptq"}
     else:
         c["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
@@ -126,13 +135,13 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16):
     return str(path), model
 
 
-@pytest.mark.parametrize("method,scale_dtype", [("gptq", torch.float16), ("compressed-tensors", torch.bfloat16),
-                                                ("awq", torch.float16)])
-def test_release_matches_the_model_it_means(tmp_path, method, scale_dtype):
-    path, ref = _write(method, tmp_path, 64, scale_dtype)
+@pytest.mark.parametrize("method,scale_dtype,sym", [("gptq", torch.float16, True), ("compressed-tensors", torch.bfloat16, True),
+                                                    ("awq", torch.float16, False), ("gptq", torch.float16, False)])
+def test_release_matches_the_model_it_means(tmp_path, method, scale_dtype, sym):
+    path, ref = _write(method, tmp_path, 64, scale_dtype, sym)
     want = greedy(ref, PROMPT, 10)
     layers, num_experts = moe_layers(path)
-    fmt, block = ("q4_z", 19) if method == "awq" else ("q4_0", 18)  # 4.75 / 4.5 bits per weight
+    fmt, block = ("q4_0", 18) if sym else ("q4_z", 19)  # 4.5 / 4.75 bits per weight
     for policy, fraction in (("static", 1.0), ("static", 0.0), ("lru", 0.25)):
         om = load_model(path, placement(layers, num_experts, fraction, policy), policy=policy, dtype="float32")
         store = om.executor.layers[0].store
@@ -151,15 +160,16 @@ def test_spec_prices_the_release_at_4_bits(tmp_path):
     path, _ = _write("gptq", tmp_path, 32)
     spec = ModelSpec.from_hf_config(path)
     assert spec.expert_format == "q4_0" and spec.expert_bytes == 3 * 256 * 256 // 32 * 18
-    path, _ = _write("awq", tmp_path, 32)
-    spec = ModelSpec.from_hf_config(path)
-    assert spec.expert_format == "q4_z" and spec.expert_bytes == 3 * 256 * 256 // 32 * 19
+    for method in ("awq", "gptq"):
+        path, _ = _write(method, tmp_path, 32, sym=False)
+        spec = ModelSpec.from_hf_config(path)
+        assert spec.expert_format == "q4_z" and spec.expert_bytes == 3 * 256 * 256 // 32 * 19
 
 
 def test_unsupported_releases_fail_in_one_line(tmp_path):
     path, _ = _write("gptq", tmp_path, 64)
     cfg = json.loads((tmp_path / "gptq-64" / "config.json").read_text())
-    for qc, msg in (({"sym": False}, "GPTQ with bits=4 sym=False"), ({"desc_act": True}, "desc_act=True"),
+    for qc, msg in (({"desc_act": True}, "desc_act=True"),
                     ({"group_size": 48}, "group size 48 is not supported"), ({"bits": 8}, "bits=8")):
         bad = dict(cfg, quantization_config=dict(cfg["quantization_config"], **qc))
         (tmp_path / "gptq-64" / "config.json").write_text(json.dumps(bad))
