@@ -18,6 +18,9 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       every pair's row is bit-identical to expert_mlp_bf16 of its token alone
   clamped_swiglu_bf16(gate_up [.., 2I], alpha, limit) -> [.., I]   gpt-oss's gate over interleaved gate|up columns,
       rounded op by op as torch's bf16 ops round (dispatch.py uses it where the module's _apply_gate is gpt-oss's)
+  shared_expert_bf16(x [M, H], gate_up [2I, H], down [H, I], gate [1, H]) -> [M, H]   Qwen2-MoE's gated shared
+      expert: bf16(sigmoid(gate . x) * expert(x)) rounded as the module's bf16 ops; the expert as moe_experts_bf16
+      (runtime/fastpath.py's loop and the whole-step call both use it)                                   moe.cpp
   gemv_q(x [N, K], w, w_scale, bias [R]?, split=0) -> [N, R]    bf16|fp32 x, N <= MAX_TOKENS;        moe_quant.cpp
       the format from w.dtype: int8 [R, K] + fp32 [R] | float8_e4m3fn [R, K] + fp32 block scales [RB, ceil(K/128)]
       (rows >= split read the second half's blocks) | uint8 mxfp4 blocks [R, K/2] + E8M0 scales [R, K/32]
@@ -132,6 +135,10 @@ def _rmsnorm(h, add, w, eps, norm_mode=0):
     return h.new_empty(h.shape)
 
 
+def _shared(x, gate_up, down, gate):
+    return x.new_empty(x.shape)
+
+
 def _mla(q, lat, rope, lens, wkv_b, nope, scaling, rows=None):
     return q.new_empty((q.shape[0], q.shape[1], wkv_b.shape[0] // q.shape[1] - nope))
 
@@ -152,6 +159,7 @@ FAKES = {
     "experts_mlp_bf16": _experts,
     "moe_experts_bf16": _moe_experts,
     "clamped_swiglu_bf16": _swiglu,
+    "shared_expert_bf16": _shared,
     "gemv_q": _gemv_q,
     "expert_mlp_q": _expert_q,
     "experts_mlp_q": _experts_q,

@@ -10,7 +10,7 @@ its Python glue and two op calls of ~40 arguments cost a few hundred microsecond
 waits; one call per step leaves only the bookkeeping, done once from the returned routes.
 
 When (else the per-layer loop runs, with the same numbers): a CPU executor, every layer's MoE block with its router
-fused (no shared expert, dense MLP or module-run block), every expert pinned (fraction 1.0 or a placement pinning
+fused (and a shared expert only where shared_expert_bf16 takes it: Qwen2-MoE's; no dense MLP or module-run block), every expert pinned (fraction 1.0 or a placement pinning
 all) and, over the expert store file, held in a host slot that is never evicted and already read in (until the
 background reads land, the loop runs and waits for what it routes to), experts the one-call kernels take
 (experts/fused.kind: "bf16" or "q"), top-k <= 16, at most KERNEL_MAX_GROUP tokens, not the load-time probe (dry).
@@ -73,7 +73,8 @@ class StepCall:
             obj.add_layer(ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kp, vp, scaling, window, wo, bo, ln2, lay.router,
                           lay.top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales,
                           [a[0] for a in w], [dispatch.scale_arg(a[4]) for a in w] if q else [],
-                          [a[1] for a in w], [dispatch.scale_arg(a[5]) for a in w] if q else [], q)
+                          [a[1] for a in w], [dispatch.scale_arg(a[5]) for a in w] if q else [], q,
+                          *(lay.shared_args or (None, None, None)))
         log.info("whole-step decode on", layers=len(plan.layers))
         return cls(obj, plan.executor, [lay.state for lay in plan.layers])
 
@@ -87,8 +88,8 @@ class StepCall:
         if not plan.family.router:
             return "routers not fused"
         for lay in plan.layers:
-            if lay.moe is None or lay.shared is not None or lay.block is not None:
-                return f"layer {lay.idx}: not a routed MoE block alone"
+            if lay.moe is None or (lay.shared is not None and lay.shared_args is None) or lay.block is not None:
+                return f"layer {lay.idx}: not a routed MoE block (+ a shared expert the kernel takes)"
             cache = lay.state.cache
             if len(cache.pinned) != cache.num_experts:
                 return f"layer {lay.idx}: not every expert pinned"

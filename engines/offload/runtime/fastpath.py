@@ -4,7 +4,9 @@
       -> per layer: moe_offload::decode_layer_bf16 (norm, q/k/v, q/k norms, rotary, paged KV write, attention,
          o_proj, residual, norm, router top-k; kernels/csrc/cpu/decode.cpp)
          -> the offload executor with those top-k ids and weights (tiers, fetches, statistics: unchanged)
-         (+ the shared expert, or the dense MLP of a layer without experts, through its own modules)
+         (+ Qwen2-MoE's gated shared expert in one call, moe_offload::shared_expert_bf16; any other shared expert,
+          or the dense MLP of a layer without experts, through its own modules)
+      (every expert resident: all of this for every layer in one C++ call instead, runtime/decode_step.py)
       -> final norm (moe_offload::rmsnorm_bf16) -> LM head -> logits [M, V]
 
 Why: the module path spends about as long in small torch ops as in reading weights (docs/benchmarks.md,
@@ -29,7 +31,7 @@ from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.engines.offload.runtime.decode_step import StepCall
-from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block
+from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, fuse_rows, silu_mlp
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -69,6 +71,16 @@ MODULE_MLP = Family(window_from_config=False, router_weights_bf16=True, always_r
 FAMILIES.update({name: MODULE_MLP for name in ("glm4_moe", "dots1", "hy_v3", "solar_open", "minimax_m2")})
 
 
+def _shared_args(se, gate) -> tuple | None:
+    """(gate|up rows fused, down, gate weight) of a Qwen2-MoE shared expert that shared_expert_bf16 computes: silu
+    MLP of bias-free bf16 nn.Linears and a bias-free [1, H] gate; else None (the modules run)."""
+    if not (silu_mlp(se) and type(gate) is torch.nn.Linear and gate.bias is None
+            and gate.weight.dtype == torch.bfloat16 and gate.weight.shape[0] == 1):
+        return None
+    gate_up = fuse_rows(se.gate_proj, se.up_proj)
+    return None if gate_up is None else (gate_up, se.down_proj.weight, gate.weight)
+
+
 def enabled_by_env() -> bool:
     return switches.on(ENV)
 
@@ -89,6 +101,7 @@ class _Layer:
     sinks: object | None = None  # [Hq]
     scales: tuple = (None, None, None, None)  # int8 q/k/v/o: fp32 row scales
     block: object | None = None  # a MoE block run without its module (moe_blocks.py), else None
+    shared_args: tuple | None = None  # (gate_up [2I, H], down [H, I], gate [1, H]) for shared_expert_bf16, else None
 
 
 class DecodePlan:
@@ -166,6 +179,8 @@ class DecodePlan:
             lay.sinks = getattr(attn, "sinks", None)
             if moe is None and experts is not None:  # DeepSeek-V3's block (GLM-4.5+, dots.llm1): selection fused
                 lay.block = deepseek_block(mlp)
+            if shared is not None:
+                lay.shared_args = _shared_args(*shared)
             if q8:
                 lay.scales = tuple(getattr(attn, a).weight_scale for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
             if moe is not None:
@@ -264,7 +279,9 @@ class DecodePlan:
                                lay.sinks, lay.router_bias, fam.norm_mode, fam.router_mode, *lay.scales)
             if lay.moe is not None:
                 out = ex.forward(lay.state, lay.experts, x2, idx, w)
-                if lay.shared is not None:
+                if lay.shared_args is not None:  # one kernel call, rounded as the module's ops round
+                    out = out + torch.ops.moe_offload.shared_expert_bf16(x2, *lay.shared_args)
+                elif lay.shared is not None:
                     se, gate = lay.shared
                     out = out + torch.sigmoid(gate(x2)) * se(x2)
             elif lay.block is not None:

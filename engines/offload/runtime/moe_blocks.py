@@ -64,7 +64,7 @@ def fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor | None:
     return fused
 
 
-def _silu_mlp(mlp) -> bool:
+def silu_mlp(mlp) -> bool:
     """silu(gate(x)) * up(x) -> down, three nn.Linears, down bias-free bf16 (what expert_mlp_bf16 computes)."""
     act = getattr(mlp, "act_fn", None)
     return ((isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation")
@@ -82,7 +82,7 @@ class DeepseekBlock:
         g = self.gate
         self.args = (int(g.num_group), int(g.topk_group), int(g.top_k), bool(g.norm_topk_prob), float(g.routed_scaling_factor))
         sh = self.shared
-        self.gate_up = fuse_rows(sh.gate_proj, sh.up_proj) if _silu_mlp(sh) else None
+        self.gate_up = fuse_rows(sh.gate_proj, sh.up_proj) if silu_mlp(sh) else None
 
     def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
         g = self.gate

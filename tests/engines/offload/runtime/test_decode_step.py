@@ -71,7 +71,7 @@ def _both_paths(path: str, prompts=PROMPTS, steps: int = 12, ready=None, **optio
     return compared
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe"])
 def test_whole_step_equals_the_layer_loop_bf16(checkpoints, family):
     assert _both_paths(checkpoints(family)) >= 8  # three sequences, then the longest alone
 
@@ -117,7 +117,6 @@ def test_whole_step_is_taken_only_where_every_expert_is_resident(checkpoints, mo
 
     assert plan_step(checkpoints("qwen3_moe"), fraction=1.0) is not None
     assert plan_step(checkpoints("qwen3_moe"), fraction=0.5) is None  # misses: the executor decides per layer
-    assert plan_step(checkpoints("qwen2_moe"), fraction=1.0) is None  # a shared expert: the layer loop runs it
     assert plan_step(checkpoints("gpt_oss"), fraction=1.0) is None  # biased, clamped experts: per-expert kernels
     monkeypatch.setenv("MOE_OFFLOAD_DECODE_STEP", "0")
     assert plan_step(checkpoints("qwen3_moe"), fraction=1.0) is None
@@ -131,7 +130,7 @@ def test_decode_step_rejects_bad_layers():
     w = torch.zeros(4, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="by expert id"):
         step.add_layer(h[0], 1e-6, w, w, w, None, None, None, None, None, w, w, 1.0, 0, w, None, h[0], w, 2, True,
-                       None, None, None, None, None, None, [w], [], [w], [], False)
+                       None, None, None, None, None, None, [w], [], [w], [], False, None, None, None)
 
 
 def test_a_layer_the_call_refuses_leaves_the_loop(checkpoints):

@@ -13,6 +13,7 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
         "Tensor[]? down_biases=None, int gate=0, float alpha=0., float limit=0.) -> Tensor");
   m.def("moe_experts_bf16(Tensor x, Tensor[] gate_ups, Tensor[] downs, Tensor tok, Tensor perm, int[] starts, int[] counts, Tensor(a!) out) -> ()");
   m.def("clamped_swiglu_bf16(Tensor gate_up, float alpha, float limit) -> Tensor");
+  m.def("shared_expert_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor gate) -> Tensor");
   // moe_quant.cpp
   m.def("gemv_q(Tensor x, Tensor w, Tensor w_scale, Tensor? bias=None, int split=0) -> Tensor");
   m.def("expert_mlp_q(Tensor x, Tensor gate_up, Tensor gate_up_scale, Tensor down, Tensor down_scale) -> Tensor");
@@ -43,6 +44,7 @@ TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
   m.impl("experts_mlp_bf16", &moe_cpu::experts_mlp_bf16);
   m.impl("moe_experts_bf16", &moe_cpu::moe_experts_bf16);
   m.impl("clamped_swiglu_bf16", &moe_cpu::clamped_swiglu_bf16);
+  m.impl("shared_expert_bf16", &moe_cpu::shared_expert_bf16);
   m.impl("gemv_q", &moe_quant::gemv_q);
   m.impl("expert_mlp_q", &moe_quant::expert_mlp_q);
   m.impl("experts_mlp_q", &moe_quant::experts_mlp_q);

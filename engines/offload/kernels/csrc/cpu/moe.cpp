@@ -6,6 +6,7 @@
 //                     row k is bit-identical to expert_mlp_bf16 of expert k
 //   moe_experts_bf16: a layer's routed pairs (sorted by expert) through their experts in one call, written to
 //                     out[perm[s]]; every pair's row is bit-identical to expert_mlp_bf16 of its token alone
+//   shared_expert_bf16: Qwen2-MoE's gated shared expert, x [M, H] -> bf16(bf16(sigmoid(gate . x)) * expert(x))
 // Intermediates are rounded to bf16 where the unfused bf16 path rounds (after each GEMV, after silu, after the
 // product), so results match F.linear chains up to the order of the fp32 sums.
 // Legend: H hidden, I expert intermediate, K experts of the token, J experts of the layer, S routed pairs.
@@ -194,6 +195,32 @@ at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorL
   at::Tensor out = at::empty({K, H}, x.options());
   experts_impl(ptr(xc), up, up_ld, dn, dn_ld, ub, db, H, I, reinterpret_cast<uint16_t*>(out.data_ptr()), gate,
                float(alpha), float(limit));
+  return out;
+}
+
+// Qwen2-MoE's shared expert of M tokens: sigmoid(shared_expert_gate(x)) * shared_expert(x), rounded where the module's
+// bf16 ops round (the gate's logit, the sigmoid, the product); the expert is moe_experts_bf16's (each token's row as
+// expert_mlp_bf16 of it alone), the gate logit gemm_range's dot. gate_up [2I, H] (gate rows, then up), down [H, I],
+// gate [1, H]. out [M, H].
+at::Tensor shared_expert_bf16(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& gate) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "shared_expert_bf16 x: expected contiguous bf16 CPU tokens [M, H], got ", x.scalar_type(), " ", x.sizes());
+  check_weight(gate, "shared_expert_bf16 gate");
+  const int64_t M = x.size(0), H = x.size(1);
+  TORCH_CHECK(gate.size(0) == 1 && gate.size(1) == H, "shared_expert_bf16 gate: expected [1, ", H, "], got ", gate.sizes());
+  at::Tensor idx = at::empty({M}, x.options().dtype(at::kLong));
+  for (int64_t t = 0; t < M; ++t) idx.data_ptr<int64_t>()[t] = t;  // token t's pair: row t
+  at::Tensor y = at::empty({M, H}, x.options());
+  moe_experts_bf16(x, {gate_up}, {down}, idx, idx, {0}, {M}, y);
+  std::vector<uint16_t> logit(M);
+  gemm_range(ptr(gate), gate.stride(0), ptr(x), H, M, H, nullptr, 0, 1, logit.data(), 1);
+  at::Tensor out = at::empty({M, H}, x.options());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const uint16_t* yp = ptr(y);
+  for (int64_t t = 0; t < M; ++t) {
+    const float s = rbf(1.0f / (1.0f + std::exp(-bf2f(logit[t]))));
+    for (int64_t j = 0; j < H; ++j) op[t * H + j] = f2bf(s * bf2f(yp[t * H + j]));
+  }
   return out;
 }
 

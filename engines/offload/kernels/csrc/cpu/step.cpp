@@ -3,7 +3,7 @@
 // in host memory (runtime/fastpath.py decides when; the Python loop over layers is the fallback).
 //
 //   DecodeStep(bs, w_bf16, norm_mode, router_mode)       the family's constants
-//     .add_layer(decode_layer_bf16's weights, kpool, vpool, experts by id)    once per layer, at build
+//     .add_layer(decode_layer_bf16's weights, kpool, vpool, experts by id, a shared expert?)  once per layer, at build
 //     .step(h [M, H], cos, sin, blocks [M, NB], lens [M], norm [H], eps)
 //        -> (x [M, H] the final norm's output, ids [L, M, K] every layer's routes, experts seconds)
 //
@@ -11,7 +11,8 @@
 // ~40 arguments) costs ~0.2-0.3 ms against ~1 ms of weight reads on a 2-core host, and the second core idles through
 // it; the bookkeeping needs only the routes, returned for the executor to book after the step.
 //
-// Numbers: each call is the per-layer path's own kernel, with the same arguments, in the same order; combine is the
+// Numbers: each call is the per-layer path's own kernel, with the same arguments, in the same order (a Qwen2-MoE
+// shared expert: shared_expert_bf16, added in bf16 as the loop adds it); combine is the
 // executor's `(proj * w).view(M, K, H).sum(1).to(bf16)` as torch computes it on the CPU for K <= 16: each product
 // rounded to the promoted dtype (bf16 weights: bf16; fp32 weights: fp32), summed in fp32 over k in order, rounded
 // once. Tested bit for bit against the per-layer path (tests/engines/offload/runtime/test_decode_step.py).
@@ -69,7 +70,10 @@ class DecodeStep : public torch::CustomClassHolder {
                  std::optional<at::Tensor> sinks, std::optional<at::Tensor> rb, std::optional<at::Tensor> sq,
                  std::optional<at::Tensor> sk, std::optional<at::Tensor> sv, std::optional<at::Tensor> so,
                  std::vector<at::Tensor> ups, std::vector<at::Tensor> up_scales, std::vector<at::Tensor> downs,
-                 std::vector<at::Tensor> down_scales, bool quantized) {
+                 std::vector<at::Tensor> down_scales, bool quantized, std::optional<at::Tensor> shared_gate_up,
+                 std::optional<at::Tensor> shared_down, std::optional<at::Tensor> shared_gate) {
+    TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() && shared_down.has_value() == shared_gate.has_value(),
+                "DecodeStep.add_layer: expected all three shared-expert tensors or none");
     const int64_t E = wr.size(0);
     TORCH_CHECK(top_k >= 1 && top_k <= 16 && top_k <= E, "DecodeStep.add_layer: expected 1 <= top_k <= min(16, ", E,
                 "), got ", top_k);
@@ -78,7 +82,8 @@ class DecodeStep : public torch::CustomClassHolder {
                 " experts' gate_ups, downs (and their scales) by expert id, got ", ups.size(), " and ", downs.size());
     layers_.push_back(Layer{ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kpool, vpool, scaling, window, wo, bo, ln2, wr,
                             top_k, norm_topk, sinks, rb, sq, sk, sv, so, std::move(ups), std::move(up_scales),
-                            std::move(downs), std::move(down_scales), quantized});
+                            std::move(downs), std::move(down_scales), quantized, shared_gate_up, shared_down,
+                            shared_gate});
   }
 
   int64_t num_layers() const { return (int64_t)layers_.size(); }
@@ -124,6 +129,7 @@ class DecodeStep : public torch::CustomClassHolder {
     std::optional<at::Tensor> sinks, rb, sq, sk, sv, so;
     std::vector<at::Tensor> ups, up_s, dns, dn_s;  // by expert id
     bool quantized;
+    std::optional<at::Tensor> sgu, sdn, sg;  // shared expert: gate|up, down, gate
   };
 
   // the step's routed pairs grouped by expert in ascending id (stable: pairs in (token, k) order within an expert),
@@ -161,7 +167,13 @@ class DecodeStep : public torch::CustomClassHolder {
     else
       moe_experts_bf16(x2, ups, dns, tok, perm, starts, counts, proj);
     at::Tensor out = at::empty({M, H}, x2.options());
-    combine(ptr(proj), w, M, K, H, reinterpret_cast<uint16_t*>(out.data_ptr()));
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    combine(ptr(proj), w, M, K, H, op);
+    if (y.sgu.has_value()) {  // out + shared, as the loop's bf16 add rounds
+      at::Tensor sh = shared_expert_bf16(x2, *y.sgu, *y.sdn, *y.sg);
+      const uint16_t* sp = ptr(sh);
+      for (int64_t i = 0; i < M * H; ++i) op[i] = f2bf(bf2f(op[i]) + bf2f(sp[i]));
+    }
     return out;
   }
 
