@@ -32,14 +32,20 @@ def kind(state, module, x) -> str | None:
     return k
 
 
+def q_args(weights) -> tuple[list, list, list, list]:
+    """experts_mlp_q / moe_experts_q's per-expert lists (gate_ups, their scales, downs, their scales) from slot or
+    store tuples (up, down, up_bias, down_bias, up_scale, down_scale)."""
+    return ([w[0] for w in weights], [dispatch.scale_arg(w[4]) for w in weights],
+            [w[1] for w in weights], [dispatch.scale_arg(w[5]) for w in weights])
+
+
 def one_token(ex, state, k, hidden_states, top_k_index, top_k_weights, hits) -> torch.Tensor:
     """One token whose K experts are all hits: one call, its rows in k order, then the combine."""
     t1 = time.perf_counter()
     w = [state.cache.weights[s] for _, s in sorted(hits, key=lambda h: h[0][1])]
     ops = torch.ops.moe_offload
     if k == "q":
-        y = ops.experts_mlp_q(hidden_states.contiguous(), [a[0] for a in w], [dispatch.scale_arg(a[4]) for a in w],
-                              [a[1] for a in w], [dispatch.scale_arg(a[5]) for a in w])  # [K, H]
+        y = ops.experts_mlp_q(hidden_states.contiguous(), *q_args(w))  # [K, H]
     else:  # each row is moe_experts_bf16's for that pair (both are expert_mlp_bf16's numbers)
         y = ops.experts_mlp_bf16(hidden_states.to(torch.bfloat16).contiguous(), [a[0] for a in w], [a[1] for a in w])
     t2 = time.perf_counter()
@@ -66,17 +72,15 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
         if not groups:
             return
         if quantized and T == 1:  # one token: group g = (expert, k, 1) goes to row k
-            y = ops.experts_mlp_q(x, [w[0] for w in weights], [dispatch.scale_arg(w[4]) for w in weights],
-                                  [w[1] for w in weights], [dispatch.scale_arg(w[5]) for w in weights])
+            y = ops.experts_mlp_q(x, *q_args(weights))
             proj.index_copy_(0, torch.tensor([g[1] for g in groups]), y)
             return
         # an expert with more than KERNEL_MAX_GROUP tokens (prefill) goes through torch's GEMM, faster there
         # than the few-token dot kernel (dispatch.KERNEL_MAX_GROUP says why 16); the rest in one call
         small = [i for i, g in enumerate(groups) if g[2] <= dispatch.KERNEL_MAX_GROUP]
         if small and quantized:
-            ops.moe_experts_q(x, [weights[i][0] for i in small], [dispatch.scale_arg(weights[i][4]) for i in small],
-                              [weights[i][1] for i in small], [dispatch.scale_arg(weights[i][5]) for i in small],
-                              tok, perm, [groups[i][1] for i in small], [groups[i][2] for i in small], proj)
+            ops.moe_experts_q(x, *q_args([weights[i] for i in small]), tok, perm, [groups[i][1] for i in small],
+                              [groups[i][2] for i in small], proj)
         elif small:
             ops.moe_experts_bf16(x, [weights[i][0] for i in small], [weights[i][1] for i in small], tok, perm,
                                  [groups[i][1] for i in small], [groups[i][2] for i in small], proj)

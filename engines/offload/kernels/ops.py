@@ -62,7 +62,8 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
                w [M, K] fp32]   DeepSeek-V3's grouped selection from sigmoid scores (runtime/moe_blocks.py)  router.cpp
 Class moe_offload.DecodeStep(bs, w_bf16, norm_mode, router_mode) (torch.classes; the family's constants)     step.cpp
   .add_layer(decode_layer_bf16's weights of one layer, kpool, vpool, top_k, norm_topk, ..., the layer's E experts by
-             id: gate_ups, gate_up_scales ([] for bf16), downs, down_scales, quantized)
+             id: gate_ups, gate_up_scales ([] for bf16), downs, down_scales, quantized, and a Qwen2-MoE shared
+             expert's shared_expert_bf16 tensors or None x 3)
   .step(h [M, H], cos, sin, blocks, lens, norm [H], eps) -> (x [M, H], ids [L, M, K], experts seconds)
       a whole decode step: per layer decode_layer_bf16, the routed pairs through moe_experts_q | moe_experts_bf16,
       the combine as the executor computes it; then the final norm (runtime/decode_step.py)

@@ -30,10 +30,11 @@ from moe_offload.errors import ModelError
 # gptq_zp: a GPTQ release with sym=false, as checkpoint.quant_method names it (the config says "gptq")
 METHODS = (*INT4_METHODS, "gptq_zp")
 # each method's packed weight key (standing for "<linear>.weight") and the keys beside it
-WEIGHT = {"gptq": ".qweight", "gptq_zp": ".qweight", "compressed-tensors": ".weight_packed", "awq": ".qweight"}
-BESIDE = {"gptq": (".scales", ".qzeros", ".g_idx"), "gptq_zp": (".scales", ".qzeros", ".g_idx"),
+WEIGHT = {"gptq": ".qweight", "compressed-tensors": ".weight_packed", "awq": ".qweight"}
+BESIDE = {"gptq": (".scales", ".qzeros", ".g_idx"),
           "compressed-tensors": (".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx"),
           "awq": (".scales", ".qzeros")}
+WEIGHT["gptq_zp"], BESIDE["gptq_zp"] = WEIGHT["gptq"], BESIDE["gptq"]  # the same tensors
 AWQ_UNDO = [0, 4, 1, 5, 2, 6, 3, 7]  # column j of a word's 8 is nibble AWQ_UNDO[j] (inverse of AutoAWQ's order)
 
 

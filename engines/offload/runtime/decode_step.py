@@ -63,18 +63,17 @@ class StepCall:
         for lay in plan.layers:
             cache = lay.state.cache
             kind = fused.kind(lay.state, lay.experts, probe)
-            if kind is None or lay.top_k > 16:
+            if kind is None:
                 log.debug("whole-step decode off", reason=f"layer {lay.idx}: experts the one-call kernels do not take")
                 return None
             w = [cache.weights[cache.slot_of[e]] for e in range(cache.num_experts)]
             (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
             kp, vp = plan.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
             q = kind == "q"
+            ups, up_s, downs, down_s = fused.q_args(w)
             obj.add_layer(ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kp, vp, scaling, window, wo, bo, ln2, lay.router,
-                          lay.top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales,
-                          [a[0] for a in w], [dispatch.scale_arg(a[4]) for a in w] if q else [],
-                          [a[1] for a in w], [dispatch.scale_arg(a[5]) for a in w] if q else [], q,
-                          *(lay.shared_args or (None, None, None)))
+                          lay.top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales, ups, up_s if q else [],
+                          downs, down_s if q else [], q, *(lay.shared_args or (None, None, None)))
         log.info("whole-step decode on", layers=len(plan.layers))
         return cls(obj, plan.executor, [lay.state for lay in plan.layers])
 
@@ -95,8 +94,6 @@ class StepCall:
                 return f"layer {lay.idx}: not every expert pinned"
             if isinstance(lay.state.store, TierSlots) and lay.state.store.dynamic:
                 return f"layer {lay.idx}: host slots over the store file that evict"
-        if len({lay.top_k for lay in plan.layers}) != 1:
-            return "layers with different top-k"
         return ""
 
     def takes(self, tokens: int) -> bool:

@@ -132,6 +132,14 @@ def test_decode_step_rejects_bad_layers():
         step.add_layer(h[0], 1e-6, w, w, w, None, None, None, None, None, w, w, 1.0, 0, w, None, h[0], w, 2, True,
                        None, None, None, None, None, None, [w], [], [w], [], False, None, None, None)
 
+    def layer(top_k):  # four experts by id (add_layer checks the routing tables, not the attention weights)
+        step.add_layer(h[0], 1e-6, w, w, w, None, None, None, None, None, w, w, 1.0, 0, w, None, h[0], w, top_k, True,
+                       None, None, None, None, None, None, [w] * 4, [], [w] * 4, [], False, None, None, None)
+
+    layer(2)
+    with pytest.raises(RuntimeError, match="one top-k"):
+        layer(3)
+
 
 def test_a_layer_the_call_refuses_leaves_the_loop(checkpoints):
     # weights the C++ checks refuse at build (here a router of 3 experts for a layer of 8) mean the per-layer loop,

@@ -77,6 +77,8 @@ class DecodeStep : public torch::CustomClassHolder {
     const int64_t E = wr.size(0);
     TORCH_CHECK(top_k >= 1 && top_k <= 16 && top_k <= E, "DecodeStep.add_layer: expected 1 <= top_k <= min(16, ", E,
                 "), got ", top_k);
+    TORCH_CHECK(layers_.empty() || top_k == layers_[0].top_k, "DecodeStep.add_layer: top_k ", top_k,
+                " after layers of ", layers_.empty() ? 0 : layers_[0].top_k, " (one top-k for the step's routes)");
     TORCH_CHECK((int64_t)ups.size() == E && (int64_t)downs.size() == E && (!quantized || ((int64_t)up_scales.size() == E
                 && (int64_t)down_scales.size() == E)), "DecodeStep.add_layer: expected the ", E,
                 " experts' gate_ups, downs (and their scales) by expert id, got ", ups.size(), " and ", downs.size());
@@ -85,8 +87,6 @@ class DecodeStep : public torch::CustomClassHolder {
                             std::move(downs), std::move(down_scales), quantized, shared_gate_up, shared_down,
                             shared_gate});
   }
-
-  int64_t num_layers() const { return (int64_t)layers_.size(); }
 
   std::tuple<at::Tensor, at::Tensor, double> step(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor blocks,
                                                   at::Tensor lens, at::Tensor norm, double eps) {
@@ -99,7 +99,6 @@ class DecodeStep : public torch::CustomClassHolder {
     double experts_s = 0.0;
     for (int64_t l = 0; l < L; ++l) {
       const Layer& y = layers_[l];
-      TORCH_CHECK(y.top_k == K, "DecodeStep.step: layers with different top-k");
       auto r = decode_layer_bf16(h, add, y.ln1, y.eps, y.wq, y.wk, y.wv, y.bq, y.bk, y.bv, y.qn, y.kn, cos, sin, y.kpool,
                                  y.vpool, blocks, lens, bs_, y.scaling, y.window, y.wo, y.bo, y.ln2, y.wr, y.top_k,
                                  y.norm_topk, w_bf16_, y.sinks, y.rb, norm_mode_, router_mode_, y.sq, y.sk, y.sv, y.so);
@@ -189,6 +188,5 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.class_<moe_cpu::DecodeStep>("DecodeStep")
       .def(torch::init<int64_t, bool, int64_t, int64_t>())
       .def("add_layer", &moe_cpu::DecodeStep::add_layer)
-      .def("num_layers", &moe_cpu::DecodeStep::num_layers)
       .def("step", &moe_cpu::DecodeStep::step);
 }
