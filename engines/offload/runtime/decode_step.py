@@ -10,7 +10,9 @@ its Python glue and two op calls of ~40 arguments cost a few hundred microsecond
 waits; one call per step leaves only the bookkeeping, done once from the returned routes.
 
 When (else the per-layer loop runs, with the same numbers): a CPU executor, every layer's MoE block with its router
-fused (and a shared expert only where shared_expert_bf16 takes it: Qwen2-MoE's; no dense MLP or module-run block), every expert pinned (fraction 1.0 or a placement pinning
+fused (and a shared expert only where shared_expert_bf16 takes it: Qwen2-MoE's) or DeepSeek-V3's block (moe_blocks.py:
+grouped sigmoid router, shared experts as one silu MLP; GLM-4.5+, dots.llm1), every dense layer a silu MLP (mlp_rows),
+no block run as its module, every expert pinned (fraction 1.0 or a placement pinning
 all) and, over the expert store file, held in a host slot that is never evicted and already read in (until the
 background reads land, the loop runs and waits for what it routes to), experts the one-call kernels take
 (experts/fused.kind: "bf16" or "q"), top-k <= 16, at most KERNEL_MAX_GROUP tokens, not the load-time probe (dry).
@@ -61,21 +63,30 @@ class StepCall:
         obj = torch.classes.moe_offload.DecodeStep(plan.bs, fam.router_weights_bf16, fam.norm_mode, fam.router_mode)
         probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
         for lay in plan.layers:
-            cache = lay.state.cache
-            kind = fused.kind(lay.state, lay.experts, probe)
-            if kind is None:
-                log.debug("whole-step decode off", reason=f"layer {lay.idx}: experts the one-call kernels do not take")
-                return None
-            w = [cache.weights[cache.slot_of[e]] for e in range(cache.num_experts)]
             (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
             kp, vp = plan.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
-            q = kind == "q"
-            ups, up_s, downs, down_s = fused.q_args(w)
+            ups, up_s, downs, down_s, q, top_k = [], [], [], [], False, lay.top_k
+            if lay.state is not None:
+                kind = fused.kind(lay.state, lay.experts, probe)
+                if kind is None:
+                    log.debug("whole-step decode off", reason=f"layer {lay.idx}: experts the one-call kernels do not take")
+                    return None
+                cache = lay.state.cache
+                ups, up_s, downs, down_s = fused.q_args([cache.weights[cache.slot_of[e]] for e in range(cache.num_experts)])
+                q = kind == "q"
+                up_s, down_s = (up_s, down_s) if q else ([], [])
+                if lay.block is not None:
+                    top_k = lay.block.args[2]
             obj.add_layer(ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kp, vp, scaling, window, wo, bo, ln2, lay.router,
-                          lay.top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales, ups, up_s if q else [],
-                          downs, down_s if q else [], q, *(lay.shared_args or (None, None, None)))
+                          top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales, ups, up_s, downs, down_s, q,
+                          *(lay.shared_args or (None, None, None)))
+            if lay.block is not None:  # DeepSeek-V3's block: its router, then its shared experts
+                obj.grouped_router(*lay.block.router_args())
+            mlp = lay.dense if lay.state is None else getattr(lay.block, "shared_args", None)
+            if mlp is not None:
+                obj.mlp(*mlp)
         log.info("whole-step decode on", layers=len(plan.layers))
-        return cls(obj, plan.executor, [lay.state for lay in plan.layers])
+        return cls(obj, plan.executor, [lay.state for lay in plan.layers if lay.state is not None])
 
     @staticmethod
     def _refuse(plan) -> str:
@@ -84,11 +95,16 @@ class StepCall:
         ex = plan.executor
         if ex.device.type != "cpu":
             return "not a CPU executor"
-        if not plan.family.router:
-            return "routers not fused"
         for lay in plan.layers:
-            if lay.moe is None or (lay.shared is not None and lay.shared_args is None) or lay.block is not None:
-                return f"layer {lay.idx}: not a routed MoE block (+ a shared expert the kernel takes)"
+            if lay.state is None:
+                if lay.dense is None:
+                    return f"layer {lay.idx}: a dense MLP the kernel does not take"
+                continue
+            if lay.moe is not None:
+                if lay.shared is not None and lay.shared_args is None:
+                    return f"layer {lay.idx}: a shared expert the kernel does not take"
+            elif lay.block is None or lay.block.shared_args is None:
+                return f"layer {lay.idx}: a MoE block run as its module"
             cache = lay.state.cache
             if len(cache.pinned) != cache.num_experts:
                 return f"layer {lay.idx}: not every expert pinned"

@@ -4,8 +4,8 @@
       -> per layer: moe_offload::decode_layer_bf16 (norm, q/k/v, q/k norms, rotary, paged KV write, attention,
          o_proj, residual, norm, router top-k; kernels/csrc/cpu/decode.cpp)
          -> the offload executor with those top-k ids and weights (tiers, fetches, statistics: unchanged)
-         (+ Qwen2-MoE's gated shared expert in one call, moe_offload::shared_expert_bf16; any other shared expert,
-          or the dense MLP of a layer without experts, through its own modules)
+         (+ Qwen2-MoE's gated shared expert in one call, moe_offload::shared_expert_bf16; a dense layer's silu MLP in
+          one call, moe_blocks.mlp_rows; any other shared expert or MLP through its own modules)
       (every expert resident: all of this for every layer in one C++ call instead, runtime/decode_step.py)
       -> final norm (moe_offload::rmsnorm_bf16) -> LM head -> logits [M, V]
 
@@ -31,7 +31,7 @@ from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.engines.offload.runtime.decode_step import StepCall
-from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, fuse_rows, silu_mlp
+from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, mlp_args, mlp_rows
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -74,11 +74,11 @@ FAMILIES.update({name: MODULE_MLP for name in ("glm4_moe", "dots1", "hy_v3", "so
 def _shared_args(se, gate) -> tuple | None:
     """(gate|up rows fused, down, gate weight) of a Qwen2-MoE shared expert that shared_expert_bf16 computes: silu
     MLP of bias-free bf16 nn.Linears and a bias-free [1, H] gate; else None (the modules run)."""
-    if not (silu_mlp(se) and type(gate) is torch.nn.Linear and gate.bias is None
+    if not (type(gate) is torch.nn.Linear and gate.bias is None
             and gate.weight.dtype == torch.bfloat16 and gate.weight.shape[0] == 1):
         return None
-    gate_up = fuse_rows(se.gate_proj, se.up_proj)
-    return None if gate_up is None else (gate_up, se.down_proj.weight, gate.weight)
+    args = mlp_args(se)
+    return None if args is None else (*args, gate.weight)
 
 
 def enabled_by_env() -> bool:
@@ -102,6 +102,7 @@ class _Layer:
     scales: tuple = (None, None, None, None)  # int8 q/k/v/o: fp32 row scales
     block: object | None = None  # a MoE block run without its module (moe_blocks.py), else None
     shared_args: tuple | None = None  # (gate_up [2I, H], down [H, I], gate [1, H]) for shared_expert_bf16, else None
+    dense: tuple | None = None  # a dense layer's silu MLP as (gate_up [2I, H], down [H, I]) for mlp_rows, else None
 
 
 class DecodePlan:
@@ -181,6 +182,8 @@ class DecodePlan:
                 lay.block = deepseek_block(mlp)
             if shared is not None:
                 lay.shared_args = _shared_args(*shared)
+            if experts is None:
+                lay.dense = mlp_args(mlp)
             if q8:
                 lay.scales = tuple(getattr(attn, a).weight_scale for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
             if moe is not None:
@@ -286,6 +289,8 @@ class DecodePlan:
                     out = out + torch.sigmoid(gate(x2)) * se(x2)
             elif lay.block is not None:
                 out = lay.block(ex, x2)
+            elif lay.dense is not None:  # one kernel call for every row
+                out = mlp_rows(x2, *lay.dense)
             else:  # a dense layer's MLP, or a MoE block run as its module (its experts still go to the executor)
                 out = lay.mlp(x2.unsqueeze(0))
                 out = (out[0] if isinstance(out, tuple) else out)[0]

@@ -6,7 +6,7 @@
     deepseek_block(mlp, state): DeepSeek-V3's MoE block (sigmoid router with correction bias and expert groups, shared
         experts; also GLM-4.5+, dots.llm1, Kimi K2, ...) as
             F.linear(x, router fp32) -> sigmoid -> moe_offload::grouped_topk (kernels/csrc/cpu/router.cpp)
-            -> the offload executor (tiers, fetches, statistics) + shared experts (their module)
+            -> the offload executor (tiers, fetches, statistics) + shared experts (mlp_rows: one kernel call)
 
 Why: the module's router is ~15 small torch ops per layer; the selection is one call here. The logits and the
 sigmoid are the module's own ops, the selection the module's fp32 operations (tests: test_fastpath.py, test_mla.py).
@@ -72,25 +72,47 @@ def silu_mlp(mlp) -> bool:
             and mlp.down_proj.bias is None and mlp.down_proj.weight.dtype == torch.bfloat16)
 
 
+def mlp_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """silu(x . gate) * (x . up) -> down for every row of x [M, H] (bf16) in one moe_offload::moe_experts_bf16 call, as
+    one expert taking every token: the weights read once for all rows, each row bit-identical to expert_mlp_bf16 of
+    it alone (rounded as an MLP module's three bf16 linears round). The whole-step call (step.cpp) makes the same call."""
+    M = x.shape[0]
+    idx = torch.arange(M)
+    out = torch.empty_like(x)
+    torch.ops.moe_offload.moe_experts_bf16(x, [gate_up], [down], idx, idx, [0], [M], out)
+    return out
+
+
+def mlp_args(mlp) -> tuple | None:
+    """(gate|up rows fused, down) of a silu MLP that mlp_rows computes (bias-free bf16 nn.Linears), else None."""
+    if not silu_mlp(mlp):
+        return None
+    gate_up = fuse_rows(mlp.gate_proj, mlp.up_proj)
+    return None if gate_up is None else (gate_up, mlp.down_proj.weight)
+
+
 class DeepseekBlock:
     """DeepSeek-V3's MoE block for decode rows: ``block(executor, x [M, H]) -> [M, H]``, as the module computes it.
-    One token's shared experts run as one moe_offload::expert_mlp_bf16 call over their gate|up rows fused
-    (``fuse_rows``: silu(gate) * up then down, rounded as the module's three linears round)."""
+    The shared experts run as one ``mlp_rows`` call over their gate|up rows fused (``fuse_rows``)."""
 
     def __init__(self, mlp, state):
         self.gate, self.experts, self.shared, self.state = mlp.gate, mlp.experts, mlp.shared_experts, state
         g = self.gate
         self.args = (int(g.num_group), int(g.topk_group), int(g.top_k), bool(g.norm_topk_prob), float(g.routed_scaling_factor))
-        sh = self.shared
-        self.gate_up = fuse_rows(sh.gate_proj, sh.up_proj) if silu_mlp(sh) else None
+        self.shared_args = mlp_args(self.shared)  # (gate_up, down) or None: the module runs
+
+    def router_args(self) -> tuple:
+        """grouped_router's arguments for the whole-step call: fp32 weights, bias, groups, top-k, norm, scale."""
+        g = self.gate
+        return (g.weight.detach().float().contiguous(), g.e_score_correction_bias.detach().float(), *self.args)
 
     def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
         g = self.gate
         scores = F.linear(x.type(torch.float32), g.weight.type(torch.float32)).sigmoid()  # [M, E], the module's ops
         ids, w = torch.ops.moe_offload.grouped_topk(scores, g.e_score_correction_bias.float(), *self.args)
         out = ex.forward(self.state, self.experts, x, ids, w)
-        if self.gate_up is not None and x.shape[0] == 1 and x.dtype == torch.bfloat16:
-            return out + torch.ops.moe_offload.expert_mlp_bf16(x, self.gate_up, self.shared.down_proj.weight, None, None)
+        if self.shared_args is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous():
+            return out + mlp_rows(x, *self.shared_args)
         return out + self.shared(x)
 
 

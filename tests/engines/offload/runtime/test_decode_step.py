@@ -62,7 +62,8 @@ def _both_paths(path: str, prompts=PROMPTS, steps: int = 12, ready=None, **optio
                 assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
                 assert ra == rb and ha == hb
                 assert (ta is None) == (tb is None) and (ta is None or torch.equal(ta, tb))
-                assert all(v == len(sched.scheduled) * len(ra[0][0]) for v in ha.values()), ha  # every pair a hit
+                top_k = len(next(iter(ra.values()))[0])  # routes of the MoE layers (a dense layer has none)
+                assert all(v == len(sched.scheduled) * top_k for v in ha.values()), ha  # every pair a hit
                 compared += 1
                 engine.output.emit(sched, b)
         assert all(len(g.drain()) == steps for g in gens)
@@ -74,6 +75,17 @@ def _both_paths(path: str, prompts=PROMPTS, steps: int = 12, ready=None, **optio
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe"])
 def test_whole_step_equals_the_layer_loop_bf16(checkpoints, family):
     assert _both_paths(checkpoints(family)) >= 8  # three sequences, then the longest alone
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "dots1", "solar_open"])
+def test_whole_step_equals_the_layer_loop_deepseek_block(tmp_path, family):
+    # DeepSeek-V3's MoE block in attention-fused families: the grouped sigmoid router (fp32 logits, correction bias),
+    # the shared experts and a first dense layer, all inside the call
+    import families
+
+    path = families.build(family, tmp_path)
+    ids = families.PROMPT_IDS
+    assert _both_paths(path, prompts=(list(ids[:8]), list(ids[10:14]), list(ids[20:60]))) >= 8
 
 
 def test_whole_step_equals_the_layer_loop_int8_experts(checkpoints):

@@ -4,6 +4,8 @@
 //
 //   DecodeStep(bs, w_bf16, norm_mode, router_mode)       the family's constants
 //     .add_layer(decode_layer_bf16's weights, kpool, vpool, experts by id, a shared expert?)  once per layer, at build
+//     .grouped_router(w fp32, bias, groups...)   the last layer routes as DeepSeek-V3's block (sigmoid, groups, bias)
+//     .mlp(gate_up, down)                        the last layer's shared expert (or, without experts, its dense MLP)
 //     .step(h [M, H], cos, sin, blocks [M, NB], lens [M], norm [H], eps)
 //        -> (x [M, H] the final norm's output, ids [L, M, K] every layer's routes, experts seconds)
 //
@@ -12,13 +14,18 @@
 // it; the bookkeeping needs only the routes, returned for the executor to book after the step.
 //
 // Numbers: each call is the per-layer path's own kernel, with the same arguments, in the same order (a Qwen2-MoE
-// shared expert: shared_expert_bf16, added in bf16 as the loop adds it); combine is the
+// shared expert: shared_expert_bf16, added in bf16 as the loop adds it; DeepSeek-V3's block: the router logits through
+// at::linear in fp32 as F.linear computes them, grouped_topk, a shared expert or dense MLP through moe_experts_bf16 as one
+// expert over every token, as moe_blocks.py calls them); combine is the
 // executor's `(proj * w).view(M, K, H).sum(1).to(bf16)` as torch computes it on the CPU for K <= 16: each product
 // rounded to the promoted dtype (bf16 weights: bf16; fp32 weights: fp32), summed in fp32 over k in order, rounded
 // once. Tested bit for bit against the per-layer path (tests/engines/offload/runtime/test_decode_step.py).
 // Legend: M tokens, H hidden, L layers, K top-k, E experts, S = M*K routed pairs, J experts routed to this step.
+#include <ATen/ops/arange.h>
+#include <ATen/ops/linear.h>
 #include <torch/custom_class.h>
 
+#include <array>
 #include <chrono>
 
 #include "common.h"
@@ -66,7 +73,8 @@ class DecodeStep : public torch::CustomClassHolder {
   void add_layer(at::Tensor ln1, double eps, at::Tensor wq, at::Tensor wk, at::Tensor wv, std::optional<at::Tensor> bq,
                  std::optional<at::Tensor> bk, std::optional<at::Tensor> bv, std::optional<at::Tensor> qn,
                  std::optional<at::Tensor> kn, at::Tensor kpool, at::Tensor vpool, double scaling, int64_t window,
-                 at::Tensor wo, std::optional<at::Tensor> bo, at::Tensor ln2, at::Tensor wr, int64_t top_k, bool norm_topk,
+                 at::Tensor wo, std::optional<at::Tensor> bo, at::Tensor ln2, std::optional<at::Tensor> wr, int64_t top_k,
+                 bool norm_topk,
                  std::optional<at::Tensor> sinks, std::optional<at::Tensor> rb, std::optional<at::Tensor> sq,
                  std::optional<at::Tensor> sk, std::optional<at::Tensor> sv, std::optional<at::Tensor> so,
                  std::vector<at::Tensor> ups, std::vector<at::Tensor> up_scales, std::vector<at::Tensor> downs,
@@ -74,11 +82,14 @@ class DecodeStep : public torch::CustomClassHolder {
                  std::optional<at::Tensor> shared_down, std::optional<at::Tensor> shared_gate) {
     TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() && shared_down.has_value() == shared_gate.has_value(),
                 "DecodeStep.add_layer: expected all three shared-expert tensors or none");
-    const int64_t E = wr.size(0);
-    TORCH_CHECK(top_k >= 1 && top_k <= 16 && top_k <= E, "DecodeStep.add_layer: expected 1 <= top_k <= min(16, ", E,
-                "), got ", top_k);
-    TORCH_CHECK(layers_.empty() || top_k == layers_[0].top_k, "DecodeStep.add_layer: top_k ", top_k,
-                " after layers of ", layers_.empty() ? 0 : layers_[0].top_k, " (one top-k for the step's routes)");
+    const int64_t E = wr.has_value() ? wr->size(0) : (int64_t)ups.size();  // no experts: a dense layer (.mlp)
+    if (E > 0) {
+      TORCH_CHECK(top_k >= 1 && top_k <= 16 && top_k <= E, "DecodeStep.add_layer: expected 1 <= top_k <= min(16, ", E,
+                  "), got ", top_k);
+      TORCH_CHECK(top_k_ == 0 || top_k == top_k_, "DecodeStep.add_layer: top_k ", top_k, " after layers of ", top_k_,
+                  " (one top-k for the step's routes)");
+      top_k_ = top_k;
+    }
     TORCH_CHECK((int64_t)ups.size() == E && (int64_t)downs.size() == E && (!quantized || ((int64_t)up_scales.size() == E
                 && (int64_t)down_scales.size() == E)), "DecodeStep.add_layer: expected the ", E,
                 " experts' gate_ups, downs (and their scales) by expert id, got ", ups.size(), " and ", downs.size());
@@ -88,25 +99,65 @@ class DecodeStep : public torch::CustomClassHolder {
                             shared_gate});
   }
 
+  // the last layer's experts routed as DeepSeek-V3's block routes them (moe_blocks.DeepseekBlock): sigmoid of the fp32
+  // logits x . w, grouped_topk with the correction bias
+  void grouped_router(at::Tensor w, std::optional<at::Tensor> bias, int64_t n_group, int64_t topk_group, int64_t top_k,
+                      bool norm_topk, double scale) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().wr.has_value() && !layers_.back().ups.empty(),
+                "DecodeStep.grouped_router: the last layer added has experts and no fused router");
+    Layer& y = layers_.back();
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(0) == (int64_t)y.ups.size(),
+                "DecodeStep.grouped_router: expected fp32 [", y.ups.size(), ", H] router weights, got ", w.scalar_type(),
+                " ", w.sizes());
+    TORCH_CHECK(top_k == top_k_, "DecodeStep.grouped_router: top_k ", top_k, " for layers of ", top_k_);
+    y.gw = w.contiguous();
+    y.gbias = bias;
+    y.groups = {n_group, topk_group};
+    y.norm_topk = norm_topk;
+    y.gscale = scale;
+  }
+
+  // the last layer's un-gated shared expert, or (a layer without experts) its dense MLP: silu(gate) * up, then down
+  void mlp(at::Tensor gate_up, at::Tensor down) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().sgu.has_value(), "DecodeStep.mlp: no layer, or a gated shared expert");
+    layers_.back().mgu = gate_up;
+    layers_.back().mdn = down;
+  }
+
   std::tuple<at::Tensor, at::Tensor, double> step(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor blocks,
                                                   at::Tensor lens, at::Tensor norm, double eps) {
     TORCH_CHECK(!layers_.empty(), "DecodeStep.step: no layers added");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16, "DecodeStep.step h: expected bf16 [M, H], got ",
                 h.scalar_type(), " ", h.sizes());
-    const int64_t M = h.size(0), H = h.size(1), K = layers_[0].top_k, L = (int64_t)layers_.size();
-    at::Tensor ids_all = at::empty({L, M, K}, h.options().dtype(at::kLong));
+    const int64_t M = h.size(0), H = h.size(1), K = top_k_, L = (int64_t)layers_.size();
+    int64_t moe_layers = 0;
+    for (const Layer& y : layers_) moe_layers += !y.ups.empty();
+    at::Tensor ids_all = at::empty({moe_layers, M, K}, h.options().dtype(at::kLong));  // the MoE layers' routes
     std::optional<at::Tensor> add;
     double experts_s = 0.0;
-    for (int64_t l = 0; l < L; ++l) {
+    for (int64_t l = 0, m = 0; l < L; ++l) {
       const Layer& y = layers_[l];
       auto r = decode_layer_bf16(h, add, y.ln1, y.eps, y.wq, y.wk, y.wv, y.bq, y.bk, y.bv, y.qn, y.kn, cos, sin, y.kpool,
-                                 y.vpool, blocks, lens, bs_, y.scaling, y.window, y.wo, y.bo, y.ln2, y.wr, y.top_k,
-                                 y.norm_topk, w_bf16_, y.sinks, y.rb, norm_mode_, router_mode_, y.sq, y.sk, y.sv, y.so);
-      const auto t0 = std::chrono::steady_clock::now();
-      add = experts(y, r[1], r[2], r[3], M, H);
-      experts_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      ids_all[l].copy_(r[2]);
+                                 y.vpool, blocks, lens, bs_, y.scaling, y.window, y.wo, y.bo, y.ln2, y.wr,
+                                 y.wr.has_value() ? y.top_k : 0, y.wr.has_value() && y.norm_topk, w_bf16_, y.sinks, y.rb,
+                                 norm_mode_, router_mode_, y.sq, y.sk, y.sv, y.so);
       h = r[0];
+      const at::Tensor& x2 = r[1];
+      if (y.ups.empty()) {  // a dense layer
+        add = mlp_rows(x2, *y.mgu, *y.mdn);
+        continue;
+      }
+      at::Tensor ids = r[2], w = r[3];
+      if (y.gw.defined()) {  // DeepSeek-V3's block: F.linear(x.float(), w.float()).sigmoid(), then the selection
+        auto sel = grouped_topk(at::linear(x2.to(at::kFloat), y.gw).sigmoid(), y.gbias, y.groups[0], y.groups[1],
+                                y.top_k, y.norm_topk, y.gscale);
+        ids = sel[0];
+        w = sel[1];
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      add = experts(y, x2, ids, w, M, H);
+      experts_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      ids_all[m++].copy_(ids);
     }
     return {rmsnorm_bf16(h, add, norm, eps, norm_mode_), ids_all, experts_s};
   }
@@ -122,14 +173,29 @@ class DecodeStep : public torch::CustomClassHolder {
     int64_t window;
     at::Tensor wo;
     std::optional<at::Tensor> bo;
-    at::Tensor ln2, wr;
+    at::Tensor ln2;
+    std::optional<at::Tensor> wr;  // the fused softmax router (decode_layer_bf16's), else none
     int64_t top_k;
     bool norm_topk;
     std::optional<at::Tensor> sinks, rb, sq, sk, sv, so;
     std::vector<at::Tensor> ups, up_s, dns, dn_s;  // by expert id
     bool quantized;
     std::optional<at::Tensor> sgu, sdn, sg;  // shared expert: gate|up, down, gate
+    at::Tensor gw;                           // grouped_router: fp32 [E, H] (undefined: none)
+    std::optional<at::Tensor> gbias;
+    std::array<int64_t, 2> groups{1, 1};
+    double gscale = 1.0;
+    std::optional<at::Tensor> mgu, mdn;      // .mlp: an un-gated shared expert or a dense layer's MLP
   };
+
+  // silu(x . gate) * (x . up) -> down for every token, as moe_experts_bf16 computes one expert's pairs (each token's
+  // row bit-identical to expert_mlp_bf16 of it alone)
+  static at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down) {
+    const int64_t M = x.size(0);
+    at::Tensor idx = at::arange(M, x.options().dtype(at::kLong)), out = at::empty({M, x.size(1)}, x.options());
+    moe_experts_bf16(x, {gate_up}, {down}, idx, idx, {0}, {M}, out);
+    return out;
+  }
 
   // the step's routed pairs grouped by expert in ascending id (stable: pairs in (token, k) order within an expert),
   // as the executor groups them, through one kernel call; then combine
@@ -168,8 +234,8 @@ class DecodeStep : public torch::CustomClassHolder {
     at::Tensor out = at::empty({M, H}, x2.options());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     combine(ptr(proj), w, M, K, H, op);
-    if (y.sgu.has_value()) {  // out + shared, as the loop's bf16 add rounds
-      at::Tensor sh = shared_expert_bf16(x2, *y.sgu, *y.sdn, *y.sg);
+    if (y.sgu.has_value() || y.mgu.has_value()) {  // out + shared, as the loop's bf16 add rounds
+      at::Tensor sh = y.sgu.has_value() ? shared_expert_bf16(x2, *y.sgu, *y.sdn, *y.sg) : mlp_rows(x2, *y.mgu, *y.mdn);
       const uint16_t* sp = ptr(sh);
       for (int64_t i = 0; i < M * H; ++i) op[i] = f2bf(bf2f(op[i]) + bf2f(sp[i]));
     }
@@ -179,6 +245,7 @@ class DecodeStep : public torch::CustomClassHolder {
   int64_t bs_;
   bool w_bf16_;
   int64_t norm_mode_, router_mode_;
+  int64_t top_k_ = 0;  // every MoE layer's
   std::vector<Layer> layers_;
 };
 
@@ -188,5 +255,7 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.class_<moe_cpu::DecodeStep>("DecodeStep")
       .def(torch::init<int64_t, bool, int64_t, int64_t>())
       .def("add_layer", &moe_cpu::DecodeStep::add_layer)
+      .def("grouped_router", &moe_cpu::DecodeStep::grouped_router)
+      .def("mlp", &moe_cpu::DecodeStep::mlp)
       .def("step", &moe_cpu::DecodeStep::step);
 }
