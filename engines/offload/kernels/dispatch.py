@@ -295,10 +295,15 @@ def patch_linears(model: torch.nn.Module) -> int:
     return len(found)
 
 
+def patched(m: torch.nn.Module) -> bool:
+    """``m`` is an nn.Linear whose decode calls ``patch_linears`` sent to the kernels."""
+    return isinstance(m, torch.nn.Linear) and getattr(m.forward, "__func__", None) is _linear_forward
+
+
 def unpatch_linears(model: torch.nn.Module) -> int:
     n = 0
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and getattr(m.forward, "__func__", None) is _linear_forward:
+        if patched(m):
             del m.forward
             n += 1
     return n

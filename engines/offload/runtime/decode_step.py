@@ -55,7 +55,13 @@ class StepCall:
 
     @classmethod
     def _build(cls, plan) -> "StepCall | None":
-        why = cls._refuse(plan)
+        def glue_ok(lay) -> bool:  # the router fused (+ a shared expert the kernel takes), or DeepSeek-V3's block
+            if lay.moe is not None:
+                return lay.shared is None or lay.shared_args is not None
+            return lay.block is not None and lay.block.shared_args is not None
+
+        items = [(lay.idx, lay.state, glue_ok(lay), lay.dense) for lay in plan.layers]
+        why = _refuse(plan.executor, items)
         if why:
             log.debug("whole-step decode off", reason=why)
             return None
@@ -65,52 +71,60 @@ class StepCall:
         for lay in plan.layers:
             (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
             kp, vp = plan.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
-            ups, up_s, downs, down_s, q, top_k = [], [], [], [], False, lay.top_k
-            if lay.state is not None:
-                kind = fused.kind(lay.state, lay.experts, probe)
-                if kind is None:
-                    log.debug("whole-step decode off", reason=f"layer {lay.idx}: experts the one-call kernels do not take")
-                    return None
-                cache = lay.state.cache
-                ups, up_s, downs, down_s = fused.q_args([cache.weights[cache.slot_of[e]] for e in range(cache.num_experts)])
-                q = kind == "q"
-                up_s, down_s = (up_s, down_s) if q else ([], [])
-                if lay.block is not None:
-                    top_k = lay.block.args[2]
+            experts = _experts_args(lay.state, lay.experts, probe)
+            if experts is None:
+                log.debug("whole-step decode off", reason=f"layer {lay.idx}: experts the one-call kernels do not take")
+                return None
+            top_k = lay.block.args[2] if lay.block is not None else lay.top_k
             obj.add_layer(ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kp, vp, scaling, window, wo, bo, ln2, lay.router,
-                          top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales, ups, up_s, downs, down_s, q,
+                          top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales, *experts,
                           *(lay.shared_args or (None, None, None)))
-            if lay.block is not None:  # DeepSeek-V3's block: its router, then its shared experts
-                obj.grouped_router(*lay.block.router_args())
-            mlp = lay.dense if lay.state is None else getattr(lay.block, "shared_args", None)
-            if mlp is not None:
-                obj.mlp(*mlp)
+            _add_mlp(obj, lay.block, lay.dense)
         log.info("whole-step decode on", layers=len(plan.layers))
         return cls(obj, plan.executor, [lay.state for lay in plan.layers if lay.state is not None])
 
-    @staticmethod
-    def _refuse(plan) -> str:
-        if not switches.on(ENV):
-            return f"{ENV}=0"
-        ex = plan.executor
-        if ex.device.type != "cpu":
-            return "not a CPU executor"
-        for lay in plan.layers:
-            if lay.state is None:
-                if lay.dense is None:
-                    return f"layer {lay.idx}: a dense MLP the kernel does not take"
-                continue
-            if lay.moe is not None:
-                if lay.shared is not None and lay.shared_args is None:
-                    return f"layer {lay.idx}: a shared expert the kernel does not take"
-            elif lay.block is None or lay.block.shared_args is None:
-                return f"layer {lay.idx}: a MoE block run as its module"
-            cache = lay.state.cache
-            if len(cache.pinned) != cache.num_experts:
-                return f"layer {lay.idx}: not every expert pinned"
-            if isinstance(lay.state.store, TierSlots) and lay.state.store.dynamic:
-                return f"layer {lay.idx}: host slots over the store file that evict"
-        return ""
+    @classmethod
+    def build_mla(cls, plan) -> "StepCall | None":
+        """The whole-step call for ``plan`` (an mla_plan.MLADecodePlan), or None: the per-layer loop."""
+        try:
+            return cls._build_mla(plan)
+        except (RuntimeError, TypeError, ValueError) as e:
+            log.info("whole-step decode off: the per-layer loop runs", reason=f"{type(e).__name__}: {e}")
+            return None
+
+    @classmethod
+    def _build_mla(cls, plan) -> "StepCall | None":
+        items = [(i, getattr(b, "state", None), b is None or b.shared_args is not None, d)
+                 for i, (b, d) in enumerate(zip(plan.blocks, plan.dense))]
+        why = _refuse(plan.executor, items) or next(
+            (f"layer {i}: attention projections not all the patched bf16 linears" for i, layer in enumerate(plan.layers)
+             if not all(map(dispatch.patched, _mla_linears(layer.self_attn)))), "")
+        if why:
+            log.debug("whole-step decode off", reason=why)
+            return None
+        obj = torch.classes.moe_offload.DecodeStep(plan.pool.block_size, True, 0, 0)
+        probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
+        for layer, block, dense, qkv_a in zip(plan.layers, plan.blocks, plan.dense, plan.qkv_a):
+            a = layer.self_attn
+            experts = _experts_args(getattr(block, "state", None), getattr(block, "experts", None), probe)
+            if experts is None:
+                log.debug("whole-step decode off", reason=f"layer {a.layer_idx}: experts the one-call kernels do not take")
+                return None
+            kp, vp = plan.pool.layer_of(a.layer_idx, 1, a.kv_lora_rank, 1, a.qk_rope_head_dim, torch.bfloat16)
+            lora = a.q_lora_rank is not None
+            wq = a.q_b_proj if lora else a.q_proj
+            kv_a = None if lora else a.kv_a_proj_with_mqa
+            obj.add_mla_layer(
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv_a, a.q_lora_rank or 0,
+                a.q_a_layernorm.weight if lora else None, a.q_a_layernorm.variance_epsilon if lora else 0.0,
+                wq.weight, wq.bias, kv_a.weight if kv_a is not None else None, kv_a.bias if kv_a is not None else None,
+                a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon, kp, vp, a.kv_b_proj.weight, a.num_heads,
+                a.qk_nope_head_dim, float(a.scaling), plan.interleave, a.o_proj.weight, a.o_proj.bias,
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                block.args[2] if block is not None else 0, *experts)
+            _add_mlp(obj, block, dense)
+        log.info("whole-step decode on", layers=len(plan.layers), attention="mla")
+        return cls(obj, plan.executor, [b.state for b in plan.blocks if b is not None])
 
     def takes(self, tokens: int) -> bool:
         return tokens <= dispatch.KERNEL_MAX_GROUP and not self.executor.dry and self._read_in()
@@ -133,7 +147,63 @@ class StepCall:
 
     def run(self, h, cos, sin, table, lens, norm, eps) -> torch.Tensor:
         """One decode step through every layer; returns the final norm's output [M, H] and books the routes."""
-        x, ids, experts_s = self.obj.step(h, cos, sin, table, lens, norm, eps)
+        return self._book(*self.obj.step(h, cos, sin, table, lens, norm, eps))
+
+    def run_mla(self, h, cos, sin, slots, rows, lens, norm, eps) -> torch.Tensor:
+        """run() for an MLA model: slots [M] the tokens' pool rows, rows [M * lmax] each sequence's (mla_plan.py)."""
+        return self._book(*self.obj.step_mla(h, cos, sin, slots, rows, lens, norm, eps))
+
+    def _book(self, x, ids, experts_s) -> torch.Tensor:
         self.calls += 1
         self.executor.book_resident(self.states, ids, experts_s)
         return x
+
+
+def _refuse(executor, items) -> str:
+    """Why the call cannot run a model of ``items``: (layer, its experts' executor state or None, its MoE block's glue
+    is the kernels' (a shared expert they take, the router fused or DeepSeek-V3's), a dense layer's mlp_rows args)."""
+    if not switches.on(ENV):
+        return f"{ENV}=0"
+    if executor.device.type != "cpu":
+        return "not a CPU executor"
+    for idx, state, glue_ok, dense in items:
+        if state is None:
+            if dense is None:
+                return f"layer {idx}: a dense MLP the kernel does not take"
+            continue
+        if not glue_ok:
+            return f"layer {idx}: a MoE block (or its shared expert) run as its module"
+        cache = state.cache
+        if len(cache.pinned) != cache.num_experts:
+            return f"layer {idx}: not every expert pinned"
+        if isinstance(state.store, TierSlots) and state.store.dynamic:
+            return f"layer {idx}: host slots over the store file that evict"
+    return ""
+
+
+def _experts_args(state, experts, probe) -> tuple | None:
+    """add_layer's expert arguments (gate_ups, their scales, downs, their scales, quantized), by expert id; empty for a
+    dense layer; None where the one-call kernels do not take the experts."""
+    if state is None:
+        return [], [], [], [], False
+    kind = fused.kind(state, experts, probe)
+    if kind is None:
+        return None
+    cache = state.cache
+    ups, up_s, downs, down_s = fused.q_args([cache.weights[cache.slot_of[e]] for e in range(cache.num_experts)])
+    q = kind == "q"
+    return (ups, up_s, downs, down_s, True) if q else (ups, [], downs, [], False)
+
+
+def _add_mlp(obj, block, dense) -> None:
+    """The last layer's DeepSeek-V3 router and shared experts (block), or its dense MLP."""
+    if block is not None:
+        obj.grouped_router(*block.router_args())
+    mlp = dense if block is None else block.shared_args
+    if mlp is not None:
+        obj.mlp(*mlp)
+
+
+def _mla_linears(a) -> list:
+    """The MLA attention's linears the call computes as the patched modules do (q_a|kv_a run fused, not as modules)."""
+    return [a.o_proj] + ([a.q_b_proj] if a.q_lora_rank is not None else [a.q_proj, a.kv_a_proj_with_mqa])

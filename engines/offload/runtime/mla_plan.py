@@ -7,8 +7,9 @@ around attention.
          pool, rotary on k_rot and q's rope slice as the model's rotary functions round) ->
          moe_offload::mla_decode_bf16 over each sequence's pool rows (kv_b_proj absorbed: mla.py) -> o_proj ->
          residual -> RMSNorm
-         -> DeepSeek-V3's MoE block as moe_blocks.py runs it (fused selection, the executor, shared experts), any
-            other MLP as its module (a MoE module's experts still go to the offload executor)
+         -> DeepSeek-V3's MoE block as moe_blocks.py runs it (fused selection, the executor, shared experts), a dense
+            silu MLP in one call (mlp_rows), any other MLP as its module (a MoE module's experts still go to the executor)
+      (every expert resident: all of this for every layer in one C++ call instead, runtime/decode_step.py)
       -> final norm -> LM head -> logits [M, V]
 
 Why: in the module path a DeepSeek-V3-layout decode step spends about a third of its time in ~2000 small torch
@@ -34,7 +35,8 @@ from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.kernels.dispatch import GEMM_MAX_TOKENS
 from moe_offload.engines.offload.loading.quant import QuantLinear
 from moe_offload.engines.offload.runtime import fastpath, mla
-from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, fuse_rows, same_source
+from moe_offload.engines.offload.runtime.decode_step import StepCall
+from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, fuse_rows, mlp_args, mlp_rows, same_source
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -73,7 +75,11 @@ class MLADecodePlan:
         self.qkv_a = [fuse_rows(a.q_a_proj, a.kv_a_proj_with_mqa) if a.q_lora_rank is not None else None
                       for a in (layer.self_attn for layer in self.layers)]
         self.interleave = bool(self.layers[0].self_attn.config.rope_interleave)  # DeepSeek's rotary layout
+        # a dense layer's silu MLP in one kernel call (mlp_rows), else None: its module runs
+        self.dense = [mlp_args(layer.mlp) if block is None and not hasattr(layer.mlp, "experts") else None
+                      for layer, block in zip(self.layers, self.blocks)]
         self.steps = 0
+        self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: not built yet
 
     @classmethod
     def build(cls, model, executor, pool) -> "MLADecodePlan | None":
@@ -149,7 +155,12 @@ class MLADecodePlan:
         ops, ex = torch.ops.moe_offload, self.executor
         t0 = time.perf_counter()
         ex.begin_forward()
-        for layer, block, qkv_a in zip(self.layers, self.blocks, self.qkv_a):
+        if self.step_call is False:
+            self.step_call = StepCall.build_mla(self)
+        if self.step_call is not None and self.step_call.takes(M):  # every layer in one call
+            x = self.step_call.run_mla(h, cos, sin, slots, rows_t, lens_t, self.norm.weight, self.norm.variance_epsilon)
+            return self._logits(x, t0)
+        for layer, block, dense, qkv_a in zip(self.layers, self.blocks, self.dense, self.qkv_a):
             a = layer.self_attn
             x = ops.rmsnorm_bf16(h, None, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, 0)
             if a.q_lora_rank is None:
@@ -174,12 +185,16 @@ class MLADecodePlan:
             x2 = ops.rmsnorm_bf16(h, None, n2.weight, n2.variance_epsilon, 0)
             if block is not None:
                 h = h + block(ex, x2)
+            elif dense is not None:
+                h = h + mlp_rows(x2, *dense)
             else:
                 out = layer.mlp(x2.unsqueeze(0))
                 h = h + (out[0] if isinstance(out, tuple) else out)[0]
-        x = ops.rmsnorm_bf16(h, None, self.norm.weight, self.norm.variance_epsilon, 0)
+        return self._logits(ops.rmsnorm_bf16(h, None, self.norm.weight, self.norm.variance_epsilon, 0), t0)
+
+    def _logits(self, x: torch.Tensor, t0: float) -> torch.Tensor:
         logits = self.lm_head(x)  # [M, V]
-        ex.end_forward(t0)
+        self.executor.end_forward(t0)
         self.steps += 1
         return logits
 

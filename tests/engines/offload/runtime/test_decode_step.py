@@ -88,6 +88,28 @@ def test_whole_step_equals_the_layer_loop_deepseek_block(tmp_path, family):
     assert _both_paths(path, prompts=(list(ids[:8]), list(ids[10:14]), list(ids[20:60]))) >= 8
 
 
+def test_whole_step_equals_the_layer_loop_mla(checkpoints, tmp_path):
+    # DeepSeek-V3's layout: MLA attention over the latent pool (q_a|kv_a fused, q_a_layernorm, q_b), a dense first
+    # layer, the grouped router and a shared expert; GLM-4.7-Flash's copy of it too
+    import families
+
+    assert _both_paths(checkpoints("deepseek_v3")) >= 8
+    ids = families.PROMPT_IDS
+    lite = families.build("glm4_moe_lite", tmp_path)
+    assert _both_paths(lite, prompts=(list(ids[:8]), list(ids[10:14]), list(ids[20:60]))) >= 8
+
+
+def test_whole_step_equals_the_layer_loop_mla_without_q_lora(checkpoints, tmp_path):
+    # DeepSeek-V2-Lite's variant: q_proj straight from the normed input, kv_a_proj_with_mqa on its own
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(checkpoints("deepseek_v3"))
+    cfg.q_lora_rank = None
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "no_q_lora")
+    assert _both_paths(str(tmp_path / "no_q_lora")) >= 8
+
+
 def test_whole_step_equals_the_layer_loop_int8_experts(checkpoints):
     assert _both_paths(checkpoints("qwen3_moe"), expert_dtype="int8", dense_dtype="int8") >= 8
 

@@ -6,8 +6,10 @@
 //     .add_layer(decode_layer_bf16's weights, kpool, vpool, experts by id, a shared expert?)  once per layer, at build
 //     .grouped_router(w fp32, bias, groups...)   the last layer routes as DeepSeek-V3's block (sigmoid, groups, bias)
 //     .mlp(gate_up, down)                        the last layer's shared expert (or, without experts, its dense MLP)
+//     .add_mla_layer(MLA attention's weights, pools, experts by id)   DeepSeek-V3's layout instead of add_layer
 //     .step(h [M, H], cos, sin, blocks [M, NB], lens [M], norm [H], eps)
-//        -> (x [M, H] the final norm's output, ids [L, M, K] every layer's routes, experts seconds)
+//        -> (x [M, H] the final norm's output, ids [L, M, K] every MoE layer's routes, experts seconds)
+//     .step_mla(h, cos, sin, slots [M], rows [M * lmax], lens, norm, eps)   the same for MLA layers (mla_plan.py)
 //
 // Why: a layer's Python glue (the executor's split and bookkeeping, three torch ops of combine, two op calls with
 // ~40 arguments) costs ~0.2-0.3 ms against ~1 ms of weight reads on a 2-core host, and the second core idles through
@@ -21,6 +23,7 @@
 // rounded to the promoted dtype (bf16 weights: bf16; fp32 weights: fp32), summed in fp32 over k in order, rounded
 // once. Tested bit for bit against the per-layer path (tests/engines/offload/runtime/test_decode_step.py).
 // Legend: M tokens, H hidden, L layers, K top-k, E experts, S = M*K routed pairs, J experts routed to this step.
+#include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/linear.h>
 #include <torch/custom_class.h>
@@ -82,21 +85,35 @@ class DecodeStep : public torch::CustomClassHolder {
                  std::optional<at::Tensor> shared_down, std::optional<at::Tensor> shared_gate) {
     TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() && shared_down.has_value() == shared_gate.has_value(),
                 "DecodeStep.add_layer: expected all three shared-expert tensors or none");
-    const int64_t E = wr.has_value() ? wr->size(0) : (int64_t)ups.size();  // no experts: a dense layer (.mlp)
-    if (E > 0) {
-      TORCH_CHECK(top_k >= 1 && top_k <= 16 && top_k <= E, "DecodeStep.add_layer: expected 1 <= top_k <= min(16, ", E,
-                  "), got ", top_k);
-      TORCH_CHECK(top_k_ == 0 || top_k == top_k_, "DecodeStep.add_layer: top_k ", top_k, " after layers of ", top_k_,
-                  " (one top-k for the step's routes)");
-      top_k_ = top_k;
-    }
-    TORCH_CHECK((int64_t)ups.size() == E && (int64_t)downs.size() == E && (!quantized || ((int64_t)up_scales.size() == E
-                && (int64_t)down_scales.size() == E)), "DecodeStep.add_layer: expected the ", E,
-                " experts' gate_ups, downs (and their scales) by expert id, got ", ups.size(), " and ", downs.size());
+    check_experts(wr.has_value() ? wr->size(0) : (int64_t)ups.size(), top_k, ups, up_scales, downs, down_scales,
+                  quantized);
     layers_.push_back(Layer{ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kpool, vpool, scaling, window, wo, bo, ln2, wr,
                             top_k, norm_topk, sinks, rb, sq, sk, sv, so, std::move(ups), std::move(up_scales),
                             std::move(downs), std::move(down_scales), quantized, shared_gate_up, shared_down,
                             shared_gate});
+  }
+
+  // a layer with DeepSeek-V3's MLA attention (runtime/mla_plan.py's per-layer loop, call for call): q from q_a|kv_a's
+  // fused rows (qkv_a, q_rank > 0: q_a_layernorm, q_b = wq) or from wq directly (kv_a then separate), the latent
+  // prologue into the pools, absorbed attention, o_proj, the residual, the second norm; experts as add_layer's
+  void add_mla_layer(at::Tensor ln1, double eps1, std::optional<at::Tensor> qkv_a, int64_t q_rank,
+                     std::optional<at::Tensor> qan, double qeps, at::Tensor wq, std::optional<at::Tensor> bq,
+                     std::optional<at::Tensor> kv_a, std::optional<at::Tensor> kv_a_bias, at::Tensor kvn, double kveps,
+                     at::Tensor kpool, at::Tensor vpool, at::Tensor kv_b, int64_t heads, int64_t nope, double scaling,
+                     bool interleave, at::Tensor wo, std::optional<at::Tensor> bo, at::Tensor ln2, double eps2,
+                     int64_t top_k, std::vector<at::Tensor> ups, std::vector<at::Tensor> up_scales,
+                     std::vector<at::Tensor> downs, std::vector<at::Tensor> down_scales, bool quantized) {
+    TORCH_CHECK(q_rank > 0 ? (qkv_a.has_value() && qan.has_value()) : kv_a.has_value(),
+                "DecodeStep.add_mla_layer: expected q_a|kv_a fused rows and q_a_layernorm, or kv_a_proj_with_mqa");
+    TORCH_CHECK(heads >= 1 && wq.size(0) % heads == 0 && wq.size(0) / heads > nope, "DecodeStep.add_mla_layer: ",
+                wq.size(0), " q rows for ", heads, " heads of more than ", nope, " nope dims");
+    check_experts((int64_t)ups.size(), top_k, ups, up_scales, downs, down_scales, quantized);
+    Layer y{};
+    y.ln1 = ln1; y.eps = eps1; y.kpool = kpool; y.vpool = vpool; y.scaling = scaling; y.wo = wo; y.bo = bo; y.ln2 = ln2;
+    y.top_k = top_k; y.ups = std::move(ups); y.up_s = std::move(up_scales); y.dns = std::move(downs);
+    y.dn_s = std::move(down_scales); y.quantized = quantized;
+    y.mla = Mla{qkv_a, q_rank, qan, qeps, wq, bq, kv_a, kv_a_bias, kvn, kveps, kv_b, heads, nope, interleave, eps2};
+    layers_.push_back(std::move(y));
   }
 
   // the last layer's experts routed as DeepSeek-V3's block routes them (moe_blocks.DeepseekBlock): sigmoid of the fp32
@@ -126,6 +143,50 @@ class DecodeStep : public torch::CustomClassHolder {
 
   std::tuple<at::Tensor, at::Tensor, double> step(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor blocks,
                                                   at::Tensor lens, at::Tensor norm, double eps) {
+    return run(h, norm, eps, [&](const Layer& y, at::Tensor& h, std::optional<at::Tensor>& add) {
+      TORCH_CHECK(!y.mla.has_value(), "DecodeStep.step: an MLA layer (step_mla runs those)");
+      auto r = decode_layer_bf16(h, add, y.ln1, y.eps, y.wq, y.wk, y.wv, y.bq, y.bk, y.bv, y.qn, y.kn, cos, sin, y.kpool,
+                                 y.vpool, blocks, lens, bs_, y.scaling, y.window, y.wo, y.bo, y.ln2, y.wr,
+                                 y.wr.has_value() ? y.top_k : 0, y.wr.has_value() && y.norm_topk, w_bf16_, y.sinks, y.rb,
+                                 norm_mode_, router_mode_, y.sq, y.sk, y.sv, y.so);
+      h = r[0];
+      return r;
+    });
+  }
+
+  // an MLA model's step: slots [M] each token's pool row, rows [M * lmax] each sequence's positions' rows (mla_plan.py)
+  std::tuple<at::Tensor, at::Tensor, double> step_mla(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                                                      at::Tensor rows, at::Tensor lens, at::Tensor norm, double eps) {
+    return run(h, norm, eps, [&](const Layer& y, at::Tensor& h, std::optional<at::Tensor>& add) {
+      TORCH_CHECK(y.mla.has_value(), "DecodeStep.step_mla: a layer without MLA attention");
+      const Mla& a = *y.mla;
+      if (add.has_value()) h = at::add(h, *add);  // the loop's `h = h + block(ex, x2)`
+      add.reset();
+      const int64_t M = h.size(0);
+      at::Tensor x = rmsnorm_bf16(h, std::nullopt, y.ln1, y.eps, 0), q, ckv;
+      if (a.q_rank > 0) {
+        at::Tensor both = lin(x, *a.qkv_a, std::nullopt);
+        ckv = both.narrow(1, a.q_rank, both.size(1) - a.q_rank);
+        q = lin(rmsnorm_bf16(both.narrow(1, 0, a.q_rank).contiguous(), std::nullopt, *a.qan, a.qeps, 0), a.wq, a.bq);
+      } else {
+        q = lin(x, a.wq, a.bq);
+        ckv = lin(x, *a.kv_a, a.kv_a_bias);
+      }
+      q = q.view({M, a.heads, -1});
+      mla_prologue_bf16(q, ckv, a.kvn, a.kveps, cos, sin, a.interleave, y.kpool, y.vpool, slots, a.nope);
+      at::Tensor o = mla_decode_bf16(q, y.kpool, y.vpool, lens, a.kv_b, a.nope, y.scaling, rows);
+      h = at::add(h, lin(o.view({M, -1}), y.wo, y.bo));
+      at::Tensor x2 = rmsnorm_bf16(h, std::nullopt, y.ln2, a.eps2, 0);
+      return std::vector<at::Tensor>{h, x2, at::Tensor(), at::Tensor()};
+    }, /*mla=*/true);
+  }
+
+ private:
+  // the per-layer loop both steps share: attention(layer, h, add) -> [h, x2, ids, w] (ids, w: a fused router's), then
+  // the layer's MLP: a dense one, or its experts routed (grouped_router: here) + combine + a shared expert
+  template <class Attention>
+  std::tuple<at::Tensor, at::Tensor, double> run(at::Tensor h, const at::Tensor& norm, double eps, Attention attention,
+                                                 bool mla = false) {
     TORCH_CHECK(!layers_.empty(), "DecodeStep.step: no layers added");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kBFloat16, "DecodeStep.step h: expected bf16 [M, H], got ",
                 h.scalar_type(), " ", h.sizes());
@@ -137,11 +198,7 @@ class DecodeStep : public torch::CustomClassHolder {
     double experts_s = 0.0;
     for (int64_t l = 0, m = 0; l < L; ++l) {
       const Layer& y = layers_[l];
-      auto r = decode_layer_bf16(h, add, y.ln1, y.eps, y.wq, y.wk, y.wv, y.bq, y.bk, y.bv, y.qn, y.kn, cos, sin, y.kpool,
-                                 y.vpool, blocks, lens, bs_, y.scaling, y.window, y.wo, y.bo, y.ln2, y.wr,
-                                 y.wr.has_value() ? y.top_k : 0, y.wr.has_value() && y.norm_topk, w_bf16_, y.sinks, y.rb,
-                                 norm_mode_, router_mode_, y.sq, y.sk, y.sv, y.so);
-      h = r[0];
+      auto r = attention(y, h, add);
       const at::Tensor& x2 = r[1];
       if (y.ups.empty()) {  // a dense layer
         add = mlp_rows(x2, *y.mgu, *y.mdn);
@@ -154,15 +211,50 @@ class DecodeStep : public torch::CustomClassHolder {
         ids = sel[0];
         w = sel[1];
       }
+      TORCH_CHECK(ids.defined(), "DecodeStep: layer ", l, " has experts and no router");
       const auto t0 = std::chrono::steady_clock::now();
       add = experts(y, x2, ids, w, M, H);
       experts_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       ids_all[m++].copy_(ids);
     }
+    if (mla) return {rmsnorm_bf16(at::add(h, *add), std::nullopt, norm, eps, 0), ids_all, experts_s};  // as mla_plan.py
     return {rmsnorm_bf16(h, add, norm, eps, norm_mode_), ids_all, experts_s};
   }
 
- private:
+  // a patched nn.Linear's decode call (kernels/dispatch.py _linear_forward): one token to the GEMV, a few to the GEMM
+  static at::Tensor lin(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+    return x.size(0) == 1 ? gemv_bf16(x, w, b) : gemm_bf16(x, w, b);
+  }
+
+  void check_experts(int64_t E, int64_t top_k, const std::vector<at::Tensor>& ups, const std::vector<at::Tensor>& up_s,
+                     const std::vector<at::Tensor>& downs, const std::vector<at::Tensor>& down_s, bool quantized) {
+    if (E > 0) {  // no experts: a dense layer (.mlp)
+      TORCH_CHECK(top_k >= 1 && top_k <= 16 && top_k <= E, "DecodeStep.add_layer: expected 1 <= top_k <= min(16, ", E,
+                  "), got ", top_k);
+      TORCH_CHECK(top_k_ == 0 || top_k == top_k_, "DecodeStep.add_layer: top_k ", top_k, " after layers of ", top_k_,
+                  " (one top-k for the step's routes)");
+      top_k_ = top_k;
+    }
+    TORCH_CHECK((int64_t)ups.size() == E && (int64_t)downs.size() == E && (!quantized || ((int64_t)up_s.size() == E
+                && (int64_t)down_s.size() == E)), "DecodeStep.add_layer: expected the ", E,
+                " experts' gate_ups, downs (and their scales) by expert id, got ", ups.size(), " and ", downs.size());
+  }
+
+  struct Mla {
+    std::optional<at::Tensor> qkv_a;
+    int64_t q_rank;
+    std::optional<at::Tensor> qan;
+    double qeps;
+    at::Tensor wq;
+    std::optional<at::Tensor> bq, kv_a, kv_a_bias;
+    at::Tensor kvn;
+    double kveps;
+    at::Tensor kv_b;
+    int64_t heads, nope;
+    bool interleave;
+    double eps2;
+  };
+
   struct Layer {
     at::Tensor ln1;
     double eps;
@@ -186,6 +278,7 @@ class DecodeStep : public torch::CustomClassHolder {
     std::array<int64_t, 2> groups{1, 1};
     double gscale = 1.0;
     std::optional<at::Tensor> mgu, mdn;      // .mlp: an un-gated shared expert or a dense layer's MLP
+    std::optional<Mla> mla;                  // add_mla_layer's (then wq.. are unused)
   };
 
   // silu(x . gate) * (x . up) -> down for every token, as moe_experts_bf16 computes one expert's pairs (each token's
@@ -255,7 +348,9 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.class_<moe_cpu::DecodeStep>("DecodeStep")
       .def(torch::init<int64_t, bool, int64_t, int64_t>())
       .def("add_layer", &moe_cpu::DecodeStep::add_layer)
+      .def("add_mla_layer", &moe_cpu::DecodeStep::add_mla_layer)
       .def("grouped_router", &moe_cpu::DecodeStep::grouped_router)
       .def("mlp", &moe_cpu::DecodeStep::mlp)
-      .def("step", &moe_cpu::DecodeStep::step);
+      .def("step", &moe_cpu::DecodeStep::step)
+      .def("step_mla", &moe_cpu::DecodeStep::step_mla);
 }
