@@ -27,6 +27,7 @@ from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.experts import fused
 from moe_offload.engines.offload.experts.tiercache import TierSlots
 from moe_offload.engines.offload.kernels import dispatch
+from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -98,7 +99,7 @@ class StepCall:
                  for i, (b, d) in enumerate(zip(plan.blocks, plan.dense))]
         why = _refuse(plan.executor, items) or next(
             (f"layer {i}: attention projections not all the patched bf16 linears" for i, layer in enumerate(plan.layers)
-             if not all(map(dispatch.patched, _mla_linears(layer.self_attn)))), "")
+             if not _mla_linears_ok(layer.self_attn)), "")
         if why:
             log.debug("whole-step decode off", reason=why)
             return None
@@ -114,13 +115,14 @@ class StepCall:
             lora = a.q_lora_rank is not None
             wq = a.q_b_proj if lora else a.q_proj
             kv_a = None if lora else a.kv_a_proj_with_mqa
+            (wq_w, wq_s), (wo_w, wo_s) = _weight_scale(wq), _weight_scale(a.o_proj)
             obj.add_mla_layer(
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv_a, a.q_lora_rank or 0,
                 a.q_a_layernorm.weight if lora else None, a.q_a_layernorm.variance_epsilon if lora else 0.0,
-                wq.weight, wq.bias, kv_a.weight if kv_a is not None else None, kv_a.bias if kv_a is not None else None,
+                wq_w, wq.bias, kv_a.weight if kv_a is not None else None, kv_a.bias if kv_a is not None else None,
                 a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon, kp, vp, a.kv_b_proj.weight, a.num_heads,
-                a.qk_nope_head_dim, float(a.scaling), plan.interleave, a.o_proj.weight, a.o_proj.bias,
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                a.qk_nope_head_dim, float(a.scaling), plan.interleave, wo_w, a.o_proj.bias,
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon, wq_s, wo_s,
                 block.args[2] if block is not None else 0, *experts)
             _add_mlp(obj, block, dense)
         log.info("whole-step decode on", layers=len(plan.layers), attention="mla")
@@ -204,6 +206,15 @@ def _add_mlp(obj, block, dense) -> None:
         obj.mlp(*mlp)
 
 
-def _mla_linears(a) -> list:
-    """The MLA attention's linears the call computes as the patched modules do (q_a|kv_a run fused, not as modules)."""
-    return [a.o_proj] + ([a.q_b_proj] if a.q_lora_rank is not None else [a.q_proj, a.kv_a_proj_with_mqa])
+def _mla_linears_ok(a) -> bool:
+    """The MLA attention's linears the call computes as their modules do: q (q_b_proj | q_proj) and o_proj bf16
+    nn.Linears patched to the kernels or (--dense-dtype int8, a GGUF file) int8 rows / ggml blocks, which call gemv_q;
+    kv_a_proj_with_mqa (without q_lora: q_a|kv_a run fused, not as modules) the former only."""
+    q = a.q_b_proj if a.q_lora_rank is not None else a.q_proj
+    return (all(dispatch.patched(m) or isinstance(m, (QuantLinear, BlockLinear)) for m in (q, a.o_proj))
+            and (a.q_lora_rank is not None or dispatch.patched(a.kv_a_proj_with_mqa)))
+
+
+def _weight_scale(m) -> tuple:
+    """(weight, scale) as the call takes a linear: a quantized one's rows and scales (gemv_q), else (weight, None)."""
+    return (m.weight_q, m.weight_scale) if isinstance(m, (QuantLinear, BlockLinear)) else (m.weight, None)

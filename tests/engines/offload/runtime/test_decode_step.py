@@ -110,8 +110,10 @@ def test_whole_step_equals_the_layer_loop_mla_without_q_lora(checkpoints, tmp_pa
     assert _both_paths(str(tmp_path / "no_q_lora")) >= 8
 
 
-def test_whole_step_equals_the_layer_loop_int8_experts(checkpoints):
-    assert _both_paths(checkpoints("qwen3_moe"), expert_dtype="int8", dense_dtype="int8") >= 8
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v3"])
+def test_whole_step_equals_the_layer_loop_int8_experts(checkpoints, family):
+    # int8 experts and int8 attention projections (deepseek_v3: q_b_proj and o_proj through gemv_q from the call)
+    assert _both_paths(checkpoints(family), expert_dtype="int8", dense_dtype="int8") >= 8
 
 
 def test_whole_step_equals_the_layer_loop_gguf(tmp_path):

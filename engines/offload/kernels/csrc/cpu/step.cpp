@@ -101,7 +101,7 @@ class DecodeStep : public torch::CustomClassHolder {
                      std::optional<at::Tensor> kv_a, std::optional<at::Tensor> kv_a_bias, at::Tensor kvn, double kveps,
                      at::Tensor kpool, at::Tensor vpool, at::Tensor kv_b, int64_t heads, int64_t nope, double scaling,
                      bool interleave, at::Tensor wo, std::optional<at::Tensor> bo, at::Tensor ln2, double eps2,
-                     int64_t top_k, std::vector<at::Tensor> ups, std::vector<at::Tensor> up_scales,
+                     std::optional<at::Tensor> sq, std::optional<at::Tensor> so, int64_t top_k, std::vector<at::Tensor> ups, std::vector<at::Tensor> up_scales,
                      std::vector<at::Tensor> downs, std::vector<at::Tensor> down_scales, bool quantized) {
     TORCH_CHECK(q_rank > 0 ? (qkv_a.has_value() && qan.has_value()) : kv_a.has_value(),
                 "DecodeStep.add_mla_layer: expected q_a|kv_a fused rows and q_a_layernorm, or kv_a_proj_with_mqa");
@@ -110,6 +110,7 @@ class DecodeStep : public torch::CustomClassHolder {
     check_experts((int64_t)ups.size(), top_k, ups, up_scales, downs, down_scales, quantized);
     Layer y{};
     y.ln1 = ln1; y.eps = eps1; y.kpool = kpool; y.vpool = vpool; y.scaling = scaling; y.wo = wo; y.bo = bo; y.ln2 = ln2;
+    y.sq = sq; y.so = so;
     y.top_k = top_k; y.ups = std::move(ups); y.up_s = std::move(up_scales); y.dns = std::move(downs);
     y.dn_s = std::move(down_scales); y.quantized = quantized;
     y.mla = Mla{qkv_a, q_rank, qan, qeps, wq, bq, kv_a, kv_a_bias, kvn, kveps, kv_b, heads, nope, interleave, eps2};
@@ -167,15 +168,15 @@ class DecodeStep : public torch::CustomClassHolder {
       if (a.q_rank > 0) {
         at::Tensor both = lin(x, *a.qkv_a, std::nullopt);
         ckv = both.narrow(1, a.q_rank, both.size(1) - a.q_rank);
-        q = lin(rmsnorm_bf16(both.narrow(1, 0, a.q_rank).contiguous(), std::nullopt, *a.qan, a.qeps, 0), a.wq, a.bq);
+        q = lin(rmsnorm_bf16(both.narrow(1, 0, a.q_rank).contiguous(), std::nullopt, *a.qan, a.qeps, 0), a.wq, a.bq, y.sq);
       } else {
-        q = lin(x, a.wq, a.bq);
+        q = lin(x, a.wq, a.bq, y.sq);
         ckv = lin(x, *a.kv_a, a.kv_a_bias);
       }
       q = q.view({M, a.heads, -1});
       mla_prologue_bf16(q, ckv, a.kvn, a.kveps, cos, sin, a.interleave, y.kpool, y.vpool, slots, a.nope);
       at::Tensor o = mla_decode_bf16(q, y.kpool, y.vpool, lens, a.kv_b, a.nope, y.scaling, rows);
-      h = at::add(h, lin(o.view({M, -1}), y.wo, y.bo));
+      h = at::add(h, lin(o.view({M, -1}), y.wo, y.bo, y.so));
       at::Tensor x2 = rmsnorm_bf16(h, std::nullopt, y.ln2, a.eps2, 0);
       return std::vector<at::Tensor>{h, x2, at::Tensor(), at::Tensor()};
     }, /*mla=*/true);
@@ -221,8 +222,11 @@ class DecodeStep : public torch::CustomClassHolder {
     return {rmsnorm_bf16(h, add, norm, eps, norm_mode_), ids_all, experts_s};
   }
 
-  // a patched nn.Linear's decode call (kernels/dispatch.py _linear_forward): one token to the GEMV, a few to the GEMM
-  static at::Tensor lin(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  // a patched nn.Linear's decode call (kernels/dispatch.py _linear_forward): one token to the GEMV, a few to the GEMM;
+  // with scales, an int8 QuantLinear's or a ggml BlockLinear's (loading/quant.py): gemv_q
+  static at::Tensor lin(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+                        const std::optional<at::Tensor>& scale = std::nullopt) {
+    if (scale.has_value()) return moe_quant::gemv_q(x, w, *scale, b, 0);
     return x.size(0) == 1 ? gemv_bf16(x, w, b) : gemm_bf16(x, w, b);
   }
 
