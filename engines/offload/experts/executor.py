@@ -173,7 +173,7 @@ class Executor:
 
         kind = None if self._cuda else fused.kind(state, module, hidden_states)
         if kind is not None and T == 1 and not fetch and not host:  # one token, every expert resident: one call
-            return fused.one_token(self, state, kind, hidden_states, top_k_index, top_k_weights, hits)
+            return fused.one_token(self, state, module, kind, hidden_states, top_k_index, top_k_weights, hits)
         if kind is not None:
             return fused.forward(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host,
                                  quantized=kind == "q")

@@ -27,9 +27,24 @@ def kind(state, module, x) -> str | None:
     k = state.fused.get(key, False)
     if k is False:
         w = state.store.tensors[0]
-        k = "bf16" if dispatch.fused_experts_ok(module, w, x) else "q" if dispatch.fused_experts_q_ok(module, w, x) else None
+        k = "bf16" if dispatch.fused_experts_ok(module, w, x) and _biases_ok(state) else (
+            "q" if dispatch.fused_experts_q_ok(module, w, x) else None)
         state.fused[key] = k
     return k
+
+
+def _biases_ok(state) -> bool:
+    """The experts' biases, where they have them, are both there and bf16 (what moe_experts_bf16 reads)."""
+    b = list(state.store.tensors[2:4])
+    return all(t is None for t in b) or all(t is not None and t.dtype == torch.bfloat16 for t in b)
+
+
+def bf16_args(module, weights) -> tuple:
+    """moe_experts_bf16 / experts_mlp_bf16's trailing arguments for these experts' (up, down, up_bias, down_bias, ..)
+    tuples: (gate_up biases or None, down biases or None, gate, alpha, limit)."""
+    biased = weights and weights[0][2] is not None
+    return ([w[2] for w in weights] if biased else None, [w[3] for w in weights] if biased else None,
+            *dispatch.fused_gate(module))
 
 
 def q_args(weights) -> tuple[list, list, list, list]:
@@ -39,7 +54,7 @@ def q_args(weights) -> tuple[list, list, list, list]:
             [w[1] for w in weights], [dispatch.scale_arg(w[5]) for w in weights])
 
 
-def one_token(ex, state, k, hidden_states, top_k_index, top_k_weights, hits) -> torch.Tensor:
+def one_token(ex, state, module, k, hidden_states, top_k_index, top_k_weights, hits) -> torch.Tensor:
     """One token whose K experts are all hits: one call, its rows in k order, then the combine."""
     t1 = time.perf_counter()
     w = [state.cache.weights[s] for _, s in sorted(hits, key=lambda h: h[0][1])]
@@ -47,7 +62,8 @@ def one_token(ex, state, k, hidden_states, top_k_index, top_k_weights, hits) -> 
     if k == "q":
         y = ops.experts_mlp_q(hidden_states.contiguous(), *q_args(w))  # [K, H]
     else:  # each row is moe_experts_bf16's for that pair (both are expert_mlp_bf16's numbers)
-        y = ops.experts_mlp_bf16(hidden_states.to(torch.bfloat16).contiguous(), [a[0] for a in w], [a[1] for a in w])
+        y = ops.experts_mlp_bf16(hidden_states.to(torch.bfloat16).contiguous(), [a[0] for a in w], [a[1] for a in w],
+                                 *bf16_args(module, w))
     t2 = time.perf_counter()
     result = ex._combine(state, y, hidden_states, top_k_index, top_k_weights, hits, [], 0)
     ex._stages(t1, t2, t2, t2, 0.0)
@@ -82,8 +98,9 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
             ops.moe_experts_q(x, *q_args([weights[i] for i in small]), tok, perm, [groups[i][1] for i in small],
                               [groups[i][2] for i in small], proj)
         elif small:
-            ops.moe_experts_bf16(x, [weights[i][0] for i in small], [weights[i][1] for i in small], tok, perm,
-                                 [groups[i][1] for i in small], [groups[i][2] for i in small], proj)
+            ws = [weights[i] for i in small]
+            ops.moe_experts_bf16(x, [w[0] for w in ws], [w[1] for w in ws], tok, perm, [groups[i][1] for i in small],
+                                 [groups[i][2] for i in small], proj, *bf16_args(module, ws))
         for (_, start, n), w in zip(groups, weights):
             if n > dispatch.KERNEL_MAX_GROUP:
                 y = expert_forward(module, x.index_select(0, tok[start : start + n]), *w)

@@ -94,9 +94,20 @@ KERNEL_MAX_GROUP = GEMM_MAX_TOKENS
 
 def fused_experts_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
     """The whole layer's pairs can go through moe_offload::moe_experts_bf16: bf16 CPU weights in [out, in] rows,
-    transformers' silu gate on concatenated gate|up, no biases, no post-expert norm."""
-    return (not getattr(module, "has_bias", False) and not module.has_post_expert_norm and x.dim() == 2
-            and _fast(x, w, module.is_transposed) and _is_silu_concat(module))
+    transformers' silu gate on concatenated gate|up without biases, or gpt-oss's clamped SwiGLU (biases read as the
+    kernel reads them: bf16), no post-expert norm."""
+    return (not module.has_post_expert_norm and x.dim() == 2 and _fast(x, w, module.is_transposed)
+            and fused_gate(module) is not None)
+
+
+def fused_gate(module) -> tuple | None:
+    """moe_experts_bf16's (gate, alpha, limit) for the module's experts: (0, 0, 0) for silu(gate) * up without
+    biases, (1, alpha, limit) for gpt-oss's clamped SwiGLU, None for any other gate."""
+    if _is_silu_concat(module) and not getattr(module, "has_bias", False):
+        return 0, 0.0, 0.0
+    if module.has_gate and _is_gpt_oss_gate(module):
+        return 1, float(module.alpha), float(module.limit)
+    return None
 
 
 def fused_experts_q_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:

@@ -13,9 +13,9 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_bf16 of expert k;
       gate 1: gpt-oss's clamped SwiGLU over interleaved rows (as clamped_swiglu_bf16) between the two GEMVs
   moe_experts_bf16(x [T, H], gate_ups J x [2I, H], downs J x [H, I], tok [S], perm [S], starts [J], counts [J],
-                   out [R, H] (mutated)) -> ()
+                   out [R, H] (mutated), gate_up_biases J x [2I]?, down_biases J x [H]?, gate, alpha, limit) -> ()
       a layer's routed pairs (sorted by expert) through their experts in one call, written to out[perm[s]];
-      every pair's row is bit-identical to expert_mlp_bf16 of its token alone
+      every pair's row is bit-identical to expert_mlp_bf16 (experts_mlp_bf16 with biases, gate) of its token alone
   clamped_swiglu_bf16(gate_up [.., 2I], alpha, limit) -> [.., I]   gpt-oss's gate over interleaved gate|up columns,
       rounded op by op as torch's bf16 ops round (dispatch.py uses it where the module's _apply_gate is gpt-oss's)
   shared_expert_bf16(x [M, H], gate_up [2I, H], down [H, I], gate [1, H]) -> [M, H]   Qwen2-MoE's gated shared
@@ -92,7 +92,8 @@ def _experts(x, gate_ups, downs, gate_up_biases=None, down_biases=None, gate=0, 
     return x.new_empty((len(gate_ups), downs[0].shape[0]))
 
 
-def _moe_experts(x, gate_ups, downs, tok, perm, starts, counts, out):
+def _moe_experts(x, gate_ups, downs, tok, perm, starts, counts, out, gate_up_biases=None, down_biases=None, gate=0,
+                 alpha=0.0, limit=0.0):
     return None
 
 

@@ -80,6 +80,7 @@ class StepCall:
             obj.add_layer(ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kp, vp, scaling, window, wo, bo, ln2, lay.router,
                           top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales, *experts,
                           *(lay.shared_args or (None, None, None)))
+            _add_gate(obj, lay.state, lay.experts, probe)
             _add_mlp(obj, lay.block, lay.dense)
         log.info("whole-step decode on", layers=len(plan.layers))
         return cls(obj, plan.executor, [lay.state for lay in plan.layers if lay.state is not None])
@@ -191,10 +192,23 @@ def _experts_args(state, experts, probe) -> tuple | None:
     kind = fused.kind(state, experts, probe)
     if kind is None:
         return None
-    cache = state.cache
-    ups, up_s, downs, down_s = fused.q_args([cache.weights[cache.slot_of[e]] for e in range(cache.num_experts)])
+    ups, up_s, downs, down_s = fused.q_args(_by_id(state))
     q = kind == "q"
     return (ups, up_s, downs, down_s, True) if q else (ups, [], downs, [], False)
+
+
+def _by_id(state) -> list:
+    cache = state.cache
+    return [cache.weights[cache.slot_of[e]] for e in range(cache.num_experts)]
+
+
+def _add_gate(obj, state, experts, probe) -> None:
+    """The last layer's bf16 experts' biases and gate (gpt-oss's), where they have them."""
+    if state is None or fused.kind(state, experts, probe) != "bf16":
+        return
+    ub, db, gate, alpha, limit = fused.bf16_args(experts, _by_id(state))
+    if ub is not None or gate:
+        obj.expert_gate(ub or [], db or [], gate, alpha, limit)
 
 
 def _add_mlp(obj, block, dense) -> None:

@@ -102,6 +102,37 @@ def test_moe_experts_rows_equal_each_token_through_its_expert_alone(ops, T, K, E
             assert torch.equal(out[t * K + k], ops.expert_mlp_bf16(x[t], ups[e], downs[e])), (t, k)
 
 
+@pytest.mark.parametrize("gate", [0, 1])
+def test_moe_experts_with_biases_and_gpt_oss_gate_equal_each_token_alone(ops, gate):
+    """Biased experts (gpt-oss's, gate 1: clamped SwiGLU over interleaved rows) in one call: pair (t, k) equals
+    experts_mlp_bf16 of token t alone with the same biases and gate (the one-token kernel the executor uses)."""
+    T, K, E, H, I = 5, 2, 4, 40, 24
+    ups = [_w(2 * I, H, seed=10 + e) for e in range(E)]
+    downs = [_w(H, I, seed=100 + e) for e in range(E)]
+    ub = [torch.randn(2 * I, generator=torch.Generator().manual_seed(200 + e)).to(BF) for e in range(E)]
+    db = [torch.randn(H, generator=torch.Generator().manual_seed(300 + e)).to(BF) for e in range(E)]
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).to(BF)
+    top = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(t))[:K] for t in range(T)])
+    sorted_ids, perm = torch.sort(top.reshape(-1), stable=True)
+    uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    starts = [0, *torch.cumsum(counts, 0)[:-1].tolist()]
+    ex = uniq.tolist()
+    out = torch.full((T * K, H), float("nan")).to(BF)
+    g = (gate, 1.702, 7.0) if gate else (0, 0.0, 0.0)
+    ops.moe_experts_bf16(x, [ups[e] for e in ex], [downs[e] for e in ex], perm // K, perm, starts, counts.tolist(), out,
+                         [ub[e] for e in ex], [db[e] for e in ex], *g)
+    for t in range(T):
+        for k in range(K):
+            e = int(top[t, k])
+            alone = ops.experts_mlp_bf16(x[t], [ups[e]], [downs[e]], [ub[e]], [db[e]], *g)[0]
+            assert torch.equal(out[t * K + k], alone), (t, k)
+    # the biases are read: without them the rows differ
+    plain = torch.empty_like(out)
+    ops.moe_experts_bf16(x, [ups[e] for e in ex], [downs[e] for e in ex], perm // K, perm, starts, counts.tolist(), plain,
+                         None, None, *g)
+    assert not torch.equal(plain, out)
+
+
 def test_moe_experts_rejects_out_of_range_pairs(ops):
     up, down = _w(8, 4), _w(4, 4)
     x, out = torch.randn(2, 4).to(BF), torch.empty(4, 4).to(BF)

@@ -11,7 +11,8 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.def("expert_mlp_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor? gate_up_bias=None, Tensor? down_bias=None) -> Tensor");
   m.def("experts_mlp_bf16(Tensor x, Tensor[] gate_ups, Tensor[] downs, Tensor[]? gate_up_biases=None, "
         "Tensor[]? down_biases=None, int gate=0, float alpha=0., float limit=0.) -> Tensor");
-  m.def("moe_experts_bf16(Tensor x, Tensor[] gate_ups, Tensor[] downs, Tensor tok, Tensor perm, int[] starts, int[] counts, Tensor(a!) out) -> ()");
+  m.def("moe_experts_bf16(Tensor x, Tensor[] gate_ups, Tensor[] downs, Tensor tok, Tensor perm, int[] starts, int[] counts, Tensor(a!) out, "
+        "Tensor[]? gate_up_biases=None, Tensor[]? down_biases=None, int gate=0, float alpha=0., float limit=0.) -> ()");
   m.def("clamped_swiglu_bf16(Tensor gate_up, float alpha, float limit) -> Tensor");
   m.def("shared_expert_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor gate) -> Tensor");
   // moe_quant.cpp

@@ -100,7 +100,9 @@ at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorL
 at::Tensor clamped_swiglu_bf16(const at::Tensor& gate_up, double alpha, double limit);
 at::Tensor shared_expert_bf16(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& gate);
 void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs, const at::Tensor& tok,
-                      const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts, const at::Tensor& out);
+                      const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts, const at::Tensor& out,
+                      std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases, int64_t gate,
+                      double alpha, double limit);
 
 // decode.cpp
 std::vector<at::Tensor> decode_layer_bf16(

@@ -100,9 +100,12 @@ at::Tensor expert_mlp_bf16(const at::Tensor& x, const at::Tensor& up, const at::
 // Routed pairs of a step through their experts, one call per layer and tier: expert j (gate_up ups[j], down
 // downs[j]) takes the pairs s in [starts[j], starts[j] + counts[j]) of the expert-sorted pair list, pair s reading
 // token row x[tok[s]] and writing out[perm[s]]. Each weight row is read once for all of its expert's pairs; each
-// pair's numbers are exactly expert_mlp_bf16's for that token alone (same sums, same bf16 roundings).
+// pair's numbers are exactly expert_mlp_bf16's (experts_mlp_bf16's, with biases and gate 1: gpt-oss's clamped SwiGLU)
+// for that token alone (same sums, same bf16 roundings).
 void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs, const at::Tensor& tok,
-                      const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts, const at::Tensor& out) {
+                      const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts, const at::Tensor& out,
+                      std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases, int64_t gate,
+                      double alpha, double limit) {
   const int64_t J = (int64_t)ups.size();
   TORCH_CHECK(J == (int64_t)downs.size() && J == (int64_t)starts.size() && J == (int64_t)counts.size(),
               "moe_experts_bf16: expected as many gate_ups, downs, starts and counts, got ", J, ", ", downs.size(), ", ",
@@ -119,10 +122,16 @@ void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList do
   const int64_t* tp = tok.data_ptr<int64_t>();
   const int64_t* pp = perm.data_ptr<int64_t>();
   const int64_t S = tok.numel(), T = x.size(0), R = out.size(0);
-  std::vector<const uint16_t*> up(J), dn(J);
+  TORCH_CHECK(gate == 0 || gate == 1, "moe_experts_bf16: gate: expected 0 (silu) or 1 (gpt-oss), got ", gate);
+  TORCH_CHECK((!up_biases.has_value() || (int64_t)up_biases->size() == J) &&
+                  (!down_biases.has_value() || (int64_t)down_biases->size() == J),
+              "moe_experts_bf16: expected one bias per expert");
+  std::vector<const uint16_t*> up(J), dn(J), ub(J, nullptr), db(J, nullptr);
   std::vector<int64_t> up_ld(J), dn_ld(J), first(J + 1, 0);  // first[j]: this call's buffer row of expert j's first pair
   for (int64_t j = 0; j < J; ++j) {
     check_expert(ups[j], downs[j], H, I);
+    if (up_biases.has_value()) ub[j] = opt_bias((*up_biases)[j], I2, "gate_up_bias");
+    if (down_biases.has_value()) db[j] = opt_bias((*down_biases)[j], H, "down_bias");
     TORCH_CHECK(starts[j] >= 0 && counts[j] >= 0 && starts[j] + counts[j] <= S, "moe_experts_bf16: pair range ", j, " out of bounds");
     up[j] = ptr(ups[j]); up_ld[j] = ups[j].stride(0);
     dn[j] = ptr(downs[j]); dn_ld[j] = downs[j].stride(0);
@@ -147,12 +156,16 @@ void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList do
       for (int64_t q = 0; q < c; ++q) xp[q] = xsv + (first[j] + q) * H;
       for (int64_t r = b - j * I2; r < stop - j * I2; ++r) {
         dot_many_x(up[j] + r * up_ld[j], xp.data(), c, H, acc.data());
-        for (int64_t q = 0; q < c; ++q) gu[(first[j] + q) * I2 + r] = f2bf(acc[q]);
+        const float bias = ub[j] ? bf2f(ub[j][r]) : 0.0f;  // added as gemv_range adds it (no bias: the sum alone)
+        for (int64_t q = 0; q < c; ++q) gu[(first[j] + q) * I2 + r] = f2bf(ub[j] ? acc[q] + bias : acc[q]);
       }
       b = stop;
     }
   });
-  silu_mul_rows(gu.data(), h.data(), P, I);
+  if (gate == 1)
+    swiglu_rows(gu.data(), h.data(), P, I, float(alpha), float(limit));
+  else
+    silu_mul_rows(gu.data(), h.data(), P, I);
   const xval* hv = as_x(h.data(), P * I, h_buf);
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, J * H, std::max<int64_t>(1, grain(I) / std::max<int64_t>(1, P / J)), [&](int64_t b, int64_t e) {
@@ -164,7 +177,8 @@ void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList do
       for (int64_t q = 0; q < c; ++q) hp[q] = hv + (first[j] + q) * I;
       for (int64_t r = b - j * H; r < stop - j * H; ++r) {
         dot_many_x(dn[j] + r * dn_ld[j], hp.data(), c, I, acc.data());
-        for (int64_t q = 0; q < c; ++q) op[pp[starts[j] + q] * H + r] = f2bf(acc[q]);
+        const float bias = db[j] ? bf2f(db[j][r]) : 0.0f;
+        for (int64_t q = 0; q < c; ++q) op[pp[starts[j] + q] * H + r] = f2bf(db[j] ? acc[q] + bias : acc[q]);
       }
       b = stop;
     }
@@ -211,7 +225,7 @@ at::Tensor shared_expert_bf16(const at::Tensor& x, const at::Tensor& gate_up, co
   at::Tensor idx = at::empty({M}, x.options().dtype(at::kLong));
   for (int64_t t = 0; t < M; ++t) idx.data_ptr<int64_t>()[t] = t;  // token t's pair: row t
   at::Tensor y = at::empty({M, H}, x.options());
-  moe_experts_bf16(x, {gate_up}, {down}, idx, idx, {0}, {M}, y);
+  moe_experts_bf16(x, {gate_up}, {down}, idx, idx, {0}, {M}, y, std::nullopt, std::nullopt, 0, 0.0, 0.0);
   std::vector<uint16_t> logit(M);
   gemm_range(ptr(gate), gate.stride(0), ptr(x), H, M, H, nullptr, 0, 1, logit.data(), 1);
   at::Tensor out = at::empty({M, H}, x.options());

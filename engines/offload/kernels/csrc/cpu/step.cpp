@@ -135,6 +135,22 @@ class DecodeStep : public torch::CustomClassHolder {
     y.gscale = scale;
   }
 
+  // the last layer's bf16 experts biased (every one: gate_up [2I] and down [H], by id) and/or gated as gpt-oss's
+  // (gate 1: clamped SwiGLU over interleaved gate|up rows), as moe_experts_bf16 takes them
+  void expert_gate(std::vector<at::Tensor> up_biases, std::vector<at::Tensor> down_biases, int64_t gate, double alpha,
+                   double limit) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().ups.empty() && !layers_.back().quantized,
+                "DecodeStep.expert_gate: the last layer added has no bf16 experts");
+    Layer& y = layers_.back();
+    TORCH_CHECK(up_biases.size() == down_biases.size() && (up_biases.empty() || up_biases.size() == y.ups.size()),
+                "DecodeStep.expert_gate: expected every expert's two biases by id, or none");
+    y.up_b = std::move(up_biases);
+    y.dn_b = std::move(down_biases);
+    y.gate = gate;
+    y.alpha = alpha;
+    y.limit = limit;
+  }
+
   // the last layer's un-gated shared expert, or (a layer without experts) its dense MLP: silu(gate) * up, then down
   void mlp(at::Tensor gate_up, at::Tensor down) {
     TORCH_CHECK(!layers_.empty() && !layers_.back().sgu.has_value(), "DecodeStep.mlp: no layer, or a gated shared expert");
@@ -283,6 +299,9 @@ class DecodeStep : public torch::CustomClassHolder {
     double gscale = 1.0;
     std::optional<at::Tensor> mgu, mdn;      // .mlp: an un-gated shared expert or a dense layer's MLP
     std::optional<Mla> mla;                  // add_mla_layer's (then wq.. are unused)
+    std::vector<at::Tensor> up_b, dn_b;      // .expert_gate: the experts' biases by id (bf16 only), else empty
+    int64_t gate = 0;                        // 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU (interleaved rows)
+    double alpha = 0.0, limit = 0.0;
   };
 
   // silu(x . gate) * (x . up) -> down for every token, as moe_experts_bf16 computes one expert's pairs (each token's
@@ -290,7 +309,7 @@ class DecodeStep : public torch::CustomClassHolder {
   static at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down) {
     const int64_t M = x.size(0);
     at::Tensor idx = at::arange(M, x.options().dtype(at::kLong)), out = at::empty({M, x.size(1)}, x.options());
-    moe_experts_bf16(x, {gate_up}, {down}, idx, idx, {0}, {M}, out);
+    moe_experts_bf16(x, {gate_up}, {down}, idx, idx, {0}, {M}, out, std::nullopt, std::nullopt, 0, 0.0, 0.0);
     return out;
   }
 
@@ -309,7 +328,7 @@ class DecodeStep : public torch::CustomClassHolder {
     int64_t* tp = tok.data_ptr<int64_t>();
     int64_t* pp = perm.data_ptr<int64_t>();
     std::vector<int64_t> starts, counts;
-    std::vector<at::Tensor> ups, up_s, dns, dn_s;
+    std::vector<at::Tensor> ups, up_s, dns, dn_s, ub, db;
     for (int64_t i = 0; i < S; ++i) {
       const int64_t s = order[i], e = ip[s];
       tp[i] = s / K;
@@ -320,6 +339,7 @@ class DecodeStep : public torch::CustomClassHolder {
         ups.push_back(y.ups[e]);
         dns.push_back(y.dns[e]);
         if (y.quantized) { up_s.push_back(y.up_s[e]); dn_s.push_back(y.dn_s[e]); }
+        if (!y.up_b.empty()) { ub.push_back(y.up_b[e]); db.push_back(y.dn_b[e]); }
       }
       ++counts.back();
     }
@@ -327,7 +347,9 @@ class DecodeStep : public torch::CustomClassHolder {
     if (y.quantized)
       moe_quant::moe_experts_q(x2, ups, up_s, dns, dn_s, tok, perm, starts, counts, proj);
     else
-      moe_experts_bf16(x2, ups, dns, tok, perm, starts, counts, proj);
+      moe_experts_bf16(x2, ups, dns, tok, perm, starts, counts, proj,
+                       y.up_b.empty() ? std::nullopt : std::optional<at::TensorList>(ub),
+                       y.dn_b.empty() ? std::nullopt : std::optional<at::TensorList>(db), y.gate, y.alpha, y.limit);
     at::Tensor out = at::empty({M, H}, x2.options());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     combine(ptr(proj), w, M, K, H, op);
@@ -355,6 +377,7 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
       .def("add_mla_layer", &moe_cpu::DecodeStep::add_mla_layer)
       .def("grouped_router", &moe_cpu::DecodeStep::grouped_router)
       .def("mlp", &moe_cpu::DecodeStep::mlp)
+      .def("expert_gate", &moe_cpu::DecodeStep::expert_gate)
       .def("step", &moe_cpu::DecodeStep::step)
       .def("step_mla", &moe_cpu::DecodeStep::step_mla);
 }
