@@ -59,7 +59,7 @@ class StepCall:
         def glue_ok(lay) -> bool:  # the router fused (+ a shared expert the kernel takes), or DeepSeek-V3's block
             if lay.moe is not None:
                 return lay.shared is None or lay.shared_args is not None
-            return lay.block is not None and lay.block.shared_args is not None
+            return lay.block is not None and (lay.block.shared_args is not None or not hasattr(lay.block, "shared"))
 
         items = [(lay.idx, lay.state, glue_ok(lay), lay.dense) for lay in plan.layers]
         why = _refuse(plan.executor, items)

@@ -31,7 +31,7 @@ from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.engines.offload.runtime.decode_step import StepCall
-from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, mlp_args, mlp_rows
+from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, mlp_args, mlp_rows, sigmoid_topk_block
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -178,8 +178,8 @@ class DecodePlan:
                     layer.post_attention_layernorm.weight)
             lay = _Layer(i, (args, tail), moe, experts, state, None if moe is not None else mlp, shared)
             lay.sinks = getattr(attn, "sinks", None)
-            if moe is None and experts is not None:  # DeepSeek-V3's block (GLM-4.5+, dots.llm1): selection fused
-                lay.block = deepseek_block(mlp)
+            if moe is None and experts is not None:  # DeepSeek-V3's block (GLM-4.5+, dots.llm1), MiniMax-M2's
+                lay.block = deepseek_block(mlp) or sigmoid_topk_block(mlp)
             if shared is not None:
                 lay.shared_args = _shared_args(*shared)
             if experts is None:

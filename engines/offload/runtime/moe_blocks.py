@@ -3,6 +3,8 @@
     same_source(module, reference class): the two classes' forward source with each one's family prefix taken out
         (Glm4MoeMoE's and DeepseekV3MoE's both read ``self.gate``, ``self.experts``, ``self.shared_experts``) -- transformers copies a layer into every family that
         shares it, so equal source means equal computation
+    sigmoid_topk_block(mlp): MiniMax-M2's (sigmoid scores + correction bias, top-k, no groups, no shared expert), the
+        same selection call with one group
     deepseek_block(mlp, state): DeepSeek-V3's MoE block (sigmoid router with correction bias and expert groups, shared
         experts; also GLM-4.5+, dots.llm1, Kimi K2, ...) as
             F.linear(x, router fp32) -> sigmoid -> moe_offload::grouped_topk (kernels/csrc/cpu/router.cpp)
@@ -114,6 +116,42 @@ class DeepseekBlock:
         if self.shared_args is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous():
             return out + mlp_rows(x, *self.shared_args)
         return out + self.shared(x)
+
+
+class SigmoidTopkBlock:
+    """MiniMax-M2's MoE block for decode rows, as the module computes it: the router's logits in its weight's dtype
+    (``F.linear``), their fp32 sigmoid, + the correction bias to choose, the chosen sigmoid scores over their sum
+    (moe_offload::grouped_topk with one group), the executor; no shared expert."""
+
+    shared_args = None
+
+    def __init__(self, mlp, state):
+        self.gate, self.experts, self.bias, self.state = mlp.gate, mlp.experts, mlp.e_score_correction_bias, state
+        self.args = (1, 1, int(mlp.gate.top_k), True, 1.0)
+
+    def router_args(self) -> tuple:
+        """grouped_router's arguments: the router weights as stored (logits in their dtype), bias, selection."""
+        return (self.gate.weight.detach(), self.bias.detach().float(), *self.args)
+
+    def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
+        w = self.gate.weight
+        scores = F.linear(x.to(w.dtype), w).float().sigmoid()  # [M, E], the module's ops
+        ids, weights = torch.ops.moe_offload.grouped_topk(scores, self.bias.float(), *self.args)
+        return ex.forward(self.state, self.experts, x, ids, weights)
+
+
+def sigmoid_topk_block(mlp) -> SigmoidTopkBlock | None:
+    """The block for ``mlp`` when it is MiniMax-M2's (by source) with its experts on the executor, else None."""
+    if not switches.on("MOE_OFFLOAD_FUSED_ROUTER"):
+        return None
+    from transformers.models.minimax_m2 import modeling_minimax_m2 as ref
+
+    experts = getattr(mlp, "experts", None)
+    if getattr(experts, "_moe_offload", None) is None or not hasattr(mlp, "e_score_correction_bias"):
+        return None
+    if not (same_source(mlp, ref.MiniMaxM2SparseMoeBlock) and same_source(getattr(mlp, "gate", None), ref.MiniMaxM2TopKRouter)):
+        return None
+    return SigmoidTopkBlock(mlp, experts._moe_offload)
 
 
 def deepseek_block(mlp) -> DeepseekBlock | None:

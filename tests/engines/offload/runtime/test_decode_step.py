@@ -77,7 +77,7 @@ def test_whole_step_equals_the_layer_loop_bf16(checkpoints, family):
     assert _both_paths(checkpoints(family)) >= 8  # three sequences, then the longest alone
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "dots1", "solar_open"])
+@pytest.mark.parametrize("family", ["glm4_moe", "dots1", "solar_open", "minimax_m2"])
 def test_whole_step_equals_the_layer_loop_deepseek_block(tmp_path, family):
     # DeepSeek-V3's MoE block in attention-fused families: the grouped sigmoid router (fp32 logits, correction bias),
     # the shared experts and a first dense layer, all inside the call

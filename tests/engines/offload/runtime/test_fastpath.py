@@ -98,9 +98,11 @@ def test_attention_fused_families_with_their_own_moe_blocks(tmp_path, family):
 
     def expect(engine):
         assert all(lay.router is None for lay in engine.runner.fast.layers)
-        # DeepSeek-V3's MoE block (GLM-4.5+, dots.llm1, Solar Open) runs with the fused selection (moe_blocks.py), others as modules
+        # DeepSeek-V3's MoE block (GLM-4.5+, dots.llm1, Solar Open) and MiniMax-M2's run with the fused selection
+        # (moe_blocks.py), others as modules
         blocks = [lay.block is not None for lay in engine.runner.fast.layers if lay.experts is not None]
-        assert blocks and all(blocks) == (family in ("glm4_moe", "dots1", "solar_open")) and any(blocks) == all(blocks), blocks
+        fused = ("glm4_moe", "dots1", "solar_open", "minimax_m2")
+        assert blocks and all(blocks) == (family in fused) and any(blocks) == all(blocks), blocks
 
     _run_both_paths(families.build(family, tmp_path), [list(ids[:8]), list(ids[10:14]), list(ids[20:60])], expect)
 

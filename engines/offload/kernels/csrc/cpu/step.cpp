@@ -118,15 +118,15 @@ class DecodeStep : public torch::CustomClassHolder {
   }
 
   // the last layer's experts routed as DeepSeek-V3's block routes them (moe_blocks.DeepseekBlock): sigmoid of the fp32
-  // logits x . w, grouped_topk with the correction bias
+  // logits x . w (bf16 w: logits in bf16, MiniMax-M2's SigmoidTopkBlock), grouped_topk with the correction bias
   void grouped_router(at::Tensor w, std::optional<at::Tensor> bias, int64_t n_group, int64_t topk_group, int64_t top_k,
                       bool norm_topk, double scale) {
     TORCH_CHECK(!layers_.empty() && !layers_.back().wr.has_value() && !layers_.back().ups.empty(),
                 "DecodeStep.grouped_router: the last layer added has experts and no fused router");
     Layer& y = layers_.back();
-    TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(0) == (int64_t)y.ups.size(),
-                "DecodeStep.grouped_router: expected fp32 [", y.ups.size(), ", H] router weights, got ", w.scalar_type(),
-                " ", w.sizes());
+    TORCH_CHECK((w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && w.dim() == 2 &&
+                w.size(0) == (int64_t)y.ups.size(), "DecodeStep.grouped_router: expected fp32 or bf16 [", y.ups.size(),
+                ", H] router weights, got ", w.scalar_type(), " ", w.sizes());
     TORCH_CHECK(top_k == top_k_, "DecodeStep.grouped_router: top_k ", top_k, " for layers of ", top_k_);
     y.gw = w.contiguous();
     y.gbias = bias;
@@ -222,9 +222,11 @@ class DecodeStep : public torch::CustomClassHolder {
         continue;
       }
       at::Tensor ids = r[2], w = r[3];
-      if (y.gw.defined()) {  // DeepSeek-V3's block: F.linear(x.float(), w.float()).sigmoid(), then the selection
-        auto sel = grouped_topk(at::linear(x2.to(at::kFloat), y.gw).sigmoid(), y.gbias, y.groups[0], y.groups[1],
-                                y.top_k, y.norm_topk, y.gscale);
+      if (y.gw.defined()) {  // DeepSeek-V3's block: F.linear(x.float(), w.float()).sigmoid(); MiniMax-M2's: bf16
+        // logits F.linear(x, w).float().sigmoid(); then the selection (moe_blocks.py)
+        at::Tensor logits = y.gw.scalar_type() == at::kFloat ? at::linear(x2.to(at::kFloat), y.gw)
+                                                             : at::linear(x2, y.gw).to(at::kFloat);
+        auto sel = grouped_topk(logits.sigmoid(), y.gbias, y.groups[0], y.groups[1], y.top_k, y.norm_topk, y.gscale);
         ids = sel[0];
         w = sel[1];
       }
