@@ -34,7 +34,8 @@ class Layout:
 
 # ggml type ids (gguf.GGMLQuantizationType): the C++ and the GGUF reader agree on these; q4_z (200) is the engine's
 # own block (q4_0 with a zero point, for AWQ releases), never read from or written to a GGUF file
-_QTYPE = {"q8_0": 8, "q4_0": 2, "q4_z": 200, "gguf_mxfp4": 39, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+_QTYPE = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q4_z": 200, "gguf_mxfp4": 39, "q4_k": 12, "q5_k": 13,
+          "q6_k": 14, "iq4_xs": 23}
 Q4_Z = "q4_z"
 BY_NAME = {name: Layout(name, _QTYPE[name], b, s) for name, (b, s) in GGML_BLOCKS.items()}
 LAYOUTS = {lay.bytes: lay for lay in BY_NAME.values()}  # S -> layout
@@ -97,7 +98,7 @@ def reference_dequantize(t: torch.Tensor) -> torch.Tensor:
 
 def quantize(w: torch.Tensor, name: str) -> torch.Tensor:
     """w [.., R, K] float -> bits8 [.., R, K/B, S] with llama.cpp's reference quantizer (the gguf package's; q8_0,
-    q4_0 and gguf_mxfp4 have one). ``--expert-dtype int4`` is q4_0."""
+    q4_0, q4_1, q5_0, q5_1 and gguf_mxfp4 have one). ``--expert-dtype int4`` is q4_0."""
     from gguf import GGMLQuantizationType, quants
 
     lay = BY_NAME[name]
@@ -106,8 +107,8 @@ def quantize(w: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def random_blocks(rows: int, cols: int, name: str, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
-    """bits8 [rows, cols/B, S] of random codes with finite, moderate scales (the k-quants have no quantizer in the
-    gguf package; tests and tiny checkpoints use these). Weights come out of the order of ``scale`` / sqrt(cols)."""
+    """bits8 [rows, cols/B, S] of random codes with finite, moderate scales (the k-quants and iq4_xs have no quantizer
+    in the gguf package; tests and tiny checkpoints use these). Weights come out of the order of ``scale`` / sqrt(cols)."""
     lay = BY_NAME[name]
     g = np.random.default_rng(seed)
     nb = rows * (cols // lay.block)
@@ -122,6 +123,14 @@ def random_blocks(rows: int, cols: int, name: str, seed: int = 0, scale: float =
         f16(0, d * unit / 64)  # every code -128..127, -128 included
     elif name == "q4_0":
         f16(0, d * unit / 4)
+    elif name == "q5_0":
+        f16(0, d * unit / 8)  # |q - 16| up to 16
+    elif name in ("q4_1", "q5_1"):
+        # d * q + m with m about -d * mid (a block's own min, as the quantizer sets it): weights around zero
+        mid = 7.5 if name == "q4_1" else 15.5
+        dd = d * unit / (2 * mid)
+        f16(0, dd)
+        f16(2, -dd.astype(np.float16).astype(np.float64) * mid * g.uniform(0.5, 1.5, size=nb))
     elif name == Q4_Z:
         f16(0, d * unit / 4)
         raw[:, 2] = g.integers(0, 16, size=nb)  # |q - z| up to 15
@@ -137,6 +146,8 @@ def random_blocks(rows: int, cols: int, name: str, seed: int = 0, scale: float =
         dd = d * unit / (32 * mid)  # sc up to 63, |q - mid| up to mid
         f16(0, dd)
         f16(2, dd.astype(np.float16).astype(np.float64) * mid)
+    elif name == "iq4_xs":  # scales - 32 in -32..31, table values up to 127
+        f16(0, d * unit / (32 * 64))
     else:  # q6_k: int8 scales, q - 32
         f16(208, d * unit / (64 * 16))
     return torch.from_numpy(raw).reshape(rows, cols // lay.block, lay.bytes).view(DTYPE)

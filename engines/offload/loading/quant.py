@@ -9,7 +9,8 @@
 
 A quantized projection is always stored [R, K] (output rows, as a GEMV reads them), whatever the family's
 float layout. The format of a stored tensor is its dtype: int8 -> int8, float8_e4m3fn -> fp8, uint8 -> mxfp4,
-bits8 -> the ggml block type its block size names (q8_0, q4_0, gguf_mxfp4, q4_k, q5_k, q6_k).
+bits8 -> the ggml block type its block size names (q8_0, q4_0, q4_1, q5_0, q5_1, q4_z, gguf_mxfp4, q4_k, q5_k, q6_k,
+iq4_xs; vocab.GGML_BLOCKS).
 ``dequantize`` is the fp32 meaning of every format; the kernels (kernels/csrc/cpu/quant.h) compute with exactly these
 weights (fp8, mxfp4) or with int8 activations on top (int8); a concatenated gate|up quantized in fp8 keeps its
 halves' block grids apart (``split`` = I), as DeepSeek's separate gate_proj / up_proj tensors do.

@@ -21,9 +21,11 @@ DTYPE_BYTES = {
 # llama.cpp's block types, kept as a GGUF file stores them: (weights, bytes) per block, each block carrying its own
 # scales (engines/offload/loading/ggml.py). gguf_mxfp4 is GGUF's MXFP4 (one E8M0 byte + 16 bytes of nibbles). q4_z is
 # not a GGUF type but this engine's block in the same family: q4_0 with a zero point byte, d * (q - z), for 4-bit
-# releases with a zero point per group (AWQ).
-GGML_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_z": (32, 19), "gguf_mxfp4": (32, 17), "q4_k": (256, 144),
-               "q5_k": (256, 176), "q6_k": (256, 210)}
+# releases with a zero point per group (AWQ). The bytes per block tell the types apart (the kernels read the type from
+# them), which is why IQ4_NL (18 bytes, as q4_0) is not among them.
+GGML_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
+               "q4_z": (32, 19), "gguf_mxfp4": (32, 17), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
+               "iq4_xs": (256, 136)}
 QUANTIZED_FORMATS = ("int8", "fp8", "mxfp4", *GGML_BLOCKS)
 FP8_BLOCK = 128
 MX_BLOCK = 32

@@ -2,8 +2,9 @@
 and the transformers model each one means (the reference of the exactness tests).
 
     transformers config (hidden 256, expert intermediate 256: whole k-quant blocks) --random weights--> model
-    experts: ggml blocks of the chosen type (the reference quantizer for q8_0 / q4_0 / mxfp4, random codes for the
-             k-quants), whose dequantization (the gguf package's) replaces the model's experts: the reference
+    experts: ggml blocks of the chosen type (the reference quantizer for q8_0 / q4_0 / q4_1 / q5_0 / q5_1 / mxfp4,
+             random codes for the k-quants and iq4_xs), whose dequantization (the gguf package's) replaces the
+             model's experts: the reference
     attention projections and LM head: q8_0 (the reference quantizer; the model's weights set to what they mean), as
                      llama-quantize leaves them quantized
     everything else: F32 under the converter's names and layouts (llama q/k rows permuted, DeepSeek's kv_b split into
@@ -32,7 +33,7 @@ ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "deepseek_v3": "deepse
 FAMILIES = tuple(ARCH)
 
 
-def config_for(family: str, vocab: int):
+def config_for(family: str, vocab: int, inter: int = I):
     from transformers import (
         DeepseekV3Config,
         Glm4MoeConfig,
@@ -46,17 +47,17 @@ def config_for(family: str, vocab: int):
              max_position_embeddings=512, initializer_range=0.05, dtype="float32", tie_word_embeddings=False,
              bos_token_id=None, pad_token_id=None, eos_token_id=None, num_hidden_layers=2, rms_norm_eps=1e-6)
     if family == "qwen3_moe":
-        return Qwen3MoeConfig(**c, intermediate_size=512, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=2,
+        return Qwen3MoeConfig(**c, intermediate_size=512, moe_intermediate_size=inter, num_experts=E, num_experts_per_tok=2,
                               norm_topk_prob=True)
     if family == "qwen2_moe":
-        return Qwen2MoeConfig(**c, intermediate_size=512, moe_intermediate_size=I, shared_expert_intermediate_size=256,
+        return Qwen2MoeConfig(**c, intermediate_size=512, moe_intermediate_size=inter, shared_expert_intermediate_size=256,
                               num_experts=E, num_experts_per_tok=2, qkv_bias=True)
     if family == "mixtral":
-        return MixtralConfig(**c, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2)
+        return MixtralConfig(**c, intermediate_size=inter, num_local_experts=E, num_experts_per_tok=2)
     if family == "gpt_oss":
-        return GptOssConfig(**c, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2, sliding_window=16,
+        return GptOssConfig(**c, intermediate_size=inter, num_local_experts=E, num_experts_per_tok=2, sliding_window=16,
                             layer_types=["sliding_attention", "full_attention"])
-    common = dict(intermediate_size=512, moe_intermediate_size=I, n_routed_experts=E, n_shared_experts=1,
+    common = dict(intermediate_size=512, moe_intermediate_size=inter, n_routed_experts=E, n_shared_experts=1,
                   num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                   norm_topk_prob=True)
     if family == "deepseek_v3":
@@ -96,12 +97,13 @@ def _tokenizer_fields(w, tok) -> None:
 def _experts(model, family: str, qtype: str, seed: int, down_qtype: str | None = None) -> dict[int, tuple]:
     """{layer: (gate, up, down) ggml blocks [E, R, nb, S]}; the model's experts set to what they mean."""
     out = {}
+    inter = model.config.intermediate_size if family in ("mixtral", "gpt_oss") else model.config.moe_intermediate_size
     for li, layer in enumerate(model.model.layers):
         ex = getattr(layer.mlp, "experts", None)
         if ex is None:
             continue
         g, u, d = (torch.stack([_blocks(R, K, q, seed + 100 * li + 10 * e + k) for e in range(E)])
-                   for k, (R, K, q) in enumerate(((I, H, qtype), (I, H, qtype), (H, I, down_qtype or qtype))))
+                   for k, (R, K, q) in enumerate(((inter, H, qtype), (inter, H, qtype), (H, inter, down_qtype or qtype))))
         gf, uf, df = (ggml.reference_dequantize(t) for t in (g, u, d))  # [E, I, H], [E, I, H], [E, H, I]
         with torch.no_grad():
             if family == "gpt_oss":  # [E, H, 2I] with gate/up interleaved columns, down [E, I, H]
@@ -115,7 +117,7 @@ def _experts(model, family: str, qtype: str, seed: int, down_qtype: str | None =
 
 
 def _blocks(R: int, K: int, qtype: str, seed: int) -> torch.Tensor:
-    if qtype in ("q8_0", "q4_0", "gguf_mxfp4"):
+    if qtype in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "gguf_mxfp4"):
         gen = torch.Generator().manual_seed(seed)
         return ggml.quantize(torch.randn(R, K, generator=gen) / K ** 0.5, qtype)
     return ggml.random_blocks(R, K, qtype, seed)
@@ -125,10 +127,12 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's LlamaModel
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write(family: str, root: Path, qtype: str = "q4_k", seed: int = 0, down_qtype: str | None = None
+def write(family: str, root: Path, qtype: str = "q4_k", seed: int = 0, down_qtype: str | None = None, inter: int = I
           ) -> tuple[Path, object]:
     """(GGUF file, the transformers model it means in fp32) for ``family`` with experts in ``qtype`` (ffn_down in
-    ``down_qtype``: llama-quantize's Q4_K_M gives some layers' down projections q6_k)."""
+    ``down_qtype``: llama-quantize's Q4_K_M gives some layers' down projections q6_k) and expert intermediate size
+    ``inter`` (one that is not a multiple of 256: llama-quantize writes such down projections as q5_0 / q5_1 for a
+    Q4_K / Q5_K file, since their rows cannot hold whole k-quant blocks)."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -136,7 +140,7 @@ def write(family: str, root: Path, qtype: str = "q4_k", seed: int = 0, down_qtyp
 
     tok = build_tokenizer(300)
     torch.manual_seed(seed)
-    cfg = config_for(family, len(tok))
+    cfg = config_for(family, len(tok), inter)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     if family == "gpt_oss":
         for layer in model.model.layers:
@@ -146,7 +150,7 @@ def write(family: str, root: Path, qtype: str = "q4_k", seed: int = 0, down_qtyp
             torch.nn.init.normal_(layer.mlp.gate.e_score_correction_bias, std=0.1)
     experts = _experts(model, family, qtype, seed, down_qtype)
     arch = ARCH[family]
-    path = root / f"{family}-{qtype}{'-' + down_qtype if down_qtype else ''}-{seed}.gguf"
+    path = root / f"{family}-{qtype}{'-' + down_qtype if down_qtype else ''}{f'-i{inter}' if inter != I else ''}-{seed}.gguf"
     w = gguf.GGUFWriter(path, arch)
     n = cfg.num_hidden_layers
     w.add_block_count(n)
@@ -159,7 +163,7 @@ def write(family: str, root: Path, qtype: str = "q4_k", seed: int = 0, down_qtyp
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(E)
     w.add_expert_used_count(2)
-    w.add_expert_feed_forward_length(I)
+    w.add_expert_feed_forward_length(inter)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     if family != "deepseek_v3":
         w.add_key_length(cfg.head_dim)

@@ -2,9 +2,9 @@
 gguf package's own dequantization (llama.cpp's Python reader), for every supported type.
 
 dequant_blocks gives exactly the reference's fp32 weights (bit for bit). The dot products quantize x per block of 32,
-or 256 for the k-quants (8-bit, fp32 scale: llama.cpp's vec_dot pairs these types with 8-bit activations too): against an emulation of that
-over the reference weights they agree to fp32 rounding; against the float product they carry the activation
-rounding, bounded below.
+or 256 for the k-quants and iq4_xs (8-bit, fp32 scale: llama.cpp's vec_dot pairs these types with 8-bit activations
+too): against an emulation of that over the reference weights they agree to fp32 rounding; against the float product
+they carry the activation rounding, bounded below.
 Legend: N tokens, R output rows, K input features, H hidden, I expert intermediate.
 """
 
@@ -22,6 +22,7 @@ from moe_offload.engines.offload.loading import ggml, quant
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
 TYPES = list(ggml.BY_NAME)
+QUANTIZERS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "gguf_mxfp4")  # the types the gguf package can quantize
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +32,14 @@ def ops():
 
 
 def blocks(rows: int, cols: int, name: str, seed: int = 0) -> torch.Tensor:
-    if name in ("q8_0", "q4_0", "gguf_mxfp4") and seed % 2:  # the reference quantizer's output, too
+    if name in QUANTIZERS and seed % 2:  # the reference quantizer's output, too
         g = torch.Generator().manual_seed(seed)
         return ggml.quantize(torch.randn(rows, cols, generator=g) / cols ** 0.5, name)
     return ggml.random_blocks(rows, cols, name, seed)
 
 
 def act_block(w: torch.Tensor) -> int:
-    """x's quantization block for these weights: 32, or 256 for the k-quants (llama.cpp's q8_K)."""
+    """x's quantization block for these weights: 32, or 256 for the k-quants and iq4_xs (llama.cpp's q8_K)."""
     return 256 if ggml.layout_of(w).block == 256 else 32
 
 
@@ -64,9 +65,11 @@ def test_dequantize_is_the_gguf_reference_bit_for_bit(ops, name):
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("R,K,N", [(1, 256, 1), (7, 512, 3), (64, 1024, 16), (33, 2816, 2)])
+@pytest.mark.parametrize("R,K,N", [(1, 256, 1), (7, 512, 3), (64, 1024, 16), (33, 2816, 2), (5, 288, 1), (5, 288, 2)])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 def test_gemv_blocks(ops, name, R, K, N, xdtype):
+    if K % ggml.BY_NAME[name].block:
+        pytest.skip(f"{name} rows hold whole blocks of {ggml.BY_NAME[name].block}")  # 288: 9 blocks of 32, x padded
     w = blocks(R, K, name, seed=R + K)
     x = (torch.randn(N, K, generator=torch.Generator().manual_seed(N)) * 2).to(xdtype)
     bias = torch.randn(R).to(xdtype)
@@ -84,12 +87,14 @@ def test_gemv_blocks(ops, name, R, K, N, xdtype):
     assert ((got - exact).abs() <= bound + tol).all()
 
 
-@pytest.mark.parametrize("up_name,down_name", [("q4_k", "q6_k"), ("q8_0", "q8_0"), ("q5_k", "q4_k"), ("q4_0", "q4_0"),
-                                               ("gguf_mxfp4", "gguf_mxfp4")])
+@pytest.mark.parametrize("up_name,down_name,I", [("q4_k", "q6_k", 512), ("q8_0", "q8_0", 512), ("q5_k", "q4_k", 512),
+                                                 ("q4_0", "q4_0", 512), ("gguf_mxfp4", "gguf_mxfp4", 512),
+                                                 ("q4_k", "q5_0", 288), ("q5_k", "q5_1", 288), ("q4_1", "iq4_xs", 512)])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
-def test_expert_mlps(ops, up_name, down_name, xdtype):
-    # llama.cpp's Q4_K_M mixes types within an expert (gate/up q4_k, down q6_k): each projection reads its own blocks
-    H, I, K = 256, 512, 3
+def test_expert_mlps(ops, up_name, down_name, I, xdtype):
+    # llama.cpp's Q4_K_M mixes types within an expert (gate/up q4_k, down q6_k): each projection reads its own blocks;
+    # where I is no multiple of 256 (288 as 1408) llama-quantize writes down as q5_0 (Q4_K_M) or q5_1 (Q5_K_M)
+    H, K = 256, 3
     ups = [blocks(2 * I, H, up_name, seed=s) for s in range(K)]
     dns = [blocks(H, I, down_name, seed=10 + s) for s in range(K)]
     x = torch.randn(1, H).to(xdtype)
@@ -108,11 +113,12 @@ def test_expert_mlps(ops, up_name, down_name, xdtype):
         assert (one.double() - ref).abs().max() <= 0.05 * ref.abs().max()
 
 
-@pytest.mark.parametrize("up_name,down_name", [("q4_k", "q6_k"), ("q8_0", "q8_0"), ("q5_k", "q4_0")])
-def test_moe_experts_q_batched_step(ops, up_name, down_name):
+@pytest.mark.parametrize("up_name,down_name,I", [("q4_k", "q6_k", 512), ("q8_0", "q8_0", 512), ("q5_k", "q4_0", 512),
+                                                 ("q4_k", "q5_0", 288), ("q5_1", "q4_1", 512), ("iq4_xs", "q5_1", 512)])
+def test_moe_experts_q_batched_step(ops, up_name, down_name, I):
     # a batched decode step of block experts in one call: every (token, k) row equals that token alone through
     # expert_mlp_q (each weight row decoded once from memory for the expert's tokens, the sums per token unchanged)
-    T, K, E, H, I = 12, 4, 8, 256, 512
+    T, K, E, H = 12, 4, 8, 256
     ups = [blocks(2 * I, H, up_name, seed=s) for s in range(E)]
     dns = [blocks(H, I, down_name, seed=20 + s) for s in range(E)]
     x = torch.randn(T, H).to(torch.bfloat16)

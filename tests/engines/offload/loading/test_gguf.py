@@ -25,14 +25,14 @@ RUNS = (("static", 1.0), ("static", 0.0), ("lru", 0.25), ("hybrid", 0.5))
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """(family, qtype, down qtype) -> (GGUF path, reference model), written once per module."""
+    """(family, qtype, down qtype, expert intermediate) -> (GGUF path, reference model), written once per module."""
     root = tmp_path_factory.mktemp("gguf")
     cache = {}
 
-    def get(family: str, qtype: str = "q4_k", down: str | None = None):
-        if (family, qtype, down) not in cache:
-            cache[(family, qtype, down)] = write(family, root, qtype, down_qtype=down)
-        return cache[(family, qtype, down)]
+    def get(family: str, qtype: str = "q4_k", down: str | None = None, inter: int = 256):
+        if (family, qtype, down, inter) not in cache:
+            cache[(family, qtype, down, inter)] = write(family, root, qtype, down_qtype=down, inter=inter)
+        return cache[(family, qtype, down, inter)]
 
     return get
 
@@ -68,7 +68,8 @@ def test_every_architecture_matches_the_dequantized_model(files, family):
 
 
 @pytest.mark.parametrize("qtype,down", [("q8_0", None), ("q4_0", None), ("gguf_mxfp4", None), ("q5_k", None),
-                                        ("q6_k", None), ("q4_k", "q6_k")])
+                                        ("q6_k", None), ("q4_k", "q6_k"), ("q4_1", None), ("q5_0", None),
+                                        ("q5_1", None), ("iq4_xs", None), ("iq4_xs", "q4_1")])
 def test_every_block_type_matches_the_dequantized_model(files, qtype, down):
     path, ref = files("qwen3_moe", qtype, down)
     want = greedy(ref, PROMPT, 10)
@@ -77,6 +78,25 @@ def test_every_block_type_matches_the_dequantized_model(files, qtype, down):
         assert om.executor.layers[0].store.format == qtype
         got = greedy(om.model, PROMPT, 10)
         assert got[0] == want[0], (qtype, down, policy)
+
+
+@pytest.mark.parametrize("qtype,down", [("q4_k", "q5_0"), ("q5_k", "q5_1")])
+def test_llama_quantize_fallback_types(files, qtype, down):
+    # experts 288 wide (as 1408): their down rows hold no whole 256-block, so llama-quantize's Q4_K_M / Q5_K_M writes
+    # them q5_0 / q5_1 beside q4_k / q5_k gate and up. fp32: tokens = transformers for every policy and fraction;
+    # bf16 (the q5 dots, 9 blocks a row; their error is bounded in the kernel tests): the same tokens and logits for
+    # every policy and fraction (one kernel per expert for every tier)
+    path, ref = files("qwen3_moe", qtype, down, inter=288)
+    want = greedy(ref, PROMPT, 10)
+    bf16 = []
+    for policy, fraction in RUNS:
+        om = _load(path, policy, fraction, dtype="float32")
+        store = om.executor.layers[0].store
+        assert store.format == qtype and store.tensors[1].shape[-2:] == (288 // 32, 22 if down == "q5_0" else 24)
+        got = greedy(om.model, PROMPT, 10)
+        assert got[0] == want[0], (qtype, down, policy, fraction)
+        bf16.append(greedy(_load(path, policy, fraction, dtype="bfloat16").model, PROMPT, 10))
+    assert all(r[0] == bf16[0][0] and torch.equal(r[1], bf16[0][1]) for r in bf16)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
@@ -198,7 +218,8 @@ def test_unsupported_expert_type_names_it(tmp_path, monkeypatch):
     path, _ = gguf_helpers.write("qwen3_moe", tmp_path, "q4_k")
     monkeypatch.undo()
     assert gguf_helpers._blocks is real
-    with pytest.raises(ModelError, match=r"ffn_gate_exps.weight is Q2_K; the engine computes Q8_0, Q4_0, GGUF_MXFP4"):
+    with pytest.raises(ModelError, match=r"ffn_gate_exps.weight is Q2_K; the engine computes Q8_0, Q4_0, Q4_1, Q5_0, "
+                                         r"Q5_1, GGUF_MXFP4, Q4_K, Q5_K, Q6_K, IQ4_XS experts"):
         load_model(str(path), None)
 
 

@@ -6,19 +6,27 @@
 // The type follows from S (unique among these): ggml type id, B weights, S bytes, value of weight e
 //   q8_0   8   32   34  fp16 d, int8 q[32]                          d * q
 //   q4_0   2   32   18  fp16 d, q[16] nibbles (e<16 low, else high)  d * (q - 8)              (--expert-dtype int4)
+//   q4_1   3   32   20  fp16 d, fp16 m, q[16] nibbles as q4_0        d * q + m
+//   q5_0   6   32   22  fp16 d, qh[4] (bit e: q's fifth bit), q[16] as q4_0   d * (q - 16)
+//   q5_1   7   32   24  fp16 d, fp16 m, qh[4], q[16] as q5_0         d * q + m
+//                       (llama-quantize writes q5_0 / q5_1 for q4_k / q5_k tensors whose rows are not whole 256s)
 //   q4_z 200   32   19  fp16 d, uint8 z, q[16] nibbles as q4_0       d * (q - z)   (not a GGUF type: this engine's
 //                       block for 4-bit releases with a zero point per group, AWQ; the weights exact in fp32)
 //   mxfp4 39   32   17  E8M0 e, q[16] nibbles as q4_0               2^(e-128) * {0,1,2,3,4,6,8,12,0,-1,..,-12}[q]
 //   q4_k  12  256  144  fp16 d, dmin, 12 B 6-bit scales/mins, qs[128]   d*sc[j] * q - dmin*m[j], j = e / 32
 //   q5_k  13  256  176  as q4_k + qh[32] (fifth bit)                    same, q in 0..31
 //   q6_k  14  256  210  ql[128], qh[64], int8 sc[16], fp16 d            d*sc[e/16] * (q - 32)
+//   iq4_xs 23 256  136  fp16 d, u16 sh, sl[4], qs[128] (per 32 as q4_0)  d*(s[j] - 32) * KV_IQ4[q], j = e / 32,
+//                       s[j] = nibble j%2 of sl[j/2] | bits 2j, 2j+1 of sh << 4 (the non-linear table of IQ4_NL)
 // (ggml-quants.c's dequantize_row_*; the gguf package's quants.py is the reference the tests compare with; for q4_z,
 // loading/ggml.py's reference_dequantize.)
 //
 // Activations are quantized to 8 bits where llama.cpp's vec_dot quantizes them for these types (its q8_0 / q8_K; here
 // amax / 127 and round half to even, as the int8 experts do): 8-bit with an fp32 scale per block of 32
-// (q8_0, q4_0, q4_z, mxfp4) or per 256 (the k-quants, so a super-block's scales apply in integers: Layout::act; quant.h's
-// Tokens), y = sum over blocks of s_w * s_x * sum(q_w * q_x) - min terms, integer inner sums.
+// (q8_0, q4_0, q4_1, q5_0, q5_1, q4_z, mxfp4) or per 256 (the k-quants and iq4_xs, so a super-block's scales apply in
+// integers: Layout::act; quant.h's Tokens), y = sum over blocks of s_w * s_x * sum(q_w * q_x) - min terms, integer
+// inner sums. The min terms read the sums of x per 16 (bs16): q4_1 / q5_1's m * s_x * (sum of x's 32), as llama.cpp's
+// q8_1 activations carry it.
 // decode() gives the exact fp32 weights (value = scale * v - min in two roundings, as the reference computes them).
 #pragma once
 
@@ -31,12 +39,13 @@
 
 namespace moe_blocks {
 
-enum Type : int { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39, Q4_Z = 200 };
+enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, MXFP4 = 39,
+                  Q4_Z = 200 };
 
 struct Layout {
   int type = 0;
   int64_t block = 0, bytes = 0;  // weights and bytes per block
-  int64_t act = 32;              // x's quantization block: 32, or 256 for the k-quants (llama.cpp's q8_K)
+  int64_t act = 32;              // x's quantization block: 32, or 256 for the k-quants and iq4_xs (llama.cpp's q8_K)
 };
 
 // The layout stored in blocks of ``bytes``; false for a size no supported type has.
@@ -46,9 +55,13 @@ inline bool layout_of(int64_t bytes, Layout& L) {
     case 18: L = {Q4_0, 32, 18}; return true;
     case 19: L = {Q4_Z, 32, 19}; return true;
     case 17: L = {MXFP4, 32, 17}; return true;
+    case 20: L = {Q4_1, 32, 20}; return true;
+    case 22: L = {Q5_0, 32, 22}; return true;
+    case 24: L = {Q5_1, 32, 24}; return true;
     case 144: L = {Q4_K, 256, 144, 256}; return true;
     case 176: L = {Q5_K, 256, 176, 256}; return true;
     case 210: L = {Q6_K, 256, 210, 256}; return true;
+    case 136: L = {IQ4_XS, 256, 136, 256}; return true;
     default: return false;
   }
 }
@@ -70,6 +83,11 @@ inline float e8m0_half(uint8_t e) {
   return f;
 }
 alignas(16) inline const int8_t KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+alignas(16) inline const int8_t KV_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// iq4_xs: sub-block j's scale s[j] - 32 (-32..31)
+inline int iq4_scale(const uint8_t* b, int j) {
+  return (((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | ((((b[2] | (b[3] << 8)) >> (2 * j)) & 3) << 4)) - 32;
+}
 
 // q4_k / q5_k: the 6-bit scales and mins of the 8 sub-blocks from the 12 packed bytes, by whole-word masks (sub-block
 // j < 4: low 6 bits of bytes j and j + 4; j >= 4: a nibble of byte j + 4 and the top 2 bits of bytes j - 4 and j):
@@ -105,6 +123,31 @@ inline void decode(int type, const uint8_t* b, int8_t* v, float* sc16, float* mn
       }
       sc16[0] = sc16[1] = type == MXFP4 ? e8m0_half(b[0]) : h2f(b);
       mn16[0] = mn16[1] = 0.0f;
+      return;
+    }
+    case Q4_1:
+    case Q5_0:
+    case Q5_1: {  // nibbles as q4_0, the fifth bit of value e from bit e of qh (none for q4_1); min -m (value d*q + m)
+      const uint8_t* q = b + (type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8);
+      uint32_t qh = 0;
+      if (type != Q4_1) std::memcpy(&qh, b + (type == Q5_0 ? 2 : 4), 4);
+      const int z = type == Q5_0 ? 16 : 0;
+      for (int l = 0; l < 16; ++l) {
+        v[l] = int8_t(((q[l] & 0xF) | (((qh >> l) & 1) << 4)) - z);
+        v[l + 16] = int8_t(((q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - z);
+      }
+      sc16[0] = sc16[1] = h2f(b);
+      mn16[0] = mn16[1] = type == Q5_0 ? 0.0f : -h2f(b + 2);
+      return;
+    }
+    case IQ4_XS: {
+      const float d = h2f(b);
+      for (int j = 0; j < 8; ++j) {
+        sc16[2 * j] = sc16[2 * j + 1] = d * float(iq4_scale(b, j));
+        mn16[2 * j] = mn16[2 * j + 1] = 0.0f;
+        const uint8_t* q = b + 8 + 16 * j;
+        for (int l = 0; l < 16; ++l) { v[32 * j + l] = KV_IQ4[q[l] & 0xF]; v[32 * j + l + 16] = KV_IQ4[q[l] >> 4]; }
+      }
       return;
     }
     case Q4_K:
@@ -150,7 +193,7 @@ inline void decode(int type, const uint8_t* b, int8_t* v, float* sc16, float* mn
 }
 
 // The exact fp32 weights of one block: scale * v, minus min as a second rounding (no FMA contraction: the reference
-// rounds the product first).
+// rounds the product first; q4_1 / q5_1's + m is the same as - (-m), bit for bit).
 __attribute__((optimize("fp-contract=off"))) inline void dequant_block(int type, int64_t B, const uint8_t* b, float* y) {
   int8_t v[256];
   float sc16[16], mn16[16];
@@ -183,6 +226,15 @@ inline __m256i nibbles32(const uint8_t* q) {  // 16 bytes -> 32 values: low nibb
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m4), _mm_and_si128(raw, m4));
 }
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// 4 bytes -> 32 bytes: byte e 0xFF where bit e is set, else 0 (q5_0 / q5_1's fifth bits): byte e/8 spread to 8 bytes,
+// each ORed with every bit but its own
+inline __m256i bits32(const uint8_t* p) {
+  uint32_t u;
+  std::memcpy(&u, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(int(u)), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                                           0x0101010101010101, 0));
+  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+}
 #endif
 
 #if defined(MOE_AVX512BF16) || defined(MOE_AVX2)
@@ -200,17 +252,34 @@ __attribute__((always_inline)) inline void hsum_rows(const __m256* v, float* out
 }
 
 // ---- one block's values in registers, shared by the row and token dots below ----
-// q8_0 / q4_0 / mxfp4: the 32 signed values and the block's scale
+// q8_0 / q4_0 / q4_z / q5_0 / mxfp4: the 32 signed values and the block's scale
 template <int T>
 __attribute__((always_inline)) inline __m256i small_block(const uint8_t* b, float& d) {
   if constexpr (T == Q8_0) { d = h2f(b); return load32(b + 2); }
   else if constexpr (T == Q4_0) { d = h2f(b); return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); }
   else if constexpr (T == Q4_Z) { d = h2f(b); return _mm256_sub_epi8(nibbles32(b + 3), _mm256_set1_epi8(char(b[2]))); }
+  else if constexpr (T == Q5_0) {  // q - 16: the nibble where the fifth bit is set, else the nibble | 0xF0 (nibble - 16)
+    d = h2f(b);
+    return _mm256_or_si256(nibbles32(b + 6), _mm256_andnot_si256(bits32(b + 2), _mm256_set1_epi8(char(0xF0))));
+  }
   else {
     d = e8m0_half(b[0]);
     const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(KV_MXFP4)));
     return _mm256_shuffle_epi8(lut, nibbles32(b + 1));
   }
+}
+// q4_1 / q5_1: the 32 unsigned values (0..15, 0..31), the scale d and the min m
+template <int T>
+__attribute__((always_inline)) inline __m256i min_block(const uint8_t* b, float& d, float& m) {
+  d = h2f(b);
+  m = h2f(b + 2);
+  if constexpr (T == Q4_1) return nibbles32(b + 4);
+  else return _mm256_or_si256(nibbles32(b + 8), _mm256_and_si256(bits32(b + 4), _mm256_set1_epi8(0x10)));
+}
+// iq4_xs sub-block j: the 32 table values (int8, -127..113)
+__attribute__((always_inline)) inline __m256i iq4_values(const uint8_t* b, int j) {
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(KV_IQ4)));
+  return _mm256_shuffle_epi8(lut, nibbles32(b + 8 + 16 * j));
 }
 // q4_k / q5_k chunk c (64 values: lo = sub-block 2c, hi = 2c+1, unsigned 0..15 or 0..31) and their scales as madd's
 // int16 operand; hb: q5_k's 32 bytes of fifth bits
@@ -271,9 +340,10 @@ template <int T, int NR>
 __attribute__((always_inline)) inline void dot_rows_t(const uint8_t* w, int64_t ld, int64_t nb, const int8_t* xq, const float* xs,
                                                       const int16_t* bs16, float* out) {
   __m256 acc[NR], sub[NR];  // sub: the min terms (q4_k, q5_k) and q6_k's offset of 32, subtracted at the end
+  float mins[NR] = {};      // q4_1 / q5_1: sum over blocks of m * s_x * (sum of x's 32), added at the end
   for (int r = 0; r < NR; ++r) acc[r] = sub[r] = _mm256_setzero_ps();
-  if constexpr (T == Q8_0 || T == Q4_0 || T == Q4_Z || T == MXFP4) {
-    constexpr int64_t bytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : T == Q4_Z ? 19 : 17;
+  if constexpr (T == Q8_0 || T == Q4_0 || T == Q4_Z || T == Q5_0 || T == MXFP4) {
+    constexpr int64_t bytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : T == Q4_Z ? 19 : T == Q5_0 ? 22 : 17;
     for (int64_t i = 0; i < nb; ++i) {
       const __m256i x = load32(xq + 32 * i);
       for (int r = 0; r < NR; ++r) {
@@ -282,6 +352,37 @@ __attribute__((always_inline)) inline void dot_rows_t(const uint8_t* w, int64_t 
         float d;
         const __m256i q = small_block<T>(b, d);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(q, x)), _mm256_set1_ps(d * xs[i]), acc[r]);
+      }
+    }
+  } else if constexpr (T == Q4_1 || T == Q5_1) {  // q unsigned: maddubs' unsigned operand as it is
+    constexpr int64_t bytes = T == Q4_1 ? 20 : 24;
+    for (int64_t i = 0; i < nb; ++i) {
+      const __m256i x = load32(xq + 32 * i);
+      const float xsum = xs[i] * float(bs16[2 * i] + bs16[2 * i + 1]);
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* b = w + r * ld + i * bytes;
+        prefetch_block<bytes>(b + NR * ld);
+        float d, m;
+        const __m256i q = min_block<T>(b, d, m);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8(q, x)), _mm256_set1_ps(d * xs[i]), acc[r]);
+        mins[r] = std::fma(m, xsum, mins[r]);
+      }
+    }
+  } else if constexpr (T == IQ4_XS) {
+    // per sub-block of 32: the table's values . x as dot_s8's int16 pairs, times the sub-block's scale in madd; one
+    // float step with x's scale per 256
+    for (int64_t i = 0; i < nb; ++i) {
+      const int8_t* x = xq + 256 * i;
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* b = w + r * ld + i * 136;
+        prefetch_block<136>(b + NR * ld);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i q = iq4_values(b, j);
+          const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(load32(x + 32 * j), q));
+          sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16(short(iq4_scale(b, j)))));
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b) * xs[i]), _mm256_cvtepi32_ps(sumi), acc[r]);
       }
     }
   } else if constexpr (T == Q4_K || T == Q5_K) {
@@ -332,6 +433,8 @@ __attribute__((always_inline)) inline void dot_rows_t(const uint8_t* w, int64_t 
   }
   for (int r = 0; r < NR; ++r) acc[r] = _mm256_sub_ps(acc[r], sub[r]);
   hsum_rows<NR>(acc, out);
+  if constexpr (T == Q4_1 || T == Q5_1)
+    for (int r = 0; r < NR; ++r) out[r] += mins[r];
 }
 
 // One row of type T . NT (1..4) tokens -> out[0..NT) (a batched decode step: several tokens share an expert): each
@@ -341,9 +444,10 @@ template <int T, int NT>
 __attribute__((always_inline)) inline void dot_tokens_t(const uint8_t* w, int64_t nb, const int8_t* const* xq,
                                                         const float* const* xs, const int16_t* const* bs16, float* out) {
   __m256 acc[NT], sub[NT];
+  float mins[NT] = {};
   for (int t = 0; t < NT; ++t) acc[t] = sub[t] = _mm256_setzero_ps();
-  if constexpr (T == Q8_0 || T == Q4_0 || T == Q4_Z || T == MXFP4) {
-    constexpr int64_t bytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : T == Q4_Z ? 19 : 17;
+  if constexpr (T == Q8_0 || T == Q4_0 || T == Q4_Z || T == Q5_0 || T == MXFP4) {
+    constexpr int64_t bytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : T == Q4_Z ? 19 : T == Q5_0 ? 22 : 17;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t i = 0; i < nb; ++i) {
       float d;
@@ -353,6 +457,29 @@ __attribute__((always_inline)) inline void dot_tokens_t(const uint8_t* w, int64_
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(load32(xq[t] + 32 * i), q)), ones);
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xs[t][i]), acc[t]);
       }
+    }
+  } else if constexpr (T == Q4_1 || T == Q5_1) {
+    constexpr int64_t bytes = T == Q4_1 ? 20 : 24;
+    for (int64_t i = 0; i < nb; ++i) {
+      float d, m;
+      const __m256i q = min_block<T>(w + i * bytes, d, m);
+      for (int t = 0; t < NT; ++t) {
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8(q, load32(xq[t] + 32 * i))), _mm256_set1_ps(d * xs[t][i]), acc[t]);
+        mins[t] = std::fma(m, xs[t][i] * float(bs16[t][2 * i] + bs16[t][2 * i + 1]), mins[t]);
+      }
+    }
+  } else if constexpr (T == IQ4_XS) {
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* b = w + i * 136;
+      __m256i sumi[NT];
+      for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i q = iq4_values(b, j), aq = _mm256_sign_epi8(q, q), sj = _mm256_set1_epi16(short(iq4_scale(b, j)));
+        for (int t = 0; t < NT; ++t)
+          sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(load32(xq[t] + 256 * i + 32 * j), q)), sj));
+      }
+      const float d = h2f(b);
+      for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs[t][i]), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
     }
   } else if constexpr (T == Q4_K || T == Q5_K) {
     constexpr int64_t bytes = T == Q4_K ? 144 : 176;
@@ -400,7 +527,7 @@ __attribute__((always_inline)) inline void dot_tokens_t(const uint8_t* w, int64_
       }
     }
   }
-  for (int t = 0; t < NT; ++t) out[t] = hsum8(_mm256_sub_ps(acc[t], sub[t]));
+  for (int t = 0; t < NT; ++t) out[t] = hsum8(_mm256_sub_ps(acc[t], sub[t])) + mins[t];
 }
 
 template <int T>
@@ -439,6 +566,10 @@ inline void dot_rows(const Layout& L, const uint8_t* w, int64_t ld, int64_t nb, 
     case Q8_0: dot_rows_n<Q8_0>(w, ld, nb, xq, xs, bs16, n, out); return;
     case Q4_0: dot_rows_n<Q4_0>(w, ld, nb, xq, xs, bs16, n, out); return;
     case Q4_Z: dot_rows_n<Q4_Z>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case Q4_1: dot_rows_n<Q4_1>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case Q5_0: dot_rows_n<Q5_0>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case Q5_1: dot_rows_n<Q5_1>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case IQ4_XS: dot_rows_n<IQ4_XS>(w, ld, nb, xq, xs, bs16, n, out); return;
     case MXFP4: dot_rows_n<MXFP4>(w, ld, nb, xq, xs, bs16, n, out); return;
     case Q4_K: dot_rows_n<Q4_K>(w, ld, nb, xq, xs, bs16, n, out); return;
     case Q5_K: dot_rows_n<Q5_K>(w, ld, nb, xq, xs, bs16, n, out); return;
@@ -472,6 +603,10 @@ inline void dot_tokens(const Layout& L, const uint8_t* w, int64_t nb, const int8
     case Q8_0: dot_tokens_n<Q8_0>(w, nb, xq, xs, bs16, n, out); return;
     case Q4_0: dot_tokens_n<Q4_0>(w, nb, xq, xs, bs16, n, out); return;
     case Q4_Z: dot_tokens_n<Q4_Z>(w, nb, xq, xs, bs16, n, out); return;
+    case Q4_1: dot_tokens_n<Q4_1>(w, nb, xq, xs, bs16, n, out); return;
+    case Q5_0: dot_tokens_n<Q5_0>(w, nb, xq, xs, bs16, n, out); return;
+    case Q5_1: dot_tokens_n<Q5_1>(w, nb, xq, xs, bs16, n, out); return;
+    case IQ4_XS: dot_tokens_n<IQ4_XS>(w, nb, xq, xs, bs16, n, out); return;
     case MXFP4: dot_tokens_n<MXFP4>(w, nb, xq, xs, bs16, n, out); return;
     case Q4_K: dot_tokens_n<Q4_K>(w, nb, xq, xs, bs16, n, out); return;
     case Q5_K: dot_tokens_n<Q5_K>(w, nb, xq, xs, bs16, n, out); return;

@@ -16,10 +16,10 @@
 //   mxfp4  blocks uint8 [R, K/2] (two e2m1 values per byte, low nibble first) + scales uint8 [R, K/32] (E8M0:
 //          2^(s-127) per block of 32), the gpt-oss *_blocks / *_scales. A 16-entry table (vpermps) times the block's
 //          power of two gives the exact weight; x is split into even/odd elements once per call.
-//   ggml   bits8 [R, nb, S]: llama.cpp's block types (q8_0, q4_0, mxfp4, q4_k, q5_k, q6_k; blocks.h), the type from
-//          the block's S bytes; no separate scale. x is quantized as for int8 (llama.cpp's vec_dot pairs these types
-//          with 8-bit activations too; per 256 values for the k-quants), plus the sum of each 16 values (the k-quants'
-//          mins and offsets read them).
+//   ggml   bits8 [R, nb, S]: llama.cpp's block types (q8_0, q4_0, q4_1, q5_0, q5_1, mxfp4, q4_k, q5_k, q6_k, iq4_xs;
+//          blocks.h), the type from the block's S bytes; no separate scale. x is quantized as for int8 (llama.cpp's
+//          vec_dot pairs these types with 8-bit activations too; per 256 values for the k-quants and iq4_xs), plus the
+//          sum of each 16 values (the mins of q4_1 / q5_1 and the k-quants, and q6_k's offset, read them).
 // Legend: N tokens, K input features, R output rows, RB row blocks.
 #pragma once
 
