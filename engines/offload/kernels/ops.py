@@ -39,12 +39,14 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
                     qn?, kn?, cos [M, RD], sin [M, RD] (RD <= D: partial), kpool [R, Hkv, D] (mutated),
                     vpool [R, Hkv, D] (mutated), blocks [M, NB] int64, lens [M] int64, bs, scaling, window,
                     wo [H, Hq*D], bo [H]?, ln2 [H], wr [E, H]?, top_k, norm_topk, w_bf16, sinks [Hq]?, rb [E]?,
-                    norm_mode, router_mode, sq?, sk?, sv?, so?) -> [h2 [M, H], x2 [M, H], ids [M, K], w [M, K]]
+                    norm_mode, router_mode, sq?, sk?, sv?, so?, rope_mode) -> [h2 [M, H], x2 [M, H], ids [M, K], w [M, K]]
       a decoder layer's attention half and router in one call (the data flow: decode.cpp)              decode.cpp
       qn / kn: per-head norms ([D], Qwen3) or over the whole projection ([Hq*D] / [Hkv*D], OLMoE).
       window: 0 or a sliding window (keys at positions > pos - window). wr None: no router (a dense layer),
       ids and w are then empty. w is bf16 (w_bf16) or fp32, as the family's router leaves it.
       sinks: one attention-sink logit per query head (gpt-oss; attention then rounds as the eager bf16 path does).
+      rope_mode 0: rotate_half over RD dims, bf16 cos/sin, products and sum rounded to bf16; 1: interleaved pairs
+      (2j, 2j + 1) over all D in fp32, fp32 cos/sin [M, D/2], one rounding (Ernie 4.5's full-precision rotary).
       rb: the router's bias. norm_mode 0: bf16(w * bf16(x / rms)), 1: bf16(w * (x / rms)) (gpt-oss).
       router_mode 0: softmax over all experts, top-k (renormalised if norm_topk); 1: top-k logits, softmax over them.
       sq/sk/sv/so: fp32 per-row scales of int8 wq/wk/wv/wo (``--dense-dtype int8``; quant.QuantLinear): the
@@ -128,7 +130,7 @@ def _dequant_blocks(w):
 
 def _decode_layer(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kpool, vpool, blocks, lens, bs, scaling,
                   window, wo, bo, ln2, wr, top_k, norm_topk, w_bf16, sinks=None, rb=None, norm_mode=0, router_mode=0,
-                  sq=None, sk=None, sv=None, so=None):
+                  sq=None, sk=None, sv=None, so=None, rope_mode=0):
     m = h.shape[0] if wr is not None else 0
     return [h.new_empty(h.shape), h.new_empty(h.shape), h.new_empty((m, top_k), dtype=torch.long),
             h.new_empty((m, top_k), dtype=h.dtype if w_bf16 else torch.float32)]

@@ -59,7 +59,7 @@ class StepCall:
         def glue_ok(lay) -> bool:  # the router fused (+ a shared expert the kernel takes), or DeepSeek-V3's block
             if lay.moe is not None:
                 return lay.shared is None or lay.shared_args is not None
-            return lay.block is not None and (lay.block.shared_args is not None or not hasattr(lay.block, "shared"))
+            return lay.block is not None and (lay.block.shared_args is not None or getattr(lay.block, "shared", None) is None)
 
         items = [(lay.idx, lay.state, glue_ok(lay), lay.dense) for lay in plan.layers]
         why = _refuse(plan.executor, items)
@@ -67,7 +67,8 @@ class StepCall:
             log.debug("whole-step decode off", reason=why)
             return None
         fam, hd = plan.family, plan.head_dim
-        obj = torch.classes.moe_offload.DecodeStep(plan.bs, fam.router_weights_bf16, fam.norm_mode, fam.router_mode)
+        obj = torch.classes.moe_offload.DecodeStep(plan.bs, fam.router_weights_bf16, fam.norm_mode, fam.router_mode,
+                                                   fam.rope_mode)
         probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
         for lay in plan.layers:
             (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
@@ -104,7 +105,7 @@ class StepCall:
         if why:
             log.debug("whole-step decode off", reason=why)
             return None
-        obj = torch.classes.moe_offload.DecodeStep(plan.pool.block_size, True, 0, 0)
+        obj = torch.classes.moe_offload.DecodeStep(plan.pool.block_size, True, 0, 0, 0)
         probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
         for layer, block, dense, qkv_a in zip(plan.layers, plan.blocks, plan.dense, plan.qkv_a):
             a = layer.self_attn

@@ -31,7 +31,13 @@ from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.engines.offload.runtime.decode_step import StepCall
-from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, mlp_args, mlp_rows, sigmoid_topk_block
+from moe_offload.engines.offload.runtime.moe_blocks import (
+    deepseek_block,
+    mlp_args,
+    mlp_rows,
+    sigmoid_topk_block,
+    softmax_bias_block,
+)
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -51,7 +57,13 @@ class Family:
     router_mode: int = 0  # 0: softmax over all experts, then top-k; 1: top-k logits, then softmax over them
     norm_mode: int = 0  # 0: bf16(w * bf16(x / rms)); 1: bf16(w * (x / rms)) (gpt-oss scales in fp32)
     rope: str = "full"  # "full": rotate_half over the head; "halves": gpt-oss's cos/sin of D/2 over the two halves;
-    # "partial": rotate_half over the first cos.shape[-1] dims, the rest passes (partial_rotary_factor)
+    # "partial": rotate_half over the first cos.shape[-1] dims, the rest passes (partial_rotary_factor); "pairs_fp32":
+    # interleaved pairs in fp32 from fp32 cos/sin (Ernie 4.5)
+
+    @property
+    def rope_mode(self) -> int:
+        """decode_layer_bf16's rope_mode."""
+        return 1 if self.rope == "pairs_fp32" else 0
 
 
 FAMILIES = {
@@ -69,6 +81,8 @@ FAMILIES = {
 MODULE_MLP = Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False, router=None,
                     rope="partial")
 FAMILIES.update({name: MODULE_MLP for name in ("glm4_moe", "dots1", "hy_v3", "solar_open", "minimax_m2")})
+FAMILIES["ernie4_5_moe"] = Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False, router=None,
+                                  rope="pairs_fp32")
 
 
 def _shared_args(se, gate) -> tuple | None:
@@ -179,7 +193,7 @@ class DecodePlan:
             lay = _Layer(i, (args, tail), moe, experts, state, None if moe is not None else mlp, shared)
             lay.sinks = getattr(attn, "sinks", None)
             if moe is None and experts is not None:  # DeepSeek-V3's block (GLM-4.5+, dots.llm1), MiniMax-M2's
-                lay.block = deepseek_block(mlp) or sigmoid_topk_block(mlp)
+                lay.block = deepseek_block(mlp) or sigmoid_topk_block(mlp) or softmax_bias_block(mlp)
             if shared is not None:
                 lay.shared_args = _shared_args(*shared)
             if experts is None:
@@ -240,6 +254,8 @@ class DecodePlan:
         probe = torch.zeros(1, 1, cfg.hidden_size, dtype=torch.bfloat16)
         cos, _ = inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long))
         rope = FAMILIES[cfg.model_type].rope
+        if rope == "pairs_fp32" and not (cos.shape[-1] == head_dim and cos.dtype == torch.float32):
+            return f"fp32 rotary of {cos.shape[-1]} dims on heads of {head_dim} expected"
         if not (cos.shape[-1] == head_dim or (rope == "halves" and 2 * cos.shape[-1] == head_dim)
                 or (rope == "partial" and cos.shape[-1] < head_dim and cos.shape[-1] % 2 == 0)):
             return f"rotary of {cos.shape[-1]} dims on heads of {head_dim}"
@@ -260,6 +276,9 @@ class DecodePlan:
         cos, sin = self.rotary(h, pos)  # [1, M, D] (gpt-oss: [1, M, D/2], applied to the two halves)
         if self.family.rope == "halves":  # the same products as rotate_half over [cos, cos], [sin, sin]
             cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        elif self.family.rope == "pairs_fp32":  # pair j's angle: the first half (the module repeats it interleaved)
+            half = cos.shape[-1] // 2
+            cos, sin = cos[..., :half], sin[..., :half]
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         ex = self.executor
         t0 = time.perf_counter()
@@ -279,7 +298,7 @@ class DecodePlan:
             kp, vp = self.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
             h, x2, idx, w = op(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kp, vp, table, lens_t,
                                self.bs, scaling, window, wo, bo, ln2, lay.router, lay.top_k, lay.norm_topk, rw_bf16,
-                               lay.sinks, lay.router_bias, fam.norm_mode, fam.router_mode, *lay.scales)
+                               lay.sinks, lay.router_bias, fam.norm_mode, fam.router_mode, *lay.scales, fam.rope_mode)
             if lay.moe is not None:
                 out = ex.forward(lay.state, lay.experts, x2, idx, w)
                 if lay.shared_args is not None:  # one kernel call, rounded as the module's ops round

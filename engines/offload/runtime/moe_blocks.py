@@ -3,6 +3,8 @@
     same_source(module, reference class): the two classes' forward source with each one's family prefix taken out
         (Glm4MoeMoE's and DeepseekV3MoE's both read ``self.gate``, ``self.experts``, ``self.shared_experts``) -- transformers copies a layer into every family that
         shares it, so equal source means equal computation
+    softmax_bias_block(mlp): Ernie 4.5's (fp32 softmax scores + correction bias to choose, weights rounded to bf16,
+        shared experts)
     sigmoid_topk_block(mlp): MiniMax-M2's (sigmoid scores + correction bias, top-k, no groups, no shared expert), the
         same selection call with one group
     deepseek_block(mlp, state): DeepSeek-V3's MoE block (sigmoid router with correction bias and expert groups, shared
@@ -104,9 +106,10 @@ class DeepseekBlock:
         self.shared_args = mlp_args(self.shared)  # (gate_up, down) or None: the module runs
 
     def router_args(self) -> tuple:
-        """grouped_router's arguments for the whole-step call: fp32 weights, bias, groups, top-k, norm, scale."""
+        """grouped_router's arguments for the whole-step call: fp32 weights, bias, groups, top-k, norm, scale, scores
+        (0: sigmoid), weights rounded to bf16 (no)."""
         g = self.gate
-        return (g.weight.detach().float().contiguous(), g.e_score_correction_bias.detach().float(), *self.args)
+        return (g.weight.detach().float().contiguous(), g.e_score_correction_bias.detach().float(), *self.args, 0, False)
 
     def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
         g = self.gate
@@ -131,7 +134,7 @@ class SigmoidTopkBlock:
 
     def router_args(self) -> tuple:
         """grouped_router's arguments: the router weights as stored (logits in their dtype), bias, selection."""
-        return (self.gate.weight.detach(), self.bias.detach().float(), *self.args)
+        return (self.gate.weight.detach(), self.bias.detach().float(), *self.args, 0, False)
 
     def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
         w = self.gate.weight
@@ -152,6 +155,47 @@ def sigmoid_topk_block(mlp) -> SigmoidTopkBlock | None:
     if not (same_source(mlp, ref.MiniMaxM2SparseMoeBlock) and same_source(getattr(mlp, "gate", None), ref.MiniMaxM2TopKRouter)):
         return None
     return SigmoidTopkBlock(mlp, experts._moe_offload)
+
+
+class SoftmaxBiasBlock:
+    """Ernie 4.5's MoE block for decode rows, as the module computes it: fp32 logits, their softmax, + the correction
+    bias to choose top-k, the chosen softmax scores over their sum, rounded to bf16; shared experts added (mlp_rows)."""
+
+    def __init__(self, mlp, state):
+        self.gate, self.experts, self.shared, self.state = mlp.gate, mlp.experts, mlp.shared_experts, state
+        self.bias = mlp.gate.moe_statics.e_score_correction_bias
+        self.args = (1, 1, int(mlp.gate.top_k), True, 1.0)
+        self.shared_args = None if self.shared is None else mlp_args(self.shared)
+
+    def router_args(self) -> tuple:
+        g = self.gate
+        return (g.weight.detach().float().contiguous(), self.bias.detach().float().reshape(-1), *self.args, 1, True)
+
+    def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate
+        scores = F.softmax(F.linear(x.float(), g.weight.float()), dim=1, dtype=torch.float)  # the module's ops
+        ids, w = torch.ops.moe_offload.grouped_topk(scores, self.bias.float().reshape(-1), *self.args)
+        out = ex.forward(self.state, self.experts, x, ids, w.to(x.dtype))
+        if self.shared is None:
+            return out
+        if self.shared_args is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous():
+            return out + mlp_rows(x, *self.shared_args)
+        return out + self.shared(x)
+
+
+def softmax_bias_block(mlp) -> SoftmaxBiasBlock | None:
+    """The block for ``mlp`` when it is Ernie 4.5's (by source) with its experts on the executor, else None."""
+    if not switches.on("MOE_OFFLOAD_FUSED_ROUTER"):
+        return None
+    from transformers.models.ernie4_5_moe import modeling_ernie4_5_moe as ref
+
+    experts = getattr(mlp, "experts", None)
+    if getattr(experts, "_moe_offload", None) is None:
+        return None
+    if not (same_source(mlp, ref.Ernie4_5_MoeSparseMoeBlock) and same_source(getattr(mlp, "gate", None), ref.Ernie4_5_MoeTopKRouter)
+            and same_source(getattr(mlp.gate, "moe_statics", None), ref.Ernie4_5_MoeStatics)):
+        return None
+    return SoftmaxBiasBlock(mlp, experts._moe_offload)
 
 
 def deepseek_block(mlp) -> DeepseekBlock | None:

@@ -77,7 +77,7 @@ def test_whole_step_equals_the_layer_loop_bf16(checkpoints, family):
     assert _both_paths(checkpoints(family)) >= 8  # three sequences, then the longest alone
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "dots1", "solar_open", "minimax_m2"])
+@pytest.mark.parametrize("family", ["glm4_moe", "dots1", "solar_open", "minimax_m2", "ernie4_5_moe"])
 def test_whole_step_equals_the_layer_loop_deepseek_block(tmp_path, family):
     # DeepSeek-V3's MoE block in attention-fused families: the grouped sigmoid router (fp32 logits, correction bias),
     # the shared experts and a first dense layer, all inside the call
@@ -159,7 +159,7 @@ def test_whole_step_is_taken_only_where_every_expert_is_resident(checkpoints, mo
 
 
 def test_decode_step_rejects_bad_layers():
-    step = torch.classes.moe_offload.DecodeStep(4, True, 0, 0)
+    step = torch.classes.moe_offload.DecodeStep(4, True, 0, 0, 0)
     h = torch.zeros(1, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="no layers"):
         step.step(h, h, h, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), h[0], 1e-6)

@@ -98,10 +98,10 @@ def test_attention_fused_families_with_their_own_moe_blocks(tmp_path, family):
 
     def expect(engine):
         assert all(lay.router is None for lay in engine.runner.fast.layers)
-        # DeepSeek-V3's MoE block (GLM-4.5+, dots.llm1, Solar Open) and MiniMax-M2's run with the fused selection
+        # DeepSeek-V3's MoE block (GLM-4.5+, dots.llm1, Solar Open), MiniMax-M2's and Ernie 4.5's run with the fused selection
         # (moe_blocks.py), others as modules
         blocks = [lay.block is not None for lay in engine.runner.fast.layers if lay.experts is not None]
-        fused = ("glm4_moe", "dots1", "solar_open", "minimax_m2")
+        fused = ("glm4_moe", "dots1", "solar_open", "minimax_m2", "ernie4_5_moe")
         assert blocks and all(blocks) == (family in fused) and any(blocks) == all(blocks), blocks
 
     _run_both_paths(families.build(family, tmp_path), [list(ids[:8]), list(ids[10:14]), list(ids[20:60])], expect)
@@ -130,7 +130,7 @@ def test_single_sequence_steps_use_the_plan_and_keep_stats(checkpoints):
 
 
 # every family of offload_helpers is covered now (deepseek_v3 by the MLA plan: test_mla.py); these are not
-@pytest.mark.parametrize("family", ["phimoe", "granitemoe", "ernie4_5_moe"])
+@pytest.mark.parametrize("family", ["phimoe", "granitemoe"])
 def test_uncovered_families_keep_the_module_path(tmp_path, family):
     import families
 

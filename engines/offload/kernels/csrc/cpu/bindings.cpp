@@ -27,7 +27,7 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
         "Tensor? bk, Tensor? bv, Tensor? qn, Tensor? kn, Tensor cos, Tensor sin, Tensor(a!) kpool, Tensor(b!) vpool, "
         "Tensor blocks, Tensor lens, int bs, float scaling, int window, Tensor wo, Tensor? bo, Tensor ln2, Tensor? wr, "
         "int top_k, bool norm_topk, bool w_bf16, Tensor? sinks=None, Tensor? rb=None, int norm_mode=0, "
-        "int router_mode=0, Tensor? sq=None, Tensor? sk=None, Tensor? sv=None, Tensor? so=None) -> Tensor[]");
+        "int router_mode=0, Tensor? sq=None, Tensor? sk=None, Tensor? sv=None, Tensor? so=None, int rope_mode=0) -> Tensor[]");
   m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps, int norm_mode=0) -> Tensor");
   // mla.cpp
   // router.cpp

@@ -116,7 +116,7 @@ std::vector<at::Tensor> decode_layer_bf16(
     const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rb, int64_t norm_mode, int64_t router_mode,
     const std::optional<at::Tensor>& sq, const std::optional<at::Tensor>& sk, const std::optional<at::Tensor>& sv,
-    const std::optional<at::Tensor>& so);
+    const std::optional<at::Tensor>& so, int64_t rope_mode);
 at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
                         int64_t norm_mode);
 

@@ -28,6 +28,18 @@ namespace moe_cpu {
 
 namespace {
 
+// v[2j], v[2j + 1] rotated by pair j's angle as Ernie 4.5's rotary computes it: q.float() * cos + rotate_half(q).float()
+// * sin over interleaved pairs, each product and the sum rounded to fp32 (no FMA contraction), one rounding to bf16
+__attribute__((optimize("fp-contract=off"))) void rope_pairs_fp32(uint16_t* v, const float* c, const float* s,
+                                                                  int64_t pairs) {
+  for (int64_t j = 0; j < pairs; ++j) {
+    const float a = bf2f(v[2 * j]), b = bf2f(v[2 * j + 1]);
+    const float a1 = a * c[j], a2 = -b * s[j], b1 = b * c[j], b2 = a * s[j];
+    v[2 * j] = f2bf(a1 + a2);
+    v[2 * j + 1] = f2bf(b1 + b2);
+  }
+}
+
 void check_bf16(const at::Tensor& t, int64_t numel, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && (numel < 0 || t.numel() == numel),
               what, ": expected a contiguous bf16 CPU tensor", numel >= 0 ? " of the right size" : "", ", got ",
@@ -130,7 +142,7 @@ std::vector<at::Tensor> decode_layer_bf16(
     const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rb, int64_t norm_mode, int64_t router_mode,
     const std::optional<at::Tensor>& sq, const std::optional<at::Tensor>& sk, const std::optional<at::Tensor>& sv,
-    const std::optional<at::Tensor>& so) {
+    const std::optional<at::Tensor>& so, int64_t rope_mode) {
   TORCH_CHECK(h.dim() == 2, "decode_layer_bf16 h: expected [M, H], got ", h.sizes());
   check_bf16(h, -1, "decode_layer_bf16 h");
   const int64_t M = h.size(0), H = h.size(1);
@@ -178,12 +190,20 @@ std::vector<at::Tensor> decode_layer_bf16(
   const int64_t qnw = qn.has_value() ? qn->numel() : 0, knw = kn.has_value() ? kn->numel() : 0;
   TORCH_CHECK(qnw == 0 || qnw == D || qnw == Nq, "qn: expected ", D, " or ", Nq, " elements, got ", qnw);
   TORCH_CHECK(knw == 0 || knw == D || knw == Nk, "kn: expected ", D, " or ", Nk, " elements, got ", knw);
-  // rotary over the first R dims of each head (R = D, or partial rotary), rotate_half within them
-  const int64_t RD = cos.dim() == 2 ? cos.size(1) : -1;
-  TORCH_CHECK(RD > 0 && RD <= D && RD % 2 == 0 && cos.size(0) == M, "cos: expected [M, R] with R even and <= ", D,
-              ", got ", cos.sizes());
-  check_bf16(cos, M * RD, "cos");
-  check_bf16(sin, M * RD, "sin");
+  // rotary over the first R dims of each head (R = D, or partial rotary), rotate_half within them; rope_mode 1: over
+  // interleaved pairs (2j, 2j + 1) of all D dims in fp32, cos/sin fp32 [M, D / 2] (pair j's angle)
+  TORCH_CHECK(rope_mode == 0 || rope_mode == 1, "decode_layer_bf16: rope_mode: expected 0 or 1, got ", rope_mode);
+  const int64_t RD = cos.dim() != 2 ? -1 : rope_mode == 1 ? 2 * cos.size(1) : cos.size(1);
+  TORCH_CHECK(RD > 0 && RD <= D && RD % 2 == 0 && cos.size(0) == M && (rope_mode == 0 || RD == D), "cos: expected [M, R] ",
+              "with R even and <= ", D, " (rope_mode 1: [M, ", D / 2, "]), got ", cos.sizes());
+  if (rope_mode == 0) {
+    check_bf16(cos, M * RD, "cos");
+    check_bf16(sin, M * RD, "sin");
+  } else {
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                sin.is_contiguous() && sin.numel() == M * RD / 2, "rope_mode 1: expected contiguous fp32 cos and sin [M, ",
+                RD / 2, "]");
+  }
   TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 2 && blocks.size(0) == M && blocks.is_contiguous(),
               "blocks: expected contiguous int64 [M, NB]");
   TORCH_CHECK(lens.scalar_type() == at::kLong && lens.numel() == M && lens.is_contiguous(), "lens: expected int64 [M]");
@@ -231,16 +251,21 @@ std::vector<at::Tensor> decode_layer_bf16(
   // q/k norms, rotary (q*cos + rotate_half(q)*sin, each product and the sum rounded), k/v into the pool
   uint16_t* kp = reinterpret_cast<uint16_t*>(kpool.data_ptr());
   uint16_t* vp = reinterpret_cast<uint16_t*>(vpool.data_ptr());
-  const uint16_t* cp = ptr(cos);
-  const uint16_t* sp = ptr(sin);
   const int64_t half = RD / 2;
   std::vector<uint16_t> tmp(RD);
-  auto rope = [&](uint16_t* v, const uint16_t* c, const uint16_t* s) {
+  auto rope_half = [&](uint16_t* v, const uint16_t* c, const uint16_t* s) {
     for (int64_t d = 0; d < RD; ++d) {
       const float rot = d < half ? -bf2f(v[d + half]) : bf2f(v[d - half]);
       tmp[d] = f2bf(rbf(bf2f(v[d]) * bf2f(c[d])) + rbf(rot * bf2f(s[d])));
     }
     std::memcpy(v, tmp.data(), RD * sizeof(uint16_t));
+  };
+  // token t's rotary of one head: bf16 cos/sin rows of RD, or (rope_mode 1) fp32 rows of RD / 2
+  auto rope = [&](uint16_t* v, int64_t t) {
+    if (rope_mode == 1)
+      rope_pairs_fp32(v, cos.data_ptr<float>() + t * half, sin.data_ptr<float>() + t * half, half);
+    else
+      rope_half(v, ptr(cos) + t * RD, ptr(sin) + t * RD);
   };
   for (int64_t t = 0; t < M; ++t) {
     uint16_t* q = qkv.data() + t * N3;
@@ -251,11 +276,11 @@ std::vector<at::Tensor> decode_layer_bf16(
     if (knw == Nk && knw != D) rmsnorm_inplace(k, knp, Nk, eps);
     for (int64_t a = 0; a < Hq; ++a) {
       if (qnw == D) rmsnorm_inplace(q + a * D, qnp, D, eps);
-      rope(q + a * D, cp + t * RD, sp + t * RD);
+      rope(q + a * D, t);
     }
     for (int64_t a = 0; a < Hkv; ++a) {
       if (knw == D) rmsnorm_inplace(k + a * D, knp, D, eps);
-      rope(k + a * D, cp + t * RD, sp + t * RD);
+      rope(k + a * D, t);
     }
     const int64_t p = lp[t] - 1, row = bp[t * NB + p / bs] * bs + p % bs;
     std::memcpy(kp + row * Nk, k, Nk * sizeof(uint16_t));

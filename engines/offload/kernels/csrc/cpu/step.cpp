@@ -2,7 +2,7 @@
 // (moe_experts_q | moe_experts_bf16) and the combine, then the final norm, for a model whose experts are all resident
 // in host memory (runtime/fastpath.py decides when; the Python loop over layers is the fallback).
 //
-//   DecodeStep(bs, w_bf16, norm_mode, router_mode)       the family's constants
+//   DecodeStep(bs, w_bf16, norm_mode, router_mode, rope_mode)   the family's constants
 //     .add_layer(decode_layer_bf16's weights, kpool, vpool, experts by id, a shared expert?)  once per layer, at build
 //     .grouped_router(w fp32, bias, groups...)   the last layer routes as DeepSeek-V3's block (sigmoid, groups, bias)
 //     .mlp(gate_up, down)                        the last layer's shared expert (or, without experts, its dense MLP)
@@ -26,6 +26,7 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/softmax.h>
 #include <torch/custom_class.h>
 
 #include <array>
@@ -68,8 +69,8 @@ __attribute__((optimize("fp-contract=off"))) void combine(const uint16_t* y, con
 
 class DecodeStep : public torch::CustomClassHolder {
  public:
-  DecodeStep(int64_t bs, bool w_bf16, int64_t norm_mode, int64_t router_mode)
-      : bs_(bs), w_bf16_(w_bf16), norm_mode_(norm_mode), router_mode_(router_mode) {
+  DecodeStep(int64_t bs, bool w_bf16, int64_t norm_mode, int64_t router_mode, int64_t rope_mode)
+      : bs_(bs), w_bf16_(w_bf16), norm_mode_(norm_mode), router_mode_(router_mode), rope_mode_(rope_mode) {
     TORCH_CHECK(bs >= 1, "DecodeStep: expected a block size >= 1, got ", bs);
   }
 
@@ -118,9 +119,11 @@ class DecodeStep : public torch::CustomClassHolder {
   }
 
   // the last layer's experts routed as DeepSeek-V3's block routes them (moe_blocks.DeepseekBlock): sigmoid of the fp32
-  // logits x . w (bf16 w: logits in bf16, MiniMax-M2's SigmoidTopkBlock), grouped_topk with the correction bias
+  // logits x . w (bf16 w: logits in bf16, MiniMax-M2's SigmoidTopkBlock; score 1: softmax, Ernie 4.5's), grouped_topk
+  // with the correction bias, the weights rounded to bf16 where the module rounds them (weights_bf16)
   void grouped_router(at::Tensor w, std::optional<at::Tensor> bias, int64_t n_group, int64_t topk_group, int64_t top_k,
-                      bool norm_topk, double scale) {
+                      bool norm_topk, double scale, int64_t score, bool weights_bf16) {
+    TORCH_CHECK(score == 0 || score == 1, "DecodeStep.grouped_router: score: expected 0 (sigmoid) or 1 (softmax)");
     TORCH_CHECK(!layers_.empty() && !layers_.back().wr.has_value() && !layers_.back().ups.empty(),
                 "DecodeStep.grouped_router: the last layer added has experts and no fused router");
     Layer& y = layers_.back();
@@ -133,6 +136,8 @@ class DecodeStep : public torch::CustomClassHolder {
     y.groups = {n_group, topk_group};
     y.norm_topk = norm_topk;
     y.gscale = scale;
+    y.gsoftmax = score == 1;
+    y.gw_bf16 = weights_bf16;
   }
 
   // the last layer's bf16 experts biased (every one: gate_up [2I] and down [H], by id) and/or gated as gpt-oss's
@@ -165,7 +170,7 @@ class DecodeStep : public torch::CustomClassHolder {
       auto r = decode_layer_bf16(h, add, y.ln1, y.eps, y.wq, y.wk, y.wv, y.bq, y.bk, y.bv, y.qn, y.kn, cos, sin, y.kpool,
                                  y.vpool, blocks, lens, bs_, y.scaling, y.window, y.wo, y.bo, y.ln2, y.wr,
                                  y.wr.has_value() ? y.top_k : 0, y.wr.has_value() && y.norm_topk, w_bf16_, y.sinks, y.rb,
-                                 norm_mode_, router_mode_, y.sq, y.sk, y.sv, y.so);
+                                 norm_mode_, router_mode_, y.sq, y.sk, y.sv, y.so, rope_mode_);
       h = r[0];
       return r;
     });
@@ -226,9 +231,10 @@ class DecodeStep : public torch::CustomClassHolder {
         // logits F.linear(x, w).float().sigmoid(); then the selection (moe_blocks.py)
         at::Tensor logits = y.gw.scalar_type() == at::kFloat ? at::linear(x2.to(at::kFloat), y.gw)
                                                              : at::linear(x2, y.gw).to(at::kFloat);
-        auto sel = grouped_topk(logits.sigmoid(), y.gbias, y.groups[0], y.groups[1], y.top_k, y.norm_topk, y.gscale);
+        auto sel = grouped_topk(y.gsoftmax ? at::softmax(logits, 1, at::kFloat) : logits.sigmoid(), y.gbias, y.groups[0],
+                                y.groups[1], y.top_k, y.norm_topk, y.gscale);
         ids = sel[0];
-        w = sel[1];
+        w = y.gw_bf16 ? sel[1].to(at::kBFloat16) : sel[1];
       }
       TORCH_CHECK(ids.defined(), "DecodeStep: layer ", l, " has experts and no router");
       const auto t0 = std::chrono::steady_clock::now();
@@ -299,6 +305,7 @@ class DecodeStep : public torch::CustomClassHolder {
     std::optional<at::Tensor> gbias;
     std::array<int64_t, 2> groups{1, 1};
     double gscale = 1.0;
+    bool gsoftmax = false, gw_bf16 = false;  // softmax scores (Ernie 4.5), not sigmoid; weights rounded to bf16
     std::optional<at::Tensor> mgu, mdn;      // .mlp: an un-gated shared expert or a dense layer's MLP
     std::optional<Mla> mla;                  // add_mla_layer's (then wq.. are unused)
     std::vector<at::Tensor> up_b, dn_b;      // .expert_gate: the experts' biases by id (bf16 only), else empty
@@ -365,7 +372,7 @@ class DecodeStep : public torch::CustomClassHolder {
 
   int64_t bs_;
   bool w_bf16_;
-  int64_t norm_mode_, router_mode_;
+  int64_t norm_mode_, router_mode_, rope_mode_;
   int64_t top_k_ = 0;  // every MoE layer's
   std::vector<Layer> layers_;
 };
@@ -374,7 +381,7 @@ class DecodeStep : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.class_<moe_cpu::DecodeStep>("DecodeStep")
-      .def(torch::init<int64_t, bool, int64_t, int64_t>())
+      .def(torch::init<int64_t, bool, int64_t, int64_t, int64_t>())
       .def("add_layer", &moe_cpu::DecodeStep::add_layer)
       .def("add_mla_layer", &moe_cpu::DecodeStep::add_mla_layer)
       .def("grouped_router", &moe_cpu::DecodeStep::grouped_router)
