@@ -52,6 +52,18 @@ FAMILIES = {
                       num_experts_per_tok=8, moe_intermediate_size=512, intermediate_size=2048, norm_topk_prob=True),
     "qwen2_moe": dict(num_attention_heads=16, num_key_value_heads=4, num_experts=64, num_experts_per_tok=8,
                       moe_intermediate_size=512, shared_expert_intermediate_size=2048, intermediate_size=2048),
+    # sigmoid router with a correction bias and no groups, q/k norms over the whole projection
+    "minimax_m2": dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_local_experts=64,
+                       num_experts_per_tok=8, intermediate_size=512, rotary_dim=32),
+    # softmax router in fp32 with a correction bias for the choice, shared experts, interleaved fp32 rotary
+    "ernie4_5_moe": dict(num_attention_heads=16, num_key_value_heads=4, moe_num_experts=64, moe_k=8,
+                         moe_intermediate_size=512, intermediate_size=2816, moe_num_shared_experts=1,
+                         moe_layer_start_index=1, moe_layer_end_index=11),
+    # hybrid: gated DeltaNet linear attention in three of every four layers, gated full attention in the fourth
+    "qwen3_next": dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
+                       moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=2048,
+                       linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64,
+                       linear_value_head_dim=64, norm_topk_prob=True),
 }
 
 
@@ -90,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=CACHE, help="llama.cpp build and GGUF cache")
     ap.add_argument("--build-only", action="store_true", help="build the checkpoints and their GGUFs, then stop")
+    ap.add_argument("--streams", default="", help="also: batched decode at these numbers of sequences (e.g. 8,16), "
+                    "this engine's continuous batching against llama-batched-bench on the bf16 GGUF")
     ap.add_argument("--int8", action="store_true",
                     help="also: --expert-dtype int8 --dense-dtype int8 against llama.cpp q8_0 (engines built once)")
     a = ap.parse_args(argv)
@@ -164,7 +178,43 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {f} | {lc:.1f} | {mo:.1f} | {mo / lc:.2f}x | {per_round:.2f}x |")
         for e in int8.values():
             e.close()
+    streams = [int(n) for n in a.streams.split(",") if n.strip()]
+    if streams:
+        batched_table(fams, paths, ggufs, streams, a, tools)
     return 0
+
+
+def batched_table(fams, paths, ggufs, streams, a, tools) -> None:
+    """Aggregate decode tok/s at each number of sequences: llama-batched-bench on the bf16 GGUF, then this engine's
+    continuous batching (the scheduler the worker serves with, in process), back to back per family."""
+    from bench_engine import read_bandwidth
+    from bench_gguf import engine_batched
+    from bench_llamacpp import batched_bench
+
+    from moe_offload.control.spec import ModelSpec
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+
+    rows = []
+    bw = [read_bandwidth() / 1e9]
+    for f in fams:
+        e = build_offload_engine(paths[f], policy="static", fraction=1.0, dtype="bfloat16", max_num_seqs=max(streams))
+        try:
+            vocab = ModelSpec.from_hf_config(paths[f]).vocab_size
+            for n in streams:
+                theirs = batched_bench(ggufs[f], [n], a.tokens, prompt=a.context, threads=a.threads, tools=tools)[0]
+                ours = engine_batched(e, n, a.context, a.tokens, vocab)
+                rows.append((f, n, theirs["speed_tg"], ours))
+                log(f"{f} {n} streams: llama.cpp {theirs['speed_tg']:.1f}, moe-offload {ours:.1f} tok/s")
+        finally:
+            e.close()
+        gc.collect()
+    bw.append(read_bandwidth() / 1e9)
+    print(f"\nbatched decode, bf16, {a.tokens} tokens per sequence after {a.context}; bandwidth "
+          f"{', '.join(f'{b:.1f}' for b in bw)} GB/s (before, after)\n")
+    print("| family | sequences | llama-batched-bench tok/s | moe-offload tok/s | ours / theirs |")
+    print("|---|---|---|---|---|")
+    for f, n, theirs, ours in rows:
+        print(f"| {f} | {n} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -1,22 +1,26 @@
-"""The fused decode path's whole-step call: every layer of a decode step in one C++ call when every expert is resident.
+"""The fused decode paths' whole-step call: every layer of a decode step in one C++ call when every expert is resident.
 
     DecodePlan.forward --(eligible step)--> StepCall.run(h, cos, sin, table, lens)
-      --> moe_offload::DecodeStep.step (kernels/csrc/cpu/step.cpp: per layer decode_layer_bf16, the routed experts
-          through moe_experts_q | moe_experts_bf16, the combine; then the final norm)
+    MLADecodePlan.forward --(eligible step)--> StepCall.run_mla(h, cos, sin, slots, rows, lens)
+      --> moe_offload::DecodeStep.step | step_mla (kernels/csrc/cpu/step.cpp: per layer the attention half
+          (decode_layer_bf16, or MLA's calls as mla_plan.py makes them), the router (fused, or a MoE block's selection
+          as moe_blocks.py makes it), the routed experts through moe_experts_q | moe_experts_bf16, the combine, a shared
+          expert or a dense layer's MLP; then the final norm)
       --> (x [M, H], routes [L, M, K], experts seconds) --> Executor.book_resident (hits, stage time, captured routes)
 
 Why: with every expert resident the executor has nothing to decide per layer (no tier, no fetch, no eviction), yet
 its Python glue and two op calls of ~40 arguments cost a few hundred microseconds per layer while the second core
 waits; one call per step leaves only the bookkeeping, done once from the returned routes.
 
-When (else the per-layer loop runs, with the same numbers): a CPU executor, every layer's MoE block with its router
-fused (and a shared expert only where shared_expert_bf16 takes it: Qwen2-MoE's) or DeepSeek-V3's block (moe_blocks.py:
-grouped sigmoid router, shared experts as one silu MLP; GLM-4.5+, dots.llm1), every dense layer a silu MLP (mlp_rows),
-no block run as its module, every expert pinned (fraction 1.0 or a placement pinning
-all) and, over the expert store file, held in a host slot that is never evicted and already read in (until the
-background reads land, the loop runs and waits for what it routes to), experts the one-call kernels take
-(experts/fused.kind: "bf16" or "q"), top-k <= 16, at most KERNEL_MAX_GROUP tokens, not the load-time probe (dry).
-MOE_OFFLOAD_DECODE_STEP=0 keeps the per-layer loop.
+When (else the per-layer loop runs, with the same numbers): a CPU executor; every MoE layer with its router fused
+(qwen3_moe, olmoe, mixtral, gpt_oss's biased clamped-SwiGLU experts; a shared expert only where shared_expert_bf16
+takes it: Qwen2-MoE's) or a block moe_blocks.py runs (DeepSeek-V3's: GLM-4.5+, dots.llm1, Solar Open, and with MLA
+attention DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash; MiniMax-M2's; Ernie 4.5's), its shared experts one silu MLP
+(mlp_rows); every dense layer a silu MLP; no block run as its module; every expert pinned (fraction 1.0 or a
+placement pinning all) and, over the expert store file, held in a host slot that is never evicted and already read
+in (until the background reads land, the loop runs and waits for what it routes to); experts the one-call kernels
+take (experts/fused.kind: "bf16" or "q"); top-k <= 16, at most KERNEL_MAX_GROUP tokens, not the load-time probe
+(dry). MOE_OFFLOAD_DECODE_STEP=0 keeps the per-layer loop.
 """
 
 from __future__ import annotations
