@@ -175,6 +175,13 @@ def test_unsupported_quantization_is_named():
                                                                             "version": "gemv"}})
     zp = ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4, "sym": False}})
     assert zp.expert_format == "q4_z"  # zero points: q4_z blocks
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}
+    for sym, fmt in ((None, "q4_0"), (True, "q4_0"), (False, "q4_z")):  # symmetric defaults to true in the format
+        w = dict(ct["config_groups"]["g"]["weights"], **({} if sym is None else {"symmetric": sym}))
+        spec = ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": dict(ct, config_groups={"g": {
+            "weights": w}})})
+        assert spec.expert_format == fmt, sym
     with pytest.raises(ModelError, match="GPTQ with bits=4 desc_act=True"):
         ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4, "desc_act": True}})
     fp8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {

@@ -32,27 +32,29 @@ from moe_offload.errors import ModelError
 
 METHODS = ("mxfp4", "fp8", *int4.METHODS)
 # the format a method's experts are stored in by this loader (int4.py repacks 4-bit releases as q4_0 blocks, those
-# with zero points (AWQ, GPTQ sym=false: "gptq_zp") as q4_z)
-STORED_FORMAT = {"mxfp4": "mxfp4", "fp8": "fp8", **dict.fromkeys(int4.METHODS, "q4_0"), "awq": "q4_z", "gptq_zp": "q4_z"}
+# with zero points (AWQ, GPTQ sym=false: "gptq_zp", asymmetric compressed-tensors: "compressed-tensors_zp") as q4_z)
+STORED_FORMAT = {"mxfp4": "mxfp4", "fp8": "fp8", **dict.fromkeys(int4.METHODS, "q4_0"),
+                 **dict.fromkeys(("awq", "gptq_zp", "compressed-tensors_zp"), "q4_z")}
 SCALE_SUFFIX = "_scale_inv"  # fp8: "<linear>.weight" -> "<linear>.weight_scale_inv"
 
 
 def quant_method(config, where: str = "checkpoint") -> str | None:
-    """"mxfp4" | "fp8" | a 4-bit method (int4.METHODS; "gptq_zp": GPTQ with sym=false) for a checkpoint this loader
-    reads quantized, None for a float one; ModelError otherwise."""
+    """"mxfp4" | "fp8" | a 4-bit method (int4.METHODS; "gptq_zp": GPTQ with sym=false, "compressed-tensors_zp":
+    compressed-tensors with symmetric=false) for a checkpoint this loader reads quantized, None for a float one;
+    ModelError otherwise."""
     qc = getattr(config, "quantization_config", None)
     if qc is None:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = str(qc.get("quant_method", ""))
-    if method not in METHODS:
+    if method not in METHODS or method.endswith("_zp"):  # the _zp names are this loader's, never a config's
         raise ModelError(f"{where}: quantization_config.quant_method {method!r} is not supported; expected one of "
-                         f"{', '.join(m for m in METHODS if m != 'gptq_zp')} (gpt-oss MXFP4, DeepSeek-style block FP8, symmetric 4-bit GPTQ or "
-                         "compressed-tensors, AWQ) or an unquantized checkpoint")
+                         f"{', '.join(m for m in METHODS if not m.endswith('_zp'))} (gpt-oss MXFP4, DeepSeek-style "
+                         "block FP8, 4-bit GPTQ, compressed-tensors or AWQ) or an unquantized checkpoint")
     if method in int4.METHODS:
         check_int4(qc, where)
-        if method == "gptq" and has_zero_points(qc):
-            method = "gptq_zp"
+        if method in ("gptq", "compressed-tensors") and has_zero_points(qc):
+            method += "_zp"
     if method == "fp8":
         block = qc.get("weight_block_size")
         if block is None or list(block) != [quant.FP8_BLOCK, quant.FP8_BLOCK]:

@@ -6,6 +6,9 @@
     compressed-tensors pack-quantized: <linear>.weight_packed int32 [R, K/8] (code k at bits 4*(k%8)),
         .weight_scale [R, K/G], .weight_shape [2]; symmetric: w[r, k] = weight_scale[r, g] * (q[r, k] - 8)
     GPTQ sym=false ("gptq_zp" here): the same tensors, zeros[g, r] + 1 any of 1..16, the same formula
+    compressed-tensors symmetric=false ("compressed-tensors_zp" here): the same tensors and .weight_zero_point int32
+        [ceil(R/8), K/G] (8 zero points per word along R, zero point r at bits 4*(r%8)); codes and zero points are
+        stored as the signed value + 8, so w[r, k] = weight_scale[r, g] * (q[r, k] - zp[r, g]), both 0..15
     AWQ (quant_method "awq", version "gemm", zero_point): <linear>.qweight int32 [K, R/8] (8 codes per word along R in
         AutoAWQ's order: nibble i holds column 8c + [0, 2, 4, 6, 1, 3, 5, 7][i]), .qzeros int32 [K/G, R/8] (same
         order), .scales fp16 [K/G, R]; w[r, k] = scales[g, r] * (q[k, r] - zeros[g, r])
@@ -15,7 +18,10 @@ fp16 scale and 32 codes, value (q - 8) * d. They are repacked to q4_0 at load (t
 scales are checked to survive fp16), so the store, the slots and the kernels are the GGUF path's (ggml.py) and a
 release costs its 4.5 bits per weight. A zero point per group (AWQ, GPTQ sym=false) makes them this engine's q4_z
 blocks instead: q4_0 with a zero point byte, d * (q - z), 4.75 bits per weight, the weights exact in fp32 as the
-release defines them. Asymmetric compressed-tensors and act-order GPTQ (a permuted g_idx) are refused in one line.
+release defines them. The same goes for asymmetric compressed-tensors (compressed-tensors 0.20.0,
+compressors/pack_quantized: pack_to_int32 adds 8 to the signed int4 codes and zero points alike, the zero point packed
+along R; quantization/lifecycle/forward_helpers.py _dequantize: (q - zp) * scale). Act-order GPTQ (a permuted
+g_idx) is refused in one line.
 Legend: R output rows, K input features, G group size.
 """
 
@@ -35,6 +41,10 @@ BESIDE = {"gptq": (".scales", ".qzeros", ".g_idx"),
           "compressed-tensors": (".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx"),
           "awq": (".scales", ".qzeros")}
 WEIGHT["gptq_zp"], BESIDE["gptq_zp"] = WEIGHT["gptq"], BESIDE["gptq"]  # the same tensors
+# compressed-tensors_zp: an asymmetric compressed-tensors release (the config says "compressed-tensors")
+METHODS = (*METHODS, "compressed-tensors_zp")
+WEIGHT["compressed-tensors_zp"] = WEIGHT["compressed-tensors"]
+BESIDE["compressed-tensors_zp"] = BESIDE["compressed-tensors"]
 AWQ_UNDO = [0, 4, 1, 5, 2, 6, 3, 7]  # column j of a word's 8 is nibble AWQ_UNDO[j] (inverse of AutoAWQ's order)
 
 
@@ -84,7 +94,22 @@ def read(files, prefix: str, method: str) -> tuple[torch.Tensor, torch.Tensor, t
         if prefix + ".weight_shape" in files:
             R, K = (int(v) for v in files.tensor(prefix + ".weight_shape").tolist())
             q = q[:R, :K]
+        if method == "compressed-tensors_zp":
+            return q, s, _ct_zeros(files, prefix + ".weight_zero_point", q.shape[0], s.shape[1])
     return q, s, None
+
+
+def _ct_zeros(files, key: str, R: int, groups: int) -> torch.Tensor:
+    """compressed-tensors' packed zero points int32 [ceil(R/8), K/G] -> uint8 [R, K/G] in 0..15 (signed + 8)."""
+    if key not in files:
+        raise ModelError(f"{key}: missing; an asymmetric (symmetric=false) compressed-tensors release keeps one")
+    zp = files.tensor(key)
+    want = [(R + 7) // 8, groups]
+    if zp.dtype != torch.int32 or list(zp.shape) != want:
+        # an unpacked or otherwise laid out zero point would need its own offset and range checks: refused
+        raise ModelError(f"{key}: {zp.dtype} {list(zp.shape)}; expected int32 {want} (4-bit zero points packed "
+                         "8 per word along the output rows)")
+    return _unpack(zp, 0)[:R].contiguous()  # [R, K/G]
 
 
 def _check_groups(g_idx: torch.Tensor, K: int, groups: int, key: str) -> None:

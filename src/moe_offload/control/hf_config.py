@@ -357,14 +357,14 @@ def _gguf_sizes(cfg: dict[str, Any], moe_layers) -> dict[str, Any]:
 
 
 def _checkpoint_expert_format(quant: Any, where: str) -> str:
-    """"mxfp4" | "fp8" | "q4_0" (4-bit GPTQ / compressed-tensors) | "q4_z" (AWQ, GPTQ sym=false) for the quantized releases the engine loads as
-    stored, "" for float checkpoints."""
+    """"mxfp4" | "fp8" | "q4_0" (4-bit GPTQ / compressed-tensors) | "q4_z" (AWQ, GPTQ sym=false, compressed-tensors
+    symmetric=false) for the quantized releases the engine loads as stored, "" for float checkpoints."""
     if not isinstance(quant, Mapping):
         return ""
     method = quant.get("quant_method")
     if method == "mxfp4":
         return "mxfp4"
-    if method in INT4_METHODS:  # 4-bit, held as q4_0 blocks (AWQ's zero points: q4_z); the rest refused, as the loader does
+    if method in INT4_METHODS:  # 4-bit, held as q4_0 blocks (zero points: q4_z); the rest refused, as the loader does
         check_int4(dict(quant), where)
         return "q4_z" if has_zero_points(dict(quant)) else "q4_0"
     if method == "fp8":

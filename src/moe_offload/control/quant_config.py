@@ -1,5 +1,6 @@
 """Quantized releases whose configs the control plane reads as the engine loads them (no torch): which 4-bit
-safetensors layouts are supported (engines/offload/loading/int4.py repacks them into q4_0 blocks, AWQ's into q4_z)."""
+safetensors layouts are supported (engines/offload/loading/int4.py repacks them into q4_0 blocks, those with zero points
+(AWQ, GPTQ sym=false, asymmetric compressed-tensors) into q4_z)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ INT4_METHODS = ("gptq", "compressed-tensors", "awq")
 
 def check_int4(qc: dict[str, Any], where: str) -> None:
     """ModelError unless ``qc`` describes 4-bit weights in groups of a multiple of 32: symmetric (GPTQ,
-    compressed-tensors) or with a zero point per group (AWQ's GEMM layout, GPTQ sym=false)."""
+    compressed-tensors) or with a zero point per group (AWQ's GEMM layout, GPTQ sym=false, compressed-tensors
+    symmetric=false)."""
     method = qc.get("quant_method")
     if method == "awq":
         bits, group = qc.get("bits", qc.get("w_bit")), qc.get("group_size", qc.get("q_group_size"))
@@ -29,18 +31,28 @@ def check_int4(qc: dict[str, Any], where: str) -> None:
                              "the gptq (v1) format")
     else:
         groups = list((qc.get("config_groups") or {}).values())
-        w = groups[0].get("weights", {}) if len(groups) == 1 else {}
-        bits, group, sym = w.get("num_bits"), w.get("group_size"), w.get("symmetric")
-        if (qc.get("format") != "pack-quantized" or bits != 4 or not sym or w.get("type") != "int"
+        w = _ct_weights(qc)
+        bits, group, sym = w.get("num_bits"), w.get("group_size"), w.get("symmetric", True)
+        if (qc.get("format") != "pack-quantized" or bits != 4 or sym not in (True, False) or w.get("type") != "int"
                 or w.get("strategy") not in ("group", "channel") or w.get("actorder")):
             raise ModelError(f"{where}: compressed-tensors {qc.get('format')!r} with {len(groups)} config group(s), "
-                             f"weights {w} is not supported; expected one group of symmetric 4-bit int weights "
-                             "(group or channel strategy, no act-order), pack-quantized")
+                             f"weights {w} is not supported; expected one group of 4-bit int weights (symmetric or "
+                             "not, group or channel strategy, no act-order), pack-quantized")
         group = group or -1
     if group not in (-1, None) and group % 32:
         raise ModelError(f"{where}: 4-bit group size {group} is not supported; expected a multiple of 32 (or per channel)")
 
 
 def has_zero_points(qc: dict[str, Any]) -> bool:
-    """The 4-bit release keeps a zero point per group (AWQ, GPTQ sym=false): held as q4_z blocks, else q4_0."""
-    return qc.get("quant_method") == "awq" or (qc.get("quant_method") == "gptq" and not qc.get("sym", True))
+    """The 4-bit release keeps a zero point per group (AWQ, GPTQ sym=false, compressed-tensors symmetric=false): held
+    as q4_z blocks, else q4_0."""
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        return _ct_weights(qc).get("symmetric", True) is False
+    return method == "awq" or (method == "gptq" and not qc.get("sym", True))
+
+
+def _ct_weights(qc: dict[str, Any]) -> dict[str, Any]:
+    """A compressed-tensors config's weight arguments: those of its one config group, {} unless exactly one."""
+    groups = list((qc.get("config_groups") or {}).values())
+    return (groups[0].get("weights") or {}) if len(groups) == 1 else {}

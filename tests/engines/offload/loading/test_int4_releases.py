@@ -2,9 +2,9 @@
 
 The checkpoints are written here from each format's definition (packing and dequantization formulas written out
 below, independent of the loader): per-expert gate/up/down linears and one attention projection quantized in groups
-(symmetrically, or with AWQ's zero point per group), everything else float. The reference is transformers running
-the model those weights mean (scale * (q - 8), AWQ: scale * (q - zero)), in fp32: greedy tokens must be equal for
-every policy and fraction.
+(symmetrically, or with a zero point per group: AWQ, GPTQ sym=false, compressed-tensors symmetric=false), everything
+else float. The reference is transformers running the model those weights mean (scale * (q - 8), with zero points:
+scale * (q - zero)), in fp32: greedy tokens must be equal for every policy and fraction.
 Legend: R output rows, K input features, G group size.
 """
 
@@ -88,6 +88,15 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16, sym: b
             tensors[prefix + ".qzeros"] = _pack8((z - 1).T.contiguous(), 1)  # [K/G, R/8]
             tensors[prefix + ".g_idx"] = (torch.arange(K) // group).to(torch.int32)
             return (q.float() - z.float().repeat_interleave(group, dim=1)) * s.float().repeat_interleave(group, dim=1)
+        if method == "compressed-tensors" and not sym:  # compressed-tensors 0.20.0 pack-quantized, symmetric=false
+            q, s, z = _quantize_zero(w, group)
+            qs, zs = q.int() - 8, z.int() - 8  # the format's int8 codes and zero points, both in -8..7
+            tensors[prefix + ".weight_packed"] = _pack8((qs + 8).to(torch.uint8), 1)  # [R, K/8], stored + 8
+            tensors[prefix + ".weight_zero_point"] = _pack8((zs + 8).to(torch.uint8), 0)  # [R/8, K/G]: along R
+            tensors[prefix + ".weight_scale"] = s.to(scale_dtype)  # [R, K/G]
+            tensors[prefix + ".weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int64)
+            G = group
+            return (qs - zs.repeat_interleave(G, dim=1)).float() * s.to(scale_dtype).float().repeat_interleave(G, dim=1)
         q, s = _quantize(w, group)
         if method == "gptq":
             K, R = w.shape[1], w.shape[0]
@@ -129,14 +138,15 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16, sym: b
     else:
         c["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
                                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                                        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                        "num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group",
                                         "group_size": group}}}}
     (path / "config.json").write_text(json.dumps(c))
     return str(path), model
 
 
 @pytest.mark.parametrize("method,scale_dtype,sym", [("gptq", torch.float16, True), ("compressed-tensors", torch.bfloat16, True),
-                                                    ("awq", torch.float16, False), ("gptq", torch.float16, False)])
+                                                    ("awq", torch.float16, False), ("gptq", torch.float16, False),
+                                                    ("compressed-tensors", torch.bfloat16, False)])
 def test_release_matches_the_model_it_means(tmp_path, method, scale_dtype, sym):
     path, ref = _write(method, tmp_path, 64, scale_dtype, sym)
     want = greedy(ref, PROMPT, 10)
@@ -160,7 +170,7 @@ def test_spec_prices_the_release_at_4_bits(tmp_path):
     path, _ = _write("gptq", tmp_path, 32)
     spec = ModelSpec.from_hf_config(path)
     assert spec.expert_format == "q4_0" and spec.expert_bytes == 3 * 256 * 256 // 32 * 18
-    for method in ("awq", "gptq"):
+    for method in ("awq", "gptq", "compressed-tensors"):
         path, _ = _write(method, tmp_path, 32, sym=False)
         spec = ModelSpec.from_hf_config(path)
         assert spec.expert_format == "q4_z" and spec.expert_bytes == 3 * 256 * 256 // 32 * 19
@@ -181,6 +191,37 @@ def test_unsupported_releases_fail_in_one_line(tmp_path):
         (tmp_path / "gptq-64" / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc)))
         with pytest.raises(ModelError, match=msg):
             load_model(path, None)
+
+
+class _Files(dict):
+    """A checkpoint's tensors by key, as int4.read asks for them."""
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self[key]
+
+
+def test_asymmetric_compressed_tensors_per_channel_with_rows_not_a_multiple_of_8():
+    # channel strategy: one scale and zero point per row; 12 rows pack into 2 words of zero points along R, the
+    # last 4 nibbles padding (pack_to_int32 pads with 0 before its + 8, so they read back as 8)
+    from moe_offload.engines.offload.loading import int4
+
+    torch.manual_seed(0)
+    R, K = 12, 64
+    qs = torch.randint(-8, 8, (R, K), dtype=torch.int32)  # the format's int8 codes
+    zs = torch.randint(-8, 8, (R, 1), dtype=torch.int32)
+    s = torch.rand(R, 1, dtype=torch.float16) + 0.5
+    pad = torch.cat([zs + 8, torch.full((4, 1), 8, dtype=torch.int32)])  # [16, 1]
+    files = _Files({"l.weight_packed": _pack8((qs + 8).to(torch.uint8), 1), "l.weight_scale": s,
+                    "l.weight_zero_point": _pack8(pad.to(torch.uint8), 0), "l.weight_shape": torch.tensor([R, K])})
+    q, scale, z = int4.read(files, "l", "compressed-tensors_zp")
+    want = (qs - zs).float() * s.float()  # compressed-tensors' _dequantize: (x_q - zero_point) * scale
+    torch.testing.assert_close(int4.dequantize(q, scale, z, torch.float32), want, rtol=0, atol=0)
+    # the q4_z blocks hold the same weights: fp16 d, the zero point byte, then q4_0's nibbles
+    blocks = int4.to_blocks(q, scale, z, "l").view(torch.uint8)  # [R, K/32, 19]
+    assert torch.equal(blocks[..., 2], (zs + 8).to(torch.uint8).expand(R, K // 32))
+    files["l.weight_zero_point"] = (zs + 8).to(torch.int8)  # not packed: refused, the tensor named
+    with pytest.raises(ModelError, match=r"l.weight_zero_point: torch.int8 \[12, 1\]; expected int32 \[2, 1\]"):
+        int4.read(files, "l", "compressed-tensors_zp")
 
 
 def test_disk_tier_serves_the_release_at_4_bits(tmp_path, monkeypatch):
