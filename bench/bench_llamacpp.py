@@ -216,6 +216,19 @@ def set_vocab_sentencepiece(self, *args, **kwargs):
 
 
 base.TextModel._set_vocab_sentencepiece = set_vocab_sentencepiece
+from conversion import ernie
+
+original_ernie = ernie.Ernie4_5Model.set_vocab
+
+
+def set_vocab_ernie(self):  # Ernie 4.5 reads only a SentencePiece model; a locally trained BPE tokenizer has none
+    if (self.dir_model / "tokenizer.model").is_file():
+        return original_ernie(self)
+    print("no tokenizer.model: plain BPE vocabulary", file=sys.stderr)
+    return self._set_vocab_gpt2()
+
+
+ernie.Ernie4_5Model.set_vocab = set_vocab_ernie
 runpy.run_path(script, run_name="__main__")
 """
 
@@ -275,7 +288,9 @@ def to_gguf(model_dir, outtype: str = "bf16", *, cache: Path = CACHE, tools: Lla
     wrapper = tools.src.parent / "convert_mapped.py"
     if not wrapper.is_file() or wrapper.read_text() != _CONVERT:
         wrapper.write_text(_CONVERT)
-    _run([sys.executable, wrapper, pre, tools.convert, stage, "--outtype", outtype, "--outfile", tmp])
+    # Qwen3-Next's converter expects the release's multi-token-prediction layers unless told there are none
+    extra = ["--no-mtp"] if model_type == "qwen3_next" else []
+    _run([sys.executable, wrapper, pre, tools.convert, stage, "--outtype", outtype, "--outfile", tmp, *extra])
     os.replace(tmp, out)
     log(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s")
     return out
