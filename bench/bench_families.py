@@ -54,7 +54,7 @@ FAMILIES = {
                       moe_intermediate_size=512, shared_expert_intermediate_size=2048, intermediate_size=2048),
     # sigmoid router with a correction bias and no groups, q/k norms over the whole projection
     "minimax_m2": dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_local_experts=64,
-                       num_experts_per_tok=8, intermediate_size=512, rotary_dim=32),
+                       num_experts_per_tok=8, intermediate_size=512, rotary_dim=32, scoring_func="sigmoid"),
     # softmax router in fp32 with a correction bias for the choice, shared experts, interleaved fp32 rotary
     "ernie4_5_moe": dict(num_attention_heads=16, num_key_value_heads=4, moe_num_experts=64, moe_k=8,
                          moe_intermediate_size=512, intermediate_size=2816, moe_num_shared_experts=1,

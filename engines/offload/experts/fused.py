@@ -39,9 +39,10 @@ def _biases_ok(state) -> bool:
     return all(t is None for t in b) or all(t is not None and t.dtype == torch.bfloat16 for t in b)
 
 
-def bf16_args(module, weights) -> tuple:
-    """moe_experts_bf16 / experts_mlp_bf16's trailing arguments for these experts' (up, down, up_bias, down_bias, ..)
-    tuples: (gate_up biases or None, down biases or None, gate, alpha, limit)."""
+def gate_args(module, weights) -> tuple:
+    """The one-call kernels' trailing arguments (moe_experts_bf16 / experts_mlp_bf16 / moe_experts_q / experts_mlp_q)
+    for these experts' (up, down, up_bias, down_bias, ..) tuples: (gate_up biases or None, down biases or None, gate,
+    alpha, limit)."""
     biased = weights and weights[0][2] is not None
     return ([w[2] for w in weights] if biased else None, [w[3] for w in weights] if biased else None,
             *dispatch.fused_gate(module))
@@ -60,10 +61,10 @@ def one_token(ex, state, module, k, hidden_states, top_k_index, top_k_weights, h
     w = [state.cache.weights[s] for _, s in sorted(hits, key=lambda h: h[0][1])]
     ops = torch.ops.moe_offload
     if k == "q":
-        y = ops.experts_mlp_q(hidden_states.contiguous(), *q_args(w))  # [K, H]
+        y = ops.experts_mlp_q(hidden_states.contiguous(), *q_args(w), *gate_args(module, w))  # [K, H]
     else:  # each row is moe_experts_bf16's for that pair (both are expert_mlp_bf16's numbers)
         y = ops.experts_mlp_bf16(hidden_states.to(torch.bfloat16).contiguous(), [a[0] for a in w], [a[1] for a in w],
-                                 *bf16_args(module, w))
+                                 *gate_args(module, w))
     t2 = time.perf_counter()
     result = ex._combine(state, y, hidden_states, top_k_index, top_k_weights, hits, [], 0)
     ex._stages(t1, t2, t2, t2, 0.0)
@@ -88,19 +89,20 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
         if not groups:
             return
         if quantized and T == 1:  # one token: group g = (expert, k, 1) goes to row k
-            y = ops.experts_mlp_q(x, *q_args(weights))
+            y = ops.experts_mlp_q(x, *q_args(weights), *gate_args(module, weights))
             proj.index_copy_(0, torch.tensor([g[1] for g in groups]), y)
             return
         # an expert with more than KERNEL_MAX_GROUP tokens (prefill) goes through torch's GEMM, faster there
         # than the few-token dot kernel (dispatch.KERNEL_MAX_GROUP says why 16); the rest in one call
         small = [i for i, g in enumerate(groups) if g[2] <= dispatch.KERNEL_MAX_GROUP]
         if small and quantized:
-            ops.moe_experts_q(x, *q_args([weights[i] for i in small]), tok, perm, [groups[i][1] for i in small],
-                              [groups[i][2] for i in small], proj)
+            ws = [weights[i] for i in small]
+            ops.moe_experts_q(x, *q_args(ws), tok, perm, [groups[i][1] for i in small], [groups[i][2] for i in small],
+                              proj, *gate_args(module, ws))
         elif small:
             ws = [weights[i] for i in small]
             ops.moe_experts_bf16(x, [w[0] for w in ws], [w[1] for w in ws], tok, perm, [groups[i][1] for i in small],
-                                 [groups[i][2] for i in small], proj, *bf16_args(module, ws))
+                                 [groups[i][2] for i in small], proj, *gate_args(module, ws))
         for (_, start, n), w in zip(groups, weights):
             if n > dispatch.KERNEL_MAX_GROUP:
                 y = expert_forward(module, x.index_select(0, tok[start : start + n]), *w)

@@ -111,12 +111,15 @@ def fused_gate(module) -> tuple | None:
 
 
 def fused_experts_q_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
-    """A layer's int8/fp8/ggml experts can go through moe_offload::experts_mlp_q (one token) or moe_experts_q (a
-    batched step), one call per tier: CPU, silu gate on a concatenated gate|up, no biases, no post-expert norm,
-    kernels built."""
-    return (x.dim() == 2 and w.dtype in Q_FUSED and w.is_cpu and x.is_cpu
-            and _q_kernel_dtype(w, x) and not getattr(module, "has_bias", False)
-            and not module.has_post_expert_norm and _is_silu_concat(module) and jit.load())
+    """A layer's int8/fp8/mxfp4/ggml experts can go through moe_offload::experts_mlp_q (one token) or moe_experts_q (a
+    batched step), one call per tier: CPU, silu gate on a concatenated gate|up without biases, or (bf16 tokens)
+    gpt-oss's biased clamped SwiGLU; no post-expert norm, kernels built."""
+    gate = fused_gate(module)
+    return (x.dim() == 2 and w.dtype in Q_FUSED and w.is_cpu and x.is_cpu and _q_kernel_dtype(w, x)
+            and not module.has_post_expert_norm and gate is not None and (gate[0] == 0 or x.dtype == torch.bfloat16)
+            and (w.dtype != torch.uint8 or gate[0] == 1)
+            and (w.dtype != torch.float8_e4m3fn or gate[0] == 0)  # fp8 block scales assume a gate|up split
+            and jit.load())
 
 
 def _q_kernel_dtype(w: torch.Tensor, x: torch.Tensor) -> bool:
@@ -126,7 +129,7 @@ def _q_kernel_dtype(w: torch.Tensor, x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and w.dtype != ggml.DTYPE)
 
 
-Q_FUSED = (torch.int8, torch.float8_e4m3fn, ggml.DTYPE)  # formats experts_mlp_q / expert_mlp_q compute (not mxfp4)
+Q_FUSED = (torch.int8, torch.float8_e4m3fn, torch.uint8, ggml.DTYPE)  # formats experts_mlp_q computes (uint8: mxfp4)
 NO_SCALE = torch.empty(0)  # the scale argument of ggml blocks, which carry their own
 
 

@@ -29,12 +29,14 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
   expert_mlp_q(x [1, H], gate_up, gate_up_scale, down, down_scale) -> [1, H]   int8|fp8|ggml, silu(gate) * up, one
       token; intermediates rounded to x's dtype where the unfused path (gemv_q, torch silu, gemv_q) rounds
   dequant_blocks(w [.., nb, S] bits8) -> fp32 [.., nb * B]   the weights ggml blocks mean (prefill, fp32 compute)
-  experts_mlp_q(x [1, H], gate_ups K x, gate_up_scales K x, downs K x, down_scales K x) -> [K, H]
-      K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_q of expert k
+  experts_mlp_q(x [1, H], gate_ups K x, gate_up_scales K x, downs K x, down_scales K x, gate_up_biases K x?,
+                down_biases K x?, gate, alpha, limit) -> [K, H]
+      K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_q of expert k (with biases
+      or gate 1, gpt-oss's clamped SwiGLU for bf16 x: to gemv_q, clamped_swiglu_bf16, gemv_q)
   moe_experts_q(x [T, H], gate_ups J x, gate_up_scales J x, downs J x, down_scales J x, tok [S], perm [S], starts [J],
-                counts [J], out [R, H] (mutated, x's dtype)) -> ()
-      moe_experts_bf16's contract for int8|fp8|ggml experts: each weight row read once for its expert's pairs, every
-      pair's row bit-identical to expert_mlp_q of its token alone
+                counts [J], out [R, H] (mutated, x's dtype), gate_up_biases J x?, down_biases J x?, gate, alpha, limit)
+      moe_experts_bf16's contract for int8|fp8|mxfp4|ggml experts: each weight row read once for its expert's pairs,
+      every pair's row bit-identical to experts_mlp_q of its token alone
   decode_layer_bf16(h [M, H], add [M, H]?, ln1 [H], eps, wq [Hq*D, H], wk [Hkv*D, H], wv [Hkv*D, H], bq?, bk?, bv?,
                     qn?, kn?, cos [M, RD], sin [M, RD] (RD <= D: partial), kpool [R, Hkv, D] (mutated),
                     vpool [R, Hkv, D] (mutated), blocks [M, NB] int64, lens [M] int64, bs, scaling, window,
@@ -113,11 +115,13 @@ def _expert_q(x, gate_up, gate_up_scale, down, down_scale):
     return x.new_empty(x.shape)
 
 
-def _experts_q(x, gate_ups, gate_up_scales, downs, down_scales):
+def _experts_q(x, gate_ups, gate_up_scales, downs, down_scales, gate_up_biases=None, down_biases=None, gate=0, alpha=0.0,
+               limit=0.0):
     return x.new_empty((len(gate_ups), downs[0].shape[0]))
 
 
-def _moe_experts_q(x, gate_ups, gate_up_scales, downs, down_scales, tok, perm, starts, counts, out):
+def _moe_experts_q(x, gate_ups, gate_up_scales, downs, down_scales, tok, perm, starts, counts, out, gate_up_biases=None,
+                   down_biases=None, gate=0, alpha=0.0, limit=0.0):
     return None
 
 

@@ -208,10 +208,10 @@ def _by_id(state) -> list:
 
 
 def _add_gate(obj, state, experts, probe) -> None:
-    """The last layer's bf16 experts' biases and gate (gpt-oss's), where they have them."""
-    if state is None or fused.kind(state, experts, probe) != "bf16":
+    """The last layer's experts' biases and gate (gpt-oss's), where they have them."""
+    if state is None or fused.kind(state, experts, probe) is None:
         return
-    ub, db, gate, alpha, limit = fused.bf16_args(experts, _by_id(state))
+    ub, db, gate, alpha, limit = fused.gate_args(experts, _by_id(state))
     if ub is not None or gate:
         obj.expert_gate(ub or [], db or [], gate, alpha, limit)
 

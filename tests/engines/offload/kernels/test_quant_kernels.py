@@ -344,3 +344,40 @@ for R, K, N in ((5, 77, 1), (64, 1024, 3), (3, 8, 2), (40, 2880, 1)):
         b, s = quant.quantize_mxfp4(w)
         torch.testing.assert_close(ops.gemv_q(x, b, s).double(), x.double() @ quant.dequantize_mxfp4(b, s).double().T, rtol=1e-5, atol=1e-5)
 """)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "mxfp4", "gguf_mxfp4"])
+def test_gpt_oss_experts_in_one_call_equal_the_per_expert_chain(ops, fmt):
+    # gpt-oss's biased experts with the clamped SwiGLU over interleaved gate|up rows (int8 at load, MXFP4 as shipped,
+    # a GGUF's MXFP4 blocks): a batched step's pairs in one moe_experts_q call, and a token's experts in one
+    # experts_mlp_q call, equal the per-expert chain the executor ran before (gemv_q + bias, clamped_swiglu_bf16,
+    # gemv_q + bias) bit for bit
+    T, K, E, H, I, alpha, limit = 5, 2, 4, 64, 32, 1.702, 7.0
+    weights = []
+    for e in range(E):
+        up, us = quant.quantize(_rand(2 * I, H, seed=H + e), fmt)
+        dn, ds = quant.quantize(_rand(H, I, seed=I + e), fmt)
+        ub, db = (_rand(2 * I, seed=50 + e) * 4).to(BF), (_rand(H, seed=90 + e) * 4).to(BF)
+        weights.append((up, dispatch.scale_arg(us), dn, dispatch.scale_arg(ds), ub, db))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(BF)
+
+    def chain(t, e):
+        up, us, dn, ds, ub, db = weights[e]
+        h = ops.clamped_swiglu_bf16(ops.gemv_q(x[t : t + 1], up, us, ub, 0), alpha, limit)
+        return ops.gemv_q(h, dn, ds, db, 0)[0]
+
+    top, tok, perm, experts, starts, counts = routed_pairs(T, K, E)
+    lists = [[weights[e][i] for e in experts] for i in range(6)]
+    out = torch.full((T * K, H), float("nan")).to(BF)
+    ops.moe_experts_q(x, *lists[:4], tok, perm, starts, counts, out, lists[4], lists[5], 1, alpha, limit)
+    for t in range(T):
+        for k in range(K):
+            assert torch.equal(out[t * K + k], chain(t, int(top[t, k]))), (t, k)
+    ids = top[0].tolist()
+    one = ops.experts_mlp_q(x[:1], *[[weights[e][i] for e in ids] for i in range(6)], 1, alpha, limit)
+    assert all(torch.equal(one[k], chain(0, e)) for k, e in enumerate(ids))
+    # the gate is read: silu over concatenated halves gives other rows
+    other = ops.experts_mlp_q(x[:1], *[[weights[e][i] for e in ids] for i in range(6)], 0, 0.0, 0.0)
+    assert not torch.equal(one, other)
+    with pytest.raises(RuntimeError, match="gate"):  # gpt-oss's gate is bf16-only
+        ops.experts_mlp_q(x[:1].float(), *[[weights[e][i] for e in ids] for i in range(6)], 1, alpha, limit)

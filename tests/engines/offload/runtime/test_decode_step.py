@@ -110,10 +110,15 @@ def test_whole_step_equals_the_layer_loop_mla_without_q_lora(checkpoints, tmp_pa
     assert _both_paths(str(tmp_path / "no_q_lora")) >= 8
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_whole_step_equals_the_layer_loop_int8_experts(checkpoints, family):
     # int8 experts and int8 attention projections (deepseek_v3: q_b_proj and o_proj through gemv_q from the call)
     assert _both_paths(checkpoints(family), expert_dtype="int8", dense_dtype="int8") >= 8
+
+
+def test_whole_step_equals_the_layer_loop_gpt_oss_mxfp4(quantized_checkpoints):
+    # gpt-oss's release layout: MXFP4 experts as shipped, biased, clamped SwiGLU, through moe_experts_q in the call
+    assert _both_paths(quantized_checkpoints("gpt_oss_mxfp4")) >= 8
 
 
 def test_whole_step_equals_the_layer_loop_gguf(tmp_path):

@@ -19,9 +19,11 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.def("gemv_q(Tensor x, Tensor w, Tensor w_scale, Tensor? bias=None, int split=0) -> Tensor");
   m.def("expert_mlp_q(Tensor x, Tensor gate_up, Tensor gate_up_scale, Tensor down, Tensor down_scale) -> Tensor");
   m.def("dequant_blocks(Tensor w) -> Tensor");
-  m.def("experts_mlp_q(Tensor x, Tensor[] gate_ups, Tensor[] gate_up_scales, Tensor[] downs, Tensor[] down_scales) -> Tensor");
+  m.def("experts_mlp_q(Tensor x, Tensor[] gate_ups, Tensor[] gate_up_scales, Tensor[] downs, Tensor[] down_scales, "
+        "Tensor[]? gate_up_biases=None, Tensor[]? down_biases=None, int gate=0, float alpha=0., float limit=0.) -> Tensor");
   m.def("moe_experts_q(Tensor x, Tensor[] gate_ups, Tensor[] gate_up_scales, Tensor[] downs, Tensor[] down_scales, "
-        "Tensor tok, Tensor perm, int[] starts, int[] counts, Tensor(a!) out) -> ()");
+        "Tensor tok, Tensor perm, int[] starts, int[] counts, Tensor(a!) out, Tensor[]? gate_up_biases=None, "
+        "Tensor[]? down_biases=None, int gate=0, float alpha=0., float limit=0.) -> ()");
   // decode.cpp
   m.def("decode_layer_bf16(Tensor h, Tensor? add, Tensor ln1, float eps, Tensor wq, Tensor wk, Tensor wv, Tensor? bq, "
         "Tensor? bk, Tensor? bv, Tensor? qn, Tensor? kn, Tensor cos, Tensor sin, Tensor(a!) kpool, Tensor(b!) vpool, "

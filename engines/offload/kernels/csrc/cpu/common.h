@@ -141,10 +141,12 @@ at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_
 at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Tensor& up_s, const at::Tensor& dn,
                         const at::Tensor& dn_s);
 at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns,
-                         at::TensorList dn_s);
+                         at::TensorList dn_s, std::optional<at::TensorList> up_biases,
+                         std::optional<at::TensorList> down_biases, int64_t gate, double alpha, double limit);
 void moe_experts_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s,
                    const at::Tensor& tok, const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts,
-                   const at::Tensor& out);
+                   const at::Tensor& out, std::optional<at::TensorList> up_biases,
+                   std::optional<at::TensorList> down_biases, int64_t gate, double alpha, double limit);
 at::Tensor dequant_blocks(const at::Tensor& w);
 
 }  // namespace moe_quant

@@ -168,11 +168,11 @@ at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_
   return out;
 }
 
-// gate_up [2I, H] and down [H, I] as stored, checked against each other; int8, fp8 or ggml blocks (mxfp4 as gpt-oss
-// ships it keeps gemv_q: its experts carry biases)
+// gate_up [2I, H] and down [H, I] as stored, checked against each other; int8, fp8, mxfp4 (as gpt-oss ships it) or
+// ggml blocks
 void expert_pair(const at::Tensor& up, const at::Tensor& up_s, const at::Tensor& dn, const at::Tensor& dn_s, const char* what,
                  Weight& U, Weight& D) {
-  TORCH_CHECK(up.scalar_type() == dn.scalar_type() && up.scalar_type() != at::kByte, what, ": expected int8, fp8 or ggml block "
+  TORCH_CHECK(up.scalar_type() == dn.scalar_type(), what, ": expected int8, fp8, mxfp4 or ggml block "
               "gate_up and down of one dtype, got ", up.scalar_type(), " and ", dn.scalar_type());
   D = weight_of(dn, dn_s, 0, "down");
   U = weight_of(up, up_s, D.k, "gate_up");
@@ -197,21 +197,43 @@ void expert_set(at::TensorList ups, at::TensorList up_s, at::TensorList dns, at:
   }
 }
 
-// P routed pairs through their experts (silu gate on a concatenated gate|up, no biases) in two parallel passes, one
-// over every expert's gate|up rows and one over every expert's down rows; expert j takes pairs [first[j], first[j+1]),
-// pair p reads prepared token xi[p] of t and writes out row oi[p] (x's dtype, H wide). Each weight row is read from
-// memory once for all of its expert's pairs; each pair's numbers are expert_mlp_q's for that token alone (the same
-// prepared x, row dots, roundings and prepared h: prepare quantizes each token on its own).
+// Per-expert biases and the gate of a layer's experts (Gate{} : silu on a concatenated gate|up, no biases; gate 1:
+// gpt-oss's clamped SwiGLU over interleaved gate|up rows, bf16 tokens only, as clamped_swiglu_bf16 rounds it)
+struct Gate {
+  std::vector<std::vector<float>> ub, db;  // by expert of the call, or empty
+  int64_t gate = 0;
+  float alpha = 0.0f, limit = 0.0f;
+};
+
+Gate gate_of(const std::optional<at::TensorList>& ub, const std::optional<at::TensorList>& db, int64_t gate, double alpha,
+             double limit, int64_t J, int64_t I2, int64_t H, bool bf, const char* what) {
+  TORCH_CHECK(gate == 0 || (gate == 1 && bf), what, ": gate: expected 0 (silu) or, with bf16 tokens, 1 (gpt-oss), got ", gate);
+  TORCH_CHECK((!ub.has_value() || (int64_t)ub->size() == J) && (!db.has_value() || (int64_t)db->size() == J), what,
+              ": expected one bias per expert");
+  Gate g;
+  g.gate = gate; g.alpha = float(alpha); g.limit = float(limit);
+  for (int64_t j = 0; ub.has_value() && j < J; ++j) g.ub.push_back(bias_of((*ub)[j], I2, "gate_up bias"));
+  for (int64_t j = 0; db.has_value() && j < J; ++j) g.db.push_back(bias_of((*db)[j], H, "down bias"));
+  return g;
+}
+
+// P routed pairs through their experts (``gate``: silu on a concatenated gate|up or gpt-oss's, biases or none) in two
+// parallel passes, one over every expert's gate|up rows and one over every expert's down rows; expert j takes pairs
+// [first[j], first[j+1]), pair p reads prepared token xi[p] of t and writes out row oi[p] (x's dtype, H wide). Each
+// weight row is read from memory once for all of its expert's pairs; each pair's numbers are expert_mlp_q's (biased,
+// gpt-oss: gemv_q, clamped_swiglu_bf16, gemv_q's) for that token alone (the same prepared x, row dots, bias adds,
+// roundings and prepared h: prepare quantizes each token on its own).
 void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const std::vector<int64_t>& first,
-               const Tokens& t, const int64_t* xi, const int64_t* oi, bool bf, void* out) {
+               const Tokens& t, const int64_t* xi, const int64_t* oi, bool bf, void* out, const Gate& gt = Gate{}) {
   const int64_t J = (int64_t)U.size(), H = D[0].rows, I = D[0].k, I2 = 2 * I, P = first[J];
   std::vector<float> gu(P * I2);  // fp32 results, rounded below exactly as rows_range's output dtype would be
   const int64_t avg = std::max<int64_t>(1, P / J);
   at::parallel_for(0, J * I2, std::max<int64_t>(1, grain(U[0].ld) / avg), [&](int64_t b, int64_t e) {
     while (b < e) {  // a task may span experts: split it at expert boundaries
       const int64_t j = b / I2, stop = std::min(e, (j + 1) * I2);
+      const float* bias = gt.ub.empty() ? nullptr : gt.ub[j].data();  // added as rows_range adds it
       rows_tokens(U[j], b - j * I2, stop - j * I2, t, xi + first[j], first[j + 1] - first[j],
-                  [&](int64_t q, int64_t r, float v) { gu[(first[j] + q) * I2 + r] = v; });
+                  [&](int64_t q, int64_t r, float v) { gu[(first[j] + q) * I2 + r] = bias ? v + bias[r] : v; });
       b = stop;
     }
   });
@@ -222,11 +244,23 @@ void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
     std::vector<float> h(I);
     for (int64_t p = b; p < e; ++p) {
-      for (int64_t i = 0; i < I; ++i) {
-        float g = gu[p * I2 + i], u = gu[p * I2 + I + i];
-        if (bf) { g = bf2f(f2bf(g)); u = bf2f(f2bf(u)); }
-        const float s = g / (1.0f + std::exp(-g));
-        h[i] = bf ? bf2f(f2bf(bf2f(f2bf(s)) * u)) : s * u;
+      if (gt.gate == 1) {  // gpt-oss (bf16 only): gate = even rows, up = odd; op by op as torch rounds in bf16
+        for (int64_t i = 0; i < I; ++i) {
+          float g = bf2f(f2bf(gu[p * I2 + 2 * i])), u = bf2f(f2bf(gu[p * I2 + 2 * i + 1]));
+          g = std::min(g, gt.limit);
+          u = std::min(std::max(u, -gt.limit), gt.limit);
+          const float tg = bf2f(f2bf(g * gt.alpha));
+          const float sg = bf2f(f2bf(1.0f / (1.0f + std::exp(-tg))));
+          const float glu = bf2f(f2bf(g * sg));
+          h[i] = bf2f(f2bf(bf2f(f2bf(u + 1.0f)) * glu));
+        }
+      } else {
+        for (int64_t i = 0; i < I; ++i) {
+          float g = gu[p * I2 + i], u = gu[p * I2 + I + i];
+          if (bf) { g = bf2f(f2bf(g)); u = bf2f(f2bf(u)); }
+          const float s = g / (1.0f + std::exp(-g));
+          h[i] = bf ? bf2f(f2bf(bf2f(f2bf(s)) * u)) : s * u;
+        }
       }
       prepare_row(h.data(), p, D[0].fmt, th);
     }
@@ -236,8 +270,10 @@ void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const
   at::parallel_for(0, J * H, std::max<int64_t>(1, grain(D[0].ld) / avg), [&](int64_t b, int64_t e) {
     while (b < e) {
       const int64_t j = b / H, stop = std::min(e, (j + 1) * H);
+      const float* bias = gt.db.empty() ? nullptr : gt.db[j].data();
       rows_tokens(D[j], b - j * H, stop - j * H, th, pi.data() + first[j], first[j + 1] - first[j], [&](int64_t q, int64_t r, float v) {
         const int64_t o = oi[first[j] + q] * H + r;
+        if (bias) v += bias[r];
         if (bf) reinterpret_cast<uint16_t*>(out)[o] = f2bf(v); else reinterpret_cast<float*>(out)[o] = v;
       });
       b = stop;
@@ -262,7 +298,9 @@ at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Ten
 }
 
 // K experts of one token: row k is bit-identical to expert_mlp_q of expert k. out [K, H] in x's dtype.
-at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s) {
+at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s,
+                         std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases, int64_t gate,
+                         double alpha, double limit) {
   std::vector<Weight> U, D;
   expert_set(ups, up_s, dns, dn_s, "experts_mlp_q", U, D);
   const int64_t K = (int64_t)U.size(), H = D[0].rows;
@@ -274,7 +312,9 @@ at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList
   for (int64_t k = 0; k <= K; ++k) first[k] = k;
   for (int64_t k = 0; k < K; ++k) oi[k] = k;
   at::Tensor out = at::empty({K, H}, x.options());
-  pairs_mlp(U, D, first, t, xi.data(), oi.data(), x.scalar_type() == at::kBFloat16, out.data_ptr());
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  pairs_mlp(U, D, first, t, xi.data(), oi.data(), bf, out.data_ptr(),
+            gate_of(up_biases, down_biases, gate, alpha, limit, K, 2 * D[0].k, H, bf, "experts_mlp_q"));
   return out;
 }
 
@@ -284,7 +324,8 @@ at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList
 // token alone, so a token's result does not depend on the others in the step.
 void moe_experts_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s,
                    const at::Tensor& tok, const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts,
-                   const at::Tensor& out) {
+                   const at::Tensor& out, std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases,
+                   int64_t gate, double alpha, double limit) {
   const int64_t J = (int64_t)ups.size();
   TORCH_CHECK(J == (int64_t)starts.size() && J == (int64_t)counts.size(), "moe_experts_q: expected as many gate_ups, ",
               "starts and counts, got ", J, ", ", starts.size(), ", ", counts.size());
@@ -318,7 +359,9 @@ void moe_experts_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s,
     }
   Tokens t;
   prepare(x, T, H, U[0], t);
-  pairs_mlp(U, D, first, t, xi.data(), oi.data(), x.scalar_type() == at::kBFloat16, out.data_ptr());
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  pairs_mlp(U, D, first, t, xi.data(), oi.data(), bf, out.data_ptr(),
+            gate_of(up_biases, down_biases, gate, alpha, limit, J, 2 * D[0].k, H, bf, "moe_experts_q"));
 }
 
 // ggml blocks [.., nb, S] -> the fp32 weights [.., nb * B] they mean (blocks.h's decode; the prefill / fp32 path)

@@ -78,8 +78,7 @@ class DecodeStep : public torch::CustomClassHolder {
                  std::optional<at::Tensor> bk, std::optional<at::Tensor> bv, std::optional<at::Tensor> qn,
                  std::optional<at::Tensor> kn, at::Tensor kpool, at::Tensor vpool, double scaling, int64_t window,
                  at::Tensor wo, std::optional<at::Tensor> bo, at::Tensor ln2, std::optional<at::Tensor> wr, int64_t top_k,
-                 bool norm_topk,
-                 std::optional<at::Tensor> sinks, std::optional<at::Tensor> rb, std::optional<at::Tensor> sq,
+                 bool norm_topk, std::optional<at::Tensor> sinks, std::optional<at::Tensor> rb, std::optional<at::Tensor> sq,
                  std::optional<at::Tensor> sk, std::optional<at::Tensor> sv, std::optional<at::Tensor> so,
                  std::vector<at::Tensor> ups, std::vector<at::Tensor> up_scales, std::vector<at::Tensor> downs,
                  std::vector<at::Tensor> down_scales, bool quantized, std::optional<at::Tensor> shared_gate_up,
@@ -102,8 +101,9 @@ class DecodeStep : public torch::CustomClassHolder {
                      std::optional<at::Tensor> kv_a, std::optional<at::Tensor> kv_a_bias, at::Tensor kvn, double kveps,
                      at::Tensor kpool, at::Tensor vpool, at::Tensor kv_b, int64_t heads, int64_t nope, double scaling,
                      bool interleave, at::Tensor wo, std::optional<at::Tensor> bo, at::Tensor ln2, double eps2,
-                     std::optional<at::Tensor> sq, std::optional<at::Tensor> so, int64_t top_k, std::vector<at::Tensor> ups, std::vector<at::Tensor> up_scales,
-                     std::vector<at::Tensor> downs, std::vector<at::Tensor> down_scales, bool quantized) {
+                     std::optional<at::Tensor> sq, std::optional<at::Tensor> so, int64_t top_k,
+                     std::vector<at::Tensor> ups, std::vector<at::Tensor> up_scales, std::vector<at::Tensor> downs,
+                     std::vector<at::Tensor> down_scales, bool quantized) {
     TORCH_CHECK(q_rank > 0 ? (qkv_a.has_value() && qan.has_value()) : kv_a.has_value(),
                 "DecodeStep.add_mla_layer: expected q_a|kv_a fused rows and q_a_layernorm, or kv_a_proj_with_mqa");
     TORCH_CHECK(heads >= 1 && wq.size(0) % heads == 0 && wq.size(0) / heads > nope, "DecodeStep.add_mla_layer: ",
@@ -140,12 +140,11 @@ class DecodeStep : public torch::CustomClassHolder {
     y.gw_bf16 = weights_bf16;
   }
 
-  // the last layer's bf16 experts biased (every one: gate_up [2I] and down [H], by id) and/or gated as gpt-oss's
-  // (gate 1: clamped SwiGLU over interleaved gate|up rows), as moe_experts_bf16 takes them
+  // the last layer's experts biased (every one: gate_up [2I] and down [H], by id) and/or gated as gpt-oss's (gate 1:
+  // clamped SwiGLU over interleaved gate|up rows), as moe_experts_bf16 / moe_experts_q take them
   void expert_gate(std::vector<at::Tensor> up_biases, std::vector<at::Tensor> down_biases, int64_t gate, double alpha,
                    double limit) {
-    TORCH_CHECK(!layers_.empty() && !layers_.back().ups.empty() && !layers_.back().quantized,
-                "DecodeStep.expert_gate: the last layer added has no bf16 experts");
+    TORCH_CHECK(!layers_.empty() && !layers_.back().ups.empty(), "DecodeStep.expert_gate: the last layer has no experts");
     Layer& y = layers_.back();
     TORCH_CHECK(up_biases.size() == down_biases.size() && (up_biases.empty() || up_biases.size() == y.ups.size()),
                 "DecodeStep.expert_gate: expected every expert's two biases by id, or none");
@@ -308,7 +307,7 @@ class DecodeStep : public torch::CustomClassHolder {
     bool gsoftmax = false, gw_bf16 = false;  // softmax scores (Ernie 4.5), not sigmoid; weights rounded to bf16
     std::optional<at::Tensor> mgu, mdn;      // .mlp: an un-gated shared expert or a dense layer's MLP
     std::optional<Mla> mla;                  // add_mla_layer's (then wq.. are unused)
-    std::vector<at::Tensor> up_b, dn_b;      // .expert_gate: the experts' biases by id (bf16 only), else empty
+    std::vector<at::Tensor> up_b, dn_b;      // .expert_gate: the experts' biases by id, else empty
     int64_t gate = 0;                        // 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU (interleaved rows)
     double alpha = 0.0, limit = 0.0;
   };
@@ -353,12 +352,13 @@ class DecodeStep : public torch::CustomClassHolder {
       ++counts.back();
     }
     at::Tensor proj = at::empty({S, H}, x2.options());
+    const auto ubl = y.up_b.empty() ? std::nullopt : std::optional<at::TensorList>(ub);
+    const auto dbl = y.dn_b.empty() ? std::nullopt : std::optional<at::TensorList>(db);
     if (y.quantized)
-      moe_quant::moe_experts_q(x2, ups, up_s, dns, dn_s, tok, perm, starts, counts, proj);
+      moe_quant::moe_experts_q(x2, ups, up_s, dns, dn_s, tok, perm, starts, counts, proj, ubl, dbl, y.gate, y.alpha,
+                               y.limit);
     else
-      moe_experts_bf16(x2, ups, dns, tok, perm, starts, counts, proj,
-                       y.up_b.empty() ? std::nullopt : std::optional<at::TensorList>(ub),
-                       y.dn_b.empty() ? std::nullopt : std::optional<at::TensorList>(db), y.gate, y.alpha, y.limit);
+      moe_experts_bf16(x2, ups, dns, tok, perm, starts, counts, proj, ubl, dbl, y.gate, y.alpha, y.limit);
     at::Tensor out = at::empty({M, H}, x2.options());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     combine(ptr(proj), w, M, K, H, op);
