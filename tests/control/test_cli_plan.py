@@ -5,7 +5,7 @@ import json
 import pytest
 
 from moe_offload.cli import main
-from moe_offload.control.profile import Profile, save_routes, synthetic_routes
+from moe_offload.control.profile import save_routes, synthetic_routes
 
 from .conftest import moe_config
 

@@ -1,6 +1,5 @@
 """Routes files, profiles, memory sizes and the per-accelerator budget."""
 
-import json
 
 import numpy as np
 import pytest
