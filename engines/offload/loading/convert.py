@@ -116,7 +116,7 @@ def _target(path: str, dtype: str | None, expert_dtype: str | None):
     root = check_checkpoint(path)
     config, experts, _ = inspect_checkpoint(root, dtype, expert_dtype)
     method = checkpoint.quant_method(config, str(root))
-    read_as, convert_to = expert_target(method, expert_dtype)
+    read_as, convert_to = expert_target(method, expert_dtype, gguf=getattr(config, "gguf_file", None) is not None)
     cfg_dtype = getattr(config, "dtype", None)
     compute = DTYPES[dtype] if dtype else (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32)
     return root, config, experts, method, read_as, convert_to, compute, stored_format(method, read_as, convert_to, compute)
@@ -124,7 +124,11 @@ def _target(path: str, dtype: str | None, expert_dtype: str | None):
 
 def existing_store(path: str, dtype: str | None = None, expert_dtype: str | None = None) -> diskstore.Manifest | None:
     """The expert store of checkpoint ``path`` in the format the engine would hold, when one was written."""
-    root, *_, target = _target(path, dtype, expert_dtype)
+    root, config, _, _, read_as, _, compute, target = _target(path, dtype, expert_dtype)
+    if getattr(config, "gguf_file", None) is not None:
+        from moe_offload.engines.offload.loading import gguf_load
+
+        return diskstore.read_manifest(gguf_load.store_dir(config.gguf_file, compute, read_as == "float")[0])
     return diskstore.read_manifest(store_dir(root, target))
 
 
@@ -132,10 +136,10 @@ def convert_checkpoint(path: str, dtype: str | None = None, expert_dtype: str | 
     """(the expert store of checkpoint ``path`` as the engine would load it with ``dtype`` / ``expert_dtype``, whether
     it was written now). What `moe-offload convert` runs; the engine finds the store where this puts it."""
     root, config, experts, method, read_as, convert_to, compute, target = _target(path, dtype, expert_dtype)
-    if getattr(config, "gguf_file", None) is not None:
-        from moe_offload.engines.offload.loading.gguf_load import NO_DISK_TIER
-        from moe_offload.errors import ConfigError
+    if getattr(config, "gguf_file", None) is not None:  # the file's blocks (or --expert-dtype bf16's floats)
+        from moe_offload.engines.offload.loading import gguf_load
 
-        raise ConfigError(NO_DISK_TIER)
+        existed = diskstore.read_manifest(gguf_load.store_dir(config.gguf_file, compute, read_as == "float")[0]) is not None
+        return gguf_load.ensure_store(config.gguf_file, config, experts, compute, read_as == "float"), not existed
     existed = diskstore.read_manifest(store_dir(root, target)) is not None
     return ensure_store(root, config, experts, method, read_as, convert_to, compute), not existed

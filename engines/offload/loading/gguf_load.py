@@ -8,6 +8,9 @@
                 permutation, DeepSeek's kv_b split into k_b / v_b, gpt-oss's de-interleaved gate/up);
                 the experts: ffn_gate_exps | ffn_up_exps rows concatenated (gpt-oss: interleaved) and ffn_down_exps,
                 as ggml blocks (ggml.py), read from the file's memory map once
+      --ensure_store (the disk tier, when host memory is smaller than the experts)--> an expert store file
+                (experts/diskstore.py) whose records are each expert's gate|up and down blocks, the file's bytes
+                in the file's types, written once, one expert in memory at a time
 
 A truncated or corrupt file fails here, naming the tensor, never mid-generation: every tensor's bytes are checked
 against the file's size before anything is read (gguf_meta.open_reader).
@@ -29,8 +32,6 @@ from moe_offload.control import gguf_meta
 from moe_offload.engines.offload.loading import ggml
 from moe_offload.errors import ModelError
 
-NO_DISK_TIER = ("the disk tier reads an expert store written from safetensors, not GGUF files: a GGUF model's experts "
-                "are served from host memory only")
 VIEW_ROOT = Path(os.environ.get("MOE_OFFLOAD_GGUF_VIEWS", Path.home() / ".cache" / "moe-offload" / "gguf"))
 
 
@@ -99,6 +100,20 @@ class Tensors:
                              f"{', '.join(k.upper() for k in ggml.GGUF_TYPES)} experts as stored (or F32/F16/BF16)")
         cols = int(t.shape[0])
         return ggml.as_blocks(np.array(t.data, copy=True), kind, cols)
+
+    def expert(self, name: str, e: int, dtype: torch.dtype, as_float: bool) -> torch.Tensor:
+        """Expert ``e``'s slice of a [E, ..] tensor: its blocks (a copy of just that slice) or, ``as_float``,
+        dequantized in ``dtype``."""
+        t = self._get(name)
+        if as_float:
+            from gguf import quants
+
+            arr = quants.dequantize(t.data[e], t.tensor_type)
+            return torch.from_numpy(np.array(arr, dtype=np.float32)).to(dtype)
+        kind = _engine_name(t.tensor_type.name.lower())
+        if kind not in ggml.GGUF_TYPES:
+            self.blocks(name)  # the one-line error naming the type
+        return ggml.as_blocks(np.array(t.data[e], copy=True), kind, int(t.shape[0]))
 
     def _get(self, name: str):
         if name not in self.t:
@@ -181,10 +196,11 @@ def _kv_b(tensors: Tensors, name: str, cfg: dict, dtype: torch.dtype) -> torch.T
     return torch.cat([k, v], dim=1).reshape(-1, cfg["kv_lora_rank"]).contiguous()
 
 
-def read_experts(tensors: Tensors, info, module, dtype: torch.dtype, dequantize: bool = False) -> tuple:
+def read_experts(tensors: Tensors, info, module, dtype: torch.dtype, dequantize: bool = False,
+                 expert: int | None = None) -> tuple:
     """(gate|up, down, None, None) of one layer as the store holds them: ggml blocks [E, 2I, nb, S] and [E, H, nb, S]
     (gpt-oss: gate and up rows interleaved), or float [E, 2I, H] / [E, H, I] for F32/F16/BF16 experts and with
-    ``dequantize`` (--expert-dtype bf16)."""
+    ``dequantize`` (--expert-dtype bf16). ``expert``: that expert's alone, each with a leading dimension of 1."""
     names = [f"blk.{info.layer}.{t}.weight" for t in gguf_meta.EXPERT_TENSORS]
     kinds = {tensors.qtype(n) for n in names[:2]}
     if len(kinds) != 1:
@@ -192,11 +208,71 @@ def read_experts(tensors: Tensors, info, module, dtype: torch.dtype, dequantize:
                          f"{' and '.join(sorted(kinds))}; the engine keeps a layer's gate|up in one type")
     interleave = getattr(module, "is_transposed", False)  # gpt-oss: its gate reads gate_up[..., ::2] / [..., 1::2]
     as_float = kinds <= {"f32", "f16", "bf16"} or dequantize
-    g, u, d = ((tensors.float(n, dtype) if as_float else tensors.blocks(n)) for n in names)
+    if expert is None:
+        g, u, d = ((tensors.float(n, dtype) if as_float else tensors.blocks(n)) for n in names)
+    else:
+        g, u, d = (tensors.expert(n, expert, dtype, as_float)[None] for n in names)
     gu = torch.stack([g, u], dim=2).flatten(1, 2) if interleave else torch.cat([g, u], dim=1)
     if as_float and interleave:  # the module's own transposed float layout
         return gu.transpose(1, 2).contiguous(), d.transpose(1, 2).contiguous(), None, None
     return gu, d, None, None
+
+
+def store_dir(path, dtype: torch.dtype, dequantize: bool = False) -> tuple[Path, str]:
+    """(where the expert store of GGUF ``path`` lives, its format name): keyed by the files' paths, sizes, mtimes
+    and the format (the file's blocks, or ``dequantize``d to ``dtype``)."""
+    from moe_offload.engines.offload.experts import diskstore
+    from moe_offload.hostmem import store_root
+
+    info = gguf_meta.read(path)
+    target = "gguf-" + (str(dtype).removeprefix("torch.") if dequantize else "blocks")
+    h = hashlib.sha256(f"{target}|{diskstore.VERSION}".encode())
+    for f in info.files:
+        st = f.stat()
+        h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return store_root() / f"{info.files[0].stem}-{target}-{h.hexdigest()[:16]}", target
+
+
+def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bool = False, out: Path | None = None):
+    """The expert store (diskstore.Manifest) of GGUF ``path`` as the in-memory engine would hold its experts (ggml
+    blocks, or ``dequantize``d to ``dtype``), written now when there is none. Each record is one expert's gate|up and
+    down read from the file's map (finalized as take_from_module finalizes a layer), so the disk tier computes from
+    the same bytes in the same types."""
+    import time
+
+    from moe_offload.engines.offload.experts import diskstore
+    from moe_offload.engines.offload.experts.store import LayerStore, finalize
+    from moe_offload.engines.offload.loading.architecture import meta_model
+    from moe_offload.log import get_logger
+
+    info = gguf_meta.read(path)
+    default, target = store_dir(path, dtype, dequantize)
+    where = Path(out) if out is not None else default
+    man = diskstore.read_manifest(where)
+    if man is not None:
+        return man
+    log = get_logger("moe_offload.gguf")
+    t0 = time.perf_counter()
+    log.info("writing the expert store (once per file and format)", gguf=str(info.files[0]), store=str(where))
+    tensors = Tensors(info)
+    modules = dict(meta_model(config, dtype).named_modules())
+    writer = diskstore.StoreWriter(where, target, {"checkpoint": str(info.files[0].resolve())})
+    rows_layers = []
+    for i in experts:
+        module = modules[i.name]
+        writer.begin_layer(i.name, i.layer, i.num_experts)
+        rows = False
+        for e in range(i.num_experts):
+            up, down, _, _ = read_experts(tensors, i, module, dtype, dequantize, expert=e)
+            one, rows = finalize(LayerStore((up, down, None, None, None, None), dtype), module, False, False, None)
+            writer.add_expert((one.tensors[0][0], one.tensors[1][0], None, None))
+        writer.end_layer()
+        if rows:
+            rows_layers.append(i.name)
+    writer.meta["rows_layers"] = rows_layers
+    writer.close()
+    log.info("expert store written", store=str(where), seconds=round(time.perf_counter() - t0, 1))
+    return diskstore.read_manifest(where)
 
 
 def keep_dense_blocks(model, tensors: Tensors) -> int:
@@ -241,9 +317,10 @@ def keep_dense_blocks(model, tensors: Tensors) -> int:
 
 
 def load(path: str | os.PathLike, config, experts: list, dtype: torch.dtype, dequantize: bool = False,
-         dense_blocks: bool = False):
+         dense_blocks: bool = False, read: bool = True):
     """(model with placeholder experts, {experts module: (up, down, None, None)}); ``dequantize``: float experts;
-    ``dense_blocks``: attention projections and LM head kept as the file's blocks (keep_dense_blocks)."""
+    ``dense_blocks``: attention projections and LM head kept as the file's blocks (keep_dense_blocks); ``read``:
+    False reads no expert (the disk tier serves them from ensure_store's file) and returns {} for them."""
     from moe_offload.engines.offload.experts.executor import IMPLEMENTATION
     from moe_offload.engines.offload.loading.architecture import meta_model
     from moe_offload.engines.offload.loading.checkpoint import placeholders
@@ -252,7 +329,7 @@ def load(path: str | os.PathLike, config, experts: list, dtype: torch.dtype, deq
     tensors = Tensors(info)
     meta = meta_model(config, dtype)
     modules = dict(meta.named_modules())
-    stored = {i.name: read_experts(tensors, i, modules[i.name], dtype, dequantize) for i in experts}
+    stored = {i.name: read_experts(tensors, i, modules[i.name], dtype, dequantize) for i in experts} if read else {}
     sd = state_dict(tensors, meta, experts, dtype)
     sd.update(placeholders(meta, experts, dtype))
     model = type(meta).from_pretrained(None, config=config, state_dict=sd, dtype=dtype,

@@ -111,12 +111,6 @@ def load_model(
     register()
     stored: dict = {}
     load_dtype = compute_dtype or torch.float32
-    if gguf_file is not None and host_cache is not None:
-        from moe_offload.engines.offload.loading.gguf_load import NO_DISK_TIER
-
-        raise ConfigError(f"host_cache: the host memory for experts ({host_cache / 2**30:.2f} GiB: --host-memory, or what "
-                          "the process's memory limit leaves) is smaller than this GGUF model's experts, and "
-                          f"{NO_DISK_TIER}")
     blocks = read_as == "stored" and (gguf_file is not None or method in checkpoint.int4.METHODS)
     if dev.type != "cpu" and (blocks or convert_to in quant.ggml.BY_NAME):
         raise ConfigError(f"{dev}: ggml block experts (GGUF files, 4-bit releases, --expert-dtype int4) compute on the "
@@ -124,9 +118,15 @@ def load_model(
     if gguf_file is not None:
         from moe_offload.engines.offload.loading import gguf_load
 
+        if host_cache is not None:  # the disk tier: an expert store of the file's blocks, host slots over it
+            manifest = gguf_load.ensure_store(gguf_file, config, experts, load_dtype, dequantize=read_as == "float")
+            pins = host_pins(placement)
+            host_slots = tiering.host_slots(experts, manifest, layout, host_cache, _top_k(config),
+                                            alias=dev.type == "cpu", host_pinned=pins)
         # the attention projections and LM head stay the file's blocks too, on the CPU (--dense-dtype bf16: dequantized)
         model, stored = gguf_load.load(gguf_file, config, experts, load_dtype, dequantize=read_as == "float",
-                                       dense_blocks=dev.type == "cpu" and dense_dtype != "bf16")
+                                       dense_blocks=dev.type == "cpu" and dense_dtype != "bf16",
+                                       read=host_cache is None)
     elif host_cache is not None:
         from moe_offload.engines.offload.loading.convert import ensure_store
         from moe_offload.engines.offload.loading.split import load_split
