@@ -54,10 +54,9 @@ def copies(make, nbytes: int, total: int = 256 << 20) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_offload.engines.offload.tools.calibrate import cpu_name
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ggml", action="store_true", help="only the GGUF block-type rows (a token's experts, one call)")
     args = ap.parse_args(argv)
     repeats = 3 if args.quick else 9
     from moe_offload.engines.offload.kernels import jit
@@ -70,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     bw = read_bandwidth()
     x = torch.randn(1, H, dtype=torch.bfloat16)
     rows = []
+    ggml_rows(ops, x, rows, repeats)
+    if args.ggml:
+        return report(args, bw, rows)
 
     def gemv_row(label, n, h):
         xh = torch.randn(1, h, dtype=torch.bfloat16)
@@ -175,11 +177,49 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"one expert, {M} tokens (weights read once; compute grows with M)", f"[{2 * I}, {H}] + [{H}, {I}]",
                      nb, k, t))
 
+    return report(args, bw, rows)
+
+
+def ggml_rows(ops, x, rows: list, repeats: int) -> None:
+    """A token's K experts in GGUF block types (experts_mlp_q, the decode path of a GGUF file) against dequantizing
+    them and torch's F.linear chain; GB/s count the stored blocks."""
+    from moe_offload.engines.offload.kernels.dispatch import NO_SCALE
+    from moe_offload.engines.offload.loading import ggml
+
+    S = [NO_SCALE] * K
+    for name in ("q8_0", "q6_k", "q5_k", "q4_k", "q4_0", "gguf_mxfp4", "iq4_xs"):
+        seed = iter(range(10**6))
+
+        def make(name=name):
+            return ([ggml.random_blocks(2 * I, H, name, seed=next(seed)) for _ in range(K)],
+                    [ggml.random_blocks(H, I, name, seed=next(seed)) for _ in range(K)])
+
+        one = make()
+        qb = sum(t.numel() for t in one[0] + one[1])
+        qs = copies(make, qb)
+
+        def deq(w):
+            out = []
+            for gu, dn in zip(*w):
+                g, u = F.linear(x, ggml.dequantize(gu, torch.bfloat16)).chunk(2, dim=-1)
+                out.append(F.linear(F.silu(g) * u, ggml.dequantize(dn, torch.bfloat16)))
+            return out
+
+        k = measure(lambda w: ops.experts_mlp_q(x, w[0], S, w[1], S), qs, qb, repeats)
+        t = measure(deq, qs[:2], qb, max(1, repeats // 3))
+        rows.append((f"{K} experts {name}, one call", f"{K} x [{2 * I}, {H}] + [{H}, {I}]", qb, k, t))
+
+
+def report(args, bw: float, rows: list) -> int:
+    from moe_offload.engines.offload.kernels import jit
+    from moe_offload.engines.offload.tools.calibrate import cpu_name
+
     info = jit.info()
-    print(f"Command: `python bench/bench_kernels.py{' --quick' if args.quick else ''}`  ")
+    flags = "".join(f" --{f}" for f in ("quick", "ggml") if getattr(args, f))
+    print(f"Command: `python bench/bench_kernels.py{flags}`  ")
     print(f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"kernel variant {info.get('variant')}  ")
-    print(f"Read bandwidth (1 GiB fp32 sum, best of 7): **{bw / 1e9:.1f} GB/s**; {repeats} passes per row over >= 256 MiB "
+    print(f"Read bandwidth (1 GiB fp32 sum, best of 7): **{bw / 1e9:.1f} GB/s**; {3 if args.quick else 9} passes per row over >= 256 MiB "
           "of weight copies; GB/s best (median)\n")
     print("| op | weights | MB | kernel GB/s | torch GB/s | kernel / torch | kernel of read bw |")
     print("|---|---|---:|---:|---:|---:|---:|")
