@@ -324,8 +324,8 @@ __attribute__((always_inline)) inline __m256i q6k_scale(__m256i sc16, int n, int
   return _mm256_shuffle_epi8(half, pick);
 }
 
-// the cache lines of one block of `bytes` at p (software prefetch: rows read in lockstep are NR streams, more than
-// the hardware prefetcher follows well)
+// the cache lines of one block of `bytes` at p (software prefetch: the dots are too slow for the hardware
+// prefetcher alone to keep DRAM busy)
 template <int64_t bytes>
 __attribute__((always_inline)) inline void prefetch_block(const uint8_t* p) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + o, _MM_HINT_T0);
