@@ -56,7 +56,8 @@ def copies(make, nbytes: int, total: int = 256 << 20) -> list:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ggml", action="store_true", help="only the GGUF block-type rows (a token's experts, one call)")
+    ap.add_argument("--ggml", action="store_true",
+                    help="only a token's experts in one call for the GGUF block types and int8")
     args = ap.parse_args(argv)
     repeats = 3 if args.quick else 9
     from moe_offload.engines.offload.kernels import jit
@@ -208,6 +209,17 @@ def ggml_rows(ops, x, rows: list, repeats: int) -> None:
         k = measure(lambda w: ops.experts_mlp_q(x, w[0], S, w[1], S), qs, qb, repeats)
         t = measure(deq, qs[:2], qb, max(1, repeats // 3))
         rows.append((f"{K} experts {name}, one call", f"{K} x [{2 * I}, {H}] + [{H}, {I}]", qb, k, t))
+    from moe_offload.engines.offload.loading import quant
+
+    def make8():  # int8 rows with a scale per row (--expert-dtype int8), for the same comparison
+        return [quant.quantize(torch.randn(2 * I, H) / H**0.5, "int8") + quant.quantize(torch.randn(H, I) / I**0.5, "int8")
+                for _ in range(K)]
+
+    qb = sum(t.numel() * t.element_size() for w in make8() for t in w)
+    qs = copies(make8, qb)
+    k = measure(lambda g: ops.experts_mlp_q(x, *([w[j] for w in g] for j in range(4))), qs, qb, repeats)
+    t = measure(lambda g: [ops.expert_mlp_q(x, *w) for w in g], qs, qb, repeats)
+    rows.append((f"{K} experts int8, one call (vs {K} fused calls)", f"{K} x [{2 * I}, {H}] + [{H}, {I}]", qb, k, t))
 
 
 def report(args, bw: float, rows: list) -> int:
