@@ -56,8 +56,9 @@ FAMILIES = {
     "minimax_m2": dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_local_experts=64,
                        num_experts_per_tok=8, intermediate_size=512, rotary_dim=32, scoring_func="sigmoid"),
     # softmax router in fp32 with a correction bias for the choice, shared experts, interleaved fp32 rotary
+    # (intermediate_size 4x the shared experts' width, as in the released models: llama.cpp derives the one from the other)
     "ernie4_5_moe": dict(num_attention_heads=16, num_key_value_heads=4, moe_num_experts=64, moe_k=8,
-                         moe_intermediate_size=512, intermediate_size=2816, moe_num_shared_experts=1,
+                         moe_intermediate_size=512, intermediate_size=2048, moe_num_shared_experts=1,
                          moe_layer_start_index=1, moe_layer_end_index=11),
     # hybrid: gated DeltaNet linear attention in three of every four layers, gated full attention in the fourth
     "qwen3_next": dict(num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
@@ -91,7 +92,7 @@ def build(family: str, out: Path, seed: int = 0) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     from bench_engine import prompt_ids, read_bandwidth
-    from bench_llamacpp import CACHE, bound_bytes, engine_decode, ensure_llamacpp, llama_bench, to_gguf
+    from bench_llamacpp import CACHE, bound_bytes, engine_decode, ensure_llamacpp, to_gguf
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {', '.join(FAMILIES)}")
@@ -129,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start: dict[str, list[float]] = {}  # engine build seconds per round: the first writes the expert store
     for r in range(a.rounds):
         for f in fams:
-            ms = llama_bench(ggufs[f], a.tokens, depth=a.context, threads=a.threads, tools=tools)["ms_per_token"]
-            runs.setdefault((f, "llama.cpp"), []).append(statistics.fmean(ms))
+            runs.setdefault((f, "llama.cpp"), []).append(_llama_ms(ggufs[f], a, tools))
             t0 = time.perf_counter()
             e = build_offload_engine(paths[f], policy="static", fraction=1.0, dtype="bfloat16")
             t_start.setdefault(f, []).append(time.perf_counter() - t0)
@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"round {r + 1}/{a.rounds} {f}: llama.cpp {runs[(f, 'llama.cpp')][-1]:.1f}, "
                 f"moe-offload {runs[(f, 'moe-offload')][-1]:.1f} ms/token")
             if f in int8:
-                ms = llama_bench(q8[f], a.tokens, depth=a.context, threads=a.threads, tools=tools)["ms_per_token"]
-                runs.setdefault((f, "q8_0"), []).append(statistics.fmean(ms))
+                runs.setdefault((f, "q8_0"), []).append(_llama_ms(q8[f], a, tools))
                 prompt = prompt_ids(a.context, ModelSpec.from_hf_config(paths[f]).vocab_size)
                 engine_decode(int8[f], prompt, 2)
                 runs.setdefault((f, "int8"), []).append(statistics.fmean(engine_decode(int8[f], prompt, a.tokens)))
@@ -184,6 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _llama_ms(gguf, a, tools) -> float:
+    """llama-bench's mean ms/token on ``gguf``, or nan (logged) where llama.cpp fails on the file: one family's
+    failure does not cost the run."""
+    from bench_llamacpp import llama_bench
+
+    try:
+        return statistics.fmean(llama_bench(gguf, a.tokens, depth=a.context, threads=a.threads, tools=tools)["ms_per_token"])
+    except RuntimeError as e:
+        log(f"llama-bench failed on {gguf}: {str(e).splitlines()[-1]}")
+        return float("nan")
+
+
 def batched_table(fams, paths, ggufs, streams, a, tools) -> None:
     """Aggregate decode tok/s at each number of sequences: llama-batched-bench on the bf16 GGUF, then this engine's
     continuous batching (the scheduler the worker serves with, in process), back to back per family."""
@@ -201,10 +212,15 @@ def batched_table(fams, paths, ggufs, streams, a, tools) -> None:
         try:
             vocab = ModelSpec.from_hf_config(paths[f]).vocab_size
             for n in streams:
-                theirs = batched_bench(ggufs[f], [n], a.tokens, prompt=a.context, threads=a.threads, tools=tools)[0]
+                try:
+                    theirs = batched_bench(ggufs[f], [n], a.tokens, prompt=a.context, threads=a.threads,
+                                           tools=tools)[0]["speed_tg"]
+                except RuntimeError as err:
+                    log(f"llama-batched-bench failed on {ggufs[f]}: {str(err).splitlines()[-1]}")
+                    theirs = float("nan")
                 ours = engine_batched(e, n, a.context, a.tokens, vocab)
-                rows.append((f, n, theirs["speed_tg"], ours))
-                log(f"{f} {n} streams: llama.cpp {theirs['speed_tg']:.1f}, moe-offload {ours:.1f} tok/s")
+                rows.append((f, n, theirs, ours))
+                log(f"{f} {n} streams: llama.cpp {theirs:.1f}, moe-offload {ours:.1f} tok/s")
         finally:
             e.close()
         gc.collect()
