@@ -330,7 +330,25 @@ def _linear_ok(m: torch.nn.Linear) -> bool:
 
 def prepare(model: torch.nn.Module, expert_dtype: torch.dtype | None) -> int:
     """At load time: build the kernels now (not inside the first decode step) when the experts are bf16 or
-    quantized, and patch the model's one-token bf16 CPU linears. Returns how many linears were patched."""
+    quantized, patch the model's one-token bf16 CPU linears, widen its gated-DeltaNet convolutions. Returns how many
+    linears were patched."""
     if expert_dtype == torch.bfloat16 or expert_dtype in quant.FORMAT_OF_DTYPE:
         jit.load()
+    widen_delta_convs(model)
     return patch_linears(model)
+
+
+def widen_delta_convs(model: torch.nn.Module) -> int:
+    """The short causal convolution of every gated-DeltaNet layer (Qwen3-Next's linear attention and the families that
+    copy it) holds fp32 weights on the CPU: torch runs a bf16 depthwise convolution through its per-channel slow path
+    (60 % of a Qwen3-Next decode step, 165k thnn_conv2d calls for 8 tokens), fp32 through its vectorized one. That
+    code casts the input to the weight's dtype and the result back, so activations stay bf16: the convolution is
+    computed in fp32 and rounded once. Returns how many were widened."""
+    n = 0
+    for parent in model.modules():
+        conv = getattr(parent, "conv1d", None)
+        if (type(parent).__name__.endswith("GatedDeltaNet") and type(conv) is torch.nn.Conv1d
+                and conv.weight.dtype == torch.bfloat16 and conv.weight.device.type == "cpu"):
+            conv.float()
+            n += 1
+    return n

@@ -91,3 +91,37 @@ def test_omni_talker_is_left_out():
     experts, _ = inspect_model(config)
     assert experts and all(e.name.startswith("model.language_model.layers.") for e in experts)
     assert config.enable_audio_output  # the caller's config is not changed
+
+
+def test_gated_deltanet_convolutions_run_in_fp32_in_bf16_engines(family_checkpoints):
+    # Qwen3-Next's linear attention: on the CPU in bf16 its short convolution holds fp32 weights (torch's bf16
+    # depthwise path is slow); the layer's output stays bf16 and equals the stock bf16 layer's to bf16 rounding, and
+    # the engine's greedy tokens equal transformers' in bf16; an fp32 engine is untouched
+    from transformers import AutoModelForCausalLM
+
+    path = _path(family_checkpoints, "qwen3_next")
+    om = load_model(path, None, dtype="bfloat16")
+    stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    delta = [(name, m) for name, m in om.model.named_modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    assert delta and all(m.conv1d.weight.dtype == torch.float32 for _, m in delta)
+    name, mine = delta[0]
+    x = torch.randn(1, 5, om.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.inference_mode():
+        y, ref = mine(x), stock.get_submodule(name)(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+    # the one-token decode update the layer calls, with the widened weights: the stock bf16 result to bf16 rounding
+    import inspect
+
+    update = inspect.getmodule(type(mine)).causal_conv1d_update
+    ch, taps = mine.conv1d.weight.shape[0], mine.conv1d.weight.shape[-1]
+    g = torch.Generator().manual_seed(1)
+    xt, state = (torch.randn(1, ch, n, generator=g).to(torch.bfloat16) for n in (1, taps - 1))
+    w_bf16 = stock.get_submodule(name).conv1d
+    got = update(xt, state.clone(), mine.conv1d.weight.squeeze(1), mine.conv1d.bias, mine.activation)
+    want = update(xt, state.clone(), w_bf16.weight.squeeze(1), w_bf16.bias, mine.activation)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+    fp32 = load_model(path, None, dtype="float32")
+    assert all(m.conv1d.weight.dtype == torch.float32 for m in fp32.model.modules()
+               if type(m).__name__.endswith("GatedDeltaNet"))
