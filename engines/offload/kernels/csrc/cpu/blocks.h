@@ -542,8 +542,8 @@ inline void dot_tokens_n(const uint8_t* w, int64_t nb, const int8_t* const* xq, 
 }
 
 // One row after the other, each prefetching the row two ahead: a single sequential stream, which DRAM serves faster
-// than NR rows in lockstep (bench/bench_kernels.py --ggml: q8_0 and q6_k read 1.3-1.8x faster from DRAM on a
-// 2-core AVX2 host; in cache the two are equal). Each row's sum is dot_rows_t<T, 1>'s whichever way it is called.
+// than NR rows in lockstep (bench/bench_kernels.py --ggml on a 2-core AVX2 host: q8_0 and q6_k 1.27x; in cache the
+// two are equal). Each row's sum is dot_rows_t<T, 1>'s whichever way it is called.
 template <int T>
 inline void dot_rows_n(const uint8_t* w, int64_t ld, int64_t nb, const int8_t* xq, const float* xs, const int16_t* bs16,
                        int n, float* out) {

@@ -91,8 +91,8 @@ void prepare_row(const float* v, int64_t i, char fmt, Tokens& t);
 // block scales loaded once for the rows, each row's sum in its own accumulators (in 64s, then a 32, then the tail
 // block as a plain integer sum), one hsum tree that adds each row's lanes as hsum8 does, and the same column of the
 // next group of NR rows prefetched. rows_dot calls it one row at a time (NR = 1: the row two ahead prefetched), a
-// single sequential stream, which DRAM serves faster than rows in lockstep (8 int8 experts 12.8 -> 16.6 GB/s on a
-// 2-core AVX2 host); dot_q8 is the same one-row case.
+// single sequential stream, which DRAM serves faster than rows in lockstep (a token's 8 int8 experts 1.31x,
+// bench/bench_kernels.py --ggml on a 2-core AVX2 host); dot_q8 is the same one-row case.
 template <int NR>
 __attribute__((always_inline)) inline void dot_q8_rows(const int8_t* w, int64_t ld, const Tokens& t, int64_t i, float* out) {
   const int64_t k = t.k;
