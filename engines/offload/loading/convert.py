@@ -122,24 +122,28 @@ def _target(path: str, dtype: str | None, expert_dtype: str | None):
     return root, config, experts, method, read_as, convert_to, compute, stored_format(method, read_as, convert_to, compute)
 
 
-def existing_store(path: str, dtype: str | None = None, expert_dtype: str | None = None) -> diskstore.Manifest | None:
-    """The expert store of checkpoint ``path`` in the format the engine would hold, when one was written."""
-    root, config, _, _, read_as, _, compute, target = _target(path, dtype, expert_dtype)
+def _where(root: Path, config, read_as: str, compute: torch.dtype, target: str) -> Path:
+    """Where the expert store of a checkpoint resolved by _target lives (a GGUF file's: keyed by the file)."""
     if getattr(config, "gguf_file", None) is not None:
         from moe_offload.engines.offload.loading import gguf_load
 
-        return diskstore.read_manifest(gguf_load.store_dir(config.gguf_file, compute, read_as == "float")[0])
-    return diskstore.read_manifest(store_dir(root, target))
+        return gguf_load.store_dir(config.gguf_file, compute, read_as == "float")[0]
+    return store_dir(root, target)
+
+
+def existing_store(path: str, dtype: str | None = None, expert_dtype: str | None = None) -> diskstore.Manifest | None:
+    """The expert store of checkpoint ``path`` in the format the engine would hold, when one was written."""
+    root, config, _, _, read_as, _, compute, target = _target(path, dtype, expert_dtype)
+    return diskstore.read_manifest(_where(root, config, read_as, compute, target))
 
 
 def convert_checkpoint(path: str, dtype: str | None = None, expert_dtype: str | None = None) -> tuple[diskstore.Manifest, bool]:
     """(the expert store of checkpoint ``path`` as the engine would load it with ``dtype`` / ``expert_dtype``, whether
     it was written now). What `moe-offload convert` runs; the engine finds the store where this puts it."""
     root, config, experts, method, read_as, convert_to, compute, target = _target(path, dtype, expert_dtype)
+    existed = diskstore.read_manifest(_where(root, config, read_as, compute, target)) is not None
     if getattr(config, "gguf_file", None) is not None:  # the file's blocks (or --expert-dtype bf16's floats)
         from moe_offload.engines.offload.loading import gguf_load
 
-        existed = diskstore.read_manifest(gguf_load.store_dir(config.gguf_file, compute, read_as == "float")[0]) is not None
         return gguf_load.ensure_store(config.gguf_file, config, experts, compute, read_as == "float"), not existed
-    existed = diskstore.read_manifest(store_dir(root, target)) is not None
     return ensure_store(root, config, experts, method, read_as, convert_to, compute), not existed

@@ -224,13 +224,13 @@ def store_dir(path, dtype: torch.dtype, dequantize: bool = False) -> tuple[Path,
     from moe_offload.engines.offload.experts import diskstore
     from moe_offload.hostmem import store_root
 
-    info = gguf_meta.read(path)
+    files = gguf_meta.files_of(path)  # the names only: the header is not parsed here
     target = "gguf-" + (str(dtype).removeprefix("torch.") if dequantize else "blocks")
     h = hashlib.sha256(f"{target}|{diskstore.VERSION}".encode())
-    for f in info.files:
+    for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
-    return store_root() / f"{info.files[0].stem}-{target}-{h.hexdigest()[:16]}", target
+    return store_root() / f"{files[0].stem}-{target}-{h.hexdigest()[:16]}", target
 
 
 def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bool = False, out: Path | None = None):
@@ -245,12 +245,12 @@ def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bo
     from moe_offload.engines.offload.loading.architecture import meta_model
     from moe_offload.log import get_logger
 
-    info = gguf_meta.read(path)
     default, target = store_dir(path, dtype, dequantize)
     where = Path(out) if out is not None else default
     man = diskstore.read_manifest(where)
     if man is not None:
         return man
+    info = gguf_meta.read(path)
     log = get_logger("moe_offload.gguf")
     t0 = time.perf_counter()
     log.info("writing the expert store (once per file and format)", gguf=str(info.files[0]), store=str(where))
