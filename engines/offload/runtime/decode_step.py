@@ -39,6 +39,15 @@ log = get_logger("moe_offload.fastpath")
 ENV = "MOE_OFFLOAD_DECODE_STEP"
 
 
+def _guarded(build, plan):
+    """``build(plan)``, or None (logged) where the kernels' checks refuse the weights: the per-layer loop runs."""
+    try:
+        return build(plan)
+    except (RuntimeError, TypeError, ValueError) as e:
+        log.info("whole-step decode off: the per-layer loop runs", reason=f"{type(e).__name__}: {e}")
+        return None
+
+
 class StepCall:
     """A built moe_offload::DecodeStep and the executor states it books for."""
 
@@ -52,11 +61,7 @@ class StepCall:
     def build(cls, plan) -> "StepCall | None":
         """The whole-step call for ``plan`` (a fastpath.DecodePlan), or None where the per-layer loop must run. Never
         raises: weights the call's checks refuse mean the loop."""
-        try:
-            return cls._build(plan)
-        except (RuntimeError, TypeError, ValueError) as e:
-            log.info("whole-step decode off: the per-layer loop runs", reason=f"{type(e).__name__}: {e}")
-            return None
+        return _guarded(cls._build, plan)
 
     @classmethod
     def _build(cls, plan) -> "StepCall | None":
@@ -93,11 +98,7 @@ class StepCall:
     @classmethod
     def build_mla(cls, plan) -> "StepCall | None":
         """The whole-step call for ``plan`` (an mla_plan.MLADecodePlan), or None: the per-layer loop."""
-        try:
-            return cls._build_mla(plan)
-        except (RuntimeError, TypeError, ValueError) as e:
-            log.info("whole-step decode off: the per-layer loop runs", reason=f"{type(e).__name__}: {e}")
-            return None
+        return _guarded(cls._build_mla, plan)
 
     @classmethod
     def _build_mla(cls, plan) -> "StepCall | None":

@@ -95,6 +95,22 @@ def mlp_args(mlp) -> tuple | None:
     return None if gate_up is None else (gate_up, mlp.down_proj.weight)
 
 
+def plus_shared(out: torch.Tensor, x: torch.Tensor, shared, shared_args: tuple | None) -> torch.Tensor:
+    """``out`` + the shared experts' output for x: one mlp_rows call over their fused rows where it takes x (bf16 rows),
+    else the module."""
+    if shared_args is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous():
+        return out + mlp_rows(x, *shared_args)
+    return out + shared(x)
+
+
+def _served(mlp):
+    """The experts module of ``mlp`` when the fused router is on and the executor serves those experts, else None."""
+    if not switches.on("MOE_OFFLOAD_FUSED_ROUTER"):
+        return None
+    experts = getattr(mlp, "experts", None)
+    return experts if getattr(experts, "_moe_offload", None) is not None else None
+
+
 class DeepseekBlock:
     """DeepSeek-V3's MoE block for decode rows: ``block(executor, x [M, H]) -> [M, H]``, as the module computes it.
     The shared experts run as one ``mlp_rows`` call over their gate|up rows fused (``fuse_rows``)."""
@@ -115,10 +131,7 @@ class DeepseekBlock:
         g = self.gate
         scores = F.linear(x.type(torch.float32), g.weight.type(torch.float32)).sigmoid()  # [M, E], the module's ops
         ids, w = torch.ops.moe_offload.grouped_topk(scores, g.e_score_correction_bias.float(), *self.args)
-        out = ex.forward(self.state, self.experts, x, ids, w)
-        if self.shared_args is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous():
-            return out + mlp_rows(x, *self.shared_args)
-        return out + self.shared(x)
+        return plus_shared(ex.forward(self.state, self.experts, x, ids, w), x, self.shared, self.shared_args)
 
 
 class SigmoidTopkBlock:
@@ -145,13 +158,11 @@ class SigmoidTopkBlock:
 
 def sigmoid_topk_block(mlp) -> SigmoidTopkBlock | None:
     """The block for ``mlp`` when it is MiniMax-M2's (by source) with its experts on the executor, else None."""
-    if not switches.on("MOE_OFFLOAD_FUSED_ROUTER"):
+    experts = _served(mlp)
+    if experts is None or not hasattr(mlp, "e_score_correction_bias"):
         return None
     from transformers.models.minimax_m2 import modeling_minimax_m2 as ref
 
-    experts = getattr(mlp, "experts", None)
-    if getattr(experts, "_moe_offload", None) is None or not hasattr(mlp, "e_score_correction_bias"):
-        return None
     if not (same_source(mlp, ref.MiniMaxM2SparseMoeBlock) and same_source(getattr(mlp, "gate", None), ref.MiniMaxM2TopKRouter)):
         return None
     return SigmoidTopkBlock(mlp, experts._moe_offload)
@@ -176,22 +187,16 @@ class SoftmaxBiasBlock:
         scores = F.softmax(F.linear(x.float(), g.weight.float()), dim=1, dtype=torch.float)  # the module's ops
         ids, w = torch.ops.moe_offload.grouped_topk(scores, self.bias.float().reshape(-1), *self.args)
         out = ex.forward(self.state, self.experts, x, ids, w.to(x.dtype))
-        if self.shared is None:
-            return out
-        if self.shared_args is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous():
-            return out + mlp_rows(x, *self.shared_args)
-        return out + self.shared(x)
+        return out if self.shared is None else plus_shared(out, x, self.shared, self.shared_args)
 
 
 def softmax_bias_block(mlp) -> SoftmaxBiasBlock | None:
     """The block for ``mlp`` when it is Ernie 4.5's (by source) with its experts on the executor, else None."""
-    if not switches.on("MOE_OFFLOAD_FUSED_ROUTER"):
+    experts = _served(mlp)
+    if experts is None:
         return None
     from transformers.models.ernie4_5_moe import modeling_ernie4_5_moe as ref
 
-    experts = getattr(mlp, "experts", None)
-    if getattr(experts, "_moe_offload", None) is None:
-        return None
     if not (same_source(mlp, ref.Ernie4_5_MoeSparseMoeBlock) and same_source(getattr(mlp, "gate", None), ref.Ernie4_5_MoeTopKRouter)
             and same_source(getattr(mlp.gate, "moe_statics", None), ref.Ernie4_5_MoeStatics)):
         return None
@@ -201,13 +206,11 @@ def softmax_bias_block(mlp) -> SoftmaxBiasBlock | None:
 def deepseek_block(mlp) -> DeepseekBlock | None:
     """The block for ``mlp`` when it is DeepSeek-V3's MoE block with its experts on the executor, else None
     (``MOE_OFFLOAD_FUSED_ROUTER=0`` also gives None: the block then runs as its module)."""
-    if not switches.on("MOE_OFFLOAD_FUSED_ROUTER"):
+    experts = _served(mlp)
+    if experts is None or not hasattr(mlp, "shared_experts"):
         return None
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ref
 
-    experts = getattr(mlp, "experts", None)
-    if getattr(experts, "_moe_offload", None) is None or not hasattr(mlp, "shared_experts"):
-        return None
     if not (same_source(mlp, ref.DeepseekV3MoE) and same_source(getattr(mlp, "gate", None), ref.DeepseekV3TopkRouter)):
         return None
     g = mlp.gate
