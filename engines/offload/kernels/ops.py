@@ -18,9 +18,10 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       every pair's row is bit-identical to expert_mlp_bf16 (experts_mlp_bf16 with biases, gate) of its token alone
   clamped_swiglu_bf16(gate_up [.., 2I], alpha, limit) -> [.., I]   gpt-oss's gate over interleaved gate|up columns,
       rounded op by op as torch's bf16 ops round (dispatch.py uses it where the module's _apply_gate is gpt-oss's)
-  shared_expert_bf16(x [M, H], gate_up [2I, H], down [H, I], gate [1, H]) -> [M, H]   Qwen2-MoE's gated shared
-      expert: bf16(sigmoid(gate . x) * expert(x)) rounded as the module's bf16 ops; the expert as moe_experts_bf16
-      (runtime/fastpath.py's loop and the whole-step call both use it)                                   moe.cpp
+  shared_expert_bf16(x [M, H], gate_up [2I, H], down [H, I], gate [1, H], gate_up_scale?, down_scale?) -> [M, H]
+      Qwen2-MoE's gated shared expert: bf16(sigmoid(gate . x) * expert(x)) rounded as the module's bf16 ops; the
+      expert as moe_experts_bf16, or (int8 rows + scales, ggml blocks: --dense-dtype int8, a GGUF file) as
+      moe_experts_q, one expert taking every token (runtime/fastpath.py's loop and the whole-step call)    moe.cpp
   gemv_q(x [N, K], w, w_scale, bias [R]?, split=0) -> [N, R]    bf16|fp32 x, N <= MAX_TOKENS;        moe_quant.cpp
       the format from w.dtype: int8 [R, K] + fp32 [R] | float8_e4m3fn [R, K] + fp32 block scales [RB, ceil(K/128)]
       (rows >= split read the second half's blocks) | uint8 mxfp4 blocks [R, K/2] + E8M0 scales [R, K/32]
@@ -68,7 +69,7 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
 Class moe_offload.DecodeStep(bs, w_bf16, norm_mode, router_mode) (torch.classes; the family's constants)     step.cpp
   .add_layer(decode_layer_bf16's weights of one layer, kpool, vpool, top_k, norm_topk, ..., the layer's E experts by
              id: gate_ups, gate_up_scales ([] for bf16), downs, down_scales, quantized, and a Qwen2-MoE shared
-             expert's shared_expert_bf16 tensors or None x 3)
+             expert's shared_expert_bf16 tensors or None x 5)
   .step(h [M, H], cos, sin, blocks, lens, norm [H], eps) -> (x [M, H], ids [L, M, K], experts seconds)
       a whole decode step: per layer decode_layer_bf16, the routed pairs through moe_experts_q | moe_experts_bf16,
       the combine as the executor computes it; then the final norm (runtime/decode_step.py)
@@ -144,7 +145,7 @@ def _rmsnorm(h, add, w, eps, norm_mode=0):
     return h.new_empty(h.shape)
 
 
-def _shared(x, gate_up, down, gate):
+def _shared(x, gate_up, down, gate, gate_up_scale=None, down_scale=None):
     return x.new_empty(x.shape)
 
 

@@ -276,10 +276,11 @@ def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bo
 
 
 def keep_dense_blocks(model, tensors: Tensors) -> int:
-    """Attention projections (q/k/v/o of a self_attn that has all four) and the LM head whose file tensors are ggml
-    blocks become BlockLinear over those blocks, as the file ships them (llama's q/k rows un-permuted); returns how
-    many. The dequantized weights they replace are freed."""
-    from moe_offload.engines.offload.loading.quant import DENSE_NAMES, BlockLinear
+    """Attention projections (q/k/v/o of a self_attn that has all four), dense MLPs and shared experts (gate and up
+    of one block type, so that one kernel call reads both) and the LM head whose file tensors are ggml blocks become
+    BlockLinear over those blocks, as the file ships them (llama's q/k rows un-permuted); returns how many. The
+    dequantized weights they replace are freed."""
+    from moe_offload.engines.offload.loading.quant import DENSE_NAMES, MLP_NAMES, BlockLinear, dense_linears
 
     info = tensors.info
     tmap = _tensor_map(info)
@@ -306,6 +307,17 @@ def keep_dense_blocks(model, tensors: Tensors) -> int:
             continue
         for a, b in found.items():
             setattr(module, a, BlockLinear(b, getattr(module, a).bias))
+            n += 1
+    names = {id(m): name for name, m in model.named_modules()}
+    for group in dense_linears(model):
+        if [a for _, a in group] != list(MLP_NAMES):
+            continue
+        mlp = group[0][0]
+        found = [blocks_of(f"{names[id(mlp)]}.{a}.weight", None) for a in MLP_NAMES]
+        if any(b is None for b in found) or found[0].shape[1:] != found[1].shape[1:]:
+            continue  # not blocks, or gate and up of two types: the bf16 MLP stays
+        for a, b in zip(MLP_NAMES, found):
+            setattr(mlp, a, BlockLinear(b, getattr(mlp, a).bias))
             n += 1
     head = getattr(model, "lm_head", None)
     if type(head) is torch.nn.Linear and not cfg["tie_word_embeddings"]:

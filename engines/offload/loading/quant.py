@@ -222,19 +222,37 @@ class BlockLinear(torch.nn.Module):
 
 
 DENSE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# MLA's projections the fused paths read as rows; kv_b_proj stays bf16: the absorbed attention (mla.cpp) reads it per
+# head, as W_UK and W_UV
+MLA_NAMES = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj")
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def dense_linears(model: torch.nn.Module):
+    """(module, attribute) of every dense linear that --dense-dtype int8 and a GGUF file's blocks hold as rows, by
+    name rather than by family: the attention projections (MLA's low-rank ones too) of every ``self_attn``, and the
+    gate/up/down of every MLP outside an experts container (a dense layer's MLP, shared experts), one MLP's three
+    together. Routers, embeddings and norms are not among them. Each entry is a tuple of (module, attr) pairs that go
+    together (an MLP's three; an attention projection alone)."""
+    groups = []
+    for name, module in model.named_modules():
+        if name.endswith("self_attn"):
+            groups += [((module, a),) for a in DENSE_NAMES + MLA_NAMES if type(getattr(module, a, None)) is torch.nn.Linear]
+        elif "experts" not in name.split(".") and all(type(getattr(module, a, None)) is torch.nn.Linear
+                                                       for a in MLP_NAMES):
+            groups.append(tuple((module, a) for a in MLP_NAMES))
+    return groups
 
 
 def quantize_dense(model: torch.nn.Module) -> int:
-    """Replace the attention projections (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` of every ``self_attn``) and
-    the LM head by ``QuantLinear``; returns how many. Embeddings, norms, routers and shared experts stay as they are."""
+    """Replace the dense linears (``dense_linears``: attention projections, MLA's low-rank projections, dense MLPs and
+    shared experts) and the LM head by ``QuantLinear``; returns how many. Embeddings, norms and routers stay as
+    they are."""
     n = 0
-    for name, module in list(model.named_modules()):
-        if name.endswith("self_attn"):
-            for attr in DENSE_NAMES:
-                lin = getattr(module, attr, None)
-                if type(lin) is torch.nn.Linear:
-                    setattr(module, attr, QuantLinear(lin))
-                    n += 1
+    for group in dense_linears(model):
+        for module, attr in group:
+            setattr(module, attr, QuantLinear(getattr(module, attr)))
+            n += 1
     head = getattr(model, "lm_head", None)
     if type(head) is torch.nn.Linear:
         model.lm_head = QuantLinear(head)

@@ -89,7 +89,7 @@ class StepCall:
             top_k = lay.block.args[2] if lay.block is not None else lay.top_k
             obj.add_layer(ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kp, vp, scaling, window, wo, bo, ln2, lay.router,
                           top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales, *experts,
-                          *(lay.shared_args or (None, None, None)))
+                          *(lay.shared_args or (None,) * 5))
             _add_gate(obj, lay.state, lay.experts, probe)
             _add_mlp(obj, lay.block, lay.dense)
         log.info("whole-step decode on", layers=len(plan.layers))
@@ -123,14 +123,16 @@ class StepCall:
             wq = a.q_b_proj if lora else a.q_proj
             kv_a = None if lora else a.kv_a_proj_with_mqa
             (wq_w, wq_s), (wo_w, wo_s) = _weight_scale(wq), _weight_scale(a.o_proj)
+            kv_a_w, kv_a_s = _weight_scale(kv_a) if kv_a is not None else (None, None)
+            qkv_a_w, qkv_a_s = qkv_a if qkv_a is not None else (None, None)
             obj.add_mla_layer(
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv_a, a.q_lora_rank or 0,
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv_a_w, a.q_lora_rank or 0,
                 a.q_a_layernorm.weight if lora else None, a.q_a_layernorm.variance_epsilon if lora else 0.0,
-                wq_w, wq.bias, kv_a.weight if kv_a is not None else None, kv_a.bias if kv_a is not None else None,
+                wq_w, wq.bias, kv_a_w, kv_a.bias if kv_a is not None else None,
                 a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon, kp, vp, a.kv_b_proj.weight, a.num_heads,
                 a.qk_nope_head_dim, float(a.scaling), plan.interleave, wo_w, a.o_proj.bias,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon, wq_s, wo_s,
-                block.args[2] if block is not None else 0, *experts)
+                block.args[2] if block is not None else 0, *experts, qkv_a_s, kv_a_s)
             _add_mlp(obj, block, dense)
         log.info("whole-step decode on", layers=len(plan.layers), attention="mla")
         return cls(obj, plan.executor, [b.state for b in plan.blocks if b is not None])
@@ -227,12 +229,11 @@ def _add_mlp(obj, block, dense) -> None:
 
 
 def _mla_linears_ok(a) -> bool:
-    """The MLA attention's linears the call computes as their modules do: q (q_b_proj | q_proj) and o_proj bf16
-    nn.Linears patched to the kernels or (--dense-dtype int8, a GGUF file) int8 rows / ggml blocks, which call gemv_q;
-    kv_a_proj_with_mqa (without q_lora: q_a|kv_a run fused, not as modules) the former only."""
-    q = a.q_b_proj if a.q_lora_rank is not None else a.q_proj
-    return (all(dispatch.patched(m) or isinstance(m, (QuantLinear, BlockLinear)) for m in (q, a.o_proj))
-            and (a.q_lora_rank is not None or dispatch.patched(a.kv_a_proj_with_mqa)))
+    """The MLA attention's linears the call computes as their modules do: q (q_b_proj | q_proj), o_proj and (without
+    q_lora: q_a|kv_a run fused, not as modules) kv_a_proj_with_mqa, each a bf16 nn.Linear patched to the kernels or
+    (--dense-dtype int8, a GGUF file) int8 rows / ggml blocks, which call gemv_q."""
+    ms = (a.q_b_proj, a.o_proj) if a.q_lora_rank is not None else (a.q_proj, a.o_proj, a.kv_a_proj_with_mqa)
+    return all(dispatch.patched(m) or isinstance(m, (QuantLinear, BlockLinear)) for m in ms)
 
 
 def _weight_scale(m) -> tuple:

@@ -86,13 +86,17 @@ FAMILIES["ernie4_5_moe"] = Family(window_from_config=False, router_weights_bf16=
 
 
 def _shared_args(se, gate) -> tuple | None:
-    """(gate|up rows fused, down, gate weight) of a Qwen2-MoE shared expert that shared_expert_bf16 computes: silu
-    MLP of bias-free bf16 nn.Linears and a bias-free [1, H] gate; else None (the modules run)."""
+    """(gate|up rows fused, down, gate weight, gate|up scales, down scales) of a Qwen2-MoE shared expert that
+    shared_expert_bf16 computes: a silu MLP mlp_rows takes (bf16, int8 rows, ggml blocks) and a bias-free bf16 [1, H]
+    gate; else None (the modules run)."""
     if not (type(gate) is torch.nn.Linear and gate.bias is None
             and gate.weight.dtype == torch.bfloat16 and gate.weight.shape[0] == 1):
         return None
     args = mlp_args(se)
-    return None if args is None else (*args, gate.weight)
+    if args is None:
+        return None
+    gate_up, down, gate_up_scale, down_scale = args
+    return gate_up, down, gate.weight, gate_up_scale, down_scale
 
 
 def enabled_by_env() -> bool:
@@ -115,8 +119,8 @@ class _Layer:
     sinks: object | None = None  # [Hq]
     scales: tuple = (None, None, None, None)  # int8 q/k/v/o: fp32 row scales
     block: object | None = None  # a MoE block run without its module (moe_blocks.py), else None
-    shared_args: tuple | None = None  # (gate_up [2I, H], down [H, I], gate [1, H]) for shared_expert_bf16, else None
-    dense: tuple | None = None  # a dense layer's silu MLP as (gate_up [2I, H], down [H, I]) for mlp_rows, else None
+    shared_args: tuple | None = None  # (gate_up [2I, H], down [H, I], gate [1, H], scales x 2) for shared_expert_bf16
+    dense: tuple | None = None  # a dense layer's silu MLP as mlp_args gives it (gate_up, down, scales x 2), else None
 
 
 class DecodePlan:

@@ -33,10 +33,17 @@ import torch
 
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.kernels.dispatch import GEMM_MAX_TOKENS
-from moe_offload.engines.offload.loading.quant import QuantLinear
+from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.engines.offload.runtime import fastpath, mla
 from moe_offload.engines.offload.runtime.decode_step import StepCall
-from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, fuse_rows, mlp_args, mlp_rows, same_source
+from moe_offload.engines.offload.runtime.moe_blocks import (
+    deepseek_block,
+    fuse_quantized_rows,
+    fuse_rows,
+    mlp_args,
+    mlp_rows,
+    same_source,
+)
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -62,6 +69,14 @@ def _reference_classes():
     return m.DeepseekV3DecoderLayer, m.DeepseekV3Attention, m.DeepseekV3RMSNorm
 
 
+def _fuse_qkv_a(a) -> tuple | None:
+    """(q_a|kv_a rows, their scales or None) as one GEMV reads them, or None (the two modules run)."""
+    if type(a.q_a_proj) is torch.nn.Linear:
+        rows = fuse_rows(a.q_a_proj, a.kv_a_proj_with_mqa)
+        return None if rows is None else (rows, None)
+    return fuse_quantized_rows(a.q_a_proj, a.kv_a_proj_with_mqa)
+
+
 class MLADecodePlan:
     """Built once per engine by ``build`` (or None); ``forward`` runs one decode-only step, as fastpath.DecodePlan."""
 
@@ -71,8 +86,9 @@ class MLADecodePlan:
         self.embed, self.rotary, self.norm, self.lm_head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
         self.layers = list(inner.layers)
         self.blocks = [deepseek_block(layer.mlp) for layer in self.layers]  # None: the MLP runs as its module
-        # q_a and kv_a read the same input: one GEMV over their rows (the modules' weights become views of it)
-        self.qkv_a = [fuse_rows(a.q_a_proj, a.kv_a_proj_with_mqa) if a.q_lora_rank is not None else None
+        # q_a and kv_a read the same input: one GEMV over their rows (the modules' weights become views of it), as
+        # (rows, scales): bf16 (scales None), or --dense-dtype int8's rows (gemv_q)
+        self.qkv_a = [_fuse_qkv_a(a) if a.q_lora_rank is not None else None
                       for a in (layer.self_attn for layer in self.layers)]
         self.interleave = bool(self.layers[0].self_attn.config.rope_interleave)  # DeepSeek's rotary layout
         # a dense layer's silu MLP in one kernel call (mlp_rows), else None: its module runs
@@ -113,14 +129,14 @@ class MLADecodePlan:
             norms += [attn.q_a_layernorm] if attn.q_lora_rank is not None else []
             if not all(same_source(n, norm_cls) for n in norms + [inner.norm]):
                 return "not DeepSeek-V3's RMSNorm"
-            linears = [attn.kv_a_proj_with_mqa, attn.kv_b_proj]
-            linears += [attn.q_a_proj, attn.q_b_proj] if attn.q_lora_rank is not None else []
-            if any(type(m) is not torch.nn.Linear for m in linears):
-                return "attention projections not all nn.Linear"
-            # q_proj and o_proj may be --dense-dtype int8's QuantLinear (called as modules, as the module path does)
-            if any(type(m) not in (torch.nn.Linear, QuantLinear)
-                   for m in [attn.o_proj] + ([attn.q_proj] if attn.q_lora_rank is None else [])):
-                return "q/o projections neither nn.Linear nor int8"
+            # the absorbed attention reads kv_b_proj's bf16 weight per head; the other projections may be
+            # --dense-dtype int8's QuantLinear (or a GGUF file's blocks), called as gemv_q as the module path calls them
+            if type(attn.kv_b_proj) is not torch.nn.Linear:
+                return "kv_b_proj not an nn.Linear"
+            linears = [attn.kv_a_proj_with_mqa, attn.o_proj]
+            linears += [attn.q_a_proj, attn.q_b_proj] if attn.q_lora_rank is not None else [attn.q_proj]
+            if any(type(m) not in (torch.nn.Linear, QuantLinear, BlockLinear) for m in linears):
+                return "attention projections neither nn.Linear nor quantized rows"
             for m in [attn, layer.input_layernorm, layer.post_attention_layernorm]:
                 if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in m.parameters()):
                     return "not bf16 on the CPU"
@@ -167,8 +183,10 @@ class MLADecodePlan:
                 q = a.q_proj(x)
                 ckv = a.kv_a_proj_with_mqa(x)  # [M, R + P]
             else:
-                if qkv_a is not None and M <= GEMM_MAX_TOKENS:  # as the patched linears: GEMV / GEMM kernels
-                    both = ops.gemv_bf16(x, qkv_a, None) if M == 1 else ops.gemm_bf16(x, qkv_a, None)
+                if qkv_a is not None and M <= GEMM_MAX_TOKENS:  # as the (patched | int8) linears' kernels
+                    rows, scale = qkv_a
+                    both = (ops.gemv_q(x, rows, scale, None, 0) if scale is not None
+                            else ops.gemv_bf16(x, rows, None) if M == 1 else ops.gemm_bf16(x, rows, None))
                     qa, ckv = both[:, : a.q_lora_rank].contiguous(), both[:, a.q_lora_rank :]
                 else:
                     qa, ckv = a.q_a_proj(x), a.kv_a_proj_with_mqa(x)

@@ -68,31 +68,78 @@ def fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor | None:
     return fused
 
 
+def _rows_linear(m) -> bool:
+    """``m`` holds its weight as rows the kernels read quantized: --dense-dtype int8's QuantLinear, a GGUF file's
+    BlockLinear."""
+    from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
+
+    return type(m) in (QuantLinear, BlockLinear)
+
+
+def fuse_quantized_rows(*linears) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """fuse_rows for int8 QuantLinears (rows and their per-row scales) or BlockLinears of one ggml block type (scales
+    empty: the blocks carry theirs): (rows, scales), the modules' buffers views of them. A row's dot product does not
+    depend on its neighbours, so outputs are unchanged. None (nothing changed) unless bias-free CPU linears of one
+    class, one format and one input width."""
+    if not linears or any(not _rows_linear(m) or m.bias is not None or type(m) is not type(linears[0]) for m in linears):
+        return None
+    ws = [m.weight_q for m in linears]
+    if any(w.dtype != ws[0].dtype or w.shape[1:] != ws[0].shape[1:] or w.device.type != "cpu" for w in ws):
+        return None
+    rows = torch.cat(ws)
+    per_row = linears[0].weight_scale.numel() > 0  # int8: a scale per row; blocks: none
+    scales = torch.cat([m.weight_scale for m in linears]) if per_row else linears[0].weight_scale
+    r = 0
+    for m, w in zip(linears, ws):
+        m.weight_q = rows[r : r + w.shape[0]]
+        if per_row:
+            m.weight_scale = scales[r : r + w.shape[0]]
+        r += w.shape[0]
+    return rows, scales
+
+
 def silu_mlp(mlp) -> bool:
-    """silu(gate(x)) * up(x) -> down, three nn.Linears, down bias-free bf16 (what expert_mlp_bf16 computes)."""
+    """silu(gate(x)) * up(x) -> down, three nn.Linears (down bias-free bf16: what expert_mlp_bf16 computes) or three
+    bias-free quantized rows linears (what expert_mlp_q computes)."""
     act = getattr(mlp, "act_fn", None)
-    return ((isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation")
-            and all(type(getattr(mlp, n, None)) is torch.nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
-            and mlp.down_proj.bias is None and mlp.down_proj.weight.dtype == torch.bfloat16)
+    if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+        return False
+    ms = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if all(type(m) is torch.nn.Linear for m in ms):
+        return ms[2].bias is None and ms[2].weight.dtype == torch.bfloat16
+    return all(_rows_linear(m) and m.bias is None for m in ms)
 
 
-def mlp_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """silu(x . gate) * (x . up) -> down for every row of x [M, H] (bf16) in one moe_offload::moe_experts_bf16 call, as
-    one expert taking every token: the weights read once for all rows, each row bit-identical to expert_mlp_bf16 of
-    it alone (rounded as an MLP module's three bf16 linears round). The whole-step call (step.cpp) makes the same call."""
+def mlp_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
+             down_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x . gate) * (x . up) -> down for every row of x [M, H] (bf16) in one kernel call, as one expert taking
+    every token: the weights read once for all rows. bf16 weights: moe_offload::moe_experts_bf16, each row
+    bit-identical to expert_mlp_bf16 of it alone (rounded as an MLP module's three bf16 linears round); int8 rows +
+    scales or ggml blocks: moe_experts_q, each row experts_mlp_q's of it alone. The whole-step call (step.cpp) makes
+    the same calls."""
     M = x.shape[0]
     idx = torch.arange(M)
     out = torch.empty_like(x)
-    torch.ops.moe_offload.moe_experts_bf16(x, [gate_up], [down], idx, idx, [0], [M], out)
+    if gate_up.dtype == torch.bfloat16:
+        torch.ops.moe_offload.moe_experts_bf16(x, [gate_up], [down], idx, idx, [0], [M], out)
+    else:
+        from moe_offload.engines.offload.kernels.dispatch import scale_arg
+
+        torch.ops.moe_offload.moe_experts_q(x, [gate_up], [scale_arg(gate_up_scale)], [down], [scale_arg(down_scale)],
+                                            idx, idx, [0], [M], out)
     return out
 
 
 def mlp_args(mlp) -> tuple | None:
-    """(gate|up rows fused, down) of a silu MLP that mlp_rows computes (bias-free bf16 nn.Linears), else None."""
+    """(gate|up rows fused, down, gate|up scales, down scales) of a silu MLP that mlp_rows computes: bias-free bf16
+    nn.Linears (scales None), or --dense-dtype int8 / GGUF rows (gate and up of one format); else None."""
     if not silu_mlp(mlp):
         return None
-    gate_up = fuse_rows(mlp.gate_proj, mlp.up_proj)
-    return None if gate_up is None else (gate_up, mlp.down_proj.weight)
+    if type(mlp.gate_proj) is torch.nn.Linear:
+        gate_up = fuse_rows(mlp.gate_proj, mlp.up_proj)
+        return None if gate_up is None else (gate_up, mlp.down_proj.weight, None, None)
+    fused = fuse_quantized_rows(mlp.gate_proj, mlp.up_proj)
+    return None if fused is None else (fused[0], mlp.down_proj.weight_q, fused[1], mlp.down_proj.weight_scale)
 
 
 def plus_shared(out: torch.Tensor, x: torch.Tensor, shared, shared_args: tuple | None) -> torch.Tensor:

@@ -112,8 +112,24 @@ def test_whole_step_equals_the_layer_loop_mla_without_q_lora(checkpoints, tmp_pa
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_whole_step_equals_the_layer_loop_int8_experts(checkpoints, family):
-    # int8 experts and int8 attention projections (deepseek_v3: q_b_proj and o_proj through gemv_q from the call)
-    assert _both_paths(checkpoints(family), expert_dtype="int8", dense_dtype="int8") >= 8
+    # int8 experts and int8 dense linears (deepseek_v3: MLA's q_a|kv_a, q_b_proj and o_proj through gemv_q from the
+    # call, the shared expert and the dense first layer through moe_experts_q; qwen2_moe's gated shared expert too)
+    assert _both_paths(checkpoints(family), expert_dtype="int8", dense_dtype="int8", ready=_every_dense_linear_int8) >= 8
+
+
+def _every_dense_linear_int8(engine) -> None:
+    """--dense-dtype int8 leaves bf16 only what no row kernel reads: routers, Qwen2-MoE's [1, H] shared-expert gate and
+    MLA's kv_b_proj (the absorbed attention reads it per head); everything else is int8 rows and the whole-step call
+    takes them (a linear missed here would be read at twice the bytes)."""
+    from moe_offload.engines.offload.loading.quant import QuantLinear
+
+    bf16 = {n.rsplit(".", 1)[-1] for n, m in engine.model.named_modules() if type(m) is torch.nn.Linear}
+    assert bf16 <= {"gate", "shared_expert_gate", "kv_b_proj"}, bf16
+    assert sum(isinstance(m, QuantLinear) for m in engine.model.modules()) > 0
+    from moe_offload.engines.offload.runtime.decode_step import StepCall
+
+    plan = engine.runner.fast
+    assert (StepCall.build_mla if hasattr(plan, "qkv_a") else StepCall.build)(plan) is not None
 
 
 def test_whole_step_equals_the_layer_loop_gpt_oss_mxfp4(quantized_checkpoints):
@@ -121,11 +137,22 @@ def test_whole_step_equals_the_layer_loop_gpt_oss_mxfp4(quantized_checkpoints):
     assert _both_paths(quantized_checkpoints("gpt_oss_mxfp4")) >= 8
 
 
-def test_whole_step_equals_the_layer_loop_gguf(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
+def test_whole_step_equals_the_layer_loop_gguf(tmp_path, family):
+    # the file's blocks throughout: q4_k/q6_k experts; q8_0 attention, LM head, and (qwen2_moe, glm4_moe) shared experts
+    # and the dense first layer's MLP, which stay BlockLinears the call reads through moe_experts_q
     from gguf_helpers import write
 
-    path, _ = write("qwen3_moe", tmp_path, "q4_k", down_qtype="q6_k")
-    assert _both_paths(str(path), prompts=([5, 9, 33, 2], [60, 61, 62])) >= 8
+    from moe_offload.engines.offload.loading.quant import BlockLinear
+
+    def ready(engine):
+        mlps = [m for n, m in engine.model.named_modules() if n.endswith(("shared_expert", "shared_experts"))
+                or (n.endswith(".mlp") and hasattr(m, "gate_proj"))]
+        assert (len(mlps) > 0) == (family != "qwen3_moe")
+        assert all(isinstance(getattr(m, a), BlockLinear) for m in mlps for a in ("gate_proj", "up_proj", "down_proj"))
+
+    path, _ = write(family, tmp_path, "q4_k", down_qtype="q6_k")
+    assert _both_paths(str(path), prompts=([5, 9, 33, 2], [60, 61, 62]), ready=ready) >= 8
 
 
 def test_whole_step_over_the_expert_store_once_read_in(tmp_path):
@@ -171,11 +198,11 @@ def test_decode_step_rejects_bad_layers():
     w = torch.zeros(4, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="by expert id"):
         step.add_layer(h[0], 1e-6, w, w, w, None, None, None, None, None, w, w, 1.0, 0, w, None, h[0], w, 2, True,
-                       None, None, None, None, None, None, [w], [], [w], [], False, None, None, None)
+                       None, None, None, None, None, None, [w], [], [w], [], False, None, None, None, None, None)
 
     def layer(top_k):  # four experts by id (add_layer checks the routing tables, not the attention weights)
         step.add_layer(h[0], 1e-6, w, w, w, None, None, None, None, None, w, w, 1.0, 0, w, None, h[0], w, top_k, True,
-                       None, None, None, None, None, None, [w] * 4, [], [w] * 4, [], False, None, None, None)
+                       None, None, None, None, None, None, [w] * 4, [], [w] * 4, [], False, None, None, None, None, None)
 
     layer(2)
     with pytest.raises(RuntimeError, match="one top-k"):

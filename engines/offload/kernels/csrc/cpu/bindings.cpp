@@ -14,7 +14,7 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.def("moe_experts_bf16(Tensor x, Tensor[] gate_ups, Tensor[] downs, Tensor tok, Tensor perm, int[] starts, int[] counts, Tensor(a!) out, "
         "Tensor[]? gate_up_biases=None, Tensor[]? down_biases=None, int gate=0, float alpha=0., float limit=0.) -> ()");
   m.def("clamped_swiglu_bf16(Tensor gate_up, float alpha, float limit) -> Tensor");
-  m.def("shared_expert_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor gate) -> Tensor");
+  m.def("shared_expert_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor gate, Tensor? gate_up_scale=None, Tensor? down_scale=None) -> Tensor");
   // moe_quant.cpp
   m.def("gemv_q(Tensor x, Tensor w, Tensor w_scale, Tensor? bias=None, int split=0) -> Tensor");
   m.def("expert_mlp_q(Tensor x, Tensor gate_up, Tensor gate_up_scale, Tensor down, Tensor down_scale) -> Tensor");

@@ -98,7 +98,10 @@ at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorL
                             std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases,
                             int64_t gate, double alpha, double limit);
 at::Tensor clamped_swiglu_bf16(const at::Tensor& gate_up, double alpha, double limit);
-at::Tensor shared_expert_bf16(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& gate);
+at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                    const std::optional<at::Tensor>& gate_up_scale, const std::optional<at::Tensor>& down_scale);
+at::Tensor shared_expert_bf16(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& gate,
+                              const std::optional<at::Tensor>& gate_up_scale, const std::optional<at::Tensor>& down_scale);
 void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs, const at::Tensor& tok,
                       const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts, const at::Tensor& out,
                       std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases, int64_t gate,

@@ -212,20 +212,39 @@ at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorL
   return out;
 }
 
+// silu(x . gate) * (x . up) -> down for every row of x [M, H] as one expert taking every token: the weights read once
+// for all rows, each row as the one-token kernel computes it alone (a shared expert or a dense layer's MLP). bf16
+// gate_up [2I, H] / down [H, I] through moe_experts_bf16; int8 rows or ggml blocks (--dense-dtype int8, a GGUF file's
+// MLP kept as shipped: the type from the weights, scales empty for blocks) through moe_experts_q.
+at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                    const std::optional<at::Tensor>& gate_up_scale, const std::optional<at::Tensor>& down_scale) {
+  const int64_t M = x.size(0);
+  at::Tensor idx = at::empty({M}, x.options().dtype(at::kLong));
+  for (int64_t t = 0; t < M; ++t) idx.data_ptr<int64_t>()[t] = t;  // token t's pair: row t
+  at::Tensor out = at::empty({M, x.size(1)}, x.options());
+  if (gate_up.scalar_type() == at::kBFloat16) {
+    TORCH_CHECK(!gate_up_scale.has_value() && !down_scale.has_value(), "mlp_rows: scales given for bf16 weights");
+    moe_experts_bf16(x, {gate_up}, {down}, idx, idx, {0}, {M}, out, std::nullopt, std::nullopt, 0, 0.0, 0.0);
+  } else {
+    const at::Tensor none = at::empty({0}, x.options().dtype(at::kFloat));
+    moe_quant::moe_experts_q(x, {gate_up}, {gate_up_scale.value_or(none)}, {down}, {down_scale.value_or(none)}, idx, idx,
+                             {0}, {M}, out, std::nullopt, std::nullopt, 0, 0.0, 0.0);
+  }
+  return out;
+}
+
 // Qwen2-MoE's shared expert of M tokens: sigmoid(shared_expert_gate(x)) * shared_expert(x), rounded where the module's
-// bf16 ops round (the gate's logit, the sigmoid, the product); the expert is moe_experts_bf16's (each token's row as
-// expert_mlp_bf16 of it alone), the gate logit gemm_range's dot. gate_up [2I, H] (gate rows, then up), down [H, I],
-// gate [1, H]. out [M, H].
-at::Tensor shared_expert_bf16(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& gate) {
+// bf16 ops round (the gate's logit, the sigmoid, the product); the expert is mlp_rows' (each token's row as the
+// one-token kernel of it alone), the gate logit gemm_range's dot. gate_up [2I, H] (gate rows, then up), down [H, I]
+// (bf16, or int8 rows with their scales / ggml blocks), gate [1, H] bf16. out [M, H].
+at::Tensor shared_expert_bf16(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& gate,
+                              const std::optional<at::Tensor>& gate_up_scale, const std::optional<at::Tensor>& down_scale) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "shared_expert_bf16 x: expected contiguous bf16 CPU tokens [M, H], got ", x.scalar_type(), " ", x.sizes());
   check_weight(gate, "shared_expert_bf16 gate");
   const int64_t M = x.size(0), H = x.size(1);
   TORCH_CHECK(gate.size(0) == 1 && gate.size(1) == H, "shared_expert_bf16 gate: expected [1, ", H, "], got ", gate.sizes());
-  at::Tensor idx = at::empty({M}, x.options().dtype(at::kLong));
-  for (int64_t t = 0; t < M; ++t) idx.data_ptr<int64_t>()[t] = t;  // token t's pair: row t
-  at::Tensor y = at::empty({M, H}, x.options());
-  moe_experts_bf16(x, {gate_up}, {down}, idx, idx, {0}, {M}, y, std::nullopt, std::nullopt, 0, 0.0, 0.0);
+  at::Tensor y = mlp_rows(x, gate_up, down, gate_up_scale, down_scale);
   std::vector<uint16_t> logit(M);
   gemm_range(ptr(gate), gate.stride(0), ptr(x), H, M, H, nullptr, 0, 1, logit.data(), 1);
   at::Tensor out = at::empty({M, H}, x.options());

@@ -5,7 +5,7 @@
 //   DecodeStep(bs, w_bf16, norm_mode, router_mode, rope_mode)   the family's constants
 //     .add_layer(decode_layer_bf16's weights, kpool, vpool, experts by id, a shared expert?)  once per layer, at build
 //     .grouped_router(w fp32, bias, groups...)   the last layer routes as DeepSeek-V3's block (sigmoid, groups, bias)
-//     .mlp(gate_up, down)                        the last layer's shared expert (or, without experts, its dense MLP)
+//     .mlp(gate_up, down, scales?)               the last layer's shared expert (or, without experts, its dense MLP)
 //     .add_mla_layer(MLA attention's weights, pools, experts by id)   DeepSeek-V3's layout instead of add_layer
 //     .step(h [M, H], cos, sin, blocks [M, NB], lens [M], norm [H], eps)
 //        -> (x [M, H] the final norm's output, ids [L, M, K] every MoE layer's routes, experts seconds)
@@ -82,7 +82,8 @@ class DecodeStep : public torch::CustomClassHolder {
                  std::optional<at::Tensor> sk, std::optional<at::Tensor> sv, std::optional<at::Tensor> so,
                  std::vector<at::Tensor> ups, std::vector<at::Tensor> up_scales, std::vector<at::Tensor> downs,
                  std::vector<at::Tensor> down_scales, bool quantized, std::optional<at::Tensor> shared_gate_up,
-                 std::optional<at::Tensor> shared_down, std::optional<at::Tensor> shared_gate) {
+                 std::optional<at::Tensor> shared_down, std::optional<at::Tensor> shared_gate,
+                 std::optional<at::Tensor> shared_gate_up_scale, std::optional<at::Tensor> shared_down_scale) {
     TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() && shared_down.has_value() == shared_gate.has_value(),
                 "DecodeStep.add_layer: expected all three shared-expert tensors or none");
     check_experts(wr.has_value() ? wr->size(0) : (int64_t)ups.size(), top_k, ups, up_scales, downs, down_scales,
@@ -90,7 +91,7 @@ class DecodeStep : public torch::CustomClassHolder {
     layers_.push_back(Layer{ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kpool, vpool, scaling, window, wo, bo, ln2, wr,
                             top_k, norm_topk, sinks, rb, sq, sk, sv, so, std::move(ups), std::move(up_scales),
                             std::move(downs), std::move(down_scales), quantized, shared_gate_up, shared_down,
-                            shared_gate});
+                            shared_gate, shared_gate_up_scale, shared_down_scale});
   }
 
   // a layer with DeepSeek-V3's MLA attention (runtime/mla_plan.py's per-layer loop, call for call): q from q_a|kv_a's
@@ -103,7 +104,8 @@ class DecodeStep : public torch::CustomClassHolder {
                      bool interleave, at::Tensor wo, std::optional<at::Tensor> bo, at::Tensor ln2, double eps2,
                      std::optional<at::Tensor> sq, std::optional<at::Tensor> so, int64_t top_k,
                      std::vector<at::Tensor> ups, std::vector<at::Tensor> up_scales, std::vector<at::Tensor> downs,
-                     std::vector<at::Tensor> down_scales, bool quantized) {
+                     std::vector<at::Tensor> down_scales, bool quantized, std::optional<at::Tensor> qkv_a_scale,
+                     std::optional<at::Tensor> kv_a_scale) {
     TORCH_CHECK(q_rank > 0 ? (qkv_a.has_value() && qan.has_value()) : kv_a.has_value(),
                 "DecodeStep.add_mla_layer: expected q_a|kv_a fused rows and q_a_layernorm, or kv_a_proj_with_mqa");
     TORCH_CHECK(heads >= 1 && wq.size(0) % heads == 0 && wq.size(0) / heads > nope, "DecodeStep.add_mla_layer: ",
@@ -114,7 +116,8 @@ class DecodeStep : public torch::CustomClassHolder {
     y.sq = sq; y.so = so;
     y.top_k = top_k; y.ups = std::move(ups); y.up_s = std::move(up_scales); y.dns = std::move(downs);
     y.dn_s = std::move(down_scales); y.quantized = quantized;
-    y.mla = Mla{qkv_a, q_rank, qan, qeps, wq, bq, kv_a, kv_a_bias, kvn, kveps, kv_b, heads, nope, interleave, eps2};
+    y.mla = Mla{qkv_a, q_rank, qan, qeps, wq, bq, kv_a, kv_a_bias, kvn, kveps, kv_b, heads, nope, interleave, eps2,
+                qkv_a_scale, kv_a_scale};
     layers_.push_back(std::move(y));
   }
 
@@ -156,10 +159,15 @@ class DecodeStep : public torch::CustomClassHolder {
   }
 
   // the last layer's un-gated shared expert, or (a layer without experts) its dense MLP: silu(gate) * up, then down
-  void mlp(at::Tensor gate_up, at::Tensor down) {
+  // (bf16, or int8 rows with their scales / ggml blocks: mlp_rows)
+  void mlp(at::Tensor gate_up, at::Tensor down, std::optional<at::Tensor> gate_up_scale,
+           std::optional<at::Tensor> down_scale) {
     TORCH_CHECK(!layers_.empty() && !layers_.back().sgu.has_value(), "DecodeStep.mlp: no layer, or a gated shared expert");
-    layers_.back().mgu = gate_up;
-    layers_.back().mdn = down;
+    Layer& y = layers_.back();
+    y.mgu = gate_up;
+    y.mdn = down;
+    y.mgus = gate_up_scale;
+    y.mdns = down_scale;
   }
 
   std::tuple<at::Tensor, at::Tensor, double> step(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor blocks,
@@ -186,12 +194,12 @@ class DecodeStep : public torch::CustomClassHolder {
       const int64_t M = h.size(0);
       at::Tensor x = rmsnorm_bf16(h, std::nullopt, y.ln1, y.eps, 0), q, ckv;
       if (a.q_rank > 0) {
-        at::Tensor both = lin(x, *a.qkv_a, std::nullopt);
+        at::Tensor both = lin(x, *a.qkv_a, std::nullopt, a.qkv_a_scale);
         ckv = both.narrow(1, a.q_rank, both.size(1) - a.q_rank);
         q = lin(rmsnorm_bf16(both.narrow(1, 0, a.q_rank).contiguous(), std::nullopt, *a.qan, a.qeps, 0), a.wq, a.bq, y.sq);
       } else {
         q = lin(x, a.wq, a.bq, y.sq);
-        ckv = lin(x, *a.kv_a, a.kv_a_bias);
+        ckv = lin(x, *a.kv_a, a.kv_a_bias, a.kv_a_scale);
       }
       q = q.view({M, a.heads, -1});
       mla_prologue_bf16(q, ckv, a.kvn, a.kveps, cos, sin, a.interleave, y.kpool, y.vpool, slots, a.nope);
@@ -222,7 +230,7 @@ class DecodeStep : public torch::CustomClassHolder {
       auto r = attention(y, h, add);
       const at::Tensor& x2 = r[1];
       if (y.ups.empty()) {  // a dense layer
-        add = mlp_rows(x2, *y.mgu, *y.mdn);
+        add = mlp_rows(x2, *y.mgu, *y.mdn, y.mgus, y.mdns);
         continue;
       }
       at::Tensor ids = r[2], w = r[3];
@@ -280,6 +288,7 @@ class DecodeStep : public torch::CustomClassHolder {
     int64_t heads, nope;
     bool interleave;
     double eps2;
+    std::optional<at::Tensor> qkv_a_scale, kv_a_scale;  // int8 rows' scales (gemv_q), else none
   };
 
   struct Layer {
@@ -300,26 +309,19 @@ class DecodeStep : public torch::CustomClassHolder {
     std::vector<at::Tensor> ups, up_s, dns, dn_s;  // by expert id
     bool quantized;
     std::optional<at::Tensor> sgu, sdn, sg;  // shared expert: gate|up, down, gate
+    std::optional<at::Tensor> sgus, sdns;    // its int8 rows' scales, else none
     at::Tensor gw;                           // grouped_router: fp32 [E, H] (undefined: none)
     std::optional<at::Tensor> gbias;
     std::array<int64_t, 2> groups{1, 1};
     double gscale = 1.0;
     bool gsoftmax = false, gw_bf16 = false;  // softmax scores (Ernie 4.5), not sigmoid; weights rounded to bf16
     std::optional<at::Tensor> mgu, mdn;      // .mlp: an un-gated shared expert or a dense layer's MLP
+    std::optional<at::Tensor> mgus, mdns;    // its int8 rows' scales, else none
     std::optional<Mla> mla;                  // add_mla_layer's (then wq.. are unused)
     std::vector<at::Tensor> up_b, dn_b;      // .expert_gate: the experts' biases by id, else empty
     int64_t gate = 0;                        // 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU (interleaved rows)
     double alpha = 0.0, limit = 0.0;
   };
-
-  // silu(x . gate) * (x . up) -> down for every token, as moe_experts_bf16 computes one expert's pairs (each token's
-  // row bit-identical to expert_mlp_bf16 of it alone)
-  static at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down) {
-    const int64_t M = x.size(0);
-    at::Tensor idx = at::arange(M, x.options().dtype(at::kLong)), out = at::empty({M, x.size(1)}, x.options());
-    moe_experts_bf16(x, {gate_up}, {down}, idx, idx, {0}, {M}, out, std::nullopt, std::nullopt, 0, 0.0, 0.0);
-    return out;
-  }
 
   // the step's routed pairs grouped by expert in ascending id (stable: pairs in (token, k) order within an expert),
   // as the executor groups them, through one kernel call; then combine
@@ -363,7 +365,8 @@ class DecodeStep : public torch::CustomClassHolder {
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     combine(ptr(proj), w, M, K, H, op);
     if (y.sgu.has_value() || y.mgu.has_value()) {  // out + shared, as the loop's bf16 add rounds
-      at::Tensor sh = y.sgu.has_value() ? shared_expert_bf16(x2, *y.sgu, *y.sdn, *y.sg) : mlp_rows(x2, *y.mgu, *y.mdn);
+      at::Tensor sh = y.sgu.has_value() ? shared_expert_bf16(x2, *y.sgu, *y.sdn, *y.sg, y.sgus, y.sdns)
+                                        : mlp_rows(x2, *y.mgu, *y.mdn, y.mgus, y.mdns);
       const uint16_t* sp = ptr(sh);
       for (int64_t i = 0; i < M * H; ++i) op[i] = f2bf(bf2f(op[i]) + bf2f(sp[i]));
     }
