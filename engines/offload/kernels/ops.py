@@ -64,6 +64,11 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
                     kpool [rows, 1, R] (mutated), vpool [rows, 1, P] (mutated), slots [M] int64, nope) -> ()
       the new positions' latents normalised and written, k_rot and q's rope slice rotated as the model's rotary
       function rounds in bf16 (interleaved pairs or rotate_half)                                          mla.cpp
+  gated_delta_decode_bf16(qkvz [B, Hk*(2Dk+2rDv)], ba [B, 2Hv], conv_state [B, C, K] bf16 (mutated), conv_w [C, K]
+                          fp32, conv_b [C]?, state [B, Hv, Dk, Dv] fp32 (mutated), A_log [Hv] fp32, dt_bias [Hv] fp32,
+                          norm_w [Dv], eps, Hk, Hv, Dk, Dv) -> [B, Hv*Dv]
+      a gated-DeltaNet layer's decode step from its input projections' outputs to its out_proj's input: the causal
+      conv update, the gated delta rule on the recurrent state, the gated RMSNorm (runtime/deltanet.py)   deltanet.cpp
   grouped_topk(scores [M, E] fp32, bias [E] fp32?, n_group, topk_group, top_k, norm_topk, scale) -> [ids [M, K] int64,
                w [M, K] fp32]   DeepSeek-V3's grouped selection from sigmoid scores (runtime/moe_blocks.py)  router.cpp
 Class moe_offload.DecodeStep(bs, w_bf16, norm_mode, router_mode) (torch.classes; the family's constants)     step.cpp
@@ -105,6 +110,10 @@ def _moe_experts(x, gate_ups, downs, tok, perm, starts, counts, out, gate_up_bia
 
 def _swiglu(gate_up, alpha, limit):
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+def _delta(qkvz, ba, conv_state, conv_w, conv_b, state, a_log, dt_bias, norm_w, eps, Hk, Hv, Dk, Dv):
+    return qkvz.new_empty((qkvz.shape[0], Hv * Dv))
 
 
 def _gemv_q(x, w, w_scale, bias=None, split=0):
@@ -180,6 +189,7 @@ FAKES = {
     "mla_decode_bf16": _mla,
     "grouped_topk": _grouped_topk,
     "mla_prologue_bf16": _mla_prologue,
+    "gated_delta_decode_bf16": _delta,
 }
 
 

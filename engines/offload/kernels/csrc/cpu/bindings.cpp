@@ -33,6 +33,8 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps, int norm_mode=0) -> Tensor");
   // mla.cpp
   // router.cpp
+  m.def("gated_delta_decode_bf16(Tensor qkvz, Tensor ba, Tensor(a!) conv_state, Tensor conv_w, Tensor? conv_b, "
+        "Tensor(b!) state, Tensor a_log, Tensor dt_bias, Tensor norm_w, float eps, int Hk, int Hv, int Dk, int Dv) -> Tensor");
   m.def("grouped_topk(Tensor scores, Tensor? bias, int n_group, int topk_group, int top_k, bool norm_topk, float scale) -> Tensor[]");
   m.def("mla_decode_bf16(Tensor q, Tensor lat, Tensor rope, Tensor lens, Tensor wkv_b, int nope, float scaling, "
         "Tensor? rows=None) -> Tensor");
@@ -57,5 +59,6 @@ TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
   m.impl("rmsnorm_bf16", &moe_cpu::rmsnorm_bf16);
   m.impl("mla_decode_bf16", &moe_cpu::mla_decode_bf16);
   m.impl("mla_prologue_bf16", &moe_cpu::mla_prologue_bf16);
+  m.impl("gated_delta_decode_bf16", &moe_cpu::gated_delta_decode_bf16);
   m.impl("grouped_topk", &moe_cpu::grouped_topk);
 }

@@ -130,6 +130,12 @@ void mla_prologue_bf16(const at::Tensor& q, const at::Tensor& ckv, const at::Ten
                        const at::Tensor& cos, const at::Tensor& sin, bool interleave, const at::Tensor& kpool,
                        const at::Tensor& vpool, const at::Tensor& slots, int64_t nope);
 
+// deltanet.cpp
+at::Tensor gated_delta_decode_bf16(const at::Tensor& qkvz, const at::Tensor& ba, const at::Tensor& conv_state,
+                                   const at::Tensor& conv_w, const std::optional<at::Tensor>& conv_b,
+                                   const at::Tensor& state, const at::Tensor& a_log, const at::Tensor& dt_bias,
+                                   const at::Tensor& norm_w, double eps, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
+
 // router.cpp
 std::vector<at::Tensor> grouped_topk(const at::Tensor& scores, const std::optional<at::Tensor>& bias, int64_t n_group,
                                      int64_t topk_group, int64_t top_k, bool norm_topk, double scale);

@@ -1,0 +1,177 @@
+// A gated-DeltaNet layer's decode step between its two input projections and its output projection (Qwen3-Next's
+// linear attention and the families that copy it), one token per sequence:
+//
+//   qkvz [B, Hk * (2 Dk + 2 r Dv)], ba [B, Hk * 2r]    the in_proj_qkvz / in_proj_ba outputs, per key head g:
+//                                                      q_g k_g v_g z_g and b_g a_g (r = Hv / Hk value heads each)
+//   -> causal conv over [conv_state | q k v] (C = 2 Hk Dk + Hv Dv channels, K taps, fp32 weights), silu, bf16;
+//      conv_state shifted by one (mutated)
+//   -> per value head h (key head h / r): q, k l2-normalised (q also / sqrt(Dk)), beta = sigmoid(b), decay =
+//      exp(-exp(A_log) * softplus(a + dt_bias));  S *= decay;  delta = (v - S^T k) * beta;  S += k delta^T;
+//      o = S^T q  (S [Dk, Dv] fp32, the recurrent state, mutated)
+//   -> gated RMSNorm: bf16(w * bf16(o / rms(o))) * silu(z), bf16
+//   -> out [B, Hv * Dv] bf16, the out_proj's input
+//
+// Why: the module runs this as ~70 torch ops per layer and token (the split and re-layout of the projections, the
+// convolution update, the fp32 casts, l2 norms, the recurrent rule's broadcasts, the gated norm); on a 2-core host
+// that was a quarter of a Qwen3-Next decode step. Here it is one call over (sequence, value head).
+//
+// Numbers: the module's dtypes at each step (bf16 where it rounds to bf16, fp32 inside the convolution, the rule and
+// the norm), its operation order within an element (products rounded before they are added, no FMA contraction);
+// its sums over Dk and over Dv are vectorized reductions whose order differs, so results agree to fp32 rounding in
+// the state and bf16 rounding in the output, not bit for bit (tests/engines/offload/kernels/test_deltanet.py).
+// Legend: B sequences, Hk / Hv key / value heads, r = Hv / Hk, Dk / Dv key / value head dims, C conv channels,
+// K conv taps.
+#include "common.h"
+
+namespace moe_cpu {
+
+namespace {
+
+float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20, beta 1
+
+void check(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.dim() == dim && t.is_contiguous(),
+              "gated_delta_decode_bf16 ", what, ": expected a contiguous ", dim, "-d ", dtype, " CPU tensor, got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+}  // namespace
+
+__attribute__((optimize("fp-contract=off"))) at::Tensor gated_delta_decode_bf16(
+    const at::Tensor& qkvz, const at::Tensor& ba, const at::Tensor& conv_state, const at::Tensor& conv_w,
+    const std::optional<at::Tensor>& conv_b, const at::Tensor& state, const at::Tensor& a_log, const at::Tensor& dt_bias,
+    const at::Tensor& norm_w, double eps, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
+  TORCH_CHECK(Hk >= 1 && Hv >= 1 && Hv % Hk == 0 && Dk >= 1 && Dv >= 1,
+              "gated_delta_decode_bf16: expected value heads a multiple of key heads, got Hk=", Hk, " Hv=", Hv);
+  const int64_t r = Hv / Hk, W = 2 * Dk + 2 * r * Dv, key_dim = Hk * Dk, C = 2 * key_dim + Hv * Dv;
+  check(qkvz, at::kBFloat16, 2, "qkvz");
+  const int64_t B = qkvz.size(0);
+  TORCH_CHECK(qkvz.size(1) == Hk * W, "gated_delta_decode_bf16 qkvz: expected [", B, ", ", Hk * W, "], got ", qkvz.sizes());
+  check(ba, at::kBFloat16, 2, "ba");
+  TORCH_CHECK(ba.size(0) == B && ba.size(1) == 2 * Hv, "gated_delta_decode_bf16 ba: expected [", B, ", ", 2 * Hv, "]");
+  check(conv_state, at::kBFloat16, 3, "conv_state");
+  check(conv_w, at::kFloat, 2, "conv_w");
+  const int64_t K = conv_w.size(1);
+  TORCH_CHECK(conv_w.size(0) == C && K >= 1 && conv_state.size(0) == B && conv_state.size(1) == C &&
+                  conv_state.size(2) == K,
+              "gated_delta_decode_bf16: expected conv_w [", C, ", K] and conv_state [", B, ", ", C, ", K], got ",
+              conv_w.sizes(), " and ", conv_state.sizes());
+  if (conv_b.has_value()) {
+    check(*conv_b, at::kFloat, 1, "conv_b");
+    TORCH_CHECK(conv_b->size(0) == C, "gated_delta_decode_bf16 conv_b: expected [", C, "]");
+  }
+  check(state, at::kFloat, 4, "state");
+  TORCH_CHECK(state.size(0) == B && state.size(1) == Hv && state.size(2) == Dk && state.size(3) == Dv,
+              "gated_delta_decode_bf16 state: expected [", B, ", ", Hv, ", ", Dk, ", ", Dv, "], got ", state.sizes());
+  check(a_log, at::kFloat, 1, "A_log");  // the module's A_log.float(); dt_bias promoted to fp32 beside a.float()
+  check(dt_bias, at::kFloat, 1, "dt_bias");
+  check(norm_w, at::kBFloat16, 1, "norm weight");
+  TORCH_CHECK(a_log.size(0) == Hv && dt_bias.size(0) == Hv && norm_w.size(0) == Dv,
+              "gated_delta_decode_bf16: expected A_log and dt_bias [", Hv, "] and the norm weight [", Dv, "]");
+
+  const uint16_t* xp = ptr(qkvz);
+  const uint16_t* bap = ptr(ba);
+  uint16_t* cs = reinterpret_cast<uint16_t*>(conv_state.data_ptr());
+  const float* cw = conv_w.data_ptr<float>();
+  const float* cb = conv_b.has_value() ? conv_b->data_ptr<float>() : nullptr;
+  float* S = state.data_ptr<float>();
+  const float* al = a_log.data_ptr<float>();
+  const float* dtb = dt_bias.data_ptr<float>();
+  const uint16_t* nw = ptr(norm_w);
+  at::Tensor out = at::empty({B, Hv * Dv}, qkvz.options());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  std::vector<uint16_t> mixed(B * C);  // the convolution's output, bf16 as the module rounds it
+
+  // channel c of q | k | v in qkvz's per-key-head layout
+  auto source = [&](int64_t c) -> int64_t {
+    if (c < 2 * key_dim) {
+      const int64_t part = c / key_dim, i = c % key_dim;  // 0: q, 1: k
+      return (i / Dk) * W + part * Dk + i % Dk;
+    }
+    const int64_t i = c - 2 * key_dim;
+    return (i / (r * Dv)) * W + 2 * Dk + i % (r * Dv);
+  };
+  at::parallel_for(0, B * C, 256, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n) {
+      const int64_t b = n / C, c = n % C;
+      uint16_t* st = cs + n * K;
+      const float x = bf2f(xp[b * Hk * W + source(c)]);
+      // F.conv1d over [state | x] (K + 1 columns), the last output: taps j over columns 1 + j
+      float acc = cb ? cb[c] : 0.0f;
+      for (int64_t j = 0; j < K; ++j) {
+        const float v = j + 1 < K ? bf2f(st[j + 1]) : x;
+        const float p = cw[c * K + j] * v;
+        acc += p;
+      }
+      for (int64_t j = 0; j + 1 < K; ++j) st[j] = st[j + 1];
+      st[K - 1] = f2bf(x);
+      mixed[n] = f2bf(silu(acc));
+    }
+  });
+
+  const float qscale = std::sqrt(float(Dk));
+  at::parallel_for(0, B * Hv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> q(Dk), k(Dk), o(Dv), kv(Dv);
+    for (int64_t n = lo; n < hi; ++n) {
+      const int64_t b = n / Hv, h = n % Hv, g = h / r, hh = h % r;
+      const uint16_t* m = mixed.data() + b * C;
+      // l2norm (fp32, as the rule's use_qk_l2norm_in_kernel) of the key head's q and k; q also / sqrt(Dk)
+      float sq = 0.0f, sk = 0.0f;
+      for (int64_t i = 0; i < Dk; ++i) {
+        q[i] = bf2f(m[g * Dk + i]);
+        k[i] = bf2f(m[key_dim + g * Dk + i]);
+        sq += q[i] * q[i];
+        sk += k[i] * k[i];
+      }
+      const float iq = 1.0f / std::sqrt(sq + 1e-6f), ik = 1.0f / std::sqrt(sk + 1e-6f);
+      for (int64_t i = 0; i < Dk; ++i) {
+        q[i] = (q[i] * iq) / qscale;
+        k[i] = k[i] * ik;
+      }
+      const uint16_t* bag = bap + b * 2 * Hv + g * 2 * r;
+      const float beta = bf2f(f2bf(1.0f / (1.0f + std::exp(-bf2f(bag[hh])))));  // sigmoid of bf16 b, rounded
+      const float gl = -std::exp(al[h]) * softplus(bf2f(bag[r + hh]) + dtb[h]);
+      const float decay = std::exp(gl);
+      float* s = S + n * Dk * Dv;  // [Dk, Dv]
+      const uint16_t* v = m + 2 * key_dim + h * Dv;
+      std::fill(kv.begin(), kv.end(), 0.0f);
+      for (int64_t i = 0; i < Dk; ++i) {
+        float* row = s + i * Dv;
+        for (int64_t j = 0; j < Dv; ++j) {
+          row[j] = row[j] * decay;
+          const float p = row[j] * k[i];
+          kv[j] += p;
+        }
+      }
+      for (int64_t j = 0; j < Dv; ++j) kv[j] = (bf2f(v[j]) - kv[j]) * beta;  // delta
+      std::fill(o.begin(), o.end(), 0.0f);
+      for (int64_t i = 0; i < Dk; ++i) {
+        float* row = s + i * Dv;
+        for (int64_t j = 0; j < Dv; ++j) {
+          const float p = k[i] * kv[j];
+          row[j] = row[j] + p;
+          const float pq = row[j] * q[i];
+          o[j] += pq;
+        }
+      }
+      // gated RMSNorm over the head's Dv values (the output rounded to bf16 first, as the rule returns it)
+      float ss = 0.0f;
+      for (int64_t j = 0; j < Dv; ++j) {
+        o[j] = bf2f(f2bf(o[j]));
+        ss += o[j] * o[j];
+      }
+      const float inv = 1.0f / std::sqrt(ss / float(Dv) + float(eps));
+      const uint16_t* z = xp + b * Hk * W + g * W + 2 * Dk + r * Dv + hh * Dv;
+      uint16_t* dst = op + b * Hv * Dv + h * Dv;
+      for (int64_t j = 0; j < Dv; ++j) {
+        const float y = bf2f(f2bf(bf2f(nw[j]) * bf2f(f2bf(o[j] * inv))));
+        dst[j] = f2bf(y * silu(bf2f(z[j])));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace moe_cpu
