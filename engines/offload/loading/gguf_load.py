@@ -331,7 +331,7 @@ def keep_dense_blocks(model, tensors: Tensors) -> int:
 def load(path: str | os.PathLike, config, experts: list, dtype: torch.dtype, dequantize: bool = False,
          dense_blocks: bool = False, read: bool = True):
     """(model with placeholder experts, {experts module: (up, down, None, None)}); ``dequantize``: float experts;
-    ``dense_blocks``: attention projections and LM head kept as the file's blocks (keep_dense_blocks); ``read``:
+    ``dense_blocks``: attention projections, MLPs and LM head kept as the file's blocks (keep_dense_blocks); ``read``:
     False reads no expert (the disk tier serves them from ensure_store's file) and returns {} for them."""
     from moe_offload.engines.offload.experts.executor import IMPLEMENTATION
     from moe_offload.engines.offload.loading.architecture import meta_model

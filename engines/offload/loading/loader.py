@@ -74,8 +74,9 @@ def load_model(
     ``hybrid_threshold``: tokens per expert and step at which ``hybrid`` fetches instead of computing on the host.
     ``expert_dtype``: None keeps the experts as the checkpoint stores them (float, or MXFP4 / FP8 kept quantized);
     "int8" | "fp8" quantizes a float checkpoint's experts at load; "bf16" casts (float) or dequantizes (quantized).
-    ``dense_dtype``: "int8" also holds the attention projections and the LM head as int8 rows (quant.QuantLinear;
-    bf16 compute on the cpu only); None or "bf16" keeps them in the compute dtype.
+    ``dense_dtype``: "int8" also holds the dense linears (quant.dense_linears: attention, shared experts, dense MLPs)
+    and the LM head as int8 rows (quant.QuantLinear; bf16 compute on the cpu only); None or "bf16" keeps them in the
+    compute dtype.
     ``host_cache``: bytes of host memory for routed experts when they are to live on disk (the expert store file,
     written once, convert.py): each MoE layer gets an equal share of host slots over its records, an LRU cache;
     None keeps every expert in host memory. ``prefetch``: read the next layer's predicted experts ahead (disk tier).
@@ -123,7 +124,8 @@ def load_model(
             pins = host_pins(placement)
             host_slots = tiering.host_slots(experts, manifest, layout, host_cache, _top_k(config),
                                             alias=dev.type == "cpu", host_pinned=pins)
-        # the attention projections and LM head stay the file's blocks too, on the CPU (--dense-dtype bf16: dequantized)
+        # the attention projections, shared experts, dense MLPs and LM head stay the file's blocks too, on the CPU
+        # (--dense-dtype bf16: dequantized)
         model, stored = gguf_load.load(gguf_file, config, experts, load_dtype, dequantize=read_as == "float",
                                        dense_blocks=dev.type == "cpu" and dense_dtype != "bf16",
                                        read=host_cache is None)

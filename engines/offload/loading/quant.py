@@ -162,7 +162,7 @@ def weight_bytes(fmt: str, R: int, K: int, split: int = 0, float_bytes: int = 2)
     return stored_weight_bytes(fmt, R, K, split, float_bytes)
 
 
-# -- --dense-dtype int8: the model's own attention projections and LM head held as int8 --------------------------
+# -- --dense-dtype int8: the model's own dense linears and LM head held as int8 -------------------------------------------
 
 
 class QuantLinear(torch.nn.Module):

@@ -33,7 +33,7 @@ class RunConfig:
     max_model_len: int | None = None  # cpu/cuda: longest prompt + output
     block_size: int | None = None  # cpu/cuda: tokens per KV block
     expert_dtype: str | None = None  # int8 | fp8 | bf16 (offload engines; None: as the checkpoint stores them)
-    dense_dtype: str | None = None  # int8 | bf16 (cpu offload engine: attention projections and LM head; None: as loaded)
+    dense_dtype: str | None = None  # int8 | bf16 (cpu offload engine: dense linears and LM head; None: as loaded)
     engine: str | None = None  # external engine binary (rngd)
     data: str | None = None  # the external engine's input directory
     role: str = "worker"

@@ -23,7 +23,7 @@ def _worker_options(fn):
         click.option("--expert-dtype", type=EXPERT_DTYPE_CHOICE,
                      help="cpu/cuda: experts in memory as int8/fp8 (quantized at load) or bf16 (default: as stored)."),
         click.option("--dense-dtype", type=DENSE_DTYPE_CHOICE,
-                     help="cpu: attention projections and LM head as int8 rows too (bf16 compute; default: as loaded)."),
+                     help="cpu: dense linears (attention, shared experts, dense MLPs) and LM head as int8 rows too (bf16 compute; default: as loaded)."),
         click.option("--mock-ms-per-token", type=float, default=5.0, show_default=True, help="mock backend: decode time per token."),
         click.option("--mock-hit-rate", type=float, default=0.85, show_default=True, help="mock backend: simulated hit rate."),
         click.option("--engine", "engine_bin", help="rngd backend: the external engine binary (JSON-lines protocol)."),

@@ -32,7 +32,7 @@ MX_BLOCK = 32
 # --expert-dtype choices -> the expert format they give (quantize a float checkpoint at load, or keep bf16);
 # int4: group-wise symmetric 4-bit, group 32 (llama.cpp's q4_0 blocks: an fp16 scale per 32 weights).
 EXPERT_DTYPES = {"int8": "int8", "fp8": "fp8", "int4": "q4_0", "bf16": "bfloat16"}
-# --dense-dtype choices: attention projections and LM head as int8 rows, or as bf16.
+# --dense-dtype choices: the dense linears (attention, shared experts, dense MLPs) and LM head as int8 rows, or bf16.
 DENSE_DTYPES = ("int8", "bf16")
 
 # Stored bytes per parameter of a routed expert, scales included, for the cost model's `expert_dtype`: a checkpoint
