@@ -11,8 +11,9 @@ from moe_offload.commands.options import DENSE_DTYPE_CHOICE, EXPERT_DTYPE_CHOICE
 from moe_offload.errors import ConfigError, ModelError
 
 POLICY_HELP = "Miss policy: static (misses computed on the host), lru (misses copied into slots), hybrid (by tokens per expert)."
-DENSE_DTYPE_HELP = ("Dense linears (attention, shared experts, dense MLPs) and LM head: int8 holds them as int8 rows with per-row scales (bf16 "
-                    "compute on cpu; decode reads half the bytes), bf16 keeps them (default: as loaded).")
+DENSE_DTYPE_HELP = ("Dense linears (attention, shared experts, dense MLPs) and LM head: int8 holds them as int8 rows "
+                    "with per-row scales (bf16 compute on cpu; decode reads half the bytes), bf16 keeps them "
+                    "(default: as loaded).")
 EXPERT_DTYPE_HELP = ("Experts in memory: int8 (per-channel) or fp8 (128x128 blocks) quantizes a bf16/fp32 checkpoint's "
                      "experts at load; bf16 dequantizes an MXFP4/FP8 checkpoint's (default: as the checkpoint stores them).")
 
