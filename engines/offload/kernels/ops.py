@@ -66,9 +66,11 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       function rounds in bf16 (interleaved pairs or rotate_half)                                          mla.cpp
   gated_delta_decode_bf16(qkvz [B, Hk*(2Dk+2rDv)], ba [B, 2Hv], conv_state [B, C, K] bf16 (mutated), conv_w [C, K]
                           fp32, conv_b [C]?, state [B, Hv, Dk, Dv] fp32 (mutated), A_log [Hv] fp32, dt_bias [Hv] fp32,
-                          norm_w [Dv], eps, Hk, Hv, Dk, Dv) -> [B, Hv*Dv]
+                          norm_w [Dv], eps, Hk, Hv, Dk, Dv, slots [B]?, plain) -> [B, Hv*Dv]
       a gated-DeltaNet layer's decode step from its input projections' outputs to its out_proj's input: the causal
-      conv update, the gated delta rule on the recurrent state, the gated RMSNorm (runtime/deltanet.py)   deltanet.cpp
+      conv update, the gated delta rule on the recurrent state, the gated RMSNorm (runtime/deltanet.py); slots: the
+      states are pools of seats [S, ...], row b's in seat slots[b] (the paged engine's); plain: Qwen3.5's
+      separate projections, qkvz = [q | k | v | z], ba = [b | a] (else Qwen3-Next's per-key-head groups)   deltanet.cpp
   grouped_topk(scores [M, E] fp32, bias [E] fp32?, n_group, topk_group, top_k, norm_topk, scale) -> [ids [M, K] int64,
                w [M, K] fp32]   DeepSeek-V3's grouped selection from sigmoid scores (runtime/moe_blocks.py)  router.cpp
 Class moe_offload.DecodeStep(bs, w_bf16, norm_mode, router_mode) (torch.classes; the family's constants)     step.cpp
@@ -112,7 +114,8 @@ def _swiglu(gate_up, alpha, limit):
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
-def _delta(qkvz, ba, conv_state, conv_w, conv_b, state, a_log, dt_bias, norm_w, eps, Hk, Hv, Dk, Dv):
+def _delta(qkvz, ba, conv_state, conv_w, conv_b, state, a_log, dt_bias, norm_w, eps, Hk, Hv, Dk, Dv, slots=None,
+           plain=False):
     return qkvz.new_empty((qkvz.shape[0], Hv * Dv))
 
 

@@ -1,21 +1,30 @@
-"""Gated-DeltaNet layers (Qwen3-Next's linear attention, and every family whose layer has its source) decode a token in
-one kernel call instead of ~70 torch ops.
+"""Gated-DeltaNet layers (Qwen3-Next's and Qwen3.5's linear attention, and every family whose layer has either's
+source): their
+per-sequence state in the paged engine, and a token's decode step in one kernel call instead of ~70 torch ops.
 
-    layer(hidden [B, 1, H], cache) --a cached one-token step, bf16 on the CPU-->
-      in_proj_qkvz, in_proj_ba (the modules: patched GEMVs, --dense-dtype int8 rows)
-      -> moe_offload::gated_delta_decode_bf16 (kernels/csrc/cpu/deltanet.cpp): the conv update and the gated delta
-         rule on the cache's own conv and recurrent state tensors (updated in place, as the module's copy_ updates
-         them), the gated RMSNorm
-      -> out_proj
-    anything else (prefill, no cache, a cache recording its past, fp32, a convolution not widened to fp32) -> the
-    module's own forward
+    layer(hidden [1, N, H], cache=kv.PagedCache) (the paged engine: the step's sequences packed)
+      -> decode rows (one token of a sequence with a past), bf16 on the CPU with the kernels:
+           in_proj_qkvz, in_proj_ba (Qwen3.5: in_proj_qkv|z, in_proj_b|a) over those rows
+           -> moe_offload::gated_delta_decode_bf16 on the pool's seats
+           (kernels/csrc/cpu/deltanet.cpp: conv update, gated delta rule, gated RMSNorm) -> out_proj
+      -> every other sequence's rows (a prefill chunk; any row in fp32 or without kernels): the module's own forward
+         on that sequence alone, with a SeatCache over its seat (a fresh state when the chunk starts the sequence)
+    layer(hidden [B, 1, H], cache=a transformers cache) (the per-sequence engine): the kernel on the cache's own
+      tensors for a cached bf16 one-token step, else the module's forward
+    probe (kv_budget.probe_bytes_per_token): the layer reports itself stateful and runs without a cache
 
-Why: on a 2-core host a Qwen3-Next decode step spent a quarter of its time in those small ops (per-op dispatch, fp32
-casts, broadcasts; bench/profile_decode.py). Which layers, by construction: the layer's forward, its helpers and its
-gated norm must have Qwen3-Next's source (moe_blocks.same_source; helpers compared as source text).
-Exactness: the kernel follows the module's dtypes and element-wise operation order; its reductions over a head's dims
-are ordered differently, so outputs agree to bf16 rounding (tests/engines/offload/kernels/test_deltanet.py).
-``MOE_OFFLOAD_DELTANET=0`` keeps the module.
+The states live in kv.KVPool.states_of: per layer a conv window [seats, C, K] (the model's dtype) and a recurrent
+state [seats, Hv, Dk, Dv] (fp32, as the module's rule keeps it); a sequence's seat is taken at its first chunk and
+freed when it finishes or is preempted (the scheduler's release).
+
+Why: without it a hybrid model ran one forward per sequence on transformers' cache (its batched throughput was
+0.07x llama.cpp's), and a decode step spent a quarter of its time in the layer's small ops. Which layers, by
+construction: the layer's forward, its helpers and its gated norm must have Qwen3-Next's or Qwen3.5's source
+(moe_blocks.same_source; helpers compared as source text). Exactness: the module path is the module's own code on
+the same state; the kernel follows the module's dtypes and element-wise operation order, its reductions over a
+head's dims are ordered differently, so outputs agree to bf16 rounding (tests/engines/offload/kernels/
+test_deltanet.py). ``MOE_OFFLOAD_DELTANET=0`` keeps the kernel out (the module computes every row).
+Legend: N step tokens, B sequences, C conv channels, K conv taps, Hv value heads, Dk / Dv head dims.
 """
 
 from __future__ import annotations
@@ -27,70 +36,152 @@ import sys
 import torch
 
 from moe_offload.engines.offload import switches
+from moe_offload.engines.offload.runtime import kv
 from moe_offload.engines.offload.runtime.moe_blocks import same_source
 
 ENV = "MOE_OFFLOAD_DELTANET"
 HELPERS = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule", "l2norm", "apply_mask_to_padding_states")
 
 
-def _reference():
-    from transformers.models.qwen3_next import modeling_qwen3_next as ref
+def _references():
+    """(module, layer class, gated norm class, plain projections) of the layers this covers."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35
+    from transformers.models.qwen3_next import modeling_qwen3_next as q3n
 
-    return ref
+    return ((q3n, q3n.Qwen3NextGatedDeltaNet, q3n.Qwen3NextRMSNormGated, False),
+            (q35, q35.Qwen3_5MoeGatedDeltaNet, q35.Qwen3_5MoeRMSNormGated, True))
 
 
-def _same_helpers(layer) -> bool:
-    ref, mod = _reference(), sys.modules[type(layer).__module__]
+def _same_helpers(layer, ref, cls) -> bool:
+    mod = sys.modules[type(layer).__module__]
     try:
         return all(inspect.getsource(getattr(mod, f)) == inspect.getsource(getattr(ref, f)) for f in HELPERS) and (
-            inspect.getsource(type(layer).fix_query_key_value_ordering)
-            == inspect.getsource(ref.Qwen3NextGatedDeltaNet.fix_query_key_value_ordering))
+            not hasattr(cls, "fix_query_key_value_ordering") or inspect.getsource(type(layer).fix_query_key_value_ordering)
+            == inspect.getsource(cls.fix_query_key_value_ordering))
     except (AttributeError, OSError, TypeError):
         return False
 
 
-def install(model: torch.nn.Module) -> int:
-    """Route the one-token steps of every covered gated-DeltaNet layer of ``model`` through the kernel; returns how
-    many layers. Nothing happens without the kernels, with the switch off, or for layers of another source."""
-    from moe_offload.engines.offload.kernels import jit
+def _covered(m) -> bool | None:
+    """None: not a covered layer; else whether its projections are Qwen3.5's plain ones."""
+    if getattr(m, "activation", None) != "silu":
+        return None
+    for ref, cls, norm, plain in _references():
+        if same_source(m, cls) and same_source(getattr(m, "norm", None), norm) and _same_helpers(m, ref, cls):
+            return plain
+    return None
 
-    if not switches.on(ENV):
-        return 0
+
+def install(model: torch.nn.Module) -> int:
+    """Give every covered gated-DeltaNet layer of ``model`` this forward; returns how many layers (0: none covered)."""
     layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
-    if not layers or not jit.load():
-        return 0
-    ref = _reference()
     n = 0
     for m in layers:
         if isinstance(m.__dict__.get("forward"), functools.partial):  # installed before (a second engine)
             n += 1
-        elif (same_source(m, ref.Qwen3NextGatedDeltaNet) and same_source(getattr(m, "norm", None), ref.Qwen3NextRMSNormGated)
-                and m.activation == "silu" and _same_helpers(m)):
+        elif (plain := _covered(m)) is not None:
+            m._moe_offload_plain = plain
             m.forward = functools.partial(_forward, m, m.forward)
             n += 1
     return n
 
 
+def _kernel_takes(layer, x: torch.Tensor) -> bool:
+    from moe_offload.engines.offload.kernels import jit
+
+    return (x.dtype == torch.bfloat16 and x.is_cpu and layer.conv1d.weight.dtype == torch.float32
+            and layer.norm.weight.dtype == torch.bfloat16 and switches.on(ENV) and jit.load())
+
+
+def _kernel(layer, x: torch.Tensor, conv_state, state, slots=None) -> torch.Tensor:
+    """The kernel's step for rows x [B, H]: the out_proj's output [B, H]; conv_state / state updated in place."""
+    B, conv, plain = x.shape[0], layer.conv1d, layer._moe_offload_plain
+    if plain:  # Qwen3.5: [q | k | v | z], [b | a]
+        qkvz = torch.cat([layer.in_proj_qkv(x), layer.in_proj_z(x)], dim=-1)
+        ba = torch.cat([layer.in_proj_b(x), layer.in_proj_a(x)], dim=-1)
+    else:
+        qkvz = layer.in_proj_qkvz(x).reshape(B, -1).contiguous()
+        ba = layer.in_proj_ba(x).reshape(B, -1).contiguous()
+    out = torch.ops.moe_offload.gated_delta_decode_bf16(
+        qkvz, ba, conv_state, conv.weight.squeeze(1), None if conv.bias is None else conv.bias.float(), state,
+        layer.A_log.float(), layer.dt_bias.float(), layer.norm.weight, float(layer.norm.variance_epsilon),
+        layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, slots, plain)
+    return layer.out_proj(out)
+
+
 def _forward(layer, module_forward, hidden_states, cache=None, attention_mask=None, **kwargs):
-    """The layer's forward: the kernel for a cached one-token bf16 CPU step, else the module's."""
-    conv, norm = layer.conv1d, layer.norm
-    states = None
+    """The layer's forward (see the module docstring)."""
+    if isinstance(cache, kv.PagedCache):
+        return _paged(layer, module_forward, hidden_states, cache)
     if (cache is not None and hidden_states.dim() == 3 and hidden_states.shape[1] == 1
-            and hidden_states.dtype == torch.bfloat16 and hidden_states.is_cpu and conv.weight.dtype == torch.float32
-            and norm.weight.dtype == torch.bfloat16 and not cache.is_recording_past(layer.layer_idx)):
+            and _kernel_takes(layer, hidden_states) and not cache.is_recording_past(layer.layer_idx)):
         cs = cache.get_conv_state(layer.layer_idx, state_idx=0)
         rs = cache.get_recurrent_state(layer.layer_idx, state_idx=0)
         if (cs is not None and rs is not None and cs.dtype == torch.bfloat16 and rs.dtype == torch.float32
                 and cs.is_contiguous() and rs.is_contiguous() and cs.shape[-1] == layer.conv_kernel_size):
-            states = cs, rs
-    if states is None:
-        return module_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    hidden_states = sys.modules[type(layer).__module__].apply_mask_to_padding_states(hidden_states, attention_mask)
-    B = hidden_states.shape[0]
-    qkvz = layer.in_proj_qkvz(hidden_states).reshape(B, -1).contiguous()
-    ba = layer.in_proj_ba(hidden_states).reshape(B, -1).contiguous()
-    out = torch.ops.moe_offload.gated_delta_decode_bf16(
-        qkvz, ba, states[0], conv.weight.squeeze(1), None if conv.bias is None else conv.bias.float(), states[1],
-        layer.A_log.float(), layer.dt_bias.float(), norm.weight, float(norm.variance_epsilon), layer.num_k_heads,
-        layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
-    return layer.out_proj(out.view(B, 1, -1))
+            x = sys.modules[type(layer).__module__].apply_mask_to_padding_states(hidden_states, attention_mask)
+            return _kernel(layer, x[:, 0], cs, rs).unsqueeze(1)
+    return module_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+
+
+def _paged(layer, module_forward, hidden_states, cache: kv.PagedCache) -> torch.Tensor:
+    """The paged engine's step: hidden_states [1, N, H] packed by sequence (kv.StepContext.seqs)."""
+    step = kv.current()
+    if step.probe:
+        cache.stateful.add(layer.layer_idx)
+        return module_forward(hidden_states, cache=None)
+    pool = cache.pool
+    seqs = step.seqs
+    conv_pool, state_pool = pool.states_of(
+        layer.layer_idx, ((layer.conv_dim, layer.conv_kernel_size), (layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)),
+        (hidden_states.dtype, torch.float32), max(s.seat for s in seqs) + 1)
+    h = hidden_states[0]  # [N, H]
+    out = torch.empty_like(h)
+    rest = seqs
+    if _kernel_takes(layer, h):
+        decode = [s for s in seqs if s.q_len == 1 and s.ctx_len > 1]
+        if decode:
+            rows = torch.tensor([s.q_start for s in decode], device=h.device)
+            slots = torch.tensor([s.seat for s in decode], device=h.device)
+            out.index_copy_(0, rows, _kernel(layer, h.index_select(0, rows), conv_pool, state_pool, slots))
+            rest = [s for s in seqs if not (s.q_len == 1 and s.ctx_len > 1)]
+    for s in rest:
+        seat = SeatCache(layer.layer_idx, conv_pool[s.seat : s.seat + 1], state_pool[s.seat : s.seat + 1],
+                         fresh=s.ctx_len == s.q_len)
+        x = h[s.q_start : s.q_start + s.q_len].unsqueeze(0)  # [1, q, H]
+        out[s.q_start : s.q_start + s.q_len] = module_forward(x, cache=seat)[0]
+    return out.unsqueeze(0)
+
+
+class SeatCache:
+    """What the module's forward asks of a cache, for one layer and one sequence: its seat's conv window and
+    recurrent state (views of the pool's tensors), updated as transformers' linear-attention cache layer updates
+    them (the window padded or prefixed, its last K columns kept; the state copied in)."""
+
+    def __init__(self, layer_idx: int, conv: torch.Tensor, state: torch.Tensor, fresh: bool):
+        self.layer_idx, self.conv, self.state, self.fresh = layer_idx, conv, state, fresh  # [1, C, K], [1, Hv, Dk, Dv]
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return None if self.fresh else self.conv
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return None if self.fresh else self.state
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int = 0, conv_kernel_size: int | None = None,
+                          **kwargs) -> torch.Tensor:
+        K = self.conv.shape[-1]
+        if self.fresh:  # the sequence's first chunk: left-padded with zeros to the window
+            full = conv_states if conv_states.shape[-1] >= K else torch.nn.functional.pad(
+                conv_states, (K - conv_states.shape[-1], 0), value=0)
+        else:
+            full = torch.cat([self.conv, conv_states], dim=-1)
+        self.conv.copy_(full[..., -K:])
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int = 0, **kwargs) -> torch.Tensor:
+        self.state.copy_(recurrent_states)
+        self.fresh = False
+        return self.state

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats
-from moe_offload.engines.offload.runtime import kv_budget
+from moe_offload.engines.offload.runtime import deltanet, kv_budget
 from moe_offload.engines.offload.runtime.accounting import Accounting
 from moe_offload.engines.offload.runtime.kv_budget import KVCacheConfig
 from moe_offload.engines.offload.runtime.model_runner import ModelRunner
@@ -72,6 +72,8 @@ class OffloadEngine(Engine):
         sched = scheduler or SchedulerConfig()
         text_config = self.model.config.get_text_config()
         model_len = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
+        # gated-DeltaNet layers: their state in the pool's seats, one-token steps in one kernel call (deltanet.py)
+        self.deltanet_layers = deltanet.install(self.model)
         self.kv_bytes_per_token = (kv_budget.probe_bytes_per_token(self.model, self.executor, self.device)
                                    if cache == "paged" else None)
         self.paged = self.kv_bytes_per_token is not None

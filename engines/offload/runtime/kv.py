@@ -37,6 +37,7 @@ class SeqSlice:
     q_len: int
     ctx_len: int
     k_start: int = 0
+    seat: int = -1  # the sequence's seat in the pool's per-sequence state (linear attention), KVPool.seat
 
 
 @dataclass
@@ -68,6 +69,10 @@ class KVPool:
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low block ids first
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # layers that keep a fixed-size state per sequence instead of KV rows (linear attention: a convolution window
+        # and a recurrent state): one seat per running sequence, each layer's states stacked [seats, ...]
+        self.seats: dict[int, int] = {}  # sequence id -> seat
+        self.states: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @property
     def free_blocks(self) -> int:
@@ -88,6 +93,31 @@ class KVPool:
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
 
+    def seat(self, sid: int) -> int:
+        """The state seat of sequence ``sid`` (the lowest free one at its first call)."""
+        s = self.seats.get(sid)
+        if s is None:
+            taken = set(self.seats.values())
+            s = self.seats[sid] = next(i for i in range(len(taken) + 1) if i not in taken)
+        return s
+
+    def release(self, sid: int) -> None:
+        """Sequence ``sid`` finished or was preempted: its seat is free (a recompute starts from a fresh state)."""
+        self.seats.pop(sid, None)
+
+    def states_of(self, idx: int, shapes: tuple[tuple[int, ...], ...], dtypes: tuple, seats: int) -> tuple[torch.Tensor, ...]:
+        """Layer ``idx``'s per-sequence states, one tensor [capacity, *shape] per (shape, dtype), created at first use
+        and grown (copied) when ``seats`` exceed the capacity."""
+        have = self.states.get(idx)
+        if have is None or have[0].shape[0] < seats:
+            cap = max(seats, 2 * (have[0].shape[0] if have is not None else 4))
+            new = tuple(torch.zeros(cap, *shape, dtype=dt, device=self.device) for shape, dt in zip(shapes, dtypes))
+            if have is not None:
+                for n, o in zip(new, have):
+                    n[: o.shape[0]].copy_(o)
+            self.states[idx] = have = new
+        return have
+
     def layer(self, idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``idx``'s pools for the step's new rows k/v [1, Hkv, N, D] (created at first use)."""
         return self.layer_of(idx, k.shape[1], k.shape[3], v.shape[1], v.shape[3], k.dtype)
@@ -105,6 +135,7 @@ class KVPool:
 
     def close(self) -> None:
         self.layers.clear()
+        self.states.clear()
 
 
 class PagedCache:
@@ -116,6 +147,7 @@ class PagedCache:
     def __init__(self, pool: KVPool | None):
         self.pool = pool
         self.seen: dict[int, tuple] = {}  # probe: layer -> (k shape, v shape, dtype)
+        self.stateful: set[int] = set()  # probe: layers that keep per-sequence state in the pool's seats instead
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Store the step's new rows [1, Hkv, N, D]; return every scheduled sequence's whole context in the
@@ -136,6 +168,11 @@ class PagedCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always given explicitly
+
+
+def current() -> StepContext | None:
+    """The step context of the forward running on this thread (None outside one)."""
+    return getattr(_active, "step", None)
 
 
 class active:

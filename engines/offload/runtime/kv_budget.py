@@ -62,7 +62,7 @@ def probe_bytes_per_token(model, executor, device: torch.device) -> int | None:
     layers = int(getattr(model.config.get_text_config(), "num_hidden_layers", 0) or 0)
     if executor is not None and getattr(executor, "stats", None) is not None:
         executor.stats.reset()  # the probe is not a request
-    if not cache.seen or len(cache.seen) != layers:
+    if not cache.seen or len(cache.seen) + len(cache.stateful) != layers:
         kv.set_attention(model, old)
         return None
     total = 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_offload.engines.offload.runtime import deltanet, fastpath, kv, mla, mla_plan
+from moe_offload.engines.offload.runtime import fastpath, kv, mla, mla_plan
 from moe_offload.engines.offload.runtime.accounting import Accounting, snapshot
 from moe_offload.engines.offload.runtime.scheduler import SchedulerOutput
 
@@ -32,8 +32,6 @@ class ModelRunner:
         self.paged_cache = kv.PagedCache(pool)
         # MLA layers decode over their latent cache with kv_b_proj absorbed (mla.py)
         self.mla_layers = mla.prepare(model) if paged else 0
-        # gated-DeltaNet layers (linear attention) decode a token in one kernel call (deltanet.py)
-        self.deltanet_layers = deltanet.install(model)
         # decode-only steps of covered bf16 CPU families skip transformers' modules (fastpath.py; mla_plan.py for
         # DeepSeek-V3's layout)
         self.fast = (fastpath.DecodePlan.build(model, executor, pool) or mla_plan.MLADecodePlan.build(model, executor, pool)
@@ -99,7 +97,7 @@ class ModelRunner:
         bs, dev = self.pool.block_size, self.device
         seqs, q = [], 0
         for seq, n in sched:
-            seqs.append(kv.SeqSlice(q, n, seq.computed + n))
+            seqs.append(kv.SeqSlice(q, n, seq.computed + n, seat=self.pool.seat(seq.sid)))
             q += n
         step = kv.StepContext(None, seqs, pool=self.pool)
         decode = [i for i, (_, n) in enumerate(sched) if n == 1]

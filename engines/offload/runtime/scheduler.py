@@ -124,6 +124,7 @@ class Scheduler:
             except ValueError:
                 pass
         self.pool.free(seq.blocks)
+        self.pool.release(seq.sid)
         seq.blocks = []
         seq.state = FINISHED
 
@@ -187,6 +188,7 @@ class Scheduler:
         """Recompute preemption: drop its cache, requeue it first; its tokens so far are re-prefilled later."""
         self.running.remove(seq)
         self.pool.free(seq.blocks)
+        self.pool.release(seq.sid)
         seq.blocks, seq.computed, seq.state = [], 0, WAITING
         seq.preemptions += 1
         self.preemptions += 1

@@ -20,18 +20,22 @@ from moe_offload.engines.offload.runtime import deltanet
 pytestmark = pytest.mark.skipif(not jit.load(), reason="the CPU kernels cannot be built here")
 
 
-def _checkpoint(family_checkpoints) -> str:
-    path = family_checkpoints("qwen3_next")
+FAMILIES = ("qwen3_next", "qwen3_5_moe")  # per-key-head grouped projections; Qwen3.5's separate ones
+
+
+def _checkpoint(family_checkpoints, family) -> str:
+    path = family_checkpoints(family)
     if isinstance(path, Exception):
-        pytest.fail(f"qwen3_next: cannot build its tiny checkpoint: {path}")
+        pytest.fail(f"{family}: cannot build its tiny checkpoint: {path}")
     return path
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("batch", [1, 3])
-def test_one_token_steps_match_the_module(family_checkpoints, monkeypatch, batch):
+def test_one_token_steps_match_the_module(family_checkpoints, monkeypatch, batch, family):
     from transformers import DynamicCache
 
-    om = load_model(_checkpoint(family_checkpoints), None, dtype="bfloat16")  # convolutions widened to fp32
+    om = load_model(_checkpoint(family_checkpoints, family), None, dtype="bfloat16")  # convolutions widened to fp32
     layers = [m for m in om.model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
     assert deltanet.install(om.model) == len(layers) > 0
     calls = []
@@ -40,12 +44,13 @@ def test_one_token_steps_match_the_module(family_checkpoints, monkeypatch, batch
     layer = layers[0]
     module_forward = type(layer).forward.__get__(layer)
     g = torch.Generator().manual_seed(0)
-    H = om.model.config.hidden_size
+    config = om.model.config.get_text_config()
+    H = config.hidden_size
 
     def x(n):
         return torch.randn(batch, n, H, generator=g).to(torch.bfloat16)
 
-    mine = DynamicCache(config=om.model.config)
+    mine = DynamicCache(config=config)
     with torch.inference_mode():
         layer(x(6), cache=mine)  # a prefill: the module's own path, in both
         theirs = copy.deepcopy(mine)
@@ -63,24 +68,34 @@ def test_one_token_steps_match_the_module(family_checkpoints, monkeypatch, batch
     assert len(calls) == 5  # every one-token step went through the kernel, the prefill did not
 
 
-def test_engine_tokens_with_and_without_the_kernel(family_checkpoints, monkeypatch):
-    # bf16 greedy decoding through the engine (per-sequence cache: the hybrid model is not paged): the kernel's
-    # steps and the module's give the same tokens
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_tokens_with_and_without_the_kernel(family_checkpoints, monkeypatch, family):
+    # bf16 greedy decoding of three sequences batched through the paged engine: the kernel's decode rows (states in
+    # the pool's seats) and the module's give the same tokens; the switch keeps the kernel out
     from moe_offload.engines.offload.runtime.build import build_offload_engine
     from moe_offload.engines.params import SamplingParams
 
-    path = _checkpoint(family_checkpoints)
+    path = _checkpoint(family_checkpoints, family)
+    calls = []
+    op = torch.ops.moe_offload.gated_delta_decode_bf16
+    monkeypatch.setattr(torch.ops.moe_offload, "gated_delta_decode_bf16", lambda *a: calls.append(a[0].shape[0]) or op(*a))
 
     def tokens():
         engine = build_offload_engine(path, dtype="bfloat16")
         try:
-            n = engine.runner.deltanet_layers
-            return n, list(engine.generate([5, 17, 42, 9, 88], SamplingParams(max_tokens=10, ignore_eos=True)))
+            assert engine.paged and engine.deltanet_layers > 0
+            gens = [engine.start(p, SamplingParams(max_tokens=10, ignore_eos=True))
+                    for p in ([5, 17, 42, 9, 88], [3, 3, 61], [70, 71, 72, 73, 74, 75, 76, 77, 78])]
+            while engine.step():
+                pass
+            return [g.drain() for g in gens]
         finally:
             engine.close()
 
-    n_on, on = tokens()
+    on = tokens()
+    assert calls and max(calls) == 3  # decode rows of the three sequences in one call
+    calls.clear()
     monkeypatch.setenv(deltanet.ENV, "0")
-    n_off, off = tokens()
-    assert n_on > 0 and n_off == 0
-    assert on == off
+    off = tokens()
+    assert not calls
+    assert on == off and all(len(t) == 10 for t in on)

@@ -41,7 +41,7 @@ def test_cache_key_follows_every_source_byte(tmp_path, monkeypatch):
 
 
 def test_sources_are_the_translation_units():
-    assert [p.name for p in jit.sources()] == ["bindings.cpp", "decode.cpp", "gemm.cpp", "mla.cpp", "moe.cpp", "moe_quant.cpp", "router.cpp", "step.cpp"]
+    assert [p.name for p in jit.sources()] == ["bindings.cpp", "decode.cpp", "deltanet.cpp", "gemm.cpp", "mla.cpp", "moe.cpp", "moe_quant.cpp", "router.cpp", "step.cpp"]
 
 
 def test_every_source_file_is_package_data():

@@ -70,12 +70,13 @@ def test_image_token_experts_stay_resident_and_run_as_transformers(family_checkp
         torch.testing.assert_close(modules[name](x, idx, w), stock[name](x, idx, w), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("family, paged", [("qwen3_moe", True), ("gpt_oss", True), ("qwen3_next", False),
-                                           ("deepseek_v32", False), ("minimax", False)])
+@pytest.mark.parametrize("family, paged", [("qwen3_moe", True), ("gpt_oss", True), ("qwen3_next", True),
+                                           ("qwen3_5_moe", True), ("deepseek_v32", False), ("minimax", False)])
 def test_paged_kv_only_where_every_layer_keeps_just_attention_kv(family_checkpoints, family, paged):
-    """The load-time probe: a model whose layers all store through cache.update gets the paged block pool; linear
-    attention (Qwen3-Next), a sparse-attention indexer (DeepSeek-V3.2) or lightning-attention state (MiniMax) take
-    the per-sequence path on the model's own cache."""
+    """The load-time probe: a model whose layers all store through cache.update, or keep their state in the pool's
+    seats (Qwen3-Next's and Qwen3.5's gated-DeltaNet linear attention, runtime/deltanet.py), gets the paged block pool; a
+    sparse-attention indexer (DeepSeek-V3.2) or lightning-attention state (MiniMax) take the per-sequence path on the
+    model's own cache."""
     engine = build_offload_engine(_path(family_checkpoints, family))
     try:
         assert engine.paged is paged

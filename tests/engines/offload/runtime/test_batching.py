@@ -146,9 +146,12 @@ def test_scheduler_options_are_checked_before_loading():
         build_offload_engine("/nonexistent", kv_cache_memory=-5)
 
 
-def test_a_family_with_linear_attention_state_batches_per_sequence(tmp_path):
-    """Qwen3-Next keeps gated-delta-rule state in its linear-attention layers: the probe sends it to the per-sequence
-    path (the model's own cache per sequence), and batched sequences still get transformers' greedy tokens."""
+@pytest.mark.parametrize("policy", ["static", "lru"])
+def test_a_family_with_linear_attention_state_batches_paged(tmp_path, policy):
+    """Qwen3-Next keeps gated-delta-rule state in its linear-attention layers: it runs paged, each sequence's conv
+    window and recurrent state in a seat of the pool (runtime/deltanet.py), and batched sequences still get
+    transformers' greedy tokens (fp32: the module's own code on each sequence's state), prefills chunked and mixed with
+    other sequences' decode rows, a preempted sequence recomputed from a fresh state; the per-sequence path too."""
     import torch
     from offload_helpers import COMMON
     from transformers import AutoModelForCausalLM, Qwen3NextConfig
@@ -159,9 +162,26 @@ def test_a_family_with_linear_attention_state_batches_per_sequence(tmp_path):
                           layer_types=["linear_attention", "full_attention"])
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
-    model = stock(str(tmp_path))
+    path = str(tmp_path)
+    model = stock(path)
     expected = [greedy(model, p, n)[0] for p, n in zip(PROMPTS, LENGTHS)]
-    assert staggered_per_sequence(str(tmp_path)) == expected
+    engine = build_offload_engine(path, policy=policy, fraction=0.5, max_num_seqs=3, max_num_batched_tokens=6)
+    try:
+        assert engine.paged
+        assert run_staggered(engine)[0] == expected
+        assert not engine.pool.seats  # every seat came back
+    finally:
+        engine.close()
+    budget = _bytes_for_blocks(path, 4, 9)  # the attention layer's KV for 36 tokens: the third sequence is preempted
+    engine = build_offload_engine(path, policy=policy, fraction=0.5, block_size=4, kv_cache_memory=budget,
+                                  max_num_batched_tokens=16)
+    try:
+        assert run_staggered(engine)[0] == expected
+        assert engine.stats()["preemptions"] > 0
+    finally:
+        engine.close()
+    if policy == "lru":
+        assert staggered_per_sequence(path, cache="dynamic") == expected
 
 
 def test_prompt_logprobs_are_the_same_when_the_prompt_is_prefilled_in_chunks(checkpoints):

@@ -34,7 +34,8 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   // mla.cpp
   // router.cpp
   m.def("gated_delta_decode_bf16(Tensor qkvz, Tensor ba, Tensor(a!) conv_state, Tensor conv_w, Tensor? conv_b, "
-        "Tensor(b!) state, Tensor a_log, Tensor dt_bias, Tensor norm_w, float eps, int Hk, int Hv, int Dk, int Dv) -> Tensor");
+        "Tensor(b!) state, Tensor a_log, Tensor dt_bias, Tensor norm_w, float eps, int Hk, int Hv, int Dk, int Dv, "
+        "Tensor? slots=None, bool plain=False) -> Tensor");
   m.def("grouped_topk(Tensor scores, Tensor? bias, int n_group, int topk_group, int top_k, bool norm_topk, float scale) -> Tensor[]");
   m.def("mla_decode_bf16(Tensor q, Tensor lat, Tensor rope, Tensor lens, Tensor wkv_b, int nope, float scaling, "
         "Tensor? rows=None) -> Tensor");

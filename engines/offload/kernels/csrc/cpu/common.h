@@ -134,7 +134,8 @@ void mla_prologue_bf16(const at::Tensor& q, const at::Tensor& ckv, const at::Ten
 at::Tensor gated_delta_decode_bf16(const at::Tensor& qkvz, const at::Tensor& ba, const at::Tensor& conv_state,
                                    const at::Tensor& conv_w, const std::optional<at::Tensor>& conv_b,
                                    const at::Tensor& state, const at::Tensor& a_log, const at::Tensor& dt_bias,
-                                   const at::Tensor& norm_w, double eps, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv);
+                                   const at::Tensor& norm_w, double eps, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
+                                   const std::optional<at::Tensor>& slots, bool plain);
 
 // router.cpp
 std::vector<at::Tensor> grouped_topk(const at::Tensor& scores, const std::optional<at::Tensor>& bias, int64_t n_group,

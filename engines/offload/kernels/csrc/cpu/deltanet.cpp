@@ -3,6 +3,7 @@
 //
 //   qkvz [B, Hk * (2 Dk + 2 r Dv)], ba [B, Hk * 2r]    the in_proj_qkvz / in_proj_ba outputs, per key head g:
 //                                                      q_g k_g v_g z_g and b_g a_g (r = Hv / Hk value heads each)
+//     or (plain: Qwen3.5's separate projections) qkvz = [q | k | v | z], ba = [b | a], each part whole
 //   -> causal conv over [conv_state | q k v] (C = 2 Hk Dk + Hv Dv channels, K taps, fp32 weights), silu, bf16;
 //      conv_state shifted by one (mutated)
 //   -> per value head h (key head h / r): q, k l2-normalised (q also / sqrt(Dk)), beta = sigmoid(b), decay =
@@ -10,6 +11,8 @@
 //      o = S^T q  (S [Dk, Dv] fp32, the recurrent state, mutated)
 //   -> gated RMSNorm: bf16(w * bf16(o / rms(o))) * silu(z), bf16
 //   -> out [B, Hv * Dv] bf16, the out_proj's input
+//   slots [B] (optional): conv_state / state are pools of seats [S, ...] and row b's live in seat slots[b] (the paged
+//   engine's per-sequence states, kv.KVPool.states_of); without, [B, ...] in row order
 //
 // Why: the module runs this as ~70 torch ops per layer and token (the split and re-layout of the projections, the
 // convolution update, the fp32 casts, l2 norms, the recurrent rule's broadcasts, the gated norm); on a 2-core host
@@ -42,7 +45,8 @@ void check(const at::Tensor& t, at::ScalarType dtype, int64_t dim, const char* w
 __attribute__((optimize("fp-contract=off"))) at::Tensor gated_delta_decode_bf16(
     const at::Tensor& qkvz, const at::Tensor& ba, const at::Tensor& conv_state, const at::Tensor& conv_w,
     const std::optional<at::Tensor>& conv_b, const at::Tensor& state, const at::Tensor& a_log, const at::Tensor& dt_bias,
-    const at::Tensor& norm_w, double eps, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv) {
+    const at::Tensor& norm_w, double eps, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
+    const std::optional<at::Tensor>& slots, bool plain) {
   TORCH_CHECK(Hk >= 1 && Hv >= 1 && Hv % Hk == 0 && Dk >= 1 && Dv >= 1,
               "gated_delta_decode_bf16: expected value heads a multiple of key heads, got Hk=", Hk, " Hv=", Hv);
   const int64_t r = Hv / Hk, W = 2 * Dk + 2 * r * Dv, key_dim = Hk * Dk, C = 2 * key_dim + Hv * Dv;
@@ -54,17 +58,31 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor gated_delta_decode_bf16(
   check(conv_state, at::kBFloat16, 3, "conv_state");
   check(conv_w, at::kFloat, 2, "conv_w");
   const int64_t K = conv_w.size(1);
-  TORCH_CHECK(conv_w.size(0) == C && K >= 1 && conv_state.size(0) == B && conv_state.size(1) == C &&
-                  conv_state.size(2) == K,
-              "gated_delta_decode_bf16: expected conv_w [", C, ", K] and conv_state [", B, ", ", C, ", K], got ",
+  const int64_t seats = conv_state.size(0);
+  std::vector<int64_t> seat(B);
+  if (slots.has_value()) {
+    check(*slots, at::kLong, 1, "slots");
+    TORCH_CHECK(slots->size(0) == B, "gated_delta_decode_bf16 slots: expected [", B, "], got ", slots->sizes());
+    for (int64_t b = 0; b < B; ++b) {
+      seat[b] = slots->data_ptr<int64_t>()[b];
+      TORCH_CHECK(seat[b] >= 0 && seat[b] < seats && state.size(0) == seats, "gated_delta_decode_bf16 slots: seat ",
+                  seat[b], " outside the pools' ", seats);
+      for (int64_t a = 0; a < b; ++a) TORCH_CHECK(seat[a] != seat[b], "gated_delta_decode_bf16 slots: seat ", seat[b], " twice");
+    }
+  } else {
+    TORCH_CHECK(seats == B, "gated_delta_decode_bf16 conv_state: expected ", B, " rows, got ", seats);
+    for (int64_t b = 0; b < B; ++b) seat[b] = b;
+  }
+  TORCH_CHECK(conv_w.size(0) == C && K >= 1 && conv_state.size(1) == C && conv_state.size(2) == K,
+              "gated_delta_decode_bf16: expected conv_w [", C, ", K] and conv_state [S, ", C, ", K], got ",
               conv_w.sizes(), " and ", conv_state.sizes());
   if (conv_b.has_value()) {
     check(*conv_b, at::kFloat, 1, "conv_b");
     TORCH_CHECK(conv_b->size(0) == C, "gated_delta_decode_bf16 conv_b: expected [", C, "]");
   }
   check(state, at::kFloat, 4, "state");
-  TORCH_CHECK(state.size(0) == B && state.size(1) == Hv && state.size(2) == Dk && state.size(3) == Dv,
-              "gated_delta_decode_bf16 state: expected [", B, ", ", Hv, ", ", Dk, ", ", Dv, "], got ", state.sizes());
+  TORCH_CHECK(state.size(0) == seats && state.size(1) == Hv && state.size(2) == Dk && state.size(3) == Dv,
+              "gated_delta_decode_bf16 state: expected [", seats, ", ", Hv, ", ", Dk, ", ", Dv, "], got ", state.sizes());
   check(a_log, at::kFloat, 1, "A_log");  // the module's A_log.float(); dt_bias promoted to fp32 beside a.float()
   check(dt_bias, at::kFloat, 1, "dt_bias");
   check(norm_w, at::kBFloat16, 1, "norm weight");
@@ -84,8 +102,9 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor gated_delta_decode_bf16(
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   std::vector<uint16_t> mixed(B * C);  // the convolution's output, bf16 as the module rounds it
 
-  // channel c of q | k | v in qkvz's per-key-head layout
+  // channel c of q | k | v in qkvz's per-key-head layout (plain: in place)
   auto source = [&](int64_t c) -> int64_t {
+    if (plain) return c;
     if (c < 2 * key_dim) {
       const int64_t part = c / key_dim, i = c % key_dim;  // 0: q, 1: k
       return (i / Dk) * W + part * Dk + i % Dk;
@@ -96,7 +115,7 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor gated_delta_decode_bf16(
   at::parallel_for(0, B * C, 256, [&](int64_t lo, int64_t hi) {
     for (int64_t n = lo; n < hi; ++n) {
       const int64_t b = n / C, c = n % C;
-      uint16_t* st = cs + n * K;
+      uint16_t* st = cs + (seat[b] * C + c) * K;
       const float x = bf2f(xp[b * Hk * W + source(c)]);
       // F.conv1d over [state | x] (K + 1 columns), the last output: taps j over columns 1 + j
       float acc = cb ? cb[c] : 0.0f;
@@ -130,11 +149,11 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor gated_delta_decode_bf16(
         q[i] = (q[i] * iq) / qscale;
         k[i] = k[i] * ik;
       }
-      const uint16_t* bag = bap + b * 2 * Hv + g * 2 * r;
-      const float beta = bf2f(f2bf(1.0f / (1.0f + std::exp(-bf2f(bag[hh])))));  // sigmoid of bf16 b, rounded
-      const float gl = -std::exp(al[h]) * softplus(bf2f(bag[r + hh]) + dtb[h]);
+      const uint16_t* bag = plain ? bap + b * 2 * Hv + h : bap + b * 2 * Hv + g * 2 * r + hh;  // b; a r (plain: Hv) on
+      const float beta = bf2f(f2bf(1.0f / (1.0f + std::exp(-bf2f(bag[0])))));  // sigmoid of bf16 b, rounded
+      const float gl = -std::exp(al[h]) * softplus(bf2f(bag[plain ? Hv : r]) + dtb[h]);
       const float decay = std::exp(gl);
-      float* s = S + n * Dk * Dv;  // [Dk, Dv]
+      float* s = S + (seat[b] * Hv + h) * Dk * Dv;  // [Dk, Dv]
       const uint16_t* v = m + 2 * key_dim + h * Dv;
       std::fill(kv.begin(), kv.end(), 0.0f);
       for (int64_t i = 0; i < Dk; ++i) {
@@ -163,7 +182,7 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor gated_delta_decode_bf16(
         ss += o[j] * o[j];
       }
       const float inv = 1.0f / std::sqrt(ss / float(Dv) + float(eps));
-      const uint16_t* z = xp + b * Hk * W + g * W + 2 * Dk + r * Dv + hh * Dv;
+      const uint16_t* z = plain ? xp + b * Hk * W + C + h * Dv : xp + b * Hk * W + g * W + 2 * Dk + r * Dv + hh * Dv;
       uint16_t* dst = op + b * Hv * Dv + h * Dv;
       for (int64_t j = 0; j < Dv; ++j) {
         const float y = bf2f(f2bf(bf2f(nw[j]) * bf2f(f2bf(o[j] * inv))));
