@@ -11,7 +11,7 @@ per-sequence state in the paged engine, and a token's decode step in one kernel 
          on that sequence alone, with a SeatCache over its seat (a fresh state when the chunk starts the sequence)
     layer(hidden [B, 1, H], cache=a transformers cache) (the per-sequence engine): the kernel on the cache's own
       tensors for a cached bf16 one-token step, else the module's forward
-    probe (kv_budget.probe_bytes_per_token): the layer reports itself stateful and runs without a cache
+    probe (kv_budget.probe_kv_bytes): the layer reports the bytes of its per-sequence state and runs without a cache
 
 The states live in kv.KVPool.states_of: per layer a conv window [seats, C, K] (the model's dtype) and a recurrent
 state [seats, Hv, Dk, Dv] (fp32, as the module's rule keeps it); a sequence's seat is taken at its first chunk and
@@ -128,7 +128,8 @@ def _paged(layer, module_forward, hidden_states, cache: kv.PagedCache) -> torch.
     """The paged engine's step: hidden_states [1, N, H] packed by sequence (kv.StepContext.seqs)."""
     step = kv.current()
     if step.probe:
-        cache.stateful.add(layer.layer_idx)
+        cache.stateful[layer.layer_idx] = (layer.conv_dim * layer.conv_kernel_size * hidden_states.element_size()
+                                           + layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * 4)
         return module_forward(hidden_states, cache=None)
     pool = cache.pool
     seqs = step.seqs

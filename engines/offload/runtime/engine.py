@@ -74,8 +74,9 @@ class OffloadEngine(Engine):
         model_len = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
         # gated-DeltaNet layers: their state in the pool's seats, one-token steps in one kernel call (deltanet.py)
         self.deltanet_layers = deltanet.install(self.model)
-        self.kv_bytes_per_token = (kv_budget.probe_bytes_per_token(self.model, self.executor, self.device)
-                                   if cache == "paged" else None)
+        probed = kv_budget.probe_kv_bytes(self.model, self.executor, self.device) if cache == "paged" else None
+        # bytes of KV per token, and of fixed-size per-sequence state (linear attention) per sequence
+        self.kv_bytes_per_token, self.state_bytes_per_seq = probed if probed is not None else (None, 0)
         self.paged = self.kv_bytes_per_token is not None
         if cache == "paged" and not self.paged:
             log.info("model keeps per-layer state beyond attention KV: each sequence runs in its own forward",
@@ -84,7 +85,7 @@ class OffloadEngine(Engine):
         self.pool, max_len = kv_budget.make_pool(kv_config, budget=self.kv_cache_memory,
                                                  bytes_per_token=self.kv_bytes_per_token,
                                                  max_num_seqs=sched.max_num_seqs, model_len=model_len,
-                                                 device=self.device)
+                                                 device=self.device, state_bytes=self.state_bytes_per_seq)
         self.scheduler = Scheduler(
             SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, chunked_prefill=self.paged), self.pool)
         self.accounting = Accounting(getattr(self.executor, "tier_names", None))

@@ -63,7 +63,7 @@ class KVPool:
     """Blocks of ``block_size`` token rows, shared by every attention layer (layer tensors are created at first
     use from the shapes the layer writes). ``num_blocks`` bounds the memory; ``usage`` is the fraction in use."""
 
-    def __init__(self, num_blocks: int, block_size: int, device: torch.device):
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device, seats: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool: expected num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
@@ -73,6 +73,7 @@ class KVPool:
         # and a recurrent state): one seat per running sequence, each layer's states stacked [seats, ...]
         self.seats: dict[int, int] = {}  # sequence id -> seat
         self.states: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.max_seats = seats  # the scheduler's max_num_seqs: states are sized for it (budgeted, kv_budget.py)
 
     @property
     def free_blocks(self) -> int:
@@ -107,11 +108,12 @@ class KVPool:
 
     def states_of(self, idx: int, shapes: tuple[tuple[int, ...], ...], dtypes: tuple, seats: int) -> tuple[torch.Tensor, ...]:
         """Layer ``idx``'s per-sequence states, one tensor [capacity, *shape] per (shape, dtype), created at first use
-        and grown (copied) when ``seats`` exceed the capacity."""
+        for ``max_seats`` (torch.empty commits no pages: memory grows with the seats written; a sequence's first
+        chunk writes its seat before anything reads it) and grown (copied) when ``seats`` exceed the capacity."""
         have = self.states.get(idx)
         if have is None or have[0].shape[0] < seats:
-            cap = max(seats, 2 * (have[0].shape[0] if have is not None else 4))
-            new = tuple(torch.zeros(cap, *shape, dtype=dt, device=self.device) for shape, dt in zip(shapes, dtypes))
+            cap = max(seats, self.max_seats, 2 * have[0].shape[0] if have is not None else 1)
+            new = tuple(torch.empty(cap, *shape, dtype=dt, device=self.device) for shape, dt in zip(shapes, dtypes))
             if have is not None:
                 for n, o in zip(new, have):
                     n[: o.shape[0]].copy_(o)
@@ -147,7 +149,7 @@ class PagedCache:
     def __init__(self, pool: KVPool | None):
         self.pool = pool
         self.seen: dict[int, tuple] = {}  # probe: layer -> (k shape, v shape, dtype)
-        self.stateful: set[int] = set()  # probe: layers that keep per-sequence state in the pool's seats instead
+        self.stateful: dict[int, int] = {}  # probe: layer -> bytes of per-sequence state it keeps in the pool's seats
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Store the step's new rows [1, Hkv, N, D]; return every scheduled sequence's whole context in the

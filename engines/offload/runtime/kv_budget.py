@@ -1,10 +1,11 @@
 """KV memory as a budget: how many bytes a token's KV takes, how many bytes the pool gets, how many blocks that is.
 
-    model --probe_bytes_per_token (one 2-token forward on a shape-recording cache)--> bytes / token, or None
-      (None: a layer keeps state beyond attention KV; each sequence then runs on the model's own cache)
+    model --probe_kv_bytes (one 2-token forward on a shape-recording cache)--> (bytes / token, state bytes /
+      sequence), or None (None: a layer keeps state the pool cannot hold; each sequence then runs on the model's own
+      cache). State: a linear-attention layer's conv window and recurrent state (runtime/deltanet.py), fixed-size.
     KVCacheConfig.kv_cache_memory | 80 % of free CUDA memory | 4 GiB on cpu --budget_bytes--> bytes
-    bytes / (bytes per token * block_size), capped at max_num_seqs full-length sequences --make_pool--> KVPool
-      + max_model_len (capped to what the pool holds)
+    (bytes - max_num_seqs * state bytes) / (bytes per token * block_size), capped at max_num_seqs full-length
+      sequences --make_pool--> KVPool (+ max_num_seqs state seats) + max_model_len (capped to what the pool holds)
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ class KVCacheConfig:
                 raise ConfigError(f"{name}: expected an integer >= 1, got {v!r}")
 
 
-def probe_bytes_per_token(model, executor, device: torch.device) -> int | None:
-    """KV bytes per token of the paged path, or None when a layer needs more than ``cache.update``. Leaves the
-    paged attention set on the model when it returns bytes, the model's own otherwise."""
+def probe_kv_bytes(model, executor, device: torch.device) -> tuple[int, int] | None:
+    """(KV bytes per token, state bytes per sequence) of the paged path, or None when a layer needs more than
+    ``cache.update`` or a seat of per-sequence state. Leaves the paged attention set on the model when it returns
+    bytes, the model's own otherwise."""
     kv.register()
     old = kv.set_attention(model, kv.ATTENTION)
     cache = kv.PagedCache(None)
@@ -68,7 +70,7 @@ def probe_bytes_per_token(model, executor, device: torch.device) -> int | None:
     total = 0
     for kshape, vshape, dtype in cache.seen.values():  # [1, Hkv, 2, D]
         total += (kshape[1] * kshape[3] + vshape[1] * vshape[3]) * torch.empty((), dtype=dtype).element_size()
-    return total
+    return total, sum(cache.stateful.values())
 
 
 def budget_bytes(asked: int | None, device: torch.device) -> int:
@@ -82,19 +84,26 @@ def budget_bytes(asked: int | None, device: torch.device) -> int:
 
 
 def make_pool(config: KVCacheConfig, *, budget: int, bytes_per_token: int | None, max_num_seqs: int, model_len: int,
-              device: torch.device) -> tuple[kv.KVPool, int]:
+              device: torch.device, state_bytes: int = 0) -> tuple[kv.KVPool, int]:
     """The block pool for ``budget`` bytes, and the longest sequence it serves (``max_model_len``, capped).
-    ``bytes_per_token`` None: the model's own caches hold the state; the pool only counts tokens for admission."""
+    ``bytes_per_token`` None: the model's own caches hold the state; the pool only counts tokens for admission.
+    ``state_bytes``: each sequence's fixed-size state (linear attention), taken from the budget for every seat."""
     want_len = min(config.max_model_len or model_len, model_len)
     bs = config.block_size
     blocks = -(-max_num_seqs * want_len // bs)  # every seat at full length: never more is needed
+    if state_bytes:
+        if budget <= max_num_seqs * state_bytes:
+            raise ConfigError(f"kv_cache_memory: {budget} bytes do not hold the linear-attention state of "
+                              f"max_num_seqs={max_num_seqs} sequences ({state_bytes} bytes each) and any KV; give more, "
+                              "or fewer sequences")
+        budget -= max_num_seqs * state_bytes
     if bytes_per_token is not None:
         fit = budget // (bytes_per_token * bs)
         if fit < 1:
             raise ConfigError(f"kv_cache_memory: {budget} bytes hold no block of {bs} tokens "
                               f"({bytes_per_token * bs} bytes); give more")
         blocks = min(fit, blocks)
-    pool = kv.KVPool(int(blocks), bs, device)
+    pool = kv.KVPool(int(blocks), bs, device, seats=max_num_seqs)
     max_len = min(want_len, pool.num_blocks * bs)
     if max_len < want_len:
         log.warning("max_model_len capped to what the KV budget holds", max_model_len=max_len, asked=want_len,

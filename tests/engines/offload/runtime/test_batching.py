@@ -168,20 +168,26 @@ def test_a_family_with_linear_attention_state_batches_paged(tmp_path, policy):
     engine = build_offload_engine(path, policy=policy, fraction=0.5, max_num_seqs=3, max_num_batched_tokens=6)
     try:
         assert engine.paged
+        # one linear-attention layer: conv window [2 * 2 * 8 + 2 * 8 channels, 4 taps] fp32 + state [2, 8, 8] fp32
+        assert engine.state_bytes_per_seq == (48 * 4 + 2 * 8 * 8) * 4
         assert run_staggered(engine)[0] == expected
         assert not engine.pool.seats  # every seat came back
     finally:
         engine.close()
-    budget = _bytes_for_blocks(path, 4, 9)  # the attention layer's KV for 36 tokens: the third sequence is preempted
+    # the attention layer's KV for 36 tokens (the third sequence is preempted) and the three seats' state
+    budget = _bytes_for_blocks(path, 4, 9) + 3 * 1280
     engine = build_offload_engine(path, policy=policy, fraction=0.5, block_size=4, kv_cache_memory=budget,
-                                  max_num_batched_tokens=16)
+                                  max_num_seqs=3, max_num_batched_tokens=16)
     try:
+        assert engine.pool.num_blocks == 9
         assert run_staggered(engine)[0] == expected
         assert engine.stats()["preemptions"] > 0
     finally:
         engine.close()
     if policy == "lru":
         assert staggered_per_sequence(path, cache="dynamic") == expected
+        with pytest.raises(ConfigError, match="do not hold the linear-attention state of max_num_seqs=3"):
+            build_offload_engine(path, max_num_seqs=3, max_num_batched_tokens=6, kv_cache_memory=3 * 1024)
 
 
 def test_prompt_logprobs_are_the_same_when_the_prompt_is_prefilled_in_chunks(checkpoints):
