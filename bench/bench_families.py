@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {f} | {lc:.1f} | {mo:.1f} | {mo / lc:.2f}x | {per_round:.2f}x | {b / 1e6:.0f} | {share(lc):.0%} | "
               f"{share(mo):.0%} | {first:.1f}, {cached:.1f} |")
     if int8:
-        print("\nint8 experts + int8 attention projections and LM head (--expert-dtype int8 --dense-dtype int8) "
+        print("\nint8 experts + int8 dense linears and LM head (--expert-dtype int8 --dense-dtype int8) "
               "against llama.cpp q8_0 (every weight 8-bit), same rounds\n")
         print("| family | llama.cpp q8_0 ms/token | moe-offload int8 ms/token | ratio | ratio per round (median) |")
         print("|---|---|---|---|---|")
