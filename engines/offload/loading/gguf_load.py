@@ -276,8 +276,9 @@ def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bo
 
 
 def keep_dense_blocks(model, tensors: Tensors) -> int:
-    """Attention projections (q/k/v/o of a self_attn that has all four), dense MLPs and shared experts (gate and up
-    of one block type, so that one kernel call reads both) and the LM head whose file tensors are ggml blocks become
+    """Attention projections (q/k/v/o of a self_attn that has all four; MLA's q_a|kv_a (one block type), q_b and o),
+    dense MLPs and shared experts (gate and up of one block type, so that one kernel call reads both) and the LM head
+    whose file tensors are ggml blocks become
     BlockLinear over those blocks, as the file ships them (llama's q/k rows un-permuted); returns how many. The
     dequantized weights they replace are freed."""
     from moe_offload.engines.offload.loading.quant import DENSE_NAMES, MLP_NAMES, BlockLinear, dense_linears
@@ -308,6 +309,19 @@ def keep_dense_blocks(model, tensors: Tensors) -> int:
         for a, b in found.items():
             setattr(module, a, BlockLinear(b, getattr(module, a).bias))
             n += 1
+    for name, module in list(model.named_modules()):  # MLA: each projection alone, q_a and kv_a as one pair
+        if not name.endswith("self_attn") or type(getattr(module, "kv_a_proj_with_mqa", None)) is not torch.nn.Linear:
+            continue
+        lora = type(getattr(module, "q_a_proj", None)) is torch.nn.Linear
+        pair = ("q_a_proj", "kv_a_proj_with_mqa") if lora else ()  # one GEMV reads both: one block type or neither
+        for group in [(a,) for a in ("o_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa")
+                      if type(getattr(module, a, None)) is torch.nn.Linear and a not in pair] + [pair] * bool(pair):
+            found = [blocks_of(f"{name}.{a}.weight", None) for a in group]
+            if any(b is None for b in found) or any(b.shape[1:] != found[0].shape[1:] for b in found):
+                continue
+            for a, b in zip(group, found):
+                setattr(module, a, BlockLinear(b, getattr(module, a).bias))
+                n += 1
     names = {id(m): name for name, m in model.named_modules()}
     for group in dense_linears(model):
         if [a for _, a in group] != list(MLP_NAMES):

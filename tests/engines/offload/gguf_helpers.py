@@ -226,8 +226,9 @@ def write(family: str, root: Path, qtype: str = "q4_k", seed: int = 0, down_qtyp
         if family == "mixtral" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             a = _permute(a, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         target = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
-        # attention, LM head, dense MLPs and shared experts quantized; the model means their blocks
-        if re.search(r"(attn_(q|k|v|output)|^output|ffn_(gate|up|down)(_shexp)?)\.weight$", target):
+        # attention (MLA's projections but kv_b), LM head, dense MLPs and shared experts quantized; the model means
+        # their blocks
+        if re.search(r"(attn_(q|k|v|output|q_a|q_b|kv_a_mqa)|^output|ffn_(gate|up|down)(_shexp)?)\.weight$", target):
             blocks = ggml.quantize(torch.from_numpy(a), "q8_0")
             with torch.no_grad():
                 deq = ggml.reference_dequantize(blocks)

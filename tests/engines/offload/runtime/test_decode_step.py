@@ -137,10 +137,11 @@ def test_whole_step_equals_the_layer_loop_gpt_oss_mxfp4(quantized_checkpoints):
     assert _both_paths(quantized_checkpoints("gpt_oss_mxfp4")) >= 8
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3"])
 def test_whole_step_equals_the_layer_loop_gguf(tmp_path, family):
-    # the file's blocks throughout: q4_k/q6_k experts; q8_0 attention, LM head, and (qwen2_moe, glm4_moe) shared experts
-    # and the dense first layer's MLP, which stay BlockLinears the call reads through moe_experts_q
+    # the file's blocks throughout: q4_k/q6_k experts; q8_0 attention (deepseek_v3: MLA's q_a|kv_a, q_b and o; kv_b
+    # dequantized, the absorbed attention reads it per head), LM head, and (qwen2_moe, glm4_moe, deepseek_v3) shared
+    # experts and the dense first layer's MLP, which stay BlockLinears the call reads through moe_experts_q
     from gguf_helpers import write
 
     from moe_offload.engines.offload.loading.quant import BlockLinear
@@ -150,6 +151,16 @@ def test_whole_step_equals_the_layer_loop_gguf(tmp_path, family):
                 or (n.endswith(".mlp") and hasattr(m, "gate_proj"))]
         assert (len(mlps) > 0) == (family != "qwen3_moe")
         assert all(isinstance(getattr(m, a), BlockLinear) for m in mlps for a in ("gate_proj", "up_proj", "down_proj"))
+        if family == "deepseek_v3":
+            for layer in engine.model.model.layers:
+                a = layer.self_attn
+                assert all(isinstance(getattr(a, n), BlockLinear) for n in ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj",
+                                                                            "o_proj"))
+                assert type(a.kv_b_proj) is torch.nn.Linear
+        from moe_offload.engines.offload.runtime.decode_step import StepCall
+
+        plan = engine.runner.fast  # the call takes every block linear (a refused one would mean the loop alone)
+        assert (StepCall.build_mla if hasattr(plan, "qkv_a") else StepCall.build)(plan) is not None
 
     path, _ = write(family, tmp_path, "q4_k", down_qtype="q6_k")
     assert _both_paths(str(path), prompts=([5, 9, 33, 2], [60, 61, 62]), ready=ready) >= 8
