@@ -226,18 +226,22 @@ DENSE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
 # head, as W_UK and W_UV
 MLA_NAMES = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj")
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+# a gated-DeltaNet layer's projections (Qwen3-Next's fused ones, Qwen3.5's separate ones)
+DELTANET_NAMES = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 def dense_linears(model: torch.nn.Module):
     """(module, attribute) of every dense linear that --dense-dtype int8 and a GGUF file's blocks hold as rows, by
-    name rather than by family: the attention projections (MLA's low-rank ones too) of every ``self_attn``, and the
-    gate/up/down of every MLP outside an experts container (a dense layer's MLP, shared experts), one MLP's three
-    together. Routers, embeddings and norms are not among them. Each entry is a tuple of (module, attr) pairs that go
-    together (an MLP's three; an attention projection alone)."""
+    name rather than by family: the attention projections (MLA's low-rank ones too) of every ``self_attn``, a
+    gated-DeltaNet layer's projections, and the gate/up/down of every MLP outside an experts container (a dense
+    layer's MLP, shared experts), one MLP's three together. Routers, embeddings and norms are not among them. Each
+    entry is a tuple of (module, attr) pairs that go together (an MLP's three; a projection alone)."""
     groups = []
     for name, module in model.named_modules():
         if name.endswith("self_attn"):
             groups += [((module, a),) for a in DENSE_NAMES + MLA_NAMES if type(getattr(module, a, None)) is torch.nn.Linear]
+        elif type(module).__name__.endswith("GatedDeltaNet"):
+            groups += [((module, a),) for a in DELTANET_NAMES if type(getattr(module, a, None)) is torch.nn.Linear]
         elif "experts" not in name.split(".") and all(type(getattr(module, a, None)) is torch.nn.Linear
                                                        for a in MLP_NAMES):
             groups.append(tuple((module, a) for a in MLP_NAMES))
@@ -245,8 +249,8 @@ def dense_linears(model: torch.nn.Module):
 
 
 def quantize_dense(model: torch.nn.Module) -> int:
-    """Replace the dense linears (``dense_linears``: attention projections, MLA's low-rank projections, dense MLPs and
-    shared experts) and the LM head by ``QuantLinear``; returns how many. Embeddings, norms and routers stay as
+    """Replace the dense linears (``dense_linears``: attention projections, MLA's low-rank projections, gated-DeltaNet
+    projections, dense MLPs and shared experts) and the LM head by ``QuantLinear``; returns how many. Embeddings, norms and routers stay as
     they are."""
     n = 0
     for group in dense_linears(model):

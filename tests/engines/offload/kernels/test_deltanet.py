@@ -99,3 +99,28 @@ def test_engine_tokens_with_and_without_the_kernel(family_checkpoints, monkeypat
     off = tokens()
     assert not calls
     assert on == off and all(len(t) == 10 for t in on)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dense_int8_holds_the_deltanet_projections_as_int8(family_checkpoints, monkeypatch, family):
+    # --dense-dtype int8: the layer's input and output projections are int8 rows too (else a hybrid's int8 step reads
+    # them at twice q8_0's bytes); the kernel takes their outputs, and its decode steps still run
+    from moe_offload.engines.offload.loading.quant import QuantLinear
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+    from moe_offload.engines.params import SamplingParams
+
+    calls = []
+    op = torch.ops.moe_offload.gated_delta_decode_bf16
+    monkeypatch.setattr(torch.ops.moe_offload, "gated_delta_decode_bf16", lambda *a: calls.append(1) or op(*a))
+    engine = build_offload_engine(_checkpoint(family_checkpoints, family), dtype="bfloat16", expert_dtype="int8",
+                                  dense_dtype="int8")
+    try:
+        layers = [m for m in engine.model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+        assert layers and all(isinstance(m.out_proj, QuantLinear) for m in layers)
+        bf16 = {n.rsplit(".", 1)[-1] for n, m in engine.model.named_modules()
+                if type(m) is torch.nn.Linear and ".visual." not in f".{n}."}  # Qwen3.5's vision tower stays as it is
+        assert bf16 <= {"gate", "shared_expert_gate"}, bf16
+        assert len(list(engine.generate([5, 17, 42, 9], SamplingParams(max_tokens=6, ignore_eos=True)))) == 6
+    finally:
+        engine.close()
+    assert calls
