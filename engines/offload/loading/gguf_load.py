@@ -278,9 +278,8 @@ def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bo
 def keep_dense_blocks(model, tensors: Tensors) -> int:
     """Attention projections (q/k/v/o of a self_attn that has all four; MLA's q_a|kv_a (one block type), q_b and o),
     dense MLPs and shared experts (gate and up of one block type, so that one kernel call reads both) and the LM head
-    whose file tensors are ggml blocks become
-    BlockLinear over those blocks, as the file ships them (llama's q/k rows un-permuted); returns how many. The
-    dequantized weights they replace are freed."""
+    whose file tensors are ggml blocks become BlockLinear over those blocks, as the file ships them (llama's q/k rows
+    un-permuted); returns how many. The dequantized weights they replace are freed."""
     from moe_offload.engines.offload.loading.quant import DENSE_NAMES, MLP_NAMES, BlockLinear, dense_linears
 
     info = tensors.info
@@ -294,45 +293,37 @@ def keep_dense_blocks(model, tensors: Tensors) -> int:
         b = tensors.blocks(src)
         return _unpermute(b, heads) if heads else b
 
-    n = 0
-    for name, module in list(model.named_modules()):
-        if not name.endswith("self_attn") or not all(type(getattr(module, a, None)) is torch.nn.Linear for a in DENSE_NAMES):
-            continue
-        found = {}
-        for a in DENSE_NAMES:
-            heads = None
-            if info.arch == "llama" and a in ("q_proj", "k_proj"):
-                heads = cfg["num_attention_heads"] if a == "q_proj" else cfg["num_key_value_heads"]
-            found[a] = blocks_of(f"{name}.{a}.weight", heads)
-        if any(b is None for b in found.values()):
-            continue
+    def replace(name: str, module, attrs: tuple, together: tuple = (), heads: dict | None = None) -> int:
+        """``attrs`` of ``module`` become BlockLinears, all or none (none unless ``together`` share a block type: one
+        kernel call reads them)."""
+        found = {a: blocks_of(f"{name}.{a}.weight", (heads or {}).get(a)) for a in attrs}
+        if any(b is None for b in found.values()) or len({found[a].shape[1:] for a in together}) > 1:
+            return 0
         for a, b in found.items():
             setattr(module, a, BlockLinear(b, getattr(module, a).bias))
-            n += 1
-    for name, module in list(model.named_modules()):  # MLA: each projection alone, q_a and kv_a as one pair
-        if not name.endswith("self_attn") or type(getattr(module, "kv_a_proj_with_mqa", None)) is not torch.nn.Linear:
+        return len(attrs)
+
+    def linear(module, a: str) -> bool:
+        return type(getattr(module, a, None)) is torch.nn.Linear
+
+    n = 0
+    for name, module in list(model.named_modules()):
+        if not name.endswith("self_attn"):
             continue
-        lora = type(getattr(module, "q_a_proj", None)) is torch.nn.Linear
-        pair = ("q_a_proj", "kv_a_proj_with_mqa") if lora else ()  # one GEMV reads both: one block type or neither
-        for group in [(a,) for a in ("o_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa")
-                      if type(getattr(module, a, None)) is torch.nn.Linear and a not in pair] + [pair] * bool(pair):
-            found = [blocks_of(f"{name}.{a}.weight", None) for a in group]
-            if any(b is None for b in found) or any(b.shape[1:] != found[0].shape[1:] for b in found):
-                continue
-            for a, b in zip(group, found):
-                setattr(module, a, BlockLinear(b, getattr(module, a).bias))
-                n += 1
-    names = {id(m): name for name, m in model.named_modules()}
-    for group in dense_linears(model):
-        if [a for _, a in group] != list(MLP_NAMES):
-            continue
-        mlp = group[0][0]
-        found = [blocks_of(f"{names[id(mlp)]}.{a}.weight", None) for a in MLP_NAMES]
-        if any(b is None for b in found) or found[0].shape[1:] != found[1].shape[1:]:
-            continue  # not blocks, or gate and up of two types: the bf16 MLP stays
-        for a, b in zip(MLP_NAMES, found):
-            setattr(mlp, a, BlockLinear(b, getattr(mlp, a).bias))
-            n += 1
+        if all(linear(module, a) for a in DENSE_NAMES):
+            heads = ({"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+                     if info.arch == "llama" else None)
+            n += replace(name, module, DENSE_NAMES, heads=heads)
+        elif linear(module, "kv_a_proj_with_mqa"):  # MLA: each projection alone, q_a and kv_a as one pair
+            pair = ("q_a_proj", "kv_a_proj_with_mqa") if linear(module, "q_a_proj") else ()
+            for a in ("o_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa"):
+                if linear(module, a) and a not in pair:
+                    n += replace(name, module, (a,))
+            if pair:
+                n += replace(name, module, pair, together=pair)
+    for name, mlp, attrs in dense_linears(model):  # gate and up of one type (one kernel call), down any
+        if attrs == MLP_NAMES:
+            n += replace(name, mlp, MLP_NAMES, together=MLP_NAMES[:2])
     head = getattr(model, "lm_head", None)
     if type(head) is torch.nn.Linear and not cfg["tie_word_embeddings"]:
         b = blocks_of("lm_head.weight", None)

@@ -230,31 +230,30 @@ MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 DELTANET_NAMES = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
-def dense_linears(model: torch.nn.Module):
-    """(module, attribute) of every dense linear that --dense-dtype int8 and a GGUF file's blocks hold as rows, by
-    name rather than by family: the attention projections (MLA's low-rank ones too) of every ``self_attn``, a
-    gated-DeltaNet layer's projections, and the gate/up/down of every MLP outside an experts container (a dense
-    layer's MLP, shared experts), one MLP's three together. Routers, embeddings and norms are not among them. Each
-    entry is a tuple of (module, attr) pairs that go together (an MLP's three; a projection alone)."""
+def dense_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, tuple[str, ...]]]:
+    """(module name, module, its linears' attribute names) for every dense linear that --dense-dtype int8 and a GGUF
+    file's blocks hold as rows, by name rather than by family: the attention projections (MLA's low-rank ones too)
+    of every ``self_attn`` and a gated-DeltaNet layer's projections, each alone; the gate/up/down of every MLP
+    outside an experts container (a dense layer's MLP, shared experts), the three together. Routers, embeddings and
+    norms are not among them."""
     groups = []
     for name, module in model.named_modules():
-        if name.endswith("self_attn"):
-            groups += [((module, a),) for a in DENSE_NAMES + MLA_NAMES if type(getattr(module, a, None)) is torch.nn.Linear]
-        elif type(module).__name__.endswith("GatedDeltaNet"):
-            groups += [((module, a),) for a in DELTANET_NAMES if type(getattr(module, a, None)) is torch.nn.Linear]
+        if name.endswith("self_attn") or type(module).__name__.endswith("GatedDeltaNet"):
+            names = DENSE_NAMES + MLA_NAMES if name.endswith("self_attn") else DELTANET_NAMES
+            groups += [(name, module, (a,)) for a in names if type(getattr(module, a, None)) is torch.nn.Linear]
         elif "experts" not in name.split(".") and all(type(getattr(module, a, None)) is torch.nn.Linear
                                                        for a in MLP_NAMES):
-            groups.append(tuple((module, a) for a in MLP_NAMES))
+            groups.append((name, module, MLP_NAMES))
     return groups
 
 
 def quantize_dense(model: torch.nn.Module) -> int:
     """Replace the dense linears (``dense_linears``: attention projections, MLA's low-rank projections, gated-DeltaNet
-    projections, dense MLPs and shared experts) and the LM head by ``QuantLinear``; returns how many. Embeddings, norms and routers stay as
-    they are."""
+    projections, dense MLPs and shared experts) and the LM head by ``QuantLinear``; returns how many. Embeddings,
+    norms and routers stay as they are."""
     n = 0
-    for group in dense_linears(model):
-        for module, attr in group:
+    for _, module, attrs in dense_linears(model):
+        for attr in attrs:
             setattr(module, attr, QuantLinear(getattr(module, attr)))
             n += 1
     head = getattr(model, "lm_head", None)

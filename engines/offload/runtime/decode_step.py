@@ -32,6 +32,7 @@ from moe_offload.engines.offload.experts import fused
 from moe_offload.engines.offload.experts.tiercache import TierSlots
 from moe_offload.engines.offload.kernels import dispatch
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
+from moe_offload.engines.offload.runtime.moe_blocks import weight_and_scale
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -122,8 +123,8 @@ class StepCall:
             lora = a.q_lora_rank is not None
             wq = a.q_b_proj if lora else a.q_proj
             kv_a = None if lora else a.kv_a_proj_with_mqa
-            (wq_w, wq_s), (wo_w, wo_s) = _weight_scale(wq), _weight_scale(a.o_proj)
-            kv_a_w, kv_a_s = _weight_scale(kv_a) if kv_a is not None else (None, None)
+            (wq_w, wq_s), (wo_w, wo_s) = weight_and_scale(wq), weight_and_scale(a.o_proj)
+            kv_a_w, kv_a_s = weight_and_scale(kv_a) if kv_a is not None else (None, None)
             qkv_a_w, qkv_a_s = qkv_a if qkv_a is not None else (None, None)
             obj.add_mla_layer(
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv_a_w, a.q_lora_rank or 0,
@@ -234,8 +235,3 @@ def _mla_linears_ok(a) -> bool:
     (--dense-dtype int8, a GGUF file) int8 rows / ggml blocks, which call gemv_q."""
     ms = (a.q_b_proj, a.o_proj) if a.q_lora_rank is not None else (a.q_proj, a.o_proj, a.kv_a_proj_with_mqa)
     return all(dispatch.patched(m) or isinstance(m, (QuantLinear, BlockLinear)) for m in ms)
-
-
-def _weight_scale(m) -> tuple:
-    """(weight, scale) as the call takes a linear: a quantized one's rows and scales (gemv_q), else (weight, None)."""
-    return (m.weight_q, m.weight_scale) if isinstance(m, (QuantLinear, BlockLinear)) else (m.weight, None)

@@ -81,6 +81,9 @@ def install(model: torch.nn.Module) -> int:
             n += 1
         elif (plain := _covered(m)) is not None:
             m._moe_offload_plain = plain
+            # the kernel's fp32 constants, once (A_log.float() and dt_bias as the module promotes them; conv bias)
+            m._moe_offload_fp32 = (m.A_log.detach().float(), m.dt_bias.detach().float(),
+                                   None if m.conv1d.bias is None else m.conv1d.bias.detach().float())
             m.forward = functools.partial(_forward, m, m.forward)
             n += 1
     return n
@@ -102,9 +105,10 @@ def _kernel(layer, x: torch.Tensor, conv_state, state, slots=None) -> torch.Tens
     else:
         qkvz = layer.in_proj_qkvz(x).reshape(B, -1).contiguous()
         ba = layer.in_proj_ba(x).reshape(B, -1).contiguous()
+    a_log, dt_bias, conv_bias = layer._moe_offload_fp32
     out = torch.ops.moe_offload.gated_delta_decode_bf16(
-        qkvz, ba, conv_state, conv.weight.squeeze(1), None if conv.bias is None else conv.bias.float(), state,
-        layer.A_log.float(), layer.dt_bias.float(), layer.norm.weight, float(layer.norm.variance_epsilon),
+        qkvz, ba, conv_state, conv.weight.squeeze(1), conv_bias, state,
+        a_log, dt_bias, layer.norm.weight, float(layer.norm.variance_epsilon),
         layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, slots, plain)
     return layer.out_proj(out)
 

@@ -36,14 +36,7 @@ from moe_offload.engines.offload.kernels.dispatch import GEMM_MAX_TOKENS
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.engines.offload.runtime import fastpath, mla
 from moe_offload.engines.offload.runtime.decode_step import StepCall
-from moe_offload.engines.offload.runtime.moe_blocks import (
-    deepseek_block,
-    fuse_quantized_rows,
-    fuse_rows,
-    mlp_args,
-    mlp_rows,
-    same_source,
-)
+from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, fuse_linears, mlp_args, mlp_rows, same_source
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -69,14 +62,6 @@ def _reference_classes():
     return m.DeepseekV3DecoderLayer, m.DeepseekV3Attention, m.DeepseekV3RMSNorm
 
 
-def _fuse_qkv_a(a) -> tuple | None:
-    """(q_a|kv_a rows, their scales or None) as one GEMV reads them, or None (the two modules run)."""
-    if type(a.q_a_proj) is torch.nn.Linear:
-        rows = fuse_rows(a.q_a_proj, a.kv_a_proj_with_mqa)
-        return None if rows is None else (rows, None)
-    return fuse_quantized_rows(a.q_a_proj, a.kv_a_proj_with_mqa)
-
-
 class MLADecodePlan:
     """Built once per engine by ``build`` (or None); ``forward`` runs one decode-only step, as fastpath.DecodePlan."""
 
@@ -88,7 +73,7 @@ class MLADecodePlan:
         self.blocks = [deepseek_block(layer.mlp) for layer in self.layers]  # None: the MLP runs as its module
         # q_a and kv_a read the same input: one GEMV over their rows (the modules' weights become views of it), as
         # (rows, scales): bf16 (scales None), or --dense-dtype int8's rows (gemv_q)
-        self.qkv_a = [_fuse_qkv_a(a) if a.q_lora_rank is not None else None
+        self.qkv_a = [fuse_linears(a.q_a_proj, a.kv_a_proj_with_mqa) if a.q_lora_rank is not None else None
                       for a in (layer.self_attn for layer in self.layers)]
         self.interleave = bool(self.layers[0].self_attn.config.rope_interleave)  # DeepSeek's rotary layout
         # a dense layer's silu MLP in one kernel call (mlp_rows), else None: its module runs

@@ -130,16 +130,30 @@ def mlp_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up
     return out
 
 
+def fuse_linears(*linears) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(rows, scales) that one kernel call reads for ``linears`` over the same input: bf16 nn.Linears fused by
+    fuse_rows (scales None), or quantized rows by fuse_quantized_rows; None where neither takes them."""
+    if type(linears[0]) is torch.nn.Linear:
+        rows = fuse_rows(*linears)
+        return None if rows is None else (rows, None)
+    return fuse_quantized_rows(*linears)
+
+
+def weight_and_scale(m) -> tuple:
+    """(weight, scale) as the kernels take a linear: a quantized one's rows and scales (gemv_q), else (weight, None)."""
+    return (m.weight_q, m.weight_scale) if _rows_linear(m) else (m.weight, None)
+
+
 def mlp_args(mlp) -> tuple | None:
     """(gate|up rows fused, down, gate|up scales, down scales) of a silu MLP that mlp_rows computes: bias-free bf16
     nn.Linears (scales None), or --dense-dtype int8 / GGUF rows (gate and up of one format); else None."""
     if not silu_mlp(mlp):
         return None
-    if type(mlp.gate_proj) is torch.nn.Linear:
-        gate_up = fuse_rows(mlp.gate_proj, mlp.up_proj)
-        return None if gate_up is None else (gate_up, mlp.down_proj.weight, None, None)
-    fused = fuse_quantized_rows(mlp.gate_proj, mlp.up_proj)
-    return None if fused is None else (fused[0], mlp.down_proj.weight_q, fused[1], mlp.down_proj.weight_scale)
+    fused = fuse_linears(mlp.gate_proj, mlp.up_proj)
+    if fused is None:
+        return None
+    down, down_scale = weight_and_scale(mlp.down_proj)
+    return fused[0], down, fused[1], down_scale
 
 
 def plus_shared(out: torch.Tensor, x: torch.Tensor, shared, shared_args: tuple | None) -> torch.Tensor:
