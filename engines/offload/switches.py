@@ -2,7 +2,8 @@
 
     MOE_OFFLOAD_KERNELS (kernels/jit.py), MOE_OFFLOAD_FAST_DECODE (runtime/fastpath.py, mla_plan.py),
     MOE_OFFLOAD_DECODE_STEP (runtime/decode_step.py),
-    MOE_OFFLOAD_MLA_ABSORB (runtime/mla.py), MOE_OFFLOAD_FUSED_ROUTER (runtime/moe_blocks.py)
+    MOE_OFFLOAD_MLA_ABSORB (runtime/mla.py), MOE_OFFLOAD_FUSED_ROUTER (runtime/moe_blocks.py),
+    MOE_OFFLOAD_DELTANET (runtime/deltanet.py)
 """
 
 from __future__ import annotations
