@@ -42,7 +42,8 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
                     qn?, kn?, cos [M, RD], sin [M, RD] (RD <= D: partial), kpool [R, Hkv, D] (mutated),
                     vpool [R, Hkv, D] (mutated), blocks [M, NB] int64, lens [M] int64, bs, scaling, window,
                     wo [H, Hq*D], bo [H]?, ln2 [H], wr [E, H]?, top_k, norm_topk, w_bf16, sinks [Hq]?, rb [E]?,
-                    norm_mode, router_mode, sq?, sk?, sv?, so?, rope_mode) -> [h2 [M, H], x2 [M, H], ids [M, K], w [M, K]]
+                    norm_mode, router_mode, sq?, sk?, sv?, so?, rope_mode, gated) -> [h2 [M, H], x2 [M, H], ids [M, K],
+                    w [M, K]]
       a decoder layer's attention half and router in one call (the data flow: decode.cpp)              decode.cpp
       qn / kn: per-head norms ([D], Qwen3) or over the whole projection ([Hq*D] / [Hkv*D], OLMoE).
       window: 0 or a sliding window (keys at positions > pos - window). wr None: no router (a dense layer),
@@ -50,7 +51,10 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       sinks: one attention-sink logit per query head (gpt-oss; attention then rounds as the eager bf16 path does).
       rope_mode 0: rotate_half over RD dims, bf16 cos/sin, products and sum rounded to bf16; 1: interleaved pairs
       (2j, 2j + 1) over all D in fp32, fp32 cos/sin [M, D/2], one rounding (Ernie 4.5's full-precision rotary).
-      rb: the router's bias. norm_mode 0: bf16(w * bf16(x / rms)), 1: bf16(w * (x / rms)) (gpt-oss).
+      rb: the router's bias. norm_mode 0: bf16(w * bf16(x / rms)), 1: bf16(w * (x / rms)) (gpt-oss), 2: bf16((x /
+      rms) * (1 + w)) (zero-centred weights, Qwen3-Next; the q/k norms too).
+      gated: wq [Hq*2D, H] holds per head q then its output gate; the attention output is scaled by bf16(sigmoid(gate))
+      before o_proj (Qwen3-Next's gated attention).
       router_mode 0: softmax over all experts, top-k (renormalised if norm_topk); 1: top-k logits, softmax over them.
       sq/sk/sv/so: fp32 per-row scales of int8 wq/wk/wv/wo (``--dense-dtype int8``; quant.QuantLinear): the
       projections then run as gemv_q does (activations quantized per token in blocks of 32), bit for bit.
@@ -71,6 +75,14 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       conv update, the gated delta rule on the recurrent state, the gated RMSNorm (runtime/deltanet.py); slots: the
       states are pools of seats [S, ...], row b's in seat slots[b] (the paged engine's); plain: Qwen3.5's
       separate projections, qkvz = [q | k | v | z], ba = [b | a] (else Qwen3-Next's per-key-head groups)   deltanet.cpp
+  deltanet_layer_bf16(h [M, H], add [M, H]?, ln1 [H], eps, w_in [N_i, H] x P, s_in P x or [], n_qkvz, conv_state,
+                      conv_w, conv_b?, state, A_log, dt_bias, norm_w, norm_eps, Hk, Hv, Dk, Dv, slots [M]?, plain,
+                      wo [H, Hv*Dv], so?, ln2 [H], wr [E, H]?, top_k, norm_topk, w_bf16, norm_mode)
+                      -> [h2 [M, H], x2 [M, H], ids [M, K], w [M, K]]
+      a gated-DeltaNet decoder layer in one call, as decode_layer_bf16 is an attention layer: residual, norm, the
+      input projections w_in stacked (their first n_qkvz outputs are gated_delta_decode_bf16's qkvz, the rest its
+      ba), that step on the states, out_proj, residual, norm, the softmax router. s_in: the projections' scales by
+      position (int8 rows / ggml blocks; so likewise for wo), or empty for bf16                          deltanet.cpp
   grouped_topk(scores [M, E] fp32, bias [E] fp32?, n_group, topk_group, top_k, norm_topk, scale) -> [ids [M, K] int64,
                w [M, K] fp32]   DeepSeek-V3's grouped selection from sigmoid scores (runtime/moe_blocks.py)  router.cpp
 Class moe_offload.DecodeStep(bs, w_bf16, norm_mode, router_mode) (torch.classes; the family's constants)     step.cpp
@@ -147,7 +159,14 @@ def _dequant_blocks(w):
 
 def _decode_layer(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kpool, vpool, blocks, lens, bs, scaling,
                   window, wo, bo, ln2, wr, top_k, norm_topk, w_bf16, sinks=None, rb=None, norm_mode=0, router_mode=0,
-                  sq=None, sk=None, sv=None, so=None, rope_mode=0):
+                  sq=None, sk=None, sv=None, so=None, rope_mode=0, gated=False):
+    m = h.shape[0] if wr is not None else 0
+    return [h.new_empty(h.shape), h.new_empty(h.shape), h.new_empty((m, top_k), dtype=torch.long),
+            h.new_empty((m, top_k), dtype=h.dtype if w_bf16 else torch.float32)]
+
+
+def _deltanet_layer(h, add, ln1, eps, w_in, s_in, n_qkvz, conv_state, conv_w, conv_b, state, a_log, dt_bias, norm_w,
+                    norm_eps, Hk, Hv, Dk, Dv, slots, plain, wo, so, ln2, wr, top_k, norm_topk, w_bf16, norm_mode):
     m = h.shape[0] if wr is not None else 0
     return [h.new_empty(h.shape), h.new_empty(h.shape), h.new_empty((m, top_k), dtype=torch.long),
             h.new_empty((m, top_k), dtype=h.dtype if w_bf16 else torch.float32)]
@@ -193,6 +212,7 @@ FAKES = {
     "grouped_topk": _grouped_topk,
     "mla_prologue_bf16": _mla_prologue,
     "gated_delta_decode_bf16": _delta,
+    "deltanet_layer_bf16": _deltanet_layer,
 }
 
 

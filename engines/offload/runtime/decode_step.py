@@ -78,19 +78,25 @@ class StepCall:
             return None
         fam, hd = plan.family, plan.head_dim
         obj = torch.classes.moe_offload.DecodeStep(plan.bs, fam.router_weights_bf16, fam.norm_mode, fam.router_mode,
-                                                   fam.rope_mode)
+                                                   fam.rope_mode, fam.gated)
         probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
         for lay in plan.layers:
-            (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
-            kp, vp = plan.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
             experts = _experts_args(lay.state, lay.experts, probe)
             if experts is None:
                 log.debug("whole-step decode off", reason=f"layer {lay.idx}: experts the one-call kernels do not take")
                 return None
             top_k = lay.block.args[2] if lay.block is not None else lay.top_k
-            obj.add_layer(ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kp, vp, scaling, window, wo, bo, ln2, lay.router,
-                          top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales, *experts,
-                          *(lay.shared_args or (None,) * 5))
+            shared = lay.shared_args or (None,) * 5
+            if lay.linear is not None:  # a gated-DeltaNet layer: its states come with each step (run_hybrid)
+                (ln1, eps), (ln2,) = lay.args
+                w_in, s_in, n_qkvz, *rest, wo, so = lay.linear.args
+                obj.add_linear_layer(ln1, eps, w_in, s_in, n_qkvz, *rest, wo, so, ln2, lay.router, top_k, lay.norm_topk,
+                                     *experts, *shared)
+            else:
+                (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
+                kp, vp = plan.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
+                obj.add_layer(ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kp, vp, scaling, window, wo, bo, ln2, lay.router,
+                              top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales, *experts, *shared)
             _add_gate(obj, lay.state, lay.experts, probe)
             _add_mlp(obj, lay.block, lay.dense)
         log.info("whole-step decode on", layers=len(plan.layers))
@@ -111,7 +117,7 @@ class StepCall:
         if why:
             log.debug("whole-step decode off", reason=why)
             return None
-        obj = torch.classes.moe_offload.DecodeStep(plan.pool.block_size, True, 0, 0, 0)
+        obj = torch.classes.moe_offload.DecodeStep(plan.pool.block_size, True, 0, 0, 0, False)
         probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
         for layer, block, dense, qkv_a in zip(plan.layers, plan.blocks, plan.dense, plan.qkv_a):
             a = layer.self_attn
@@ -160,6 +166,10 @@ class StepCall:
     def run(self, h, cos, sin, table, lens, norm, eps) -> torch.Tensor:
         """One decode step through every layer; returns the final norm's output [M, H] and books the routes."""
         return self._book(*self.obj.step(h, cos, sin, table, lens, norm, eps))
+
+    def run_hybrid(self, h, cos, sin, table, lens, norm, eps, seats, states) -> torch.Tensor:
+        """run() for a model with gated-DeltaNet layers: seats [M] int64, states their (conv, state) pools in order."""
+        return self._book(*self.obj.step_hybrid(h, cos, sin, table, lens, norm, eps, seats, states))
 
     def run_mla(self, h, cos, sin, slots, rows, lens, norm, eps) -> torch.Tensor:
         """run() for an MLA model: slots [M] the tokens' pool rows, rows [M * lmax] each sequence's (mla_plan.py)."""

@@ -12,6 +12,8 @@ per-sequence state in the paged engine, and a token's decode step in one kernel 
     layer(hidden [B, 1, H], cache=a transformers cache) (the per-sequence engine): the kernel on the cache's own
       tensors for a cached bf16 one-token step, else the module's forward
     probe (kv_budget.probe_kv_bytes): the layer reports the bytes of its per-sequence state and runs without a cache
+    the fused decode path (fastpath.py): LinearLayer.step, the whole decoder layer (norms, projections, this step,
+      out_proj, the router) in one moe_offload::deltanet_layer_bf16 call on the pool's seats
 
 The states live in kv.KVPool.states_of: per layer a conv window [seats, C, K] (the model's dtype) and a recurrent
 state [seats, Hv, Dk, Dv] (fp32, as the module's rule keeps it); a sequence's seat is taken at its first chunk and
@@ -156,6 +158,63 @@ def _paged(layer, module_forward, hidden_states, cache: kv.PagedCache) -> torch.
         x = h[s.q_start : s.q_start + s.q_len].unsqueeze(0)  # [1, q, H]
         out[s.q_start : s.q_start + s.q_len] = module_forward(x, cache=seat)[0]
     return out.unsqueeze(0)
+
+
+class LinearLayer:
+    """A covered gated-DeltaNet layer as the fused decode path calls it: deltanet_layer_bf16's weight arguments."""
+
+    def __init__(self, m: torch.nn.Module, args: tuple):
+        self.m, self.args = m, args  # args: (w_in, s_in, n_qkvz) and (conv_w, conv_b, A_log, dt_bias, norm_w, eps, ...)
+
+    @classmethod
+    def of(cls, m: torch.nn.Module) -> "LinearLayer | None":
+        """The layer ``m`` (installed by ``install``) as deltanet_layer_bf16 takes it, or None: projections with a bias,
+        bf16 beside int8 / ggml blocks, a conv or norm of other dtypes, or the switch off."""
+        from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
+
+        if not isinstance(m.__dict__.get("forward"), functools.partial) or not switches.on(ENV):
+            return None
+        plain = m._moe_offload_plain
+        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a") if plain else ("in_proj_qkvz", "in_proj_ba")
+        projs = [getattr(m, n) for n in names]
+        every = projs + [m.out_proj]
+        if any(p.bias is not None for p in every) or m.conv1d.weight.dtype != torch.float32 or \
+                m.norm.weight.dtype != torch.bfloat16:
+            return None
+        if all(type(p) is torch.nn.Linear and p.weight.dtype == torch.bfloat16 for p in every):
+            w_in, s_in, wo, so = [p.weight for p in projs], [], m.out_proj.weight, None
+        elif all(isinstance(p, (QuantLinear, BlockLinear)) for p in every):
+            w_in, s_in = [p.weight_q for p in projs], [p.weight_scale for p in projs]
+            wo, so = m.out_proj.weight_q, m.out_proj.weight_scale
+        else:
+            return None
+        n_qkvz = sum(p.out_features for p in projs[: len(projs) // 2])
+        a_log, dt_bias, conv_b = m._moe_offload_fp32
+        return cls(m, (w_in, s_in, n_qkvz, m.conv1d.weight.squeeze(1), conv_b, a_log, dt_bias, m.norm.weight,
+                       float(m.norm.variance_epsilon), m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
+                       plain, wo, so))
+
+    def states(self, pool: kv.KVPool, seats: list[int], fresh: list[int], dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's (conv window, recurrent state) pools for sequences in ``seats``; the seats of ``fresh`` rows
+        (their sequence starts at this token) zeroed first: the module's fresh state."""
+        m = self.m
+        conv, state = pool.states_of(
+            m.layer_idx, ((m.conv_dim, m.conv_kernel_size), (m.num_v_heads, m.head_k_dim, m.head_v_dim)),
+            (dtype, torch.float32), max(seats) + 1)
+        for t in fresh:
+            conv[seats[t]].zero_()
+            state[seats[t]].zero_()
+        return conv, state
+
+    def step(self, states: tuple, h, add, ln1, eps, ln2, router, top_k, norm_topk, w_bf16, norm_mode,
+             seats: torch.Tensor) -> list[torch.Tensor]:
+        """One decode token per row of h [M, H] (+ add), row t's states (``states()``) in seat seats[t]. Returns
+        [h2, x2, ids, weights]."""
+        (w_in, s_in, n_qkvz, conv_w, conv_b, a_log, dt_bias, norm_w, norm_eps, hk, hv, dk, dv, plain, wo, so) = self.args
+        conv, state = states
+        return torch.ops.moe_offload.deltanet_layer_bf16(
+            h, add, ln1, eps, w_in, s_in, n_qkvz, conv, conv_w, conv_b, state, a_log, dt_bias, norm_w, norm_eps,
+            hk, hv, dk, dv, seats, plain, wo, so, ln2, router, top_k, norm_topk, w_bf16, norm_mode)
 
 
 class SeatCache:

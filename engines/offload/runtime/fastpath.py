@@ -30,6 +30,7 @@ import torch
 from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
+from moe_offload.engines.offload.runtime import deltanet
 from moe_offload.engines.offload.runtime.decode_step import StepCall
 from moe_offload.engines.offload.runtime.moe_blocks import (
     deepseek_block,
@@ -59,6 +60,7 @@ class Family:
     rope: str = "full"  # "full": rotate_half over the head; "halves": gpt-oss's cos/sin of D/2 over the two halves;
     # "partial": rotate_half over the first cos.shape[-1] dims, the rest passes (partial_rotary_factor); "pairs_fp32":
     # interleaved pairs in fp32 from fp32 cos/sin (Ernie 4.5)
+    gated: bool = False  # q_proj holds per head q and an output gate: attention * sigmoid(gate) (Qwen3-Next)
 
     @property
     def rope_mode(self) -> int:
@@ -81,6 +83,10 @@ FAMILIES = {
 MODULE_MLP = Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False, router=None,
                     rope="partial")
 FAMILIES.update({name: MODULE_MLP for name in ("glm4_moe", "dots1", "hy_v3", "solar_open", "minimax_m2")})
+# zero-centred norms ((1 + w), fp32, one rounding), gated attention over a partial rotary, Qwen2-MoE's router and
+# gated shared expert; three of four layers gated-DeltaNet linear attention (deltanet.LinearLayer, one call each)
+FAMILIES["qwen3_next"] = Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False,
+                                norm_mode=2, rope="partial", gated=True)
 FAMILIES["ernie4_5_moe"] = Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False, router=None,
                                   rope="pairs_fp32")
 
@@ -97,6 +103,30 @@ def _shared_args(se, gate) -> tuple | None:
         return None
     gate_up, down, gate_up_scale, down_scale = args
     return gate_up, down, gate.weight, gate_up_scale, down_scale
+
+
+def _eps(norm) -> float:
+    """An RMSNorm's epsilon (``variance_epsilon``; Qwen3-Next's zero-centred norm calls it ``eps``)."""
+    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
+
+
+def _attention_args(layer, attn, eps: float, fam: Family, cfg) -> tuple:
+    """decode_layer_bf16's weight arguments of a softmax-attention layer: (ln1, eps, q, k, v, their biases, q/k norms),
+    (scaling, window, o, its bias, ln2); int8 rows or ggml blocks where the projections hold them."""
+    window = getattr(cfg, "sliding_window", None) if fam.window_from_config else getattr(attn, "sliding_window", None)
+    q8 = isinstance(attn.q_proj, (QuantLinear, BlockLinear))
+    w_of = (lambda m: m.weight_q) if q8 else (lambda m: m.weight)
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return ((layer.input_layernorm.weight, eps, w_of(attn.q_proj), w_of(attn.k_proj), w_of(attn.v_proj),
+             attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias,
+             qn.weight if qn is not None else None, kn.weight if kn is not None else None),
+            (float(attn.scaling), int(window or 0), w_of(attn.o_proj), attn.o_proj.bias,
+             layer.post_attention_layernorm.weight))
+
+
+def _head_dim(inner) -> int | None:
+    """The head dim of the model's softmax attention (its first layer that has one)."""
+    return next((layer.self_attn.head_dim for layer in inner.layers if getattr(layer, "self_attn", None) is not None), None)
 
 
 def enabled_by_env() -> bool:
@@ -121,6 +151,7 @@ class _Layer:
     block: object | None = None  # a MoE block run without its module (moe_blocks.py), else None
     shared_args: tuple | None = None  # (gate_up [2I, H], down [H, I], gate [1, H], scales x 2) for shared_expert_bf16
     dense: tuple | None = None  # a dense layer's silu MLP as mlp_args gives it (gate_up, down, scales x 2), else None
+    linear: object | None = None  # a gated-DeltaNet layer (deltanet.LinearLayer): args then holds (ln1, eps), (ln2,)
 
 
 class DecodePlan:
@@ -132,7 +163,8 @@ class DecodePlan:
         inner = model.model
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         self.lm_head = model.lm_head
-        self.head_dim = inner.layers[0].self_attn.head_dim
+        self.head_dim = _head_dim(inner)
+        self.linear = [lay for lay in layers if lay.linear is not None]  # gated-DeltaNet layers, in order
         self.steps = 0
         self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: not built yet
 
@@ -156,19 +188,15 @@ class DecodePlan:
             return None
         cfg = model.config
         fam = FAMILIES[cfg.model_type]
-        eps = float(model.model.norm.variance_epsilon)
+        eps = _eps(model.model.norm)
         layers = []
         for i, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
+            attn = getattr(layer, "self_attn", None)
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (qn, kn) if n is not None]
-            if any(float(n.variance_epsilon) != eps for n in norms):
+            if any(_eps(n) != eps for n in norms):
                 log.debug("fused decode path off", reason="norms with different eps")
                 return None
-            if fam.window_from_config:
-                window = getattr(cfg, "sliding_window", None)
-            else:
-                window = getattr(attn, "sliding_window", None)
             mlp = layer.mlp
             experts = getattr(mlp, "experts", None)
             state = getattr(experts, "_moe_offload", None) if experts is not None else None
@@ -183,27 +211,25 @@ class DecodePlan:
             shared = None
             if moe is not None and hasattr(mlp, "shared_expert"):
                 shared = (mlp.shared_expert, mlp.shared_expert_gate)
-            # --dense-dtype int8: int8 rows and their scales; a GGUF file's projections: its blocks (empty scales)
-            q8 = isinstance(attn.q_proj, (QuantLinear, BlockLinear))
-            w_of = (lambda m: m.weight_q) if q8 else (lambda m: m.weight)
-            args = (
-                layer.input_layernorm.weight, eps,
-                w_of(attn.q_proj), w_of(attn.k_proj), w_of(attn.v_proj),
-                attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias,
-                qn.weight if qn is not None else None, kn.weight if kn is not None else None,
-            )
-            tail = (float(attn.scaling), int(window or 0), w_of(attn.o_proj), attn.o_proj.bias,
-                    layer.post_attention_layernorm.weight)
-            lay = _Layer(i, (args, tail), moe, experts, state, None if moe is not None else mlp, shared)
-            lay.sinks = getattr(attn, "sinks", None)
+            if attn is None:  # a gated-DeltaNet layer: one deltanet_layer_bf16 call
+                lay = _Layer(i, ((layer.input_layernorm.weight, eps), (layer.post_attention_layernorm.weight,)), moe,
+                             experts, state, None if moe is not None else mlp, shared)
+                lay.linear = deltanet.LinearLayer.of(layer.linear_attn)
+                if lay.linear is None:
+                    log.debug("fused decode path off", reason=f"layer {i}: linear attention the layer call does not take")
+                    return None
+            else:
+                lay = _Layer(i, _attention_args(layer, attn, eps, fam, cfg), moe, experts, state,
+                             None if moe is not None else mlp, shared)
+                lay.sinks = getattr(attn, "sinks", None)
+                if isinstance(attn.q_proj, (QuantLinear, BlockLinear)):  # --dense-dtype int8, a GGUF file's blocks
+                    lay.scales = tuple(getattr(attn, a).weight_scale for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
             if moe is None and experts is not None:  # DeepSeek-V3's block (GLM-4.5+, dots.llm1), MiniMax-M2's
                 lay.block = deepseek_block(mlp) or sigmoid_topk_block(mlp) or softmax_bias_block(mlp)
             if shared is not None:
                 lay.shared_args = _shared_args(*shared)
             if experts is None:
                 lay.dense = mlp_args(mlp)
-            if q8:
-                lay.scales = tuple(getattr(attn, a).weight_scale for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
             if moe is not None:
                 if any(t is not None and t.dtype != torch.bfloat16 for t in (router.weight, getattr(router, "bias", None))):
                     log.debug("fused decode path off", reason=f"layer {i}: router not bf16")
@@ -212,6 +238,9 @@ class DecodePlan:
                 lay.router_bias = getattr(router, "bias", None)
                 lay.top_k = int(router.top_k)
                 lay.norm_topk = fam.always_renormalise or bool(getattr(router, "norm_topk_prob", False))
+            if lay.linear is not None and lay.router_bias is not None:
+                log.debug("fused decode path off", reason=f"layer {i}: a router bias beside linear attention")
+                return None
             layers.append(lay)
         log.info("fused decode path on", model_type=cfg.model_type, layers=len(layers),
                  router="fused" if fam.router else "module")
@@ -234,15 +263,20 @@ class DecodePlan:
         if getattr(cfg, "clip_qkv", None) is not None:
             return "clip_qkv"
         for layer in inner.layers:
+            norms = [getattr(layer, a, None) for a in ("input_layernorm", "post_attention_layernorm")]
+            if not all(hasattr(n, "weight") and (hasattr(n, "variance_epsilon") or hasattr(n, "eps")) for n in norms):
+                return "not the two RMSNorms around the token mixer"
+            if not hasattr(layer, "mlp"):
+                return "no mlp"
             attn = getattr(layer, "self_attn", None)
+            if attn is None and hasattr(layer, "linear_attn"):  # gated DeltaNet: deltanet.LinearLayer decides (_build)
+                if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for m in (layer.input_layernorm,
+                       layer.post_attention_layernorm) for p in m.parameters()):
+                    return "not bf16 on the CPU"
+                continue
             kinds = {type(getattr(attn, a, None)) for a in ("q_proj", "k_proj", "v_proj", "o_proj")}
             if not (kinds == {torch.nn.Linear} or kinds <= {QuantLinear, BlockLinear}):
                 return "attention without q/k/v/o projections (all nn.Linear, or all int8 / ggml blocks)"
-            if not all(hasattr(getattr(layer, a, None), "variance_epsilon") for a in ("input_layernorm",
-                                                                                    "post_attention_layernorm")):
-                return "not the two RMSNorms around attention"
-            if not hasattr(layer, "mlp"):
-                return "no mlp"
             for norm, proj in ((getattr(attn, "q_norm", None), attn.q_proj), (getattr(attn, "k_norm", None), attn.k_proj)):
                 if norm is not None and norm.weight.numel() not in (attn.head_dim, proj.out_features):
                     return f"a q/k norm of {norm.weight.numel()} values"  # per head, or over the projection
@@ -254,7 +288,9 @@ class DecodePlan:
             return "not bf16 on the CPU"
         if isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight.dtype != torch.bfloat16:
             return "not bf16 on the CPU"
-        head_dim = inner.layers[0].self_attn.head_dim
+        head_dim = _head_dim(inner)
+        if head_dim is None:
+            return "no attention layer"
         probe = torch.zeros(1, 1, cfg.hidden_size, dtype=torch.bfloat16)
         cos, _ = inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long))
         rope = FAMILIES[cfg.model_type].rope
@@ -268,9 +304,10 @@ class DecodePlan:
         return ""
 
     # -- one step -----------------------------------------------------------------------------------------------
-    def forward(self, ids: list[int], lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
+    def forward(self, ids: list[int], lens: list[int], blocks: list[list[int]], seats: list[int] | None = None
+                ) -> torch.Tensor:
         """One decode token per sequence: ids [M], lens[t] = its context length including the token, blocks[t] its
-        block table. Returns logits [M, V]."""
+        block table, seats[t] its seat in the pool's per-sequence states (gated-DeltaNet layers). Returns logits [M, V]."""
         M = len(ids)
         nb = max(len(b) for b in blocks)
         table = torch.tensor([b + [b[0]] * (nb - len(b)) for b in blocks], dtype=torch.long)
@@ -289,20 +326,35 @@ class DecodePlan:
         ex.begin_forward()
         if self.step_call is False:
             self.step_call = StepCall.build(self)
+        states = {}  # gated-DeltaNet layers: their (conv, state) pools, fresh sequences' seats zeroed
+        if self.linear:
+            fresh = [t for t, n in enumerate(lens) if n == 1]  # sequences whose state starts at this token
+            states = {lay.idx: lay.linear.states(self.pool, seats, fresh, h.dtype) for lay in self.linear}
+            seats_t = torch.tensor(seats, dtype=torch.long)
         if self.step_call is not None and self.step_call.takes(M):  # every layer in one call
-            x = self.step_call.run(h, cos, sin, table, lens_t, self.norm.weight, self.eps)
+            if self.linear:
+                x = self.step_call.run_hybrid(h, cos, sin, table, lens_t, self.norm.weight, self.eps, seats_t,
+                                              [t for lay in self.linear for t in states[lay.idx]])
+            else:
+                x = self.step_call.run(h, cos, sin, table, lens_t, self.norm.weight, self.eps)
             return self._logits(x, t0)
         op = torch.ops.moe_offload.decode_layer_bf16
         add = None
         fam = self.family
         rw_bf16 = fam.router_weights_bf16
         for lay in self.layers:
-            (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
-            hd = self.head_dim
-            kp, vp = self.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
-            h, x2, idx, w = op(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kp, vp, table, lens_t,
-                               self.bs, scaling, window, wo, bo, ln2, lay.router, lay.top_k, lay.norm_topk, rw_bf16,
-                               lay.sinks, lay.router_bias, fam.norm_mode, fam.router_mode, *lay.scales, fam.rope_mode)
+            if lay.linear is not None:
+                (ln1, eps), (ln2,) = lay.args
+                h, x2, idx, w = lay.linear.step(states[lay.idx], h, add, ln1, eps, ln2, lay.router, lay.top_k,
+                                                lay.norm_topk, rw_bf16, fam.norm_mode, seats_t)
+            else:
+                (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
+                hd = self.head_dim
+                kp, vp = self.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
+                h, x2, idx, w = op(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kp, vp, table, lens_t,
+                                   self.bs, scaling, window, wo, bo, ln2, lay.router, lay.top_k, lay.norm_topk,
+                                   rw_bf16, lay.sinks, lay.router_bias, fam.norm_mode, fam.router_mode, *lay.scales,
+                                   fam.rope_mode, fam.gated)
             if lay.moe is not None:
                 out = ex.forward(lay.state, lay.experts, x2, idx, w)
                 if lay.shared_args is not None:  # one kernel call, rounded as the module's ops round

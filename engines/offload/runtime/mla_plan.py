@@ -135,9 +135,10 @@ class MLADecodePlan:
             return "kernels unavailable"
         return ""
 
-    def forward(self, ids: list[int], lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
+    def forward(self, ids: list[int], lens: list[int], blocks: list[list[int]], seats: list[int] | None = None
+                ) -> torch.Tensor:
         """One decode token per sequence: ids [M], lens[t] its context length including the token, blocks[t] its
-        block table. Returns logits [M, V]."""
+        block table (seats: DecodePlan.forward's, unused: no MLA family has per-sequence state). Returns logits [M, V]."""
         M, bs = len(ids), self.pool.block_size
         lmax = max(lens)
         pos = [n - 1 for n in lens]

@@ -81,7 +81,8 @@ class ModelRunner:
         ex.per_token = len(sched) > 1
         before = snapshot(ex)
         logits = self.fast.forward([seq.tokens[seq.computed] for seq, _ in sched],
-                                   [seq.computed + 1 for seq, _ in sched], [seq.blocks for seq, _ in sched])
+                                   [seq.computed + 1 for seq, _ in sched], [seq.blocks for seq, _ in sched],
+                                   [self.pool.seat(seq.sid) for seq, _ in sched])
         self.accounting.book(ex, sched, before, ex.token_stats)
         # rows for the sequences that sample (as forward_paged keeps them): a one-token prefill chunk that does not
         # end its prompt has none

@@ -69,6 +69,26 @@ def build_checkpoint(family: str, root) -> str:
     model.save_pretrained(path)
     return str(path)
 
+def build_qwen3_next(path) -> str:
+    """A tiny Qwen3-Next: gated-DeltaNet layers around a gated full-attention layer (partial rotary), zero-centred
+    norms given weights away from zero (transformers initialises them to 0, where (1 + w) and w would agree)."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(**COMMON | {"head_dim": 16}, num_hidden_layers=3, intermediate_size=64,
+                          moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8,
+                          num_experts_per_tok=2, norm_topk_prob=True, linear_num_value_heads=4,
+                          linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                          layer_types=["linear_attention", "full_attention", "linear_attention"])
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    return str(path)
+
+
 ACC = MemoryTier("acc:0", "device-hbm", 2**34, accelerator="test/cpu:0")
 HOST = MemoryTier("host", "host-dram", 2**35)
 

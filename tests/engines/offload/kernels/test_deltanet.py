@@ -70,12 +70,17 @@ def test_one_token_steps_match_the_module(family_checkpoints, monkeypatch, batch
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_tokens_with_and_without_the_kernel(family_checkpoints, monkeypatch, family):
-    # bf16 greedy decoding of three sequences batched through the paged engine: the kernel's decode rows (states in
-    # the pool's seats) and the module's give the same tokens; the switch keeps the kernel out
+    # bf16 greedy decoding of three sequences batched through the paged engine's module path: the kernel's decode rows
+    # (states in the pool's seats) and the module's give the same tokens; the switch keeps the kernel out. The fused
+    # decode path (Qwen3-Next: deltanet_layer_bf16 per layer, the same step inside) gives them too.
+    from moe_offload.engines.offload.runtime import fastpath
     from moe_offload.engines.offload.runtime.build import build_offload_engine
     from moe_offload.engines.params import SamplingParams
 
     path = _checkpoint(family_checkpoints, family)
+    if family in fastpath.FAMILIES:
+        fused = _engine_tokens(build_offload_engine(path, dtype="bfloat16"))
+    monkeypatch.setenv(fastpath.ENV, "0")
     calls = []
     op = torch.ops.moe_offload.gated_delta_decode_bf16
     monkeypatch.setattr(torch.ops.moe_offload, "gated_delta_decode_bf16", lambda *a: calls.append(a[0].shape[0]) or op(*a))
@@ -99,19 +104,38 @@ def test_engine_tokens_with_and_without_the_kernel(family_checkpoints, monkeypat
     off = tokens()
     assert not calls
     assert on == off and all(len(t) == 10 for t in on)
+    if family in fastpath.FAMILIES:
+        assert fused == on
+
+
+def _engine_tokens(engine) -> list[list[int]]:
+    """Ten greedy tokens for each of three prompts, batched; the engine is closed."""
+    from moe_offload.engines.params import SamplingParams
+
+    try:
+        assert engine.runner.fast is not None
+        gens = [engine.start(p, SamplingParams(max_tokens=10, ignore_eos=True))
+                for p in ([5, 17, 42, 9, 88], [3, 3, 61], [70, 71, 72, 73, 74, 75, 76, 77, 78])]
+        while engine.step():
+            pass
+        return [g.drain() for g in gens]
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dense_int8_holds_the_deltanet_projections_as_int8(family_checkpoints, monkeypatch, family):
     # --dense-dtype int8: the layer's input and output projections are int8 rows too (else a hybrid's int8 step reads
-    # them at twice q8_0's bytes); the kernel takes their outputs, and its decode steps still run
+    # them at twice q8_0's bytes); the kernel takes their outputs, and its decode steps still run (on the module path)
     from moe_offload.engines.offload.loading.quant import QuantLinear
+    from moe_offload.engines.offload.runtime import fastpath
     from moe_offload.engines.offload.runtime.build import build_offload_engine
     from moe_offload.engines.params import SamplingParams
 
     calls = []
     op = torch.ops.moe_offload.gated_delta_decode_bf16
     monkeypatch.setattr(torch.ops.moe_offload, "gated_delta_decode_bf16", lambda *a: calls.append(1) or op(*a))
+    monkeypatch.setenv(fastpath.ENV, "0")
     engine = build_offload_engine(_checkpoint(family_checkpoints, family), dtype="bfloat16", expert_dtype="int8",
                                   dense_dtype="int8")
     try:

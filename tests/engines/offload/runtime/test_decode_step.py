@@ -42,6 +42,8 @@ def _both_paths(path: str, prompts=PROMPTS, steps: int = 12, ready=None, **optio
                     engine.output.emit(sched, runner.forward_paged(sched))
                     continue
                 out = []
+                # per-sequence states (linear attention) advance in place: the loop starts from the same ones
+                states = {i: [t.clone() for t in ts] for i, ts in engine.pool.states.items()}
                 for whole in (True, False):
                     if whole:
                         plan.step_call = False  # built at the first decode step, or rebuilt: the same object
@@ -57,6 +59,9 @@ def _both_paths(path: str, prompts=PROMPTS, steps: int = 12, ready=None, **optio
                     ex.capture(False)
                     if whole:
                         assert plan.step_call is not None and plan.step_call.calls == 1, "whole-step call not taken"
+                        for i, ts in states.items():
+                            for live, saved in zip(engine.pool.states[i], ts):
+                                live[: saved.shape[0]].copy_(saved)
                 plan.step_call = False
                 (a, ra, ha, ta), (b, rb, hb, tb) = out
                 assert torch.equal(a, b), float((a.float() - b.float()).abs().max())
@@ -75,6 +80,17 @@ def _both_paths(path: str, prompts=PROMPTS, steps: int = 12, ready=None, **optio
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "gpt_oss"])
 def test_whole_step_equals_the_layer_loop_bf16(checkpoints, family):
     assert _both_paths(checkpoints(family)) >= 8  # three sequences, then the longest alone
+
+
+@pytest.mark.parametrize("dense", ["bf16", "int8"])
+def test_whole_step_equals_the_layer_loop_hybrid(tmp_path, dense):
+    # Qwen3-Next: gated-DeltaNet layers (their seats' states passed with each step) around gated attention
+    from offload_helpers import build_qwen3_next
+
+    def ready(engine):
+        assert [lay.linear is not None for lay in engine.runner.fast.layers] == [True, False, True]
+
+    assert _both_paths(build_qwen3_next(tmp_path / "q3n"), ready=ready, dense_dtype=dense) >= 8
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "dots1", "solar_open", "minimax_m2", "ernie4_5_moe"])
@@ -202,10 +218,13 @@ def test_whole_step_is_taken_only_where_every_expert_is_resident(checkpoints, mo
 
 
 def test_decode_step_rejects_bad_layers():
-    step = torch.classes.moe_offload.DecodeStep(4, True, 0, 0, 0)
+    step = torch.classes.moe_offload.DecodeStep(4, True, 0, 0, 0, False)
     h = torch.zeros(1, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="no layers"):
         step.step(h, h, h, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), h[0], 1e-6)
+    with pytest.raises(RuntimeError, match="of 0 linear layers"):  # states for linear layers it does not have
+        step.step_hybrid(h, h, h, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), h[0], 1e-6,
+                         torch.zeros(1, dtype=torch.long), [h, h])
     w = torch.zeros(4, 8, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="by expert id"):
         step.add_layer(h[0], 1e-6, w, w, w, None, None, None, None, None, w, w, 1.0, 0, w, None, h[0], w, 2, True,

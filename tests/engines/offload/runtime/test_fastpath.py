@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from offload_helpers import build_qwen3_next
 
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.runtime import fastpath
@@ -66,7 +67,12 @@ def _compare_steps(engine, steps: int) -> list[tuple[float, bool]]:
         with torch.inference_mode():
             if all(n == 1 for _, n in sched.scheduled):
                 ex.capture(True)
+                # per-sequence states (linear attention) advance in place: the module path starts from the same ones
+                states = {i: [t.clone() for t in ts] for i, ts in engine.pool.states.items()}
                 fast = runner.forward_fast(sched).float()
+                for i, ts in states.items():
+                    for live, saved in zip(engine.pool.states[i], ts):
+                        live[: saved.shape[0]].copy_(saved)
                 runner.fast = None
                 try:
                     ref = runner.forward_paged(sched).float()
@@ -83,7 +89,7 @@ def _compare_steps(engine, steps: int) -> list[tuple[float, bool]]:
     return out
 
 
-@pytest.mark.parametrize("family", sorted(f for f, fam in fastpath.FAMILIES.items() if fam.router))
+@pytest.mark.parametrize("family", sorted(f for f, fam in fastpath.FAMILIES.items() if fam.router and f != "qwen3_next"))
 def test_fused_decode_matches_module_path(checkpoints, family):
     _run_both_paths(checkpoints(family), policy="static", fraction=0.5)
 
@@ -105,6 +111,23 @@ def test_attention_fused_families_with_their_own_moe_blocks(tmp_path, family):
         assert blocks and all(blocks) == (family in fused) and any(blocks) == all(blocks), blocks
 
     _run_both_paths(families.build(family, tmp_path), [list(ids[:8]), list(ids[10:14]), list(ids[20:60])], expect)
+
+
+@pytest.mark.parametrize("dense", ["bf16", "int8"])
+def test_hybrid_linear_attention_layers_decode_on_the_fused_path(tmp_path, dense):
+    # Qwen3-Next: each gated-DeltaNet layer in one deltanet_layer_bf16 call on the pool's seats, the full-attention
+    # layer in decode_layer_bf16 with its output gate and (1 + w) norms; the module path (its own norms, the gated
+    # attention's torch ops) computes the same step from the same states. Sequences start on either path: a fresh
+    # sequence's first decode-only step zeroes its seat as the module starts from no state.
+    def expect(engine):
+        kinds = [lay.linear is not None for lay in engine.runner.fast.layers]
+        assert kinds == [True, False, True], kinds
+        assert all(lay.shared_args is not None for lay in engine.runner.fast.layers)
+        # --dense-dtype int8: the linear layers' projections as int8 rows with their scales (s_in, so)
+        lin = engine.runner.fast.layers[0].linear.args
+        assert (len(lin[1]) == 2 and lin[-1] is not None) == (dense == "int8"), lin[1]
+
+    _run_both_paths(build_qwen3_next(tmp_path / "q3n"), expect=expect, dense_dtype=dense)
 
 
 def test_gpt_oss_mxfp4_as_shipped_takes_the_fused_path(quantized_checkpoints):

@@ -23,12 +23,15 @@ namespace moe_cpu {
 inline float rbf(float f) { return bf2f(f2bf(f)); }  // round to bf16 and back
 
 // y = bf16(w * bf16(x / rms(x))) over n features (transformers' RMSNorm in bf16: normalise in fp32, round, scale);
-// norm_mode 1: y = bf16(w * (x / rms(x))), one rounding (gpt-oss scales in fp32).
+// norm_mode 1: y = bf16(w * (x / rms(x))), one rounding (gpt-oss scales in fp32); norm_mode 2: y = bf16((x / rms(x))
+// * (1 + w)), one rounding (zero-centred weights: Qwen3-Next, Qwen3.5).
 inline void rmsnorm_row(const float* x, const uint16_t* w, int64_t n, double eps, uint16_t* y, int64_t norm_mode = 0) {
   double ss = 0.0;
   for (int64_t j = 0; j < n; ++j) ss += double(x[j]) * double(x[j]);
   const float r = 1.0f / std::sqrt(float(ss / double(n)) + float(eps));
-  if (norm_mode == 1)
+  if (norm_mode == 2)
+    for (int64_t j = 0; j < n; ++j) y[j] = f2bf((x[j] * r) * (1.0f + bf2f(w[j])));
+  else if (norm_mode == 1)
     for (int64_t j = 0; j < n; ++j) y[j] = f2bf(bf2f(w[j]) * (x[j] * r));
   else
     for (int64_t j = 0; j < n; ++j) y[j] = f2bf(bf2f(w[j]) * rbf(x[j] * r));
@@ -119,7 +122,7 @@ std::vector<at::Tensor> decode_layer_bf16(
     const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rb, int64_t norm_mode, int64_t router_mode,
     const std::optional<at::Tensor>& sq, const std::optional<at::Tensor>& sk, const std::optional<at::Tensor>& sv,
-    const std::optional<at::Tensor>& so, int64_t rope_mode);
+    const std::optional<at::Tensor>& so, int64_t rope_mode, bool gated);
 at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
                         int64_t norm_mode);
 
@@ -136,6 +139,14 @@ at::Tensor gated_delta_decode_bf16(const at::Tensor& qkvz, const at::Tensor& ba,
                                    const at::Tensor& state, const at::Tensor& a_log, const at::Tensor& dt_bias,
                                    const at::Tensor& norm_w, double eps, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
                                    const std::optional<at::Tensor>& slots, bool plain);
+std::vector<at::Tensor> deltanet_layer_bf16(
+    const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln1, double eps, at::TensorList w_in,
+    at::TensorList s_in, int64_t n_qkvz, const at::Tensor& conv_state, const at::Tensor& conv_w,
+    const std::optional<at::Tensor>& conv_b, const at::Tensor& state, const at::Tensor& a_log, const at::Tensor& dt_bias,
+    const at::Tensor& norm_w, double norm_eps, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
+    const std::optional<at::Tensor>& slots, bool plain, const at::Tensor& wo, const std::optional<at::Tensor>& so,
+    const at::Tensor& ln2, const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16,
+    int64_t norm_mode);
 
 // router.cpp
 std::vector<at::Tensor> grouped_topk(const at::Tensor& scores, const std::optional<at::Tensor>& bias, int64_t n_group,

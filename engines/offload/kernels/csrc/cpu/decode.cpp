@@ -21,8 +21,7 @@
 // rmsnorm_bf16 is the model's final norm, as the layer computes its norms. Arguments: ops.py.
 // Legend: M tokens, H hidden, Hq/Hkv query/KV heads, D head dim, RD rotary dims, R pool rows, NB blocks per sequence,
 // bs block size, E experts, K top-k.
-#include "common.h"
-#include "quant.h"
+#include "layer.h"
 
 namespace moe_cpu {
 
@@ -53,10 +52,10 @@ const uint16_t* opt_vec(const std::optional<at::Tensor>& t, int64_t n, const cha
 }
 
 // the same, in place over a bf16 vector (q/k norms)
-inline void rmsnorm_inplace(uint16_t* v, const uint16_t* w, int64_t n, double eps) {
+inline void rmsnorm_inplace(uint16_t* v, const uint16_t* w, int64_t n, double eps, int64_t norm_mode) {
   std::vector<float> f(n);
   for (int64_t j = 0; j < n; ++j) f[j] = bf2f(v[j]);
-  rmsnorm_row(f.data(), w, n, eps, v);
+  rmsnorm_row(f.data(), w, n, eps, v, norm_mode);
 }
 
 // The k largest of v[0..n) as torch.topk picks them on the CPU (ATen's TopKImpl.h): (value, index) pairs in index
@@ -131,6 +130,144 @@ void check_w(const at::Tensor& w, int64_t rows, int64_t cols, const char* what) 
 
 }  // namespace
 
+// ---- layer.h: what a layer kernel other than attention shares with this one -----------------------------------------
+
+Proj proj_of(const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t rows, int64_t cols, const char* what) {
+  Proj p;
+  if (scale.has_value()) {
+    TORCH_CHECK((w.scalar_type() == at::kChar && w.dim() == 2) || w.scalar_type() == at::kBits8, what,
+                ": expected int8 [", rows, ", ", cols, "] with its scales or ggml blocks, got ", w.scalar_type(), " ",
+                w.sizes());
+    p.q = true;
+    p.qw = moe_quant::weight_of(w, *scale, 0, what);
+    TORCH_CHECK(p.qw.rows == rows && p.qw.k == cols, what, ": expected [", rows, ", ", cols, "] weights, got ", w.sizes());
+  } else {
+    check_w(w, rows, cols, what);
+    p.w = ptr(w);
+    p.ld = w.stride(0);
+  }
+  return p;
+}
+
+void project_all(const std::vector<Proj>& ps, const std::vector<int64_t>& cut, const uint16_t* x, int64_t M, int64_t n,
+                 uint16_t* out) {
+  const bool q = ps[0].q;
+  const bool same = std::all_of(ps.begin(), ps.end(), [&](const Proj& p) { return p.q == q; });
+  if (!same) {  // bf16 beside int8 (a projection too small to quantize): each on its own, then into its columns
+    const int64_t N = cut.back();
+    for (size_t m = 0; m < ps.size(); ++m) {
+      const int64_t lo = m ? cut[m - 1] : 0, rows = cut[m] - lo;
+      std::vector<uint16_t> part(M * rows);
+      project_all({ps[m]}, {rows}, x, M, n, part.data());
+      for (int64_t t = 0; t < M; ++t) std::memcpy(out + t * N + lo, part.data() + t * rows, rows * sizeof(uint16_t));
+    }
+    return;
+  }
+  std::vector<const uint16_t*> bs;
+  for (const Proj& p : ps) bs.push_back(p.bias);
+  if (q) {
+    std::vector<moe_quant::Weight> ws;
+    for (const Proj& p : ps) ws.push_back(p.qw);
+    project_q(ws, bs, cut, x, M, n, out);
+  } else {
+    std::vector<const uint16_t*> ws;
+    std::vector<int64_t> lds;
+    for (const Proj& p : ps) { ws.push_back(p.w); lds.push_back(p.ld); }
+    project(ws, lds, bs, cut, x, M, n, out);
+  }
+}
+
+at::Tensor residual_norm(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln, double eps,
+                         int64_t norm_mode, std::vector<uint16_t>& x) {
+  TORCH_CHECK(h.dim() == 2, "h: expected [M, H], got ", h.sizes());
+  check_bf16(h, -1, "h");
+  const int64_t M = h.size(0), H = h.size(1);
+  if (add.has_value()) check_bf16(*add, M * H, "add");
+  check_bf16(ln, H, "ln1");
+  at::Tensor h_in = at::empty({M, H}, h.options());
+  uint16_t* hi = reinterpret_cast<uint16_t*>(h_in.data_ptr());
+  const uint16_t* hp = ptr(h);
+  const uint16_t* ap = add.has_value() ? ptr(*add) : nullptr;
+  std::vector<float> f(H);
+  x.resize(M * H);
+  for (int64_t t = 0; t < M; ++t) {
+    for (int64_t j = 0; j < H; ++j) {
+      const float v = ap ? rbf(bf2f(hp[t * H + j]) + bf2f(ap[t * H + j])) : bf2f(hp[t * H + j]);
+      hi[t * H + j] = f2bf(v);
+      f[j] = v;
+    }
+    rmsnorm_row(f.data(), ptr(ln), H, eps, x.data() + t * H, norm_mode);
+  }
+  return h_in;
+}
+
+void check_router(const std::optional<at::Tensor>& wr, int64_t H, int64_t top_k) {
+  if (!wr.has_value()) return;
+  check_weight(*wr, "wr");
+  TORCH_CHECK(wr->size(1) == H && top_k >= 1 && top_k <= wr->size(0), "wr: expected [E, ", H, "] and 1 <= top_k <= E");
+}
+
+std::vector<at::Tensor> layer_tail(const at::Tensor& h_in, const uint16_t* o, const at::Tensor& ln2, double eps,
+                                   int64_t norm_mode, const std::optional<at::Tensor>& wr,
+                                   const std::optional<at::Tensor>& rb, int64_t top_k, bool norm_topk, bool w_bf16,
+                                   int64_t router_mode) {
+  const int64_t M = h_in.size(0), H = h_in.size(1), E = wr.has_value() ? wr->size(0) : 0;
+  const uint16_t* hi = ptr(h_in);
+  at::Tensor h2 = at::empty({M, H}, h_in.options());
+  at::Tensor x2 = at::empty({M, H}, h_in.options());
+  uint16_t* h2p = reinterpret_cast<uint16_t*>(h2.data_ptr());
+  uint16_t* x2p = reinterpret_cast<uint16_t*>(x2.data_ptr());
+  std::vector<float> f(H);
+  for (int64_t t = 0; t < M; ++t) {
+    for (int64_t j = 0; j < H; ++j) {
+      const float v = rbf(bf2f(hi[t * H + j]) + bf2f(o[t * H + j]));
+      h2p[t * H + j] = f2bf(v);
+      f[j] = v;
+    }
+    rmsnorm_row(f.data(), ptr(ln2), H, eps, x2p + t * H, norm_mode);
+  }
+
+  // router: logits (bf16, as F.linear rounds) -> softmax in fp32 -> top-k -> renormalise -> bf16
+  at::Tensor ids = at::empty({wr.has_value() ? M : 0, top_k}, h_in.options().dtype(at::kLong));
+  at::Tensor wts = at::empty({wr.has_value() ? M : 0, top_k}, w_bf16 ? h_in.options() : h_in.options().dtype(at::kFloat));
+  if (wr.has_value()) {
+    std::vector<uint16_t> logits(M * E);
+    project({ptr(*wr)}, {wr->stride(0)}, {opt_vec(rb, E, "router bias")}, {E}, x2p, M, H, logits.data());
+    int64_t* ip = ids.data_ptr<int64_t>();
+    uint16_t* wp = w_bf16 ? reinterpret_cast<uint16_t*>(wts.data_ptr()) : nullptr;
+    float* wf = w_bf16 ? nullptr : wts.data_ptr<float>();
+    std::vector<float> pr(E);
+    std::vector<std::pair<float, int64_t>> top;
+    for (int64_t t = 0; t < M && router_mode == 1; ++t) {  // top-k of the logits, then softmax over those (gpt-oss)
+      for (int64_t e = 0; e < E; ++e) pr[e] = bf2f(logits[t * E + e]);
+      torch_topk(pr.data(), E, top_k, top);
+      float mx = top[0].first, sum = 0.0f;
+      for (int64_t k = 1; k < top_k; ++k) mx = std::max(mx, top[k].first);
+      for (int64_t k = 0; k < top_k; ++k) sum += std::exp(top[k].first - mx);
+      for (int64_t k = 0; k < top_k; ++k) {
+        ip[t * top_k + k] = top[k].second;
+        const float v = std::exp(top[k].first - mx) / sum;
+        if (wp) wp[t * top_k + k] = f2bf(v); else wf[t * top_k + k] = v;
+      }
+    }
+    for (int64_t t = 0; t < M && router_mode == 0; ++t) {  // softmax over all experts, top-k, renormalised or not
+      float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, bf2f(logits[t * E + e]));
+      for (int64_t e = 0; e < E; ++e) { pr[e] = std::exp(bf2f(logits[t * E + e]) - mx); sum += pr[e]; }
+      for (int64_t e = 0; e < E; ++e) pr[e] /= sum;
+      torch_topk(pr.data(), E, top_k, top);
+      float tot = 0.0f;
+      for (int64_t k = 0; k < top_k; ++k) tot += top[k].first;
+      for (int64_t k = 0; k < top_k; ++k) {
+        ip[t * top_k + k] = top[k].second;
+        const float v = norm_topk ? top[k].first / tot : top[k].first;
+        if (wp) wp[t * top_k + k] = f2bf(v); else wf[t * top_k + k] = v;
+      }
+    }
+  }
+  return {h2, x2, ids, wts};
+}
+
 std::vector<at::Tensor> decode_layer_bf16(
     const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln1, double eps,
     const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& wv,
@@ -142,12 +279,9 @@ std::vector<at::Tensor> decode_layer_bf16(
     const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rb, int64_t norm_mode, int64_t router_mode,
     const std::optional<at::Tensor>& sq, const std::optional<at::Tensor>& sk, const std::optional<at::Tensor>& sv,
-    const std::optional<at::Tensor>& so, int64_t rope_mode) {
+    const std::optional<at::Tensor>& so, int64_t rope_mode, bool gated) {
   TORCH_CHECK(h.dim() == 2, "decode_layer_bf16 h: expected [M, H], got ", h.sizes());
-  check_bf16(h, -1, "decode_layer_bf16 h");
   const int64_t M = h.size(0), H = h.size(1);
-  if (add.has_value()) check_bf16(*add, M * H, "decode_layer_bf16 add");
-  check_bf16(ln1, H, "ln1");
   check_bf16(ln2, H, "ln2");
   TORCH_CHECK(kpool.dim() == 3 && vpool.dim() == 3, "kpool/vpool: expected [R, Hkv, D]");
   check_bf16(kpool, -1, "kpool");
@@ -159,32 +293,18 @@ std::vector<at::Tensor> decode_layer_bf16(
   TORCH_CHECK(q8 == sk.has_value() && q8 == sv.has_value() && q8 == so.has_value(),
               "sq/sk/sv/so: expected all four scales (int8 or ggml-block q/k/v/o) or none");
   TORCH_CHECK(wq.dim() == 2 || (wq.scalar_type() == at::kBits8 && wq.dim() == 3), "wq: expected 2-D (or ggml blocks), got ", wq.sizes());
-  const int64_t Nq = wq.size(0), Nk = Hkv * D, Hq = Nq / D;
-  TORCH_CHECK(Nq % D == 0 && Hq % Hkv == 0, "wq: ", Nq, " rows are not a multiple of ", Hkv, " KV heads of ", D);
-  std::vector<moe_quant::Weight> qw;
-  if (q8) {
-    const at::Tensor* w4[4] = {&wq, &wk, &wv, &wo};
-    const std::optional<at::Tensor>* s4[4] = {&sq, &sk, &sv, &so};
-    const int64_t rows[4] = {Nq, Nk, Nk, H}, cols[4] = {H, H, H, Nq};
-    const char* names[4] = {"wq", "wk", "wv", "wo"};
-    for (int i = 0; i < 4; ++i) {
-      TORCH_CHECK((w4[i]->scalar_type() == at::kChar && w4[i]->dim() == 2) || w4[i]->scalar_type() == at::kBits8, names[i],
-                  ": expected int8 [", rows[i], ", ", cols[i], "] with its scales or ggml blocks, got ", w4[i]->scalar_type(),
-                  " ", w4[i]->sizes());
-      qw.push_back(moe_quant::weight_of(*w4[i], **s4[i], 0, names[i]));
-      TORCH_CHECK(qw.back().rows == rows[i] && qw.back().k == cols[i], names[i], ": expected [", rows[i], ", ", cols[i],
-                  "] weights, got ", w4[i]->sizes());
-    }
-  } else {
-    check_w(wq, Nq, H, "wq");
-    check_w(wk, Nk, H, "wk");
-    check_w(wv, Nk, H, "wv");
-    check_w(wo, H, Nq, "wo");
-  }
-  const uint16_t* bqp = opt_vec(bq, Nq, "bq");
-  const uint16_t* bkp = opt_vec(bk, Nk, "bk");
-  const uint16_t* bvp = opt_vec(bv, Nk, "bv");
-  const uint16_t* bop = opt_vec(bo, H, "bo");
+  // gated (Qwen3-Next): wq's rows are per head [q (D) | gate (D)]; the attention output is scaled by sigmoid(gate)
+  const int64_t Nqp = wq.size(0), Nq = gated ? Nqp / 2 : Nqp, Nk = Hkv * D, Hq = Nq / D;
+  TORCH_CHECK(Nq % D == 0 && Hq % Hkv == 0 && (!gated || Nqp % 2 == 0), "wq: ", Nqp, " rows are not ",
+              gated ? "twice " : "", "a multiple of ", Hkv, " KV heads of ", D);
+  const std::optional<at::Tensor> none;
+  std::vector<Proj> pqkv = {proj_of(wq, q8 ? sq : none, Nqp, H, "wq"), proj_of(wk, q8 ? sk : none, Nk, H, "wk"),
+                            proj_of(wv, q8 ? sv : none, Nk, H, "wv")};
+  Proj po = proj_of(wo, q8 ? so : none, H, Nq, "wo");
+  pqkv[0].bias = opt_vec(bq, Nqp, "bq");
+  pqkv[1].bias = opt_vec(bk, Nk, "bk");
+  pqkv[2].bias = opt_vec(bv, Nk, "bv");
+  po.bias = opt_vec(bo, H, "bo");
   const uint16_t* qnp = opt_vec(qn, -1, "qn");
   const uint16_t* knp = opt_vec(kn, -1, "kn");
   const int64_t qnw = qn.has_value() ? qn->numel() : 0, knw = kn.has_value() ? kn->numel() : 0;
@@ -216,37 +336,27 @@ std::vector<at::Tensor> decode_layer_bf16(
     for (int64_t b = 0; b < (lp[t] + bs - 1) / bs; ++b)
       TORCH_CHECK(bp[t * NB + b] >= 0 && (bp[t * NB + b] + 1) * bs <= R, "blocks[", t, ", ", b, "] outside the pool");
   }
-  int64_t E = 0;
-  if (wr.has_value()) {
-    check_weight(*wr, "wr");
-    E = wr->size(0);
-    TORCH_CHECK(wr->size(1) == H && top_k >= 1 && top_k <= E, "wr: expected [E, ", H, "] and 1 <= top_k <= E");
-  }
+  check_router(wr, H, top_k);
 
   // residual in, first norm
-  at::Tensor h_in = at::empty({M, H}, h.options());
-  uint16_t* hi = reinterpret_cast<uint16_t*>(h_in.data_ptr());
-  const uint16_t* hp = ptr(h);
-  const uint16_t* ap = add.has_value() ? ptr(*add) : nullptr;
-  std::vector<float> f(H);
-  std::vector<uint16_t> x1(M * H);
-  for (int64_t t = 0; t < M; ++t) {
-    for (int64_t j = 0; j < H; ++j) {
-      const float v = ap ? rbf(bf2f(hp[t * H + j]) + bf2f(ap[t * H + j])) : bf2f(hp[t * H + j]);
-      hi[t * H + j] = f2bf(v);
-      f[j] = v;
-    }
-    rmsnorm_row(f.data(), ptr(ln1), H, eps, x1.data() + t * H, norm_mode);
-  }
+  std::vector<uint16_t> x1;
+  at::Tensor h_in = residual_norm(h, add, ln1, eps, norm_mode, x1);
 
-  // q, k, v in one pass over their rows
-  const int64_t N3 = Nq + 2 * Nk;
+  // q (| gate), k, v in one pass over their rows; gated: each row's q heads then moved before its gate heads
+  const int64_t N3 = Nqp + 2 * Nk;
   std::vector<uint16_t> qkv(M * N3);
-  if (q8)
-    project_q({qw[0], qw[1], qw[2]}, {bqp, bkp, bvp}, {Nq, Nq + Nk, N3}, x1.data(), M, H, qkv.data());
-  else
-    project({ptr(wq), ptr(wk), ptr(wv)}, {wq.stride(0), wk.stride(0), wv.stride(0)}, {bqp, bkp, bvp},
-            {Nq, Nq + Nk, N3}, x1.data(), M, H, qkv.data());
+  project_all(pqkv, {Nqp, Nqp + Nk, N3}, x1.data(), M, H, qkv.data());
+  if (gated) {
+    std::vector<uint16_t> row(Nqp);
+    for (int64_t t = 0; t < M; ++t) {
+      uint16_t* q = qkv.data() + t * N3;
+      std::memcpy(row.data(), q, Nqp * sizeof(uint16_t));
+      for (int64_t a = 0; a < Hq; ++a) {
+        std::memcpy(q + a * D, row.data() + 2 * a * D, D * sizeof(uint16_t));
+        std::memcpy(q + Nq + a * D, row.data() + (2 * a + 1) * D, D * sizeof(uint16_t));
+      }
+    }
+  }
 
   // q/k norms, rotary (q*cos + rotate_half(q)*sin, each product and the sum rounded), k/v into the pool
   uint16_t* kp = reinterpret_cast<uint16_t*>(kpool.data_ptr());
@@ -269,17 +379,17 @@ std::vector<at::Tensor> decode_layer_bf16(
   };
   for (int64_t t = 0; t < M; ++t) {
     uint16_t* q = qkv.data() + t * N3;
-    uint16_t* k = q + Nq;
+    uint16_t* k = q + Nqp;
     uint16_t* v = k + Nk;
     // a norm of D values is per head (with one head, D == the whole projection: normalised once, not twice)
-    if (qnw == Nq && qnw != D) rmsnorm_inplace(q, qnp, Nq, eps);
-    if (knw == Nk && knw != D) rmsnorm_inplace(k, knp, Nk, eps);
+    if (qnw == Nq && qnw != D) rmsnorm_inplace(q, qnp, Nq, eps, norm_mode);
+    if (knw == Nk && knw != D) rmsnorm_inplace(k, knp, Nk, eps, norm_mode);
     for (int64_t a = 0; a < Hq; ++a) {
-      if (qnw == D) rmsnorm_inplace(q + a * D, qnp, D, eps);
+      if (qnw == D) rmsnorm_inplace(q + a * D, qnp, D, eps, norm_mode);
       rope(q + a * D, t);
     }
     for (int64_t a = 0; a < Hkv; ++a) {
-      if (knw == D) rmsnorm_inplace(k + a * D, knp, D, eps);
+      if (knw == D) rmsnorm_inplace(k + a * D, knp, D, eps, norm_mode);
       rope(k + a * D, t);
     }
     const int64_t p = lp[t] - 1, row = bp[t * NB + p / bs] * bs + p % bs;
@@ -342,65 +452,21 @@ std::vector<at::Tensor> decode_layer_bf16(
     }
   });
 
-  // o_proj, residual, second norm
-  std::vector<uint16_t> o(M * H);
-  if (q8)
-    project_q({qw[3]}, {bop}, {H}, attn.data(), M, Nq, o.data());
-  else
-    project({ptr(wo)}, {wo.stride(0)}, {bop}, {H}, attn.data(), M, Nq, o.data());
-  at::Tensor h2 = at::empty({M, H}, h.options());
-  at::Tensor x2 = at::empty({M, H}, h.options());
-  uint16_t* h2p = reinterpret_cast<uint16_t*>(h2.data_ptr());
-  uint16_t* x2p = reinterpret_cast<uint16_t*>(x2.data_ptr());
-  for (int64_t t = 0; t < M; ++t) {
-    for (int64_t j = 0; j < H; ++j) {
-      const float v = rbf(bf2f(hi[t * H + j]) + bf2f(o[t * H + j]));
-      h2p[t * H + j] = f2bf(v);
-      f[j] = v;
-    }
-    rmsnorm_row(f.data(), ptr(ln2), H, eps, x2p + t * H, norm_mode);
-  }
+  // gated: attention output * sigmoid(gate), each rounded to bf16 as the module's ops round
+  if (gated)
+    for (int64_t t = 0; t < M; ++t)
+      for (int64_t i = 0; i < Nq; ++i) {
+        uint16_t& a = attn[t * Nq + i];
+        const float g = bf2f(qkv[t * N3 + Nq + i]);
+        a = f2bf(bf2f(a) * rbf(1.0f / (1.0f + std::exp(-g))));
+      }
 
-  // router: logits (bf16, as F.linear rounds) -> softmax in fp32 -> top-k -> renormalise -> bf16
-  at::Tensor ids = at::empty({wr.has_value() ? M : 0, top_k}, h.options().dtype(at::kLong));
-  at::Tensor wts = at::empty({wr.has_value() ? M : 0, top_k}, w_bf16 ? h.options() : h.options().dtype(at::kFloat));
-  if (wr.has_value()) {
-    std::vector<uint16_t> logits(M * E);
-    project({ptr(*wr)}, {wr->stride(0)}, {opt_vec(rb, E, "router bias")}, {E}, x2p, M, H, logits.data());
-    int64_t* ip = ids.data_ptr<int64_t>();
-    uint16_t* wp = w_bf16 ? reinterpret_cast<uint16_t*>(wts.data_ptr()) : nullptr;
-    float* wf = w_bf16 ? nullptr : wts.data_ptr<float>();
-    std::vector<float> pr(E);
-    std::vector<std::pair<float, int64_t>> top;
-    for (int64_t t = 0; t < M && router_mode == 1; ++t) {  // top-k of the logits, then softmax over those (gpt-oss)
-      for (int64_t e = 0; e < E; ++e) pr[e] = bf2f(logits[t * E + e]);
-      torch_topk(pr.data(), E, top_k, top);
-      float mx = top[0].first, sum = 0.0f;
-      for (int64_t k = 1; k < top_k; ++k) mx = std::max(mx, top[k].first);
-      for (int64_t k = 0; k < top_k; ++k) sum += std::exp(top[k].first - mx);
-      for (int64_t k = 0; k < top_k; ++k) {
-        ip[t * top_k + k] = top[k].second;
-        const float v = std::exp(top[k].first - mx) / sum;
-        if (wp) wp[t * top_k + k] = f2bf(v); else wf[t * top_k + k] = v;
-      }
-    }
-    for (int64_t t = 0; t < M && router_mode == 0; ++t) {  // softmax over all experts, top-k, renormalised or not
-      float mx = -std::numeric_limits<float>::infinity(), sum = 0.0f;
-      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, bf2f(logits[t * E + e]));
-      for (int64_t e = 0; e < E; ++e) { pr[e] = std::exp(bf2f(logits[t * E + e]) - mx); sum += pr[e]; }
-      for (int64_t e = 0; e < E; ++e) pr[e] /= sum;
-      torch_topk(pr.data(), E, top_k, top);
-      float tot = 0.0f;
-      for (int64_t k = 0; k < top_k; ++k) tot += top[k].first;
-      for (int64_t k = 0; k < top_k; ++k) {
-        ip[t * top_k + k] = top[k].second;
-        const float v = norm_topk ? top[k].first / tot : top[k].first;
-        if (wp) wp[t * top_k + k] = f2bf(v); else wf[t * top_k + k] = v;
-      }
-    }
-  }
-  return {h2, x2, ids, wts};
+  // o_proj, then residual, second norm, router
+  std::vector<uint16_t> o(M * H);
+  project_all({po}, {H}, attn.data(), M, Nq, o.data());
+  return layer_tail(h_in, o.data(), ln2, eps, norm_mode, wr, rb, top_k, norm_topk, w_bf16, router_mode);
 }
+
 
 at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
                         int64_t norm_mode) {

@@ -2,14 +2,17 @@
 // (moe_experts_q | moe_experts_bf16) and the combine, then the final norm, for a model whose experts are all resident
 // in host memory (runtime/fastpath.py decides when; the Python loop over layers is the fallback).
 //
-//   DecodeStep(bs, w_bf16, norm_mode, router_mode, rope_mode)   the family's constants
+//   DecodeStep(bs, w_bf16, norm_mode, router_mode, rope_mode, gated)   the family's constants
 //     .add_layer(decode_layer_bf16's weights, kpool, vpool, experts by id, a shared expert?)  once per layer, at build
+//     .add_linear_layer(deltanet_layer_bf16's weights, experts, a shared expert?)   a gated-DeltaNet layer instead
 //     .grouped_router(w fp32, bias, groups...)   the last layer routes as DeepSeek-V3's block (sigmoid, groups, bias)
 //     .mlp(gate_up, down, scales?)               the last layer's shared expert (or, without experts, its dense MLP)
 //     .add_mla_layer(MLA attention's weights, pools, experts by id)   DeepSeek-V3's layout instead of add_layer
 //     .step(h [M, H], cos, sin, blocks [M, NB], lens [M], norm [H], eps)
 //        -> (x [M, H] the final norm's output, ids [L, M, K] every MoE layer's routes, experts seconds)
 //     .step_mla(h, cos, sin, slots [M], rows [M * lmax], lens, norm, eps)   the same for MLA layers (mla_plan.py)
+//     .step_hybrid(h, cos, sin, blocks, lens, norm, eps, seats [M], states)  step() with gated-DeltaNet layers: each
+//        token's seat and the linear layers' (conv, state) pools, in layer order
 //
 // Why: a layer's Python glue (the executor's split and bookkeeping, three torch ops of combine, two op calls with
 // ~40 arguments) costs ~0.2-0.3 ms against ~1 ms of weight reads on a 2-core host, and the second core idles through
@@ -69,8 +72,9 @@ __attribute__((optimize("fp-contract=off"))) void combine(const uint16_t* y, con
 
 class DecodeStep : public torch::CustomClassHolder {
  public:
-  DecodeStep(int64_t bs, bool w_bf16, int64_t norm_mode, int64_t router_mode, int64_t rope_mode)
-      : bs_(bs), w_bf16_(w_bf16), norm_mode_(norm_mode), router_mode_(router_mode), rope_mode_(rope_mode) {
+  DecodeStep(int64_t bs, bool w_bf16, int64_t norm_mode, int64_t router_mode, int64_t rope_mode, bool gated)
+      : bs_(bs), w_bf16_(w_bf16), norm_mode_(norm_mode), router_mode_(router_mode), rope_mode_(rope_mode),
+        gated_(gated) {
     TORCH_CHECK(bs >= 1, "DecodeStep: expected a block size >= 1, got ", bs);
   }
 
@@ -92,6 +96,30 @@ class DecodeStep : public torch::CustomClassHolder {
                             top_k, norm_topk, sinks, rb, sq, sk, sv, so, std::move(ups), std::move(up_scales),
                             std::move(downs), std::move(down_scales), quantized, shared_gate_up, shared_down,
                             shared_gate, shared_gate_up_scale, shared_down_scale});
+  }
+
+  // a gated-DeltaNet layer (deltanet_layer_bf16's weights; its states come with each step); experts as add_layer's
+  void add_linear_layer(at::Tensor ln1, double eps, std::vector<at::Tensor> w_in, std::vector<at::Tensor> s_in,
+                        int64_t n_qkvz, at::Tensor conv_w, std::optional<at::Tensor> conv_b, at::Tensor a_log,
+                        at::Tensor dt_bias, at::Tensor norm_w, double norm_eps, int64_t hk, int64_t hv, int64_t dk,
+                        int64_t dv, bool plain, at::Tensor wo, std::optional<at::Tensor> so, at::Tensor ln2,
+                        std::optional<at::Tensor> wr, int64_t top_k, bool norm_topk, std::vector<at::Tensor> ups,
+                        std::vector<at::Tensor> up_scales, std::vector<at::Tensor> downs,
+                        std::vector<at::Tensor> down_scales, bool quantized, std::optional<at::Tensor> shared_gate_up,
+                        std::optional<at::Tensor> shared_down, std::optional<at::Tensor> shared_gate,
+                        std::optional<at::Tensor> shared_gate_up_scale, std::optional<at::Tensor> shared_down_scale) {
+    TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() && shared_down.has_value() == shared_gate.has_value(),
+                "DecodeStep.add_linear_layer: expected all three shared-expert tensors or none");
+    check_experts(wr.has_value() ? wr->size(0) : (int64_t)ups.size(), top_k, ups, up_scales, downs, down_scales,
+                  quantized);
+    Layer y{};
+    y.ln1 = ln1; y.eps = eps; y.wo = wo; y.so = so; y.ln2 = ln2; y.wr = wr; y.top_k = top_k; y.norm_topk = norm_topk;
+    y.ups = std::move(ups); y.up_s = std::move(up_scales); y.dns = std::move(downs); y.dn_s = std::move(down_scales);
+    y.quantized = quantized; y.sgu = shared_gate_up; y.sdn = shared_down; y.sg = shared_gate;
+    y.sgus = shared_gate_up_scale; y.sdns = shared_down_scale;
+    y.delta = Delta{std::move(w_in), std::move(s_in), n_qkvz, conv_w, conv_b, a_log, dt_bias, norm_w, norm_eps,
+                    {hk, hv, dk, dv}, plain, linear_layers_++};
+    layers_.push_back(std::move(y));
   }
 
   // a layer with DeepSeek-V3's MLA attention (runtime/mla_plan.py's per-layer loop, call for call): q from q_a|kv_a's
@@ -172,12 +200,33 @@ class DecodeStep : public torch::CustomClassHolder {
 
   std::tuple<at::Tensor, at::Tensor, double> step(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor blocks,
                                                   at::Tensor lens, at::Tensor norm, double eps) {
+    return step_hybrid(h, cos, sin, blocks, lens, norm, eps, std::nullopt, {});
+  }
+
+  // step() for a model with gated-DeltaNet layers: slots [M] each token's seat, states the linear layers' (conv window,
+  // recurrent state) pools in layer order, [seats, ...] each (kv.KVPool.states_of), updated in place
+  std::tuple<at::Tensor, at::Tensor, double> step_hybrid(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor blocks,
+                                                         at::Tensor lens, at::Tensor norm, double eps,
+                                                         std::optional<at::Tensor> slots, std::vector<at::Tensor> states) {
+    TORCH_CHECK((int64_t)states.size() == 2 * linear_layers_ && (linear_layers_ == 0 || slots.has_value()),
+                "DecodeStep.step: expected the seats and (conv, state) pools of ", linear_layers_, " linear layers, got ",
+                states.size(), " tensors");
     return run(h, norm, eps, [&](const Layer& y, at::Tensor& h, std::optional<at::Tensor>& add) {
       TORCH_CHECK(!y.mla.has_value(), "DecodeStep.step: an MLA layer (step_mla runs those)");
-      auto r = decode_layer_bf16(h, add, y.ln1, y.eps, y.wq, y.wk, y.wv, y.bq, y.bk, y.bv, y.qn, y.kn, cos, sin, y.kpool,
-                                 y.vpool, blocks, lens, bs_, y.scaling, y.window, y.wo, y.bo, y.ln2, y.wr,
-                                 y.wr.has_value() ? y.top_k : 0, y.wr.has_value() && y.norm_topk, w_bf16_, y.sinks, y.rb,
-                                 norm_mode_, router_mode_, y.sq, y.sk, y.sv, y.so, rope_mode_);
+      const int64_t top_k = y.wr.has_value() ? y.top_k : 0;
+      const bool norm_topk = y.wr.has_value() && y.norm_topk;
+      std::vector<at::Tensor> r;
+      if (y.delta.has_value()) {
+        const Delta& d = *y.delta;
+        r = deltanet_layer_bf16(h, add, y.ln1, y.eps, d.w_in, d.s_in, d.n_qkvz, states[2 * d.index], d.conv_w, d.conv_b,
+                                states[2 * d.index + 1], d.a_log, d.dt_bias, d.norm_w, d.norm_eps, d.dims[0], d.dims[1],
+                                d.dims[2], d.dims[3], slots, d.plain, y.wo, y.so, y.ln2, y.wr, top_k, norm_topk, w_bf16_,
+                                norm_mode_);
+      } else {
+        r = decode_layer_bf16(h, add, y.ln1, y.eps, y.wq, y.wk, y.wv, y.bq, y.bk, y.bv, y.qn, y.kn, cos, sin, y.kpool,
+                              y.vpool, blocks, lens, bs_, y.scaling, y.window, y.wo, y.bo, y.ln2, y.wr, top_k, norm_topk,
+                              w_bf16_, y.sinks, y.rb, norm_mode_, router_mode_, y.sq, y.sk, y.sv, y.so, rope_mode_, gated_);
+      }
       h = r[0];
       return r;
     });
@@ -291,6 +340,18 @@ class DecodeStep : public torch::CustomClassHolder {
     std::optional<at::Tensor> qkv_a_scale, kv_a_scale;  // int8 rows' scales (gemv_q), else none
   };
 
+  struct Delta {  // add_linear_layer's: deltanet_layer_bf16's weights
+    std::vector<at::Tensor> w_in, s_in;
+    int64_t n_qkvz;
+    at::Tensor conv_w;
+    std::optional<at::Tensor> conv_b;
+    at::Tensor a_log, dt_bias, norm_w;
+    double norm_eps;
+    std::array<int64_t, 4> dims;  // Hk, Hv, Dk, Dv
+    bool plain;
+    int64_t index;  // its (conv, state) pools: step_hybrid's states[2 index], [2 index + 1]
+  };
+
   struct Layer {
     at::Tensor ln1;
     double eps;
@@ -318,6 +379,7 @@ class DecodeStep : public torch::CustomClassHolder {
     std::optional<at::Tensor> mgu, mdn;      // .mlp: an un-gated shared expert or a dense layer's MLP
     std::optional<at::Tensor> mgus, mdns;    // its int8 rows' scales, else none
     std::optional<Mla> mla;                  // add_mla_layer's (then wq.. are unused)
+    std::optional<Delta> delta;              // add_linear_layer's (then wq.. are unused)
     std::vector<at::Tensor> up_b, dn_b;      // .expert_gate: the experts' biases by id, else empty
     int64_t gate = 0;                        // 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU (interleaved rows)
     double alpha = 0.0, limit = 0.0;
@@ -376,6 +438,8 @@ class DecodeStep : public torch::CustomClassHolder {
   int64_t bs_;
   bool w_bf16_;
   int64_t norm_mode_, router_mode_, rope_mode_;
+  bool gated_;                 // softmax attention with an output gate (decode_layer_bf16's gated)
+  int64_t linear_layers_ = 0;  // gated-DeltaNet layers added
   int64_t top_k_ = 0;  // every MoE layer's
   std::vector<Layer> layers_;
 };
@@ -384,12 +448,14 @@ class DecodeStep : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.class_<moe_cpu::DecodeStep>("DecodeStep")
-      .def(torch::init<int64_t, bool, int64_t, int64_t, int64_t>())
+      .def(torch::init<int64_t, bool, int64_t, int64_t, int64_t, bool>())
       .def("add_layer", &moe_cpu::DecodeStep::add_layer)
+      .def("add_linear_layer", &moe_cpu::DecodeStep::add_linear_layer)
       .def("add_mla_layer", &moe_cpu::DecodeStep::add_mla_layer)
       .def("grouped_router", &moe_cpu::DecodeStep::grouped_router)
       .def("mlp", &moe_cpu::DecodeStep::mlp)
       .def("expert_gate", &moe_cpu::DecodeStep::expert_gate)
       .def("step", &moe_cpu::DecodeStep::step)
+      .def("step_hybrid", &moe_cpu::DecodeStep::step_hybrid)
       .def("step_mla", &moe_cpu::DecodeStep::step_mla);
 }
