@@ -284,9 +284,9 @@ class DecodeStep : public torch::CustomClassHolder {
       }
       at::Tensor ids = r[2], w = r[3];
       if (y.gw.defined()) {  // DeepSeek-V3's block: F.linear(x.float(), w.float()).sigmoid(); MiniMax-M2's: bf16
-        // logits F.linear(x, w).float().sigmoid(); then the selection (moe_blocks.py)
+        // logits (gemm_bf16 as moe_blocks.py calls it).float().sigmoid(); then the selection (moe_blocks.py)
         at::Tensor logits = y.gw.scalar_type() == at::kFloat ? at::linear(x2.to(at::kFloat), y.gw)
-                                                             : at::linear(x2, y.gw).to(at::kFloat);
+                                                             : gemm_bf16(x2, y.gw, std::nullopt).to(at::kFloat);
         auto sel = grouped_topk(y.gsoftmax ? at::softmax(logits, 1, at::kFloat) : logits.sigmoid(), y.gbias, y.groups[0],
                                 y.groups[1], y.top_k, y.norm_topk, y.gscale);
         ids = sel[0];
