@@ -92,7 +92,7 @@ def build(family: str, out: Path, seed: int = 0) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     from bench_engine import prompt_ids, read_bandwidth
-    from bench_llamacpp import CACHE, bound_bytes, engine_decode, ensure_llamacpp, to_gguf
+    from bench_llamacpp import CACHE, ISA_OPTIONS, as_isa, bound_bytes, engine_decode, ensure_llamacpp, to_gguf
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma list of {', '.join(FAMILIES)}")
@@ -107,12 +107,15 @@ def main(argv: list[str] | None = None) -> int:
                     "this engine's continuous batching against llama-batched-bench on the bf16 GGUF")
     ap.add_argument("--int8", action="store_true",
                     help="also: --expert-dtype int8 --dense-dtype int8 against llama.cpp q8_0 (engines built once)")
+    ap.add_argument("--isa", choices=tuple(ISA_OPTIONS), default="native",
+                    help="avx2: llama.cpp built for AVX2 only against this engine's avx2 kernels (torch capped too)")
     a = ap.parse_args(argv)
+    as_isa(a.isa)
     fams = [f.strip() for f in a.families.split(",") if f.strip()]
     unknown = [f for f in fams if f not in FAMILIES]
     if unknown:
         ap.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
-    tools = ensure_llamacpp(a.cache)
+    tools = ensure_llamacpp(a.cache, isa=a.isa)
     paths = {f: build(f, a.root / f) for f in fams}
     ggufs = {f: to_gguf(p, "bf16", cache=a.cache, tools=tools) for f, p in paths.items()}
     q8 = {f: to_gguf(p, "q8_0", cache=a.cache, tools=tools) for f, p in paths.items()} if a.int8 else {}
@@ -152,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"moe-offload int8 {runs[(f, 'int8')][-1]:.1f} ms/token")
         bw.append(read_bandwidth() / 1e9)
     gbs = statistics.median(bw)
-    print(f"\nmeasured read bandwidth: {gbs:.1f} GB/s (median of {len(bw)}: "
+    from moe_offload.engines.offload.kernels import jit
+    from moe_offload.engines.offload.tools.calibrate import cpu_name
+
+    print(f"\n{cpu_name()}: llama.cpp's {a.isa} build, this engine's {jit.info().get('variant') or 'no'} kernels")
+    print(f"measured read bandwidth: {gbs:.1f} GB/s (median of {len(bw)}: "
           f"{', '.join(f'{b:.1f}' for b in bw)}); {a.tokens} tokens after {a.context}, {a.threads} threads, "
           f"{a.rounds} rounds, medians\n")
     print("| family | llama.cpp bf16 ms/token | moe-offload ms/token | ratio | ratio per round (median) | MB/token | "

@@ -41,9 +41,20 @@ VERSION = "0.3.36"  # the llama-cpp-python release the issue measured with; --ll
 TARGETS = ("llama-bench", "llama-batched-bench")
 OUTTYPES = ("bf16", "q8_0", "f16", "f32")
 # CMake options: only the CPU backend, no network (no OpenSSL/curl), static so the binaries move with the cache.
-CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
+CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
                  "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                  "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF")
+# llama.cpp for a narrower ISA than the host's, to compare with this engine's kernels of that ISA
+# (MOE_OFFLOAD_KERNELS=avx2) on a host that has more: the AVX2 build a Zen 2/3 or Xeon E5 v4 host runs natively.
+ISA_OPTIONS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+             "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+             "-DGGML_AVX_VNNI=OFF"),
+}
+# what caps this engine (its kernels) and torch (ATen's dispatch, oneDNN, MKL) at that ISA: read at import
+ISA_ENV = {"avx2": {"MOE_OFFLOAD_KERNELS": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 # The demo tokenizer is byte-level BPE with the GPT-2 split regex (tokenizers' ByteLevel(use_regex=True)), which
 # the converter does not know by its hash: llama.cpp's "gpt-2" pre-tokenizer applies the same regex.
 DEFAULT_PRE = "gpt-2"
@@ -88,11 +99,14 @@ PATCH = ("tools/batched-bench/batched-bench.cpp", "    llama_backend_free();\n\n
 STAMP = "moe-offload-build-1 batched-bench-log-flush"
 
 
-def ensure_llamacpp(cache: Path = CACHE, version: str = VERSION, jobs: int = 2) -> LlamaCpp:
+def ensure_llamacpp(cache: Path = CACHE, version: str = VERSION, jobs: int = 2, isa: str = "native") -> LlamaCpp:
     """llama.cpp's llama-bench and llama-batched-bench, built from the llama-cpp-python ``version`` sdist into
-    ``cache`` (reused when built there before). Builds at ``nice -n 10`` with ``jobs`` compile jobs."""
+    ``cache`` (reused when built there before) for ``isa`` (ISA_OPTIONS: the host's, or AVX2 only). Builds at
+    ``nice -n 10`` with ``jobs`` compile jobs."""
+    if isa not in ISA_OPTIONS:
+        raise ValueError(f"isa: expected one of {', '.join(ISA_OPTIONS)}, got {isa!r}")
     root = Path(cache).expanduser() / f"llama-cpp-python-{version}"
-    src, build = root / "src", root / "build"
+    src, build = root / "src", root / ("build" if isa == "native" else f"build-{isa}")
     bins = [build / "bin" / t for t in TARGETS]
     stamp = build / "moe-offload.stamp"
     built = all(b.is_file() and os.access(b, os.X_OK) for b in bins)
@@ -107,8 +121,8 @@ def ensure_llamacpp(cache: Path = CACHE, version: str = VERSION, jobs: int = 2) 
         _extract_vendor(root, version, src)
     _patch(src)
     t0 = time.perf_counter()
-    log(f"configuring llama.cpp {version} in {build}")
-    _run(["cmake", "-S", src, "-B", build, *CMAKE_OPTIONS])
+    log(f"configuring llama.cpp {version} ({isa}) in {build}")
+    _run(["cmake", "-S", src, "-B", build, *CMAKE_OPTIONS, *ISA_OPTIONS[isa]])
     log(f"building {', '.join(TARGETS)} with {jobs} jobs (several minutes on 2 cores)")
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
     _run([*nice, "cmake", "--build", build, "--target", *TARGETS, "-j", str(jobs)])
@@ -118,6 +132,16 @@ def ensure_llamacpp(cache: Path = CACHE, version: str = VERSION, jobs: int = 2) 
     stamp.write_text(STAMP + "\n")
     log(f"built llama.cpp in {time.perf_counter() - t0:.0f} s")
     return LlamaCpp(version, src, *bins)
+
+
+def as_isa(isa: str) -> None:
+    """Run this process as a host of ``isa`` would: with ISA_ENV[isa] set (re-executing the script once, as torch reads
+    them at import), so the engine's kernels, torch's and llama.cpp's (ensure_llamacpp(isa=...)) are all that ISA's."""
+    env = ISA_ENV.get(isa, {})
+    if all(os.environ.get(k) == v for k, v in env.items()):
+        return
+    os.environ.update(env)
+    os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
 def _patch(src: Path) -> None:
@@ -485,16 +509,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-version", default=VERSION, help=f"llama-cpp-python sdist version (default {VERSION})")
     ap.add_argument("--jobs", type=int, default=2, help="compile jobs for the first build (default 2)")
     ap.add_argument("--build-only", action="store_true", help="build llama.cpp (and convert --model-dir if given), then stop")
+    ap.add_argument("--isa", choices=tuple(ISA_OPTIONS), default="native",
+                    help="avx2: llama.cpp built for AVX2 only and this engine's avx2 kernels (torch capped likewise), "
+                         "as on an AVX2-only host (default: the host's best on both sides)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="also compare prompt processing of N tokens (llama-bench -p N) with the engine's prefill")
     args = ap.parse_args(argv)
+    as_isa(args.isa)
     tokens = args.tokens or (4 if args.quick else 64)
     context = args.context or (8 if args.quick else 128)
     rounds = args.rounds or (1 if args.quick else 3)
     outtypes = [t for t in args.outtypes.split(",") if t]
     fractions = [float(f) for f in args.fractions.split(",") if f]
 
-    tools = ensure_llamacpp(args.cache, args.llama_version, args.jobs)
+    tools = ensure_llamacpp(args.cache, args.llama_version, args.jobs, isa=args.isa)
     if args.build_only and not args.model_dir:
         print(f"llama.cpp {tools.version}: {tools.bench}, {tools.batched_bench}")
         return 0
@@ -529,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python bench/bench_llamacpp.py" + (" " + " ".join(sys.argv[1:]) if argv is None and sys.argv[1:] else "")
     print(f"Command: `{cmd}`  ")
     print(f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, llama.cpp from llama-cpp-python "
-          f"{tools.version}, {args.threads} threads on both sides, kernels {jit.info().get('variant') or 'off'}, "
+          f"{tools.version} ({args.isa} build), {args.threads} threads on both sides, kernels "
+          f"{jit.info().get('variant') or 'off'}, "
           f"prefill GEMM {'fp32 tiles' if gemm.fp32_tiles() else 'torch bf16'}  ")
     print(f"{tokens} decode tokens after {context} tokens of context, {rounds} interleaved round(s); ms/token = mean over "
           f"the tokens of one measurement.  ")
