@@ -85,13 +85,18 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       position (int8 rows / ggml blocks; so likewise for wo), or empty for bf16                          deltanet.cpp
   grouped_topk(scores [M, E] fp32, bias [E] fp32?, n_group, topk_group, top_k, norm_topk, scale) -> [ids [M, K] int64,
                w [M, K] fp32]   DeepSeek-V3's grouped selection from sigmoid scores (runtime/moe_blocks.py)  router.cpp
-Class moe_offload.DecodeStep(bs, w_bf16, norm_mode, router_mode) (torch.classes; the family's constants)     step.cpp
+Class moe_offload.DecodeStep(bs, w_bf16, norm_mode, router_mode, rope_mode, gated) (torch.classes; the family's
+  constants)                                                                                                step.cpp
   .add_layer(decode_layer_bf16's weights of one layer, kpool, vpool, top_k, norm_topk, ..., the layer's E experts by
              id: gate_ups, gate_up_scales ([] for bf16), downs, down_scales, quantized, and a Qwen2-MoE shared
              expert's shared_expert_bf16 tensors or None x 5)
+  .add_linear_layer(deltanet_layer_bf16's weights of a gated-DeltaNet layer, ln2, router, top_k, norm_topk, experts
+                    and a shared expert as add_layer's)
   .step(h [M, H], cos, sin, blocks, lens, norm [H], eps) -> (x [M, H], ids [L, M, K], experts seconds)
       a whole decode step: per layer decode_layer_bf16, the routed pairs through moe_experts_q | moe_experts_bf16,
       the combine as the executor computes it; then the final norm (runtime/decode_step.py)
+  .step_hybrid(h, cos, sin, blocks, lens, norm, eps, seats [M] int64, states) -> step()'s
+      the same with gated-DeltaNet layers: states their (conv, state) pools in layer order, updated in place
 Legend (MLA): N/P/V the nope/rope/value head dims, R kv_lora_rank, L key rows per sequence (padded).
 Legend: H hidden (input features), N output rows (gemv) or tokens (gemv_q), M / T tokens, I expert intermediate,
 K experts of a token (top-k) or input features (gemv_q), J experts of a layer, S routed pairs, R output rows or pool

@@ -1,9 +1,10 @@
 """The fused decode paths' whole-step call: every layer of a decode step in one C++ call when every expert is resident.
 
     DecodePlan.forward --(eligible step)--> StepCall.run(h, cos, sin, table, lens)
+                       (gated-DeltaNet layers: run_hybrid(..., seats, their (conv, state) pools))
     MLADecodePlan.forward --(eligible step)--> StepCall.run_mla(h, cos, sin, slots, rows, lens)
-      --> moe_offload::DecodeStep.step | step_mla (kernels/csrc/cpu/step.cpp: per layer the attention half
-          (decode_layer_bf16, or MLA's calls as mla_plan.py makes them), the router (fused, or a MoE block's selection
+      --> moe_offload::DecodeStep.step | step_hybrid | step_mla (kernels/csrc/cpu/step.cpp: per layer the attention
+          half (decode_layer_bf16, deltanet_layer_bf16, or MLA's calls as mla_plan.py makes them), the router (fused, or a MoE block's selection
           as moe_blocks.py makes it), the routed experts through moe_experts_q | moe_experts_bf16, the combine, a shared
           expert or a dense layer's MLP; then the final norm)
       --> (x [M, H], routes [L, M, K], experts seconds) --> Executor.book_resident (hits, stage time, captured routes)

@@ -3,6 +3,8 @@
     ids [M] -> embedding -> rotary cos/sin (the model's own rotary module: every rope scaling it knows)
       -> per layer: moe_offload::decode_layer_bf16 (norm, q/k/v, q/k norms, rotary, paged KV write, attention,
          o_proj, residual, norm, router top-k; kernels/csrc/cpu/decode.cpp)
+         or, a gated-DeltaNet layer, moe_offload::deltanet_layer_bf16 (norm, projections, the conv and delta rule on
+         the sequence's seat in the pool, gated norm, out_proj, residual, norm, router; deltanet.LinearLayer)
          -> the offload executor with those top-k ids and weights (tiers, fetches, statistics: unchanged)
          (+ Qwen2-MoE's gated shared expert in one call, moe_offload::shared_expert_bf16; a dense layer's silu MLP in
           one call, moe_blocks.mlp_rows; any other shared expert or MLP through its own modules)
@@ -14,8 +16,10 @@ decode-step profile); this path makes one call per layer for everything but the 
 
 When: bf16 weights on the CPU with the kernels built, the paged KV cache, a decode-only step, and a family
 whose layers this path reproduces (``FAMILIES``: qwen3_moe, qwen2_moe, olmoe, mixtral, gpt_oss with the router
-fused too; glm4_moe, dots1, hy_v3, solar_open, minimax_m2 with attention and norms fused and the MoE block run as
-its module, or by moe_blocks.py where it is DeepSeek-V3's block (glm4_moe, dots1); the roundings of each family's module path are mirrored); anything else,
+fused too; qwen3_next likewise, its gated-DeltaNet layers in one call each, its gated attention and zero-centred
+norms in decode_layer_bf16; glm4_moe, dots1, hy_v3, solar_open, minimax_m2 with attention and norms fused and the MoE
+block run as its module, or by moe_blocks.py where it is DeepSeek-V3's block (glm4_moe, dots1); the roundings of each
+family's module path are mirrored); anything else,
 a prefill chunk, fp32, CUDA, MOE_OFFLOAD_FAST_DECODE=0 run the module path). The KV rows it writes are the
 rows the module path writes, so the two paths mix freely within a sequence.
 """

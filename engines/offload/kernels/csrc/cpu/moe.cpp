@@ -19,15 +19,18 @@ namespace {
 // h[r, i] = bf16(bf16(silu(g)) * up) for rows r of gu [rows, 2I] (gate = columns [0, I), up = [I, 2I)), rounded
 // where torch's bf16 silu and product round. Split over threads only when a batched step brings enough rows
 // (32k elements): one token's few experts are cheaper on the calling thread than a parallel region.
+// (split over elements, not rows: a decode step's few rows of an exp each are ~50 us on one thread, a few percent
+// of a layer, while the other core waits)
+constexpr int64_t ACT_GRAIN = 1024;
+
 inline void silu_mul_rows(const uint16_t* gu, uint16_t* h, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(1, I)), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
+  at::parallel_for(0, rows * I, ACT_GRAIN, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n) {
+      const int64_t r = n / I, i = n % I;
       const uint16_t* g = gu + r * 2 * I;
-      for (int64_t i = 0; i < I; ++i) {
-        float gv = bf2f(g[i]);
-        float sv = bf2f(f2bf(gv / (1.0f + std::exp(-gv))));  // silu, rounded as torch's bf16 silu
-        h[r * I + i] = f2bf(sv * bf2f(g[I + i]));
-      }
+      float gv = bf2f(g[i]);
+      float sv = bf2f(f2bf(gv / (1.0f + std::exp(-gv))));  // silu, rounded as torch's bf16 silu
+      h[n] = f2bf(sv * bf2f(g[I + i]));
     }
   });
 }
@@ -36,16 +39,17 @@ inline void silu_mul_rows(const uint16_t* gu, uint16_t* h, int64_t rows, int64_t
 // in bf16: g = min(gate, limit), u = clamp(up, -limit, limit), h = bf16(bf16(u + 1) * bf16(g * bf16(sigmoid(bf16(g *
 // alpha))))).
 inline void swiglu_rows(const uint16_t* gu, uint16_t* h, int64_t rows, int64_t I, float alpha, float limit) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < I; ++i) {
-      float g = bf2f(gu[r * 2 * I + 2 * i]), u = bf2f(gu[r * 2 * I + 2 * i + 1]);
+  at::parallel_for(0, rows * I, ACT_GRAIN, [&](int64_t b, int64_t e) {
+    for (int64_t n = b; n < e; ++n) {  // element n = (row n / I, column n % I): gate 2n, up 2n + 1
+      float g = bf2f(gu[2 * n]), u = bf2f(gu[2 * n + 1]);
       g = std::min(g, limit);
       u = std::min(std::max(u, -limit), limit);
       const float t = bf2f(f2bf(g * alpha));
       const float sg = bf2f(f2bf(1.0f / (1.0f + std::exp(-t))));
       const float glu = bf2f(f2bf(g * sg));
-      h[r * I + i] = f2bf(bf2f(f2bf(u + 1.0f)) * glu);
+      h[n] = f2bf(bf2f(f2bf(u + 1.0f)) * glu);
     }
+  });
 }
 
 // K experts (silu-gated, concatenated gate|up; gate 1: gpt-oss's clamped SwiGLU, interleaved) of one token: out [K, H].
