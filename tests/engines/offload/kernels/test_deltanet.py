@@ -75,7 +75,6 @@ def test_engine_tokens_with_and_without_the_kernel(family_checkpoints, monkeypat
     # decode path (Qwen3-Next: deltanet_layer_bf16 per layer, the same step inside) gives them too.
     from moe_offload.engines.offload.runtime import fastpath
     from moe_offload.engines.offload.runtime.build import build_offload_engine
-    from moe_offload.engines.params import SamplingParams
 
     path = _checkpoint(family_checkpoints, family)
     if family in fastpath.FAMILIES:
@@ -87,15 +86,8 @@ def test_engine_tokens_with_and_without_the_kernel(family_checkpoints, monkeypat
 
     def tokens():
         engine = build_offload_engine(path, dtype="bfloat16")
-        try:
-            assert engine.paged and engine.deltanet_layers > 0
-            gens = [engine.start(p, SamplingParams(max_tokens=10, ignore_eos=True))
-                    for p in ([5, 17, 42, 9, 88], [3, 3, 61], [70, 71, 72, 73, 74, 75, 76, 77, 78])]
-            while engine.step():
-                pass
-            return [g.drain() for g in gens]
-        finally:
-            engine.close()
+        assert engine.paged and engine.deltanet_layers > 0
+        return _engine_tokens(engine, fused=False)
 
     on = tokens()
     assert calls and max(calls) == 3  # decode rows of the three sequences in one call
@@ -108,12 +100,13 @@ def test_engine_tokens_with_and_without_the_kernel(family_checkpoints, monkeypat
         assert fused == on
 
 
-def _engine_tokens(engine) -> list[list[int]]:
-    """Ten greedy tokens for each of three prompts, batched; the engine is closed."""
+def _engine_tokens(engine, fused: bool = True) -> list[list[int]]:
+    """Ten greedy tokens for each of three prompts, batched, on the fused decode path or the module path; the engine
+    is closed."""
     from moe_offload.engines.params import SamplingParams
 
     try:
-        assert engine.runner.fast is not None
+        assert (engine.runner.fast is not None) == fused
         gens = [engine.start(p, SamplingParams(max_tokens=10, ignore_eos=True))
                 for p in ([5, 17, 42, 9, 88], [3, 3, 61], [70, 71, 72, 73, 74, 75, 76, 77, 78])]
         while engine.step():

@@ -183,7 +183,7 @@ at::Tensor residual_norm(const at::Tensor& h, const std::optional<at::Tensor>& a
   check_bf16(h, -1, "h");
   const int64_t M = h.size(0), H = h.size(1);
   if (add.has_value()) check_bf16(*add, M * H, "add");
-  check_bf16(ln, H, "ln1");
+  check_bf16(ln, H, "norm weight");
   at::Tensor h_in = at::empty({M, H}, h.options());
   uint16_t* hi = reinterpret_cast<uint16_t*>(h_in.data_ptr());
   const uint16_t* hp = ptr(h);
@@ -467,23 +467,12 @@ std::vector<at::Tensor> decode_layer_bf16(
   return layer_tail(h_in, o.data(), ln2, eps, norm_mode, wr, rb, top_k, norm_topk, w_bf16, router_mode);
 }
 
-
 at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
                         int64_t norm_mode) {
-  TORCH_CHECK(h.dim() == 2, "rmsnorm_bf16 h: expected [M, H], got ", h.sizes());
-  check_bf16(h, -1, "rmsnorm_bf16 h");
-  const int64_t M = h.size(0), H = h.size(1);
-  if (add.has_value()) check_bf16(*add, M * H, "rmsnorm_bf16 add");
-  check_bf16(w, H, "rmsnorm_bf16 w");
-  at::Tensor y = at::empty({M, H}, h.options());
-  const uint16_t* hp = ptr(h);
-  const uint16_t* ap = add.has_value() ? ptr(*add) : nullptr;
-  std::vector<float> f(H);
-  for (int64_t t = 0; t < M; ++t) {
-    for (int64_t j = 0; j < H; ++j)
-      f[j] = ap ? rbf(bf2f(hp[t * H + j]) + bf2f(ap[t * H + j])) : bf2f(hp[t * H + j]);
-    rmsnorm_row(f.data(), ptr(w), H, eps, reinterpret_cast<uint16_t*>(y.data_ptr()) + t * H, norm_mode);
-  }
+  std::vector<uint16_t> x;
+  residual_norm(h, add, w, eps, norm_mode, x);  // the layer's head without its residual
+  at::Tensor y = at::empty({h.size(0), h.size(1)}, h.options());
+  std::memcpy(y.data_ptr(), x.data(), x.size() * sizeof(uint16_t));
   return y;
 }
 
