@@ -130,34 +130,31 @@ def main(argv: list[str] | None = None) -> int:
     bw = [read_bandwidth() / 1e9]
     runs: dict[tuple[str, str], list[float]] = {}
     t_start: dict[str, list[float]] = {}  # engine build seconds per round: the first writes the expert store
+
+    def engine_ms(f: str, **options) -> float:
+        """Mean ms/token of an engine built for this measurement and closed after it (so is the int8 one: holding
+        every family's int8 engine at once, ~12 GB, pushed llama-bench's mapped weights out of the page cache)."""
+        t0 = time.perf_counter()
+        e = build_offload_engine(paths[f], policy="static", fraction=1.0, dtype="bfloat16", **options)
+        if not options:
+            t_start.setdefault(f, []).append(time.perf_counter() - t0)
+        try:
+            prompt = prompt_ids(a.context, ModelSpec.from_hf_config(paths[f]).vocab_size)
+            engine_decode(e, prompt, 2)  # warm-up, as llama-bench does
+            return statistics.fmean(engine_decode(e, prompt, a.tokens))
+        finally:
+            e.close()
+            gc.collect()
+
     for r in range(a.rounds):
         for f in fams:
             runs.setdefault((f, "llama.cpp"), []).append(_llama_ms(ggufs[f], a, tools))
-            t0 = time.perf_counter()
-            e = build_offload_engine(paths[f], policy="static", fraction=1.0, dtype="bfloat16")
-            t_start.setdefault(f, []).append(time.perf_counter() - t0)
-            try:
-                prompt = prompt_ids(a.context, ModelSpec.from_hf_config(paths[f]).vocab_size)
-                engine_decode(e, prompt, 2)  # warm-up, as llama-bench does
-                runs.setdefault((f, "moe-offload"), []).append(statistics.fmean(engine_decode(e, prompt, a.tokens)))
-            finally:
-                e.close()
-            gc.collect()
+            runs.setdefault((f, "moe-offload"), []).append(engine_ms(f))
             log(f"round {r + 1}/{a.rounds} {f}: llama.cpp {runs[(f, 'llama.cpp')][-1]:.1f}, "
                 f"moe-offload {runs[(f, 'moe-offload')][-1]:.1f} ms/token")
             if f in int8:
                 runs.setdefault((f, "q8_0"), []).append(_llama_ms(q8[f], a, tools))
-                prompt = prompt_ids(a.context, ModelSpec.from_hf_config(paths[f]).vocab_size)
-                # built per round, as the bf16 engine is (the quantized store is cached after the first): holding
-                # every family's int8 engine at once (~12 GB) pushed llama-bench's mapped weights out of the page cache
-                e = build_offload_engine(paths[f], policy="static", fraction=1.0, dtype="bfloat16", expert_dtype="int8",
-                                         dense_dtype="int8")
-                try:
-                    engine_decode(e, prompt, 2)
-                    runs.setdefault((f, "int8"), []).append(statistics.fmean(engine_decode(e, prompt, a.tokens)))
-                finally:
-                    e.close()
-                gc.collect()
+                runs.setdefault((f, "int8"), []).append(engine_ms(f, expert_dtype="int8", dense_dtype="int8"))
                 log(f"round {r + 1}/{a.rounds} {f}: llama.cpp q8_0 {runs[(f, 'q8_0')][-1]:.1f}, "
                     f"moe-offload int8 {runs[(f, 'int8')][-1]:.1f} ms/token")
         bw.append(read_bandwidth() / 1e9)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
 
 import torch
@@ -130,18 +131,29 @@ def _forward(layer, module_forward, hidden_states, cache=None, attention_mask=No
     return module_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
 
 
+def _state_layout(layer, dtype) -> tuple[tuple, tuple]:
+    """(shapes, dtypes) of the layer's per-sequence states: the conv window [C, K] in the model's dtype, the recurrent
+    state [Hv, Dk, Dv] in fp32."""
+    return (((layer.conv_dim, layer.conv_kernel_size), (layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)),
+            (dtype, torch.float32))
+
+
+def _seat_pools(pool: kv.KVPool, layer, dtype, seats: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's (conv window, recurrent state) pools, [capacity >= seats, ...] each (kv.KVPool.states_of)."""
+    return pool.states_of(layer.layer_idx, *_state_layout(layer, dtype), seats)
+
+
 def _paged(layer, module_forward, hidden_states, cache: kv.PagedCache) -> torch.Tensor:
     """The paged engine's step: hidden_states [1, N, H] packed by sequence (kv.StepContext.seqs)."""
     step = kv.current()
     if step.probe:
-        cache.stateful[layer.layer_idx] = (layer.conv_dim * layer.conv_kernel_size * hidden_states.element_size()
-                                           + layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * 4)
+        shapes, dtypes = _state_layout(layer, hidden_states.dtype)
+        cache.stateful[layer.layer_idx] = sum(math.prod(s) * torch.empty((), dtype=d).element_size()
+                                              for s, d in zip(shapes, dtypes))
         return module_forward(hidden_states, cache=None)
     pool = cache.pool
     seqs = step.seqs
-    conv_pool, state_pool = pool.states_of(
-        layer.layer_idx, ((layer.conv_dim, layer.conv_kernel_size), (layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)),
-        (hidden_states.dtype, torch.float32), max(s.seat for s in seqs) + 1)
+    conv_pool, state_pool = _seat_pools(pool, layer, hidden_states.dtype, max(s.seat for s in seqs) + 1)
     h = hidden_states[0]  # [N, H]
     out = torch.empty_like(h)
     rest = seqs
@@ -197,10 +209,7 @@ class LinearLayer:
     def states(self, pool: kv.KVPool, seats: list[int], fresh: list[int], dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's (conv window, recurrent state) pools for sequences in ``seats``; the seats of ``fresh`` rows
         (their sequence starts at this token) zeroed first: the module's fresh state."""
-        m = self.m
-        conv, state = pool.states_of(
-            m.layer_idx, ((m.conv_dim, m.conv_kernel_size), (m.num_v_heads, m.head_k_dim, m.head_v_dim)),
-            (dtype, torch.float32), max(seats) + 1)
+        conv, state = _seat_pools(pool, self.m, dtype, max(seats) + 1)
         for t in fresh:
             conv[seats[t]].zero_()
             state[seats[t]].zero_()

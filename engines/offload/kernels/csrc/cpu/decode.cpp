@@ -152,17 +152,8 @@ Proj proj_of(const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_
 void project_all(const std::vector<Proj>& ps, const std::vector<int64_t>& cut, const uint16_t* x, int64_t M, int64_t n,
                  uint16_t* out) {
   const bool q = ps[0].q;
-  const bool same = std::all_of(ps.begin(), ps.end(), [&](const Proj& p) { return p.q == q; });
-  if (!same) {  // bf16 beside int8 (a projection too small to quantize): each on its own, then into its columns
-    const int64_t N = cut.back();
-    for (size_t m = 0; m < ps.size(); ++m) {
-      const int64_t lo = m ? cut[m - 1] : 0, rows = cut[m] - lo;
-      std::vector<uint16_t> part(M * rows);
-      project_all({ps[m]}, {rows}, x, M, n, part.data());
-      for (int64_t t = 0; t < M; ++t) std::memcpy(out + t * N + lo, part.data() + t * rows, rows * sizeof(uint16_t));
-    }
-    return;
-  }
+  TORCH_CHECK(std::all_of(ps.begin(), ps.end(), [&](const Proj& p) { return p.q == q; }),
+              "project_all: expected every projection bf16, or every one int8 rows / ggml blocks");
   std::vector<const uint16_t*> bs;
   for (const Proj& p : ps) bs.push_back(p.bias);
   if (q) {
@@ -177,6 +168,20 @@ void project_all(const std::vector<Proj>& ps, const std::vector<int64_t>& cut, c
   }
 }
 
+// rows t < M: h_out = bf16(h + add) (add null: h), x = its norm with ln (the fp32 sum, rounded once, is what the norm reads)
+static void add_norm_rows(const uint16_t* hp, const uint16_t* ap, int64_t M, int64_t H, const uint16_t* ln, double eps,
+                          int64_t norm_mode, uint16_t* h_out, uint16_t* x) {
+  std::vector<float> f(H);
+  for (int64_t t = 0; t < M; ++t) {
+    for (int64_t j = 0; j < H; ++j) {
+      const float v = ap ? rbf(bf2f(hp[t * H + j]) + bf2f(ap[t * H + j])) : bf2f(hp[t * H + j]);
+      h_out[t * H + j] = f2bf(v);
+      f[j] = v;
+    }
+    rmsnorm_row(f.data(), ln, H, eps, x + t * H, norm_mode);
+  }
+}
+
 at::Tensor residual_norm(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln, double eps,
                          int64_t norm_mode, std::vector<uint16_t>& x) {
   TORCH_CHECK(h.dim() == 2, "h: expected [M, H], got ", h.sizes());
@@ -185,19 +190,9 @@ at::Tensor residual_norm(const at::Tensor& h, const std::optional<at::Tensor>& a
   if (add.has_value()) check_bf16(*add, M * H, "add");
   check_bf16(ln, H, "norm weight");
   at::Tensor h_in = at::empty({M, H}, h.options());
-  uint16_t* hi = reinterpret_cast<uint16_t*>(h_in.data_ptr());
-  const uint16_t* hp = ptr(h);
-  const uint16_t* ap = add.has_value() ? ptr(*add) : nullptr;
-  std::vector<float> f(H);
   x.resize(M * H);
-  for (int64_t t = 0; t < M; ++t) {
-    for (int64_t j = 0; j < H; ++j) {
-      const float v = ap ? rbf(bf2f(hp[t * H + j]) + bf2f(ap[t * H + j])) : bf2f(hp[t * H + j]);
-      hi[t * H + j] = f2bf(v);
-      f[j] = v;
-    }
-    rmsnorm_row(f.data(), ptr(ln), H, eps, x.data() + t * H, norm_mode);
-  }
+  add_norm_rows(ptr(h), add.has_value() ? ptr(*add) : nullptr, M, H, ptr(ln), eps, norm_mode,
+                reinterpret_cast<uint16_t*>(h_in.data_ptr()), x.data());
   return h_in;
 }
 
@@ -212,20 +207,10 @@ std::vector<at::Tensor> layer_tail(const at::Tensor& h_in, const uint16_t* o, co
                                    const std::optional<at::Tensor>& rb, int64_t top_k, bool norm_topk, bool w_bf16,
                                    int64_t router_mode) {
   const int64_t M = h_in.size(0), H = h_in.size(1), E = wr.has_value() ? wr->size(0) : 0;
-  const uint16_t* hi = ptr(h_in);
   at::Tensor h2 = at::empty({M, H}, h_in.options());
   at::Tensor x2 = at::empty({M, H}, h_in.options());
-  uint16_t* h2p = reinterpret_cast<uint16_t*>(h2.data_ptr());
   uint16_t* x2p = reinterpret_cast<uint16_t*>(x2.data_ptr());
-  std::vector<float> f(H);
-  for (int64_t t = 0; t < M; ++t) {
-    for (int64_t j = 0; j < H; ++j) {
-      const float v = rbf(bf2f(hi[t * H + j]) + bf2f(o[t * H + j]));
-      h2p[t * H + j] = f2bf(v);
-      f[j] = v;
-    }
-    rmsnorm_row(f.data(), ptr(ln2), H, eps, x2p + t * H, norm_mode);
-  }
+  add_norm_rows(ptr(h_in), o, M, H, ptr(ln2), eps, norm_mode, reinterpret_cast<uint16_t*>(h2.data_ptr()), x2p);
 
   // router: logits (bf16, as F.linear rounds) -> softmax in fp32 -> top-k -> renormalise -> bf16
   at::Tensor ids = at::empty({wr.has_value() ? M : 0, top_k}, h_in.options().dtype(at::kLong));

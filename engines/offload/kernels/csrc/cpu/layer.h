@@ -24,7 +24,8 @@ struct Proj {  // one projection as a layer kernel reads it
 // w [rows, cols] bf16 (no scale), or int8 rows with their scales / ggml blocks (empty scales), checked
 Proj proj_of(const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_t rows, int64_t cols, const char* what);
 
-// x [M, n] through ps stacked (cut[m]: the end of ps[m]'s columns in out [M, cut.back()])
+// x [M, n] through ps stacked (cut[m]: the end of ps[m]'s columns in out [M, cut.back()]); every p bf16, or every
+// one quantized
 void project_all(const std::vector<Proj>& ps, const std::vector<int64_t>& cut, const uint16_t* x, int64_t M, int64_t n,
                  uint16_t* out);
 
