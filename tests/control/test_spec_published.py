@@ -182,8 +182,17 @@ def test_unsupported_quantization_is_named():
         spec = ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": dict(ct, config_groups={"g": {
             "weights": w}})})
         assert spec.expert_format == fmt, sym
-    with pytest.raises(ModelError, match="GPTQ with bits=4 desc_act=True"):
-        ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4, "desc_act": True}})
+    # act-order: each projection keeps its int32 input order beside its blocks (4 bytes per input feature)
+    act = ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4,
+                                                                           "desc_act": True}})
+    assert act.act_order and act.expert_bytes == 3 * 4096 * 14336 // 32 * 18 + 4 * (4096 + 14336)
+    static = ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "desc_act": True, "static_groups": True}})  # groups stay consecutive
+    assert not static.act_order and static.expert_bytes == 3 * 4096 * 14336 // 32 * 18
+    assert act.with_expert_dtype("bf16").expert_bytes == 3 * 4096 * 14336 * 2  # dequantized: no orders kept
+    with pytest.raises(ModelError, match="GPTQ with bits=4 checkpoint_format='gptq_v2'"):
+        ModelSpec.from_hf_config({**MIXTRAL_8X7B, "quantization_config": {"quant_method": "gptq", "bits": 4,
+                                                                           "checkpoint_format": "gptq_v2"}})
     fp8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "float"}}}}
     with pytest.raises(ModelError, match="compressed-tensors 'float-quantized'"):

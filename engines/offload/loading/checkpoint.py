@@ -219,7 +219,7 @@ def read_layer(files: Files, src: ExpertSources, module, num_experts: int, metho
             w, s = blocks.reshape(*blocks.shape[:2], -1), files.tensor(proj.fused + "_scales")  # [E, R, K/2], [E, R, K/32]
             split = 0
         elif method in int4.METHODS:
-            w, s, split = _stack_int4(files, proj, num_experts, method), None, 0
+            (w, s), split = _stack_int4(files, proj, num_experts, method), 0  # s: act-order permutations
         else:
             w, s = _stack_fp8(files, proj, num_experts)
             split = gate_up_split(module, w.shape[1]) if which == 0 and proj.nparts == 2 else 0
@@ -233,19 +233,27 @@ def read_layer(files: Files, src: ExpertSources, module, num_experts: int, metho
     return up, down, up_s, down_s
 
 
-def _stack_int4(files: Files, proj: Projection, num_experts: int, method: str) -> torch.Tensor:
-    """[E, R, K/32, S] q4_0 (or AWQ's q4_z) blocks of a 4-bit release's per-expert linears (a gate|up pair: rows
-    concatenated)."""
+def _stack_int4(files: Files, proj: Projection, num_experts: int, method: str
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([E, R, K/32, S] q4_0 (or q4_z) blocks, int32 [E, K] act-order permutations or None) of a 4-bit release's
+    per-expert linears (a gate|up pair: rows concatenated, one permutation for both: they quantized the same inputs)."""
     if proj.fused is not None:
         raise ModelError(f"{proj.fused}: expected one 4-bit tensor per expert, found a fused tensor")
-    out = []
+    blocks, perms = [], []
     for e in range(num_experts):
-        parts = []
+        parts, orders = [], []
         for i in range(proj.nparts):
             prefix = proj.parts[e][i].removesuffix(int4.WEIGHT[method])
-            parts.append(int4.to_blocks(*int4.read(files, prefix, method), prefix))
-        out.append(torch.cat(parts, dim=0))
-    return torch.stack(out)
+            codes, scale, zeros, p = int4.read(files, prefix, method)
+            parts.append(int4.to_blocks(codes, scale, zeros, prefix))
+            orders.append(torch.arange(codes.shape[1], dtype=torch.int32) if p is None else p)
+        if any(not torch.equal(o, orders[0]) for o in orders[1:]):
+            raise ModelError(f"{proj.parts[e][0]}, {proj.parts[e][1]}: act-order permutations differ between the "
+                             "two halves of one gate|up; expected one order for the inputs they share")
+        blocks.append(torch.cat(parts, dim=0))
+        perms.append(orders[0])
+    identity = torch.arange(perms[0].numel(), dtype=torch.int32)
+    return torch.stack(blocks), (None if all(torch.equal(p, identity) for p in perms) else torch.stack(perms))
 
 
 def _stack_fp8(files: Files, proj: Projection, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,7 +289,8 @@ def rest_state_dict(files: Files, skip: set[str], method: str, dtype: torch.dtyp
             continue  # read with its packed weight
         if method in int4.METHODS and key.endswith(int4.WEIGHT[method]):  # another 4-bit linear: dequantized
             prefix = key.removesuffix(int4.WEIGHT[method])
-            sd[prefix + ".weight"] = int4.dequantize(*int4.read(files, prefix, method), dtype)
+            codes, scale, zeros, p = int4.read(files, prefix, method)
+            sd[prefix + ".weight"] = int4.dequantize(codes, scale, zeros, p, dtype)
             continue
         if method == "fp8" and key + SCALE_SUFFIX in files:
             sd[key] = quant.dequantize_fp8(files.tensor(key), files.tensor(key + SCALE_SUFFIX).float(), 0, dtype)

@@ -20,9 +20,14 @@ release costs its 4.5 bits per weight. A zero point per group (AWQ, GPTQ sym=fal
 blocks instead: q4_0 with a zero point byte, d * (q - z), 4.75 bits per weight, the weights exact in fp32 as the
 release defines them. The same goes for asymmetric compressed-tensors (compressed-tensors 0.20.0,
 compressors/pack_quantized: pack_to_int32 adds 8 to the signed int4 codes and zero points alike, the zero point packed
-along R; quantization/lifecycle/forward_helpers.py _dequantize: (q - zp) * scale). Act-order GPTQ (a permuted
-g_idx) is refused in one line.
-Legend: R output rows, K input features, G group size.
+along R; quantization/lifecycle/forward_helpers.py _dequantize: (q - zp) * scale).
+
+Act-order (GPTQ desc_act, compressed-tensors actorder "group"): g_idx [K] names input k's group, and the groups are
+not runs of G consecutive inputs: GPTQ quantized the inputs in a permuted order p, input p[i] in group i // G. The
+inputs are kept in that order (codes[:, p], so every block of 32 has one scale again) with p beside them (int32
+[K], the store's scale slot of a ggml weight): the kernels read x[p] (kernels/csrc/cpu/moe_quant.cpp), the float paths
+put column j back at p[j] (quant.unpermute). Costs 4 bytes per input feature per projection.
+Legend: R output rows, K input features, G group size, p the act-order permutation.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from moe_offload.control.quant_config import INT4_METHODS
-from moe_offload.engines.offload.loading import ggml
+from moe_offload.engines.offload.loading import ggml, quant
 from moe_offload.errors import ModelError
 
 # gptq_zp: a GPTQ release with sym=false, as checkpoint.quant_method names it (the config says "gptq")
@@ -61,9 +66,11 @@ def _unpack_awq(words: torch.Tensor) -> torch.Tensor:
     return u.view(u.shape[0], -1, 8)[..., AWQ_UNDO].reshape(u.shape[0], -1)
 
 
-def read(files, prefix: str, method: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(codes uint8 [R, K], scale fp32 [R, K/G], zeros uint8 [R, K/G] or None) of the linear ``prefix``: the weight
-    is (q - z) * scale, z = 8 where zeros is None (the symmetric layouts)."""
+def read(files, prefix: str, method: str
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(codes uint8 [R, K], scale fp32 [R, K/G], zeros uint8 [R, K/G] or None, p int32 [K] or None) of the linear
+    ``prefix``: the weight is (q - z) * scale, z = 8 where zeros is None (the symmetric layouts); with act-order, p is
+    the order its inputs are kept in (codes column j is input p[j]; groups consecutive again), else None."""
     where = f"{prefix}{WEIGHT[method]}"
     if method == "awq":
         q = _unpack_awq(files.tensor(prefix + ".qweight")).T.contiguous()  # [R, K]
@@ -72,31 +79,33 @@ def read(files, prefix: str, method: str) -> tuple[torch.Tensor, torch.Tensor, t
         if z.shape != s.shape or q.shape[0] != s.shape[0]:
             raise ModelError(f"{where}: qweight, qzeros and scales do not agree ({list(q.shape)}, {list(z.shape)}, "
                              f"{list(s.shape)} as [R, K], [R, K/G], [R, K/G])")
-        return q, s, z
+        return q, s, z, None
     if method in ("gptq", "gptq_zp"):
         q = _unpack(files.tensor(prefix + ".qweight"), 0).T  # [R, K]
         s = files.tensor(prefix + ".scales").float().T  # [R, K/G]
         z = _unpack(files.tensor(prefix + ".qzeros"), 1).T[: q.shape[0]].int() + 1  # [R, K/G], the +1 of v1
-        if prefix + ".g_idx" in files:
-            _check_groups(files.tensor(prefix + ".g_idx"), q.shape[1], s.shape[1], prefix + ".g_idx")
+        p = _order(files.tensor(prefix + ".g_idx"), q.shape[1], s.shape[1], prefix + ".g_idx") \
+            if prefix + ".g_idx" in files else None
+        q = q if p is None else q[:, p.long()].contiguous()
         if method == "gptq_zp":
-            return q, s, z.to(torch.uint8)  # 1..16: v1 stores zero - 1
+            return q, s, z.to(torch.uint8), p  # 1..16: v1 stores zero - 1
         if not bool((z == 8).all()):
             raise ModelError(f"{where}: zero points other than 8 in a release whose config says sym=true")
-    else:
-        q = _unpack(files.tensor(prefix + ".weight_packed"), 1)  # [R, K]
-        s = files.tensor(prefix + ".weight_scale").float()
-        if s.dim() == 1 or s.shape[-1] == 1:
-            s = s.reshape(-1, 1)
-        if prefix + ".weight_g_idx" in files:
-            g_idx = files.tensor(prefix + ".weight_g_idx")
-            _check_groups(g_idx, g_idx.numel(), s.shape[1], prefix + ".weight_g_idx")
-        if prefix + ".weight_shape" in files:
-            R, K = (int(v) for v in files.tensor(prefix + ".weight_shape").tolist())
-            q = q[:R, :K]
-        if method == "compressed-tensors_zp":
-            return q, s, _ct_zeros(files, prefix + ".weight_zero_point", q.shape[0], s.shape[1])
-    return q, s, None
+        return q, s, None, p
+    q = _unpack(files.tensor(prefix + ".weight_packed"), 1)  # [R, K]
+    s = files.tensor(prefix + ".weight_scale").float()
+    if s.dim() == 1 or s.shape[-1] == 1:
+        s = s.reshape(-1, 1)
+    if prefix + ".weight_shape" in files:
+        R, K = (int(v) for v in files.tensor(prefix + ".weight_shape").tolist())
+        q = q[:R, :K]
+    p = None
+    if prefix + ".weight_g_idx" in files:
+        p = _order(files.tensor(prefix + ".weight_g_idx"), q.shape[1], s.shape[1], prefix + ".weight_g_idx")
+        q = q if p is None else q[:, p.long()].contiguous()
+    if method == "compressed-tensors_zp":
+        return q, s, _ct_zeros(files, prefix + ".weight_zero_point", q.shape[0], s.shape[1]), p
+    return q, s, None, p
 
 
 def _ct_zeros(files, key: str, R: int, groups: int) -> torch.Tensor:
@@ -112,10 +121,19 @@ def _ct_zeros(files, key: str, R: int, groups: int) -> torch.Tensor:
     return _unpack(zp, 0)[:R].contiguous()  # [R, K/G]
 
 
-def _check_groups(g_idx: torch.Tensor, K: int, groups: int, key: str) -> None:
-    """ModelError unless the group index maps input k to group k // (K / groups) (else: act-order)."""
-    if not torch.equal(g_idx.long(), torch.arange(K) // (K // groups)):
-        raise ModelError(f"{key}: act-order (permuted groups) is not supported")
+def _order(g_idx: torch.Tensor, K: int, groups: int, key: str) -> torch.Tensor | None:
+    """The act-order permutation p (int32 [K]) that makes the groups of g_idx runs of K / groups consecutive inputs
+    (g_idx[p] == j // G); None when they already are (no act-order). ModelError if no order does."""
+    want = torch.arange(K) // (K // groups)
+    g = g_idx.long().flatten()
+    if g.numel() != K:
+        raise ModelError(f"{key}: {g.numel()} entries for {K} inputs")
+    if torch.equal(g, want):
+        return None
+    p = torch.argsort(g, stable=True)
+    if not torch.equal(g[p], want):
+        raise ModelError(f"{key}: groups of other than {K // groups} inputs each; not a GPTQ act-order index")
+    return p.to(torch.int32)
 
 
 def to_blocks(codes: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, where: str) -> torch.Tensor:
@@ -151,8 +169,11 @@ def to_q4_0(codes: torch.Tensor, scale: torch.Tensor, where: str) -> torch.Tenso
     return out.view(ggml.DTYPE)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The float weight [R, K] of read()'s codes, scale and zeros: scale * (q - z), in fp32 then ``dtype``."""
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None, p: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The float weight [R, K] of read()'s codes, scale, zeros and order: scale * (q - z) in fp32, inputs put back in
+    feature order, then ``dtype``."""
     G = codes.shape[1] // scale.shape[1]
     z = 8.0 if zeros is None else zeros.float().repeat_interleave(G, dim=1)
-    return ((codes.float() - z) * scale.repeat_interleave(G, dim=1)).to(dtype)
+    w = (codes.float() - z) * scale.repeat_interleave(G, dim=1)
+    return (w if p is None else quant.unpermute(w, p)).to(dtype)

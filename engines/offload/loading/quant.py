@@ -135,9 +135,18 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor | None, split: int = 0, dtyp
         return dequantize_fp8(w, scale, split, dtype)
     if fmt == "mxfp4":
         return dequantize_mxfp4(w, scale, dtype)
-    if fmt is not None:
-        return ggml.dequantize(w, dtype)
+    if fmt is not None:  # ggml blocks; ``scale``: None, or an act-order release's input permutation [K] (int32)
+        blocks = ggml.dequantize(w, dtype)
+        return blocks if scale is None or scale.numel() == 0 else unpermute(blocks, scale)
     return w.to(dtype)
+
+
+def unpermute(w: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """w [.., R, K] whose input j is feature perm[j] (an act-order weight as stored) -> the same weights in feature
+    order: out[.., :, perm[j]] = w[.., :, j]."""
+    out = torch.empty_like(w)
+    out[..., perm.long()] = w
+    return out
 
 
 def quantize(w: torch.Tensor, fmt: str, split: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -13,7 +13,7 @@ import os
 from typing import Any, Mapping
 
 from moe_offload.control import layerkinds
-from moe_offload.control.quant_config import INT4_METHODS, check_int4, has_zero_points
+from moe_offload.control.quant_config import INT4_METHODS, act_order, check_int4, has_zero_points
 from moe_offload.control.vocab import DTYPE_BYTES, FP8_BLOCK
 from moe_offload.errors import ConfigError, ModelError
 
@@ -342,6 +342,7 @@ def parse(cfg: dict[str, Any], name: str | None) -> dict[str, Any]:
         estimated=tuple(estimated),
         expert_format=stored,
         checkpoint_expert_format=stored,
+        act_order=stored in ("q4_0", "q4_z") and act_order(dict(quant)),
     ) | _gguf_sizes(cfg, moe_layers)
 
 

@@ -9,6 +9,9 @@ from typing import Any
 from moe_offload.errors import ModelError
 
 INT4_METHODS = ("gptq", "compressed-tensors", "awq")
+# compressed-tensors' ActivationOrdering (quant_args.py; static = weight, dynamic = group, True = group): weight keeps
+# the groups consecutive, group stores a g_idx (read as GPTQ's act-order, loading/int4.py)
+ACTORDER = (None, False, True, "weight", "static", "group", "dynamic")
 
 
 def check_int4(qc: dict[str, Any], where: str) -> None:
@@ -25,19 +28,18 @@ def check_int4(qc: dict[str, Any], where: str) -> None:
     elif method == "gptq":
         bits, group, sym = qc.get("bits"), qc.get("group_size", 128), qc.get("sym", True)
         fmt = qc.get("checkpoint_format", "gptq")
-        if bits != 4 or qc.get("desc_act") or fmt != "gptq":
-            raise ModelError(f"{where}: GPTQ with bits={bits} desc_act={qc.get('desc_act')} "
-                             f"checkpoint_format={fmt!r} is not supported; expected 4-bit, no act-order, "
-                             "the gptq (v1) format")
+        if bits != 4 or fmt != "gptq":
+            raise ModelError(f"{where}: GPTQ with bits={bits} checkpoint_format={fmt!r} is not supported; expected "
+                             "4-bit, the gptq (v1) format")
     else:
         groups = list((qc.get("config_groups") or {}).values())
         w = _ct_weights(qc)
         bits, group, sym = w.get("num_bits"), w.get("group_size"), w.get("symmetric", True)
         if (qc.get("format") != "pack-quantized" or bits != 4 or sym not in (True, False) or w.get("type") != "int"
-                or w.get("strategy") not in ("group", "channel") or w.get("actorder")):
+                or w.get("strategy") not in ("group", "channel") or w.get("actorder") not in ACTORDER):
             raise ModelError(f"{where}: compressed-tensors {qc.get('format')!r} with {len(groups)} config group(s), "
                              f"weights {w} is not supported; expected one group of 4-bit int weights (symmetric or "
-                             "not, group or channel strategy, no act-order), pack-quantized")
+                             "not, group or channel strategy, actorder none, weight or group), pack-quantized")
         group = group or -1
     if group not in (-1, None) and group % 32:
         raise ModelError(f"{where}: 4-bit group size {group} is not supported; expected a multiple of 32 (or per channel)")
@@ -56,3 +58,14 @@ def _ct_weights(qc: dict[str, Any]) -> dict[str, Any]:
     """A compressed-tensors config's weight arguments: those of its one config group, {} unless exactly one."""
     groups = list((qc.get("config_groups") or {}).values())
     return (groups[0].get("weights") or {}) if len(groups) == 1 else {}
+
+
+def act_order(qc: dict[str, Any]) -> bool:
+    """The 4-bit release quantized its inputs in a permuted order and stores it (GPTQ desc_act without static
+    groups, compressed-tensors actorder group): the engine keeps the order beside each projection's blocks."""
+    method = qc.get("quant_method")
+    if method == "gptq":
+        return bool(qc.get("desc_act")) and not qc.get("static_groups", False)
+    if method == "compressed-tensors":
+        return _ct_weights(qc).get("actorder") in (True, "group", "dynamic")
+    return False

@@ -91,6 +91,7 @@ class ModelSpec(WeightBytes, KVSizes):
     # storage: the experts' format in memory ("" = dtype) and as the checkpoint ships them
     expert_format: str = ""
     checkpoint_expert_format: str = ""
+    act_order: bool = False  # an act-order 4-bit release: each expert projection keeps its input order (int32 [K])
     # a GGUF file: each MoE layer's expert as stored (its block types; Q4_K_M mixes them per layer) and all tensors,
     # read from the file, not derived from the shape
     stored_layer_expert_bytes: tuple[int, ...] = ()

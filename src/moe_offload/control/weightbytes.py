@@ -34,7 +34,8 @@ class WeightBytes:
             return self.expert_params * DTYPE_BYTES[fmt]
         split = I if fmt == "fp8" and self.model_type != "gpt_oss" else 0
         bias = (2 * I + H) * self.dtype_bytes if self.expert_bias else 0
-        return stored_weight_bytes(fmt, 2 * I, H, split) + stored_weight_bytes(fmt, H, I) + bias
+        order = 4 * (H + I) if self.act_order and fmt == self.checkpoint_expert_format else 0  # int32 input orders
+        return stored_weight_bytes(fmt, 2 * I, H, split) + stored_weight_bytes(fmt, H, I) + bias + order
 
     @property
     def layer_expert_bytes(self) -> int:

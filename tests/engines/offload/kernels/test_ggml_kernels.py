@@ -206,3 +206,50 @@ def test_a_row_or_token_dotted_in_a_group_equals_it_alone(ops, name):
         assert torch.equal(all_rows[:, r : r + 1], ops.gemv_q(x, w[r : r + 1], dispatch.NO_SCALE)), r
     for t in range(5):
         assert torch.equal(all_rows[t], ops.gemv_q(x[t : t + 1], w, dispatch.NO_SCALE)[0]), t
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q4_z"])
+def test_act_order_weights_read_x_in_their_order(ops, name):
+    # an act-order 4-bit release keeps each projection's inputs in its quantization order p (loading/int4.py): row
+    # r . x[p], the same numbers as the permuted x through the plain call, bit for bit; the float meaning puts
+    # column j back at p[j]
+    H, I, E, T, K = 256, 512, 4, 6, 2
+    g = torch.Generator().manual_seed(5)
+    ups = [blocks(2 * I, H, name, seed=s) for s in range(E)]
+    dns = [blocks(H, I, name, seed=10 + s) for s in range(E)]
+    pus = [torch.randperm(H, generator=g).to(torch.int32) for _ in range(E)]
+    pds = [torch.randperm(I, generator=g).to(torch.int32) for _ in range(E)]
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    assert torch.equal(ops.gemv_q(x, ups[0], pus[0]), ops.gemv_q(x[:, pus[0].long()], ups[0], dispatch.NO_SCALE))
+    w = quant.dequantize(ups[0], pus[0])
+    assert torch.equal(w[:, pus[0].long()], quant.dequantize(ups[0], None))
+    # one token, one expert: down's order is gate|up's rows reordered (h comes out in down's order)
+    for e in range(E):
+        rows = torch.cat([pds[e].long(), I + pds[e].long()])
+        reordered = ups[e].view(torch.uint8)[rows].contiguous().view(ggml.DTYPE)
+        want = ops.expert_mlp_q(x[:1, pus[e].long()], reordered, dispatch.NO_SCALE, dns[e],
+                                dispatch.NO_SCALE)
+        assert torch.equal(ops.expert_mlp_q(x[:1], ups[e], pus[e], dns[e], pds[e]), want), e
+    # a token's experts in one call, and a batched step, each expert gathering x its own way
+    got = ops.experts_mlp_q(x[:1], ups, pus, dns, pds)
+    for e in range(E):
+        assert torch.equal(got[e:e + 1], ops.expert_mlp_q(x[:1], ups[e], pus[e], dns[e], pds[e])), e
+    top, tok, perm, experts, starts, counts = routed_pairs(T, K, E, seed=4)
+    out = torch.full((T * K, H), float("nan")).to(torch.bfloat16)
+    ops.moe_experts_q(x, [ups[e] for e in experts], [pus[e] for e in experts], [dns[e] for e in experts],
+                      [pds[e] for e in experts], tok, perm, starts, counts, out)
+    for t in range(T):
+        for k in range(K):
+            e = int(top[t, k])
+            assert torch.equal(out[t * K + k], ops.expert_mlp_q(x[t:t + 1], ups[e], pus[e], dns[e], pds[e])[0]), (t, k)
+    # a bad order is refused, never read past x
+    bad = pus[0].clone()
+    bad[3] = H
+    with pytest.raises(RuntimeError, match="act-order permutation"):
+        ops.gemv_q(x, ups[0], bad)
+    with pytest.raises(RuntimeError, match="act-order permutation of gate_up"):
+        ops.experts_mlp_q(x[:1], ups[:1], [bad], dns[:1], pds[:1])
+    with pytest.raises(RuntimeError, match=r"int32 input permutation \[256\]"):
+        ops.gemv_q(x, ups[0], pus[0].long())
+    with pytest.raises(RuntimeError, match="act-order permutations on all or none"):
+        ops.experts_mlp_q(x[:1], ups[:2], [pus[0], dispatch.NO_SCALE], dns[:2], pds[:2])

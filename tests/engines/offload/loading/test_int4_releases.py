@@ -4,7 +4,8 @@ The checkpoints are written here from each format's definition (packing and dequ
 below, independent of the loader): per-expert gate/up/down linears and one attention projection quantized in groups
 (symmetrically, or with a zero point per group: AWQ, GPTQ sym=false, compressed-tensors symmetric=false), everything
 else float. The reference is transformers running the model those weights mean (scale * (q - 8), with zero points:
-scale * (q - zero)), in fp32: greedy tokens must be equal for every policy and fraction.
+scale * (q - zero)), in fp32: greedy tokens must be equal for every policy and fraction. Act-order releases (GPTQ
+desc_act, compressed-tensors actorder group) quantize each linear's inputs in a random order and store g_idx.
 Legend: R output rows, K input features, G group size.
 """
 
@@ -15,6 +16,7 @@ import json
 import pytest
 import torch
 from offload_helpers import greedy, moe_layers, placement
+from quant_helpers import assert_activation_rounding_bounded
 
 from moe_offload.engines.offload.loading.loader import load_model
 from moe_offload.errors import ModelError
@@ -29,6 +31,13 @@ def _pack8(codes: torch.Tensor, dim: int) -> torch.Tensor:
     words = sum(c[..., j] << (4 * j) for j in range(8))
     words = torch.where(words >= 2**31, words - 2**32, words)  # the int32 bit pattern
     return words.to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def _unpack8(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """_pack8 undone: int32 words -> uint8 codes, 8x along ``dim``."""
+    w = words.to(torch.int64).movedim(dim, -1) & 0xFFFFFFFF
+    codes = torch.stack([(w >> (4 * j)) & 0xF for j in range(8)], dim=-1).flatten(-2)
+    return codes.to(torch.uint8).movedim(-1, dim).contiguous()
 
 
 def _quantize(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +71,10 @@ def _pack_awq(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
 
 
-def _write(method: str, root, group: int = 64, scale_dtype=torch.float16, sym: bool = True):
+def _write(method: str, root, group: int = 64, scale_dtype=torch.float16, sym: bool = True, act_order: bool = False):
+    """A release of a tiny qwen3_moe in ``method``'s layout; ``act_order``: GPTQ's desc_act (compressed-tensors'
+    actorder group), every linear quantized in its own random input order p (gate and up of an expert in one, as
+    they see the same inputs): input p[i] in group i // G, g_idx stored beside."""
     from gguf_helpers import config_for
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -72,8 +84,34 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16, sym: b
     model = AutoModelForCausalLM.from_config(cfg).eval()
     I = cfg.moe_intermediate_size
     tensors = {}
+    orders = torch.Generator().manual_seed(1)
 
-    def put(prefix: str, w: torch.Tensor) -> torch.Tensor:  # writes one linear in the format; returns what it means
+    def put(prefix: str, w: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
+        """Writes one linear in the format, its inputs quantized in the order p (act-order) or p drawn here; returns
+        what the stored linear means."""
+        if not act_order:
+            return put_groups(prefix, w)
+        K = w.shape[1]
+        p = torch.randperm(K, generator=orders) if p is None else p
+        g_idx = torch.empty(K, dtype=torch.int32)
+        g_idx[p] = (torch.arange(K) // group).to(torch.int32)  # input p[i] in group i // G
+        meant = torch.empty_like(w)
+        meant[:, p] = put_groups(prefix, w[:, p].contiguous())  # codes written for the permuted columns ...
+        key = prefix + (".g_idx" if method == "gptq" else ".weight_g_idx")
+        for k in [k for k in tensors if k.startswith(prefix + ".")]:  # ... then put back in input order
+            if k.endswith((".qweight", ".weight_packed")):
+                packed_k = 0 if method == "gptq" else 1  # GPTQ packs along K (rows of qweight), c-t along columns
+                codes = _unpack8(tensors[k], packed_k)
+                natural = torch.empty_like(codes)
+                if packed_k == 0:
+                    natural[p] = codes
+                else:
+                    natural[:, p] = codes
+                tensors[k] = _pack8(natural, packed_k)
+        tensors[key] = g_idx
+        return meant
+
+    def put_groups(prefix: str, w: torch.Tensor) -> torch.Tensor:  # writes one linear; returns what it means
         if method == "awq":
             q, s, z = _quantize_zero(w, group)
             tensors[prefix + ".qweight"] = _pack_awq(q.T)  # [K, R/8]
@@ -115,8 +153,9 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16, sym: b
             if name.endswith("experts.gate_up_proj"):
                 base = name.removesuffix(".gate_up_proj")
                 for e in range(t.shape[0]):
-                    t[e, :I] = put(f"{base}.{e}.gate_proj", t[e, :I].clone())
-                    t[e, I:] = put(f"{base}.{e}.up_proj", t[e, I:].clone())
+                    p = torch.randperm(t.shape[2], generator=orders)  # one order for the inputs gate and up share
+                    t[e, :I] = put(f"{base}.{e}.gate_proj", t[e, :I].clone(), p)
+                    t[e, I:] = put(f"{base}.{e}.up_proj", t[e, I:].clone(), p)
             elif name.endswith("experts.down_proj"):
                 base = name.removesuffix(".down_proj")
                 for e in range(t.shape[0]):
@@ -125,7 +164,7 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16, sym: b
                 t.copy_(put(name.removesuffix(".weight"), t.clone()))
             else:
                 tensors[name] = t.contiguous()
-    path = root / f"{method}-{group}{'' if sym else '-zp'}"
+    path = root / f"{method}-{group}{'' if sym else '-zp'}{'-act' if act_order else ''}"
     path.mkdir()
     save_file(tensors, str(path / "model.safetensors"))
     c = cfg.to_dict()
@@ -134,34 +173,50 @@ def _write(method: str, root, group: int = 64, scale_dtype=torch.float16, sym: b
                                     "version": "gemm"}
     elif method == "gptq":
         c["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym,
-                                    "desc_act": False, "checkpoint_format": "gptq"}
+                                    "desc_act": act_order, "checkpoint_format": "gptq"}
     else:
         c["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
                                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                                         "num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group",
-                                        "group_size": group}}}}
+                                        "group_size": group, "actorder": "group" if act_order else None}}}}
     (path / "config.json").write_text(json.dumps(c))
     return str(path), model
 
 
-@pytest.mark.parametrize("method,scale_dtype,sym", [("gptq", torch.float16, True), ("compressed-tensors", torch.bfloat16, True),
-                                                    ("awq", torch.float16, False), ("gptq", torch.float16, False),
-                                                    ("compressed-tensors", torch.bfloat16, False)])
-def test_release_matches_the_model_it_means(tmp_path, method, scale_dtype, sym):
-    path, ref = _write(method, tmp_path, 64, scale_dtype, sym)
+@pytest.mark.parametrize("method,scale_dtype,sym,act_order", [
+    ("gptq", torch.float16, True, False), ("compressed-tensors", torch.bfloat16, True, False),
+    ("awq", torch.float16, False, False), ("gptq", torch.float16, False, False),
+    ("compressed-tensors", torch.bfloat16, False, False),
+    ("gptq", torch.float16, True, True), ("gptq", torch.float16, False, True),
+    ("compressed-tensors", torch.bfloat16, True, True)])
+def test_release_matches_the_model_it_means(tmp_path, method, scale_dtype, sym, act_order):
+    path, ref = _write(method, tmp_path, 64, scale_dtype, sym, act_order)
     want = greedy(ref, PROMPT, 10)
     layers, num_experts = moe_layers(path)
     fmt, block = ("q4_0", 18) if sym else ("q4_z", 19)  # 4.5 / 4.75 bits per weight
+    orders = 4 * (256 + 256) if act_order else 0  # act-order: gate|up's and down's int32 input orders
     for policy, fraction in (("static", 1.0), ("static", 0.0), ("lru", 0.25)):
         om = load_model(path, placement(layers, num_experts, fraction, policy), policy=policy, dtype="float32")
         store = om.executor.layers[0].store
-        assert store.format == fmt and store.expert_bytes == 3 * 256 * 256 // 32 * block
+        assert store.format == fmt and store.expert_bytes == 3 * 256 * 256 // 32 * block + orders
         assert greedy(om.model, PROMPT, 10)[0] == want[0], (method, policy, fraction)
     # bf16 compute: the block kernels; tokens do not depend on the fraction
     a = greedy(load_model(path, None, dtype="bfloat16").model, PROMPT, 10)[0]
     b = greedy(load_model(path, placement(layers, num_experts, 0.25, "lru"), policy="lru", dtype="bfloat16").model,
                PROMPT, 10)[0]
     assert a == b
+
+
+@pytest.mark.parametrize("method,sym", [("gptq", True), ("compressed-tensors", False)])
+def test_act_order_release_in_bf16_through_the_block_kernels(tmp_path, method, sym):
+    # bf16: the kernels gather x (and h) in each expert's input orders; against the same experts dequantized (their
+    # columns put back in feature order) within the activation rounding: a wrong or missing order would be far out
+    path, _ = _write(method, tmp_path, 64, torch.bfloat16 if method != "gptq" else torch.float16, sym, act_order=True)
+    base = load_model(path, None, dtype="bfloat16", expert_dtype="bf16")
+    assert base.executor.layers[0].store.format == "bfloat16"
+    om = load_model(path, None, dtype="bfloat16")
+    assert om.executor.layers[0].store.tensors[4] is not None  # the orders are kept beside the blocks
+    assert_activation_rounding_bounded(base, om, PROMPT, 16, method)
 
 
 def test_spec_prices_the_release_at_4_bits(tmp_path):
@@ -179,7 +234,7 @@ def test_spec_prices_the_release_at_4_bits(tmp_path):
 def test_unsupported_releases_fail_in_one_line(tmp_path):
     path, _ = _write("gptq", tmp_path, 64)
     cfg = json.loads((tmp_path / "gptq-64" / "config.json").read_text())
-    for qc, msg in (({"desc_act": True}, "desc_act=True"),
+    for qc, msg in (({"checkpoint_format": "gptq_v2"}, "checkpoint_format='gptq_v2'"),
                     ({"group_size": 48}, "group size 48 is not supported"), ({"bits": 8}, "bits=8")):
         bad = dict(cfg, quantization_config=dict(cfg["quantization_config"], **qc))
         (tmp_path / "gptq-64" / "config.json").write_text(json.dumps(bad))
@@ -213,9 +268,10 @@ def test_asymmetric_compressed_tensors_per_channel_with_rows_not_a_multiple_of_8
     pad = torch.cat([zs + 8, torch.full((4, 1), 8, dtype=torch.int32)])  # [16, 1]
     files = _Files({"l.weight_packed": _pack8((qs + 8).to(torch.uint8), 1), "l.weight_scale": s,
                     "l.weight_zero_point": _pack8(pad.to(torch.uint8), 0), "l.weight_shape": torch.tensor([R, K])})
-    q, scale, z = int4.read(files, "l", "compressed-tensors_zp")
+    q, scale, z, p = int4.read(files, "l", "compressed-tensors_zp")
     want = (qs - zs).float() * s.float()  # compressed-tensors' _dequantize: (x_q - zero_point) * scale
-    torch.testing.assert_close(int4.dequantize(q, scale, z, torch.float32), want, rtol=0, atol=0)
+    assert p is None
+    torch.testing.assert_close(int4.dequantize(q, scale, z, p, torch.float32), want, rtol=0, atol=0)
     # the q4_z blocks hold the same weights: fp16 d, the zero point byte, then q4_0's nibbles
     blocks = int4.to_blocks(q, scale, z, "l").view(torch.uint8)  # [R, K/32, 19]
     assert torch.equal(blocks[..., 2], (zs + 8).to(torch.uint8).expand(R, K // 32))
@@ -224,10 +280,12 @@ def test_asymmetric_compressed_tensors_per_channel_with_rows_not_a_multiple_of_8
         int4.read(files, "l", "compressed-tensors_zp")
 
 
-def test_disk_tier_serves_the_release_at_4_bits(tmp_path, monkeypatch):
-    # experts on disk (the expert store file written from the release), host memory caching a few: same tokens
+@pytest.mark.parametrize("act_order", [False, True])
+def test_disk_tier_serves_the_release_at_4_bits(tmp_path, monkeypatch, act_order):
+    # experts on disk (the expert store file written from the release, act-order orders with them), host memory
+    # caching a few: same tokens
     monkeypatch.setenv("MOE_OFFLOAD_STORE_DIR", str(tmp_path / "stores"))
-    path, ref = _write("gptq", tmp_path, 64)
+    path, ref = _write("gptq", tmp_path, 64, act_order=act_order)
     om = load_model(path, None, dtype="float32", host_cache=3 * 2**20)
     assert om.executor.layers[0].store.format == "q4_0" and om.executor.disk is not None
     assert greedy(om.model, PROMPT, 8)[0] == greedy(ref, PROMPT, 8)[0]

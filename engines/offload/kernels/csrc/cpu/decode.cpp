@@ -104,7 +104,7 @@ void project_q(const std::vector<moe_quant::Weight>& ws, const std::vector<const
   std::vector<moe_quant::Tokens> prepared(ws.size());  // one per weight whose x preparation differs from the previous
   std::vector<const moe_quant::Tokens*> tw(ws.size());
   for (size_t m = 0; m < ws.size(); ++m) {
-    const bool same = m > 0 && ws[m].fmt == ws[m - 1].fmt && ws[m].gl.act == ws[m - 1].gl.act;
+    const bool same = m > 0 && ws[m].fmt == ws[m - 1].fmt && ws[m].gl.act == ws[m - 1].gl.act && ws[m].perm == ws[m - 1].perm;
     if (!same) moe_quant::prepare(xt, M, n, ws[m], prepared[m]);
     tw[m] = same ? tw[m - 1] : &prepared[m];
   }

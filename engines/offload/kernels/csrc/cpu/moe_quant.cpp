@@ -11,7 +11,10 @@
 //   dequant_blocks: ggml blocks [.., nb, S] -> fp32 [.., K]
 //   experts_mlp_q: K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_q of expert k
 //   moe_experts_q: a step's routed pairs through their experts, each weight row read once for its expert's pairs
+//   ggml blocks take an empty scale, or an int32 input permutation [K] (an act-order GPTQ release kept as shipped,
+//   loading/int4.py): row r . x[perm] (x gathered per token, or per pair with each expert's own permutation)
 // Legend: N tokens, K input features, R output rows, H hidden, I expert intermediate (2I gate|up rows).
+#include <atomic>
 #include <type_traits>
 
 #include "common.h"
@@ -66,17 +69,36 @@ void prepare_row(const float* v, int64_t i, char fmt, Tokens& t) {
     for (int64_t j = 0; j < kp; ++j) t.bs16[(i * kp + j) / 16] = int16_t(t.bs16[(i * kp + j) / 16] + t.q[i * kp + j]);
 }
 
+bool gather_row(const at::Tensor& x, int64_t i, int64_t k, const int32_t* perm, float* row) {
+  if (x.scalar_type() == at::kBFloat16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr()) + i * k;
+    if (!perm) { for (int64_t j = 0; j < k; ++j) row[j] = bf2f(p[j]); return true; }
+    bool ok = true;
+    for (int64_t j = 0; j < k; ++j) { const uint32_t at = uint32_t(perm[j]); ok &= at < uint64_t(k); row[j] = ok ? bf2f(p[at]) : 0.0f; }
+    return ok;
+  }
+  const float* p = x.data_ptr<float>() + i * k;
+  if (!perm) { std::memcpy(row, p, k * sizeof(float)); return true; }
+  bool ok = true;
+  for (int64_t j = 0; j < k; ++j) { const uint32_t at = uint32_t(perm[j]); ok &= at < uint64_t(k); row[j] = ok ? p[at] : 0.0f; }
+  return ok;
+}
+
 void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t, int64_t qb) {
   prepare_init(n, k, fmt, t, qb);
   std::vector<float> row(k);
   for (int64_t i = 0; i < n; ++i) {
-    if (x.scalar_type() == at::kBFloat16) {
-      const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr()) + i * k;
-      for (int64_t j = 0; j < k; ++j) row[j] = bf2f(p[j]);
-    } else {
-      std::memcpy(row.data(), x.data_ptr<float>() + i * k, k * sizeof(float));
-    }
+    gather_row(x, i, k, nullptr, row.data());
     prepare_row(row.data(), i, fmt, t);
+  }
+}
+
+void prepare(const at::Tensor& x, int64_t n, int64_t k, const Weight& W, Tokens& t) {
+  prepare_init(n, k, W.fmt, t, W.fmt == 'g' ? W.gl.act : QB);
+  std::vector<float> row(k);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(gather_row(x, i, k, W.perm, row.data()), "act-order permutation: an entry outside 0..", k - 1);
+    prepare_row(row.data(), i, W.fmt, t);
   }
 }
 
@@ -122,6 +144,12 @@ Weight weight_of(const at::Tensor& w, const at::Tensor& s, int64_t split, const 
                 "q5_k, q6_k or iq4_xs block (34, 18, 20, 22, 24, 19, 17, 144, 176, 210, 136), rows of contiguous blocks, got ",
                 w.sizes(), " strides ", w.strides());
     W.fmt = 'g'; W.k = w.size(1) * W.gl.block;
+    if (s.numel() > 0) {  // an act-order 4-bit release's input permutation (loading/int4.py)
+      TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == at::kInt && s.dim() == 1 && s.numel() == W.k && s.is_contiguous(),
+                  what, ": ggml blocks take no scale, or an int32 input permutation [", W.k, "] (act-order), got ",
+                  s.scalar_type(), " ", s.sizes());
+      W.perm = s.data_ptr<int32_t>();
+    }
   } else {
     TORCH_CHECK(false, what, ": expected int8, float8_e4m3fn, uint8 (mxfp4 blocks) or bits8 (ggml blocks) weights, got ", st);
   }
@@ -191,8 +219,9 @@ void expert_set(at::TensorList ups, at::TensorList up_s, at::TensorList dns, at:
   for (int64_t k = 0; k < K; ++k) {
     expert_pair(ups[k], up_s[k], dns[k], dn_s[k], what, U[k], D[k]);
     TORCH_CHECK(ups[k].scalar_type() == ups[0].scalar_type() && D[k].rows == D[0].rows && D[k].k == D[0].k
-                && U[k].gl.type == U[0].gl.type && D[k].gl.type == D[0].gl.type, what,
-                ": expected experts of one dtype, shape and block type, got ", ups[k].scalar_type(), " ", ups[k].sizes(),
+                && U[k].gl.type == U[0].gl.type && D[k].gl.type == D[0].gl.type && !U[k].perm == !U[0].perm
+                && !D[k].perm == !D[0].perm, what,
+                ": expected experts of one dtype, shape and block type (act-order permutations on all or none), got ", ups[k].scalar_type(), " ", ups[k].sizes(),
                 " after ", ups[0].scalar_type(), " ", ups[0].sizes());
   }
 }
@@ -224,8 +253,30 @@ Gate gate_of(const std::optional<at::TensorList>& ub, const std::optional<at::Te
 // gpt-oss: gemv_q, clamped_swiglu_bf16, gemv_q's) for that token alone (the same prepared x, row dots, bias adds,
 // roundings and prepared h: prepare quantizes each token on its own).
 void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const std::vector<int64_t>& first,
-               const Tokens& t, const int64_t* xi, const int64_t* oi, bool bf, void* out, const Gate& gt = Gate{}) {
+               const at::Tensor& x, const int64_t* xi, const int64_t* oi, bool bf, void* out, const Gate& gt = Gate{}) {
   const int64_t J = (int64_t)U.size(), H = D[0].rows, I = D[0].k, I2 = 2 * I, P = first[J];
+  std::vector<int64_t> expert(P);  // pair -> its expert
+  for (int64_t j = 0; j < J; ++j) std::fill(expert.begin() + first[j], expert.begin() + first[j + 1], j);
+  // x prepared for the gate|up rows: each token once, or (act-order experts, whose inputs each expert permutes its
+  // own way) each pair's token gathered by its expert's permutation; pair p then reads row xi[p], else row p
+  Tokens t;
+  std::vector<int64_t> pi(P);  // pair p reads row p (the permuted tokens, below the prepared h)
+  for (int64_t p = 0; p < P; ++p) pi[p] = p;
+  if (!U[0].perm) {
+    prepare(x, x.numel() / H, H, U[0], t);
+  } else {
+    prepare_init(P, H, U[0].fmt, t, U[0].gl.act);
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> row(H);
+      for (int64_t p = b; p < e; ++p) {
+        if (!gather_row(x, xi[p], H, U[expert[p]].perm, row.data())) ok = false;
+        prepare_row(row.data(), p, U[0].fmt, t);
+      }
+    });
+    TORCH_CHECK(ok, "act-order permutation of gate_up: an entry outside 0..", H - 1);
+    xi = pi.data();
+  }
   std::vector<float> gu(P * I2);  // fp32 results, rounded below exactly as rows_range's output dtype would be
   const int64_t avg = std::max<int64_t>(1, P / J);
   at::parallel_for(0, J * I2, std::max<int64_t>(1, grain(U[0].ld) / avg), [&](int64_t b, int64_t e) {
@@ -241,8 +292,9 @@ void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const
   // quantized for the down rows: pairs split over the threads
   Tokens th;
   prepare_init(P, I, D[0].fmt, th, D[0].fmt == 'g' ? D[0].gl.act : QB);
+  std::atomic<bool> ok{true};
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> h(I);
+    std::vector<float> h(I), hp(D[0].perm ? I : 0);
     for (int64_t p = b; p < e; ++p) {
       if (gt.gate == 1) {  // gpt-oss (bf16 only): gate = even rows, up = odd; op by op as torch rounds in bf16
         for (int64_t i = 0; i < I; ++i) {
@@ -262,11 +314,15 @@ void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const
           h[i] = bf ? bf2f(f2bf(bf2f(f2bf(s)) * u)) : s * u;
         }
       }
-      prepare_row(h.data(), p, D[0].fmt, th);
+      if (const int32_t* perm = D[expert[p]].perm) {  // act-order down: h gathered as its rows read it
+        for (int64_t i = 0; i < I; ++i) { const uint32_t at = uint32_t(perm[i]); ok = ok && at < uint64_t(I); hp[i] = at < uint64_t(I) ? h[at] : 0.0f; }
+        prepare_row(hp.data(), p, D[0].fmt, th);
+      } else {
+        prepare_row(h.data(), p, D[0].fmt, th);
+      }
     }
   });
-  std::vector<int64_t> pi(P);  // pair p reads row p of th
-  for (int64_t p = 0; p < P; ++p) pi[p] = p;
+  TORCH_CHECK(ok, "act-order permutation of down: an entry outside 0..", I - 1);
   at::parallel_for(0, J * H, std::max<int64_t>(1, grain(D[0].ld) / avg), [&](int64_t b, int64_t e) {
     while (b < e) {
       const int64_t j = b / H, stop = std::min(e, (j + 1) * H);
@@ -288,12 +344,10 @@ at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Ten
   const int64_t H = D[0].rows;
   at::Tensor xc = tokens_of(x, H, "expert_mlp_q x");
   TORCH_CHECK(xc.numel() == H, "expert_mlp_q x: expected one token, got ", x.sizes());
-  Tokens t;
-  prepare(xc, 1, H, U[0], t);
   const std::vector<int64_t> first{0, 1};
   const int64_t zero = 0;
   at::Tensor out = at::empty(x.sizes(), x.options());
-  pairs_mlp(U, D, first, t, &zero, &zero, x.scalar_type() == at::kBFloat16, out.data_ptr());
+  pairs_mlp(U, D, first, xc, &zero, &zero, x.scalar_type() == at::kBFloat16, out.data_ptr());
   return out;
 }
 
@@ -306,14 +360,12 @@ at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList
   const int64_t K = (int64_t)U.size(), H = D[0].rows;
   at::Tensor xc = tokens_of(x, H, "experts_mlp_q x");
   TORCH_CHECK(xc.numel() == H, "experts_mlp_q x: expected one token, got ", x.sizes());
-  Tokens t;
-  prepare(xc, 1, H, U[0], t);
   std::vector<int64_t> first(K + 1), xi(K, 0), oi(K);
   for (int64_t k = 0; k <= K; ++k) first[k] = k;
   for (int64_t k = 0; k < K; ++k) oi[k] = k;
   at::Tensor out = at::empty({K, H}, x.options());
   const bool bf = x.scalar_type() == at::kBFloat16;
-  pairs_mlp(U, D, first, t, xi.data(), oi.data(), bf, out.data_ptr(),
+  pairs_mlp(U, D, first, xc, xi.data(), oi.data(), bf, out.data_ptr(),
             gate_of(up_biases, down_biases, gate, alpha, limit, K, 2 * D[0].k, H, bf, "experts_mlp_q"));
   return out;
 }
@@ -357,10 +409,8 @@ void moe_experts_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s,
       xi[first[j] + q] = tp[s];
       oi[first[j] + q] = pp[s];
     }
-  Tokens t;
-  prepare(x, T, H, U[0], t);
   const bool bf = x.scalar_type() == at::kBFloat16;
-  pairs_mlp(U, D, first, t, xi.data(), oi.data(), bf, out.data_ptr(),
+  pairs_mlp(U, D, first, x, xi.data(), oi.data(), bf, out.data_ptr(),
             gate_of(up_biases, down_biases, gate, alpha, limit, J, 2 * D[0].k, H, bf, "moe_experts_q"));
 }
 

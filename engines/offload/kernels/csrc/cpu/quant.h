@@ -309,6 +309,7 @@ struct Weight {
   const uint8_t* ms;    // mxfp4 scales
   int64_t split;        // fp8 gate|up split (R when none)
   moe_blocks::Layout gl;  // ggml: the block type (nb = k / gl.block blocks per row)
+  const int32_t* perm = nullptr;  // ggml, act-order 4-bit releases: input j of every row is x[perm[j]] (else x[j])
 };
 
 // rows r .. r+n-1 (n <= ROWS) . prepared token i -> out[0..n): ggml blocks and (AVX2) int8 n rows per call (x loaded
@@ -373,9 +374,11 @@ inline int64_t grain(int64_t row_bytes) { return std::max<int64_t>(4, (int64_t(1
 // the stored weight w and its scales s, checked; moe_quant.cpp
 Weight weight_of(const at::Tensor& w, const at::Tensor& s, int64_t split, const char* what);
 
-// x prepared for the dots of weight W (the k-quants read x in blocks of 256)
-inline void prepare(const at::Tensor& x, int64_t n, int64_t k, const Weight& W, Tokens& t) {
-  prepare(x, n, k, W.fmt, t, W.fmt == 'g' ? W.gl.act : QB);
-}
+// token i of x [n, k] (bf16 or fp32) in fp32 into row, gathered as W reads it (row[j] = x[i, perm[j]] for an
+// act-order weight); false if a permutation entry is out of range (row then undefined); moe_quant.cpp
+bool gather_row(const at::Tensor& x, int64_t i, int64_t k, const int32_t* perm, float* row);
+
+// x prepared for the dots of weight W (the k-quants read x in blocks of 256; an act-order weight's permutation applied)
+void prepare(const at::Tensor& x, int64_t n, int64_t k, const Weight& W, Tokens& t);
 
 }  // namespace moe_quant
