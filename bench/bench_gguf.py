@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_llamacpp import CACHE, _run, batched_bench, ensure_llamacpp, llama_bench, log, to_gguf  # noqa: E402
+from bench_llamacpp import (  # noqa: E402
+    CACHE, ISA_OPTIONS, _run, as_isa, batched_bench, ensure_llamacpp, llama_bench, log, to_gguf)
 
 TYPES = ("Q4_K_M", "Q6_K", "Q8_0")
 
@@ -94,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=16, help="batched comparison at this many sequences (0: none)")
     ap.add_argument("--batched-types", default="Q4_K_M", help="types for the batched comparison")
     ap.add_argument("--json", type=Path, help="write the raw results here")
+    ap.add_argument("--isa", choices=tuple(ISA_OPTIONS), default="native",
+                    help="avx2: llama.cpp built for AVX2 only against this engine's avx2 kernels (torch capped too)")
     a = ap.parse_args(argv)
+    as_isa(a.isa)
 
     import torch
     from bench_engine import prompt_ids, read_bandwidth
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe_offload.control.spec import ModelSpec
     from moe_offload.engines.offload.runtime.build import build_offload_engine
 
-    tools = ensure_llamacpp(CACHE)
+    tools = ensure_llamacpp(CACHE, isa=a.isa)
     exe = ensure_quantize(tools)
     bf16 = to_gguf(a.model_dir, "bf16", tools=tools)
     files = {t: quantized(bf16, t, exe) for t in a.types.split(",")}
@@ -138,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     for e in engines.values():
         e.close()
 
-    print(f"\nmemory bandwidth {bw:.1f} GB/s; {a.tokens} tokens after {a.context}; {a.threads} threads; {a.rounds} rounds\n")
+    from moe_offload.engines.offload.kernels import jit
+    from moe_offload.engines.offload.tools.calibrate import cpu_name
+
+    print(f"\n{cpu_name()}: llama.cpp's {a.isa} build, this engine's {jit.info().get('variant') or 'no'} kernels")
+    print(f"memory bandwidth {bw:.1f} GB/s; {a.tokens} tokens after {a.context}; {a.threads} threads; {a.rounds} rounds\n")
     print("| file | MB read / token | llama.cpp ms/token | moe-offload ms/token | ratio per round | median | "
           "llama.cpp share of bw | ours share of bw | engine start s |")
     print("|---|---|---|---|---|---|---|---|---|")
