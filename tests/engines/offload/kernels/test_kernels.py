@@ -378,6 +378,35 @@ def test_stale_build_lock_does_not_hang(ops):
         lock.unlink(missing_ok=True)
 
 
+@pytest.mark.parametrize("gate", [0, 1])
+def test_a_decode_steps_experts_split_whole_over_threads_equal_the_two_pass_loops(ops, gate):
+    """One token per expert and experts that divide among the threads: each thread runs whole experts (gate|up, gate,
+    down) without a barrier between the passes. Rows equal the one-thread (two-pass) call and each expert alone,
+    bit for bit, for an even and an odd number of experts, one-token and pair-list calls alike."""
+    H, I = 72, 40
+    g = (gate, 1.702, 7.0) if gate else (0, 0.0, 0.0)
+    saved = torch.get_num_threads()
+    try:
+        for K in (2, 3, 4):
+            ups, downs = [_w(2 * I, H, seed=20 + e) for e in range(K)], [_w(H, I, seed=40 + e) for e in range(K)]
+            ub = [torch.randn(2 * I, generator=torch.Generator().manual_seed(60 + e)).to(BF) for e in range(K)]
+            db = [torch.randn(H, generator=torch.Generator().manual_seed(80 + e)).to(BF) for e in range(K)]
+            x = torch.randn(1, H, generator=torch.Generator().manual_seed(K)).to(BF)
+            rows, pairs = {}, {}
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                rows[n] = ops.experts_mlp_bf16(x[0], ups, downs, ub, db, *g)
+                pairs[n] = torch.full((K, H), float("nan")).to(BF)
+                ops.moe_experts_bf16(x, ups, downs, torch.zeros(K, dtype=torch.long), torch.arange(K).flip(0),
+                                     list(range(K)), [1] * K, pairs[n], ub, db, *g)
+            for e in range(K):
+                alone = ops.experts_mlp_bf16(x[0], [ups[e]], [downs[e]], [ub[e]], [db[e]], *g)[0]
+                assert torch.equal(rows[1][e], alone) and torch.equal(rows[2][e], alone), (K, e)
+                assert torch.equal(pairs[1][K - 1 - e], alone) and torch.equal(pairs[2][K - 1 - e], alone), (K, e)
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("H", [1, 31, 33, 77, 1025])
 def test_results_do_not_depend_on_thread_count(ops, H):
     # Rows are split over threads by at::parallel_for; each row's sum must not depend on the split, and tails

@@ -151,6 +151,49 @@ def test_results_do_not_depend_on_thread_count(ops):
     assert all(torch.equal(a, b) for a, b in zip(out[1], out[2]))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "q4_k/q6_k", "q4_0 act-order"])
+def test_a_decode_steps_experts_split_whole_over_threads_equal_the_two_pass_loops(ops, fmt):
+    # one token per expert, experts dividing among the threads: each thread runs whole experts (gate|up, gate, down)
+    # with no barrier between the passes; rows equal the one-thread (two-pass) call and each expert alone, bit for
+    # bit, for an even and an odd number of experts, one-token and pair-list calls alike
+    from moe_offload.engines.offload.kernels import dispatch
+    from moe_offload.engines.offload.loading import ggml
+
+    H, I = 256, 512
+    g = torch.Generator().manual_seed(3)
+
+    def expert(e):
+        if fmt in ("int8", "fp8"):
+            up, us = quant.quantize(_rand(2 * I, H, seed=e), fmt, I)
+            dn, ds = quant.quantize(_rand(H, I, seed=50 + e), fmt)
+            return up, us, dn, ds
+        if fmt == "q4_k/q6_k":
+            return (ggml.random_blocks(2 * I, H, "q4_k", e), dispatch.NO_SCALE,
+                    ggml.random_blocks(H, I, "q6_k", 50 + e), dispatch.NO_SCALE)
+        return (ggml.random_blocks(2 * I, H, "q4_0", e), torch.randperm(H, generator=g).to(torch.int32),
+                ggml.random_blocks(H, I, "q4_0", 50 + e), torch.randperm(I, generator=g).to(torch.int32))
+
+    saved = torch.get_num_threads()
+    try:
+        for K in (3, 4):
+            ex = [expert(e) for e in range(K)]
+            args = [[w[i] for w in ex] for i in range(4)]
+            x = torch.randn(1, H, generator=g).to(torch.bfloat16)
+            rows, pairs = {}, {}
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                rows[n] = ops.experts_mlp_q(x, *args)
+                pairs[n] = torch.full((K, H), float("nan")).to(torch.bfloat16)
+                ops.moe_experts_q(x, *args, torch.zeros(K, dtype=torch.long), torch.arange(K).flip(0),
+                                  list(range(K)), [1] * K, pairs[n])
+            for e in range(K):
+                alone = ops.expert_mlp_q(x, *ex[e])[0]
+                assert torch.equal(rows[1][e], alone) and torch.equal(rows[2][e], alone), (K, e)
+                assert torch.equal(pairs[1][K - 1 - e], alone) and torch.equal(pairs[2][K - 1 - e], alone), (K, e)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_rejects_bad_input(ops):
     q, s = quant.quantize_int8(_rand(8, 16))
     with pytest.raises(RuntimeError, match="int8: expected an fp32 scale per row"):

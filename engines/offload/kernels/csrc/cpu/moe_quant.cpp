@@ -278,63 +278,90 @@ void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const
     xi = pi.data();
   }
   std::vector<float> gu(P * I2);  // fp32 results, rounded below exactly as rows_range's output dtype would be
-  const int64_t avg = std::max<int64_t>(1, P / J);
-  at::parallel_for(0, J * I2, std::max<int64_t>(1, grain(U[0].ld) / avg), [&](int64_t b, int64_t e) {
-    while (b < e) {  // a task may span experts: split it at expert boundaries
-      const int64_t j = b / I2, stop = std::min(e, (j + 1) * I2);
-      const float* bias = gt.ub.empty() ? nullptr : gt.ub[j].data();  // added as rows_range adds it
-      rows_tokens(U[j], b - j * I2, stop - j * I2, t, xi + first[j], first[j + 1] - first[j],
-                  [&](int64_t q, int64_t r, float v) { gu[(first[j] + q) * I2 + r] = bias ? v + bias[r] : v; });
-      b = stop;
-    }
-  });
-  // h = silu(gate) * up per pair, rounded where torch's ops on x's dtype round (after silu, after the product), and
-  // quantized for the down rows: pairs split over the threads
-  Tokens th;
+  Tokens th;  // h per pair, prepared for the down rows
   prepare_init(P, I, D[0].fmt, th, D[0].fmt == 'g' ? D[0].gl.act : QB);
   std::atomic<bool> ok{true};
-  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> h(I), hp(D[0].perm ? I : 0);
-    for (int64_t p = b; p < e; ++p) {
-      if (gt.gate == 1) {  // gpt-oss (bf16 only): gate = even rows, up = odd; op by op as torch rounds in bf16
-        for (int64_t i = 0; i < I; ++i) {
-          float g = bf2f(f2bf(gu[p * I2 + 2 * i])), u = bf2f(f2bf(gu[p * I2 + 2 * i + 1]));
-          g = std::min(g, gt.limit);
-          u = std::min(std::max(u, -gt.limit), gt.limit);
-          const float tg = bf2f(f2bf(g * gt.alpha));
-          const float sg = bf2f(f2bf(1.0f / (1.0f + std::exp(-tg))));
-          const float glu = bf2f(f2bf(g * sg));
-          h[i] = bf2f(f2bf(bf2f(f2bf(u + 1.0f)) * glu));
-        }
-      } else {
-        for (int64_t i = 0; i < I; ++i) {
-          float g = gu[p * I2 + i], u = gu[p * I2 + I + i];
-          if (bf) { g = bf2f(f2bf(g)); u = bf2f(f2bf(u)); }
-          const float s = g / (1.0f + std::exp(-g));
-          h[i] = bf ? bf2f(f2bf(bf2f(f2bf(s)) * u)) : s * u;
-        }
+  // expert j's gate|up rows [r0, r1) for its pairs
+  auto up_rows = [&](int64_t j, int64_t r0, int64_t r1) {
+    const float* bias = gt.ub.empty() ? nullptr : gt.ub[j].data();  // added as rows_range adds it
+    rows_tokens(U[j], r0, r1, t, xi + first[j], first[j + 1] - first[j],
+                [&](int64_t q, int64_t r, float v) { gu[(first[j] + q) * I2 + r] = bias ? v + bias[r] : v; });
+  };
+  // h = silu(gate) * up of pair p, rounded where torch's ops on x's dtype round (after silu, after the product), and
+  // prepared for the down rows (h, hp: the caller's scratch of I floats, hp for an act-order down's gather)
+  auto gate_pair = [&](int64_t p, std::vector<float>& h, std::vector<float>& hp) {
+    if (gt.gate == 1) {  // gpt-oss (bf16 only): gate = even rows, up = odd; op by op as torch rounds in bf16
+      for (int64_t i = 0; i < I; ++i) {
+        float g = bf2f(f2bf(gu[p * I2 + 2 * i])), u = bf2f(f2bf(gu[p * I2 + 2 * i + 1]));
+        g = std::min(g, gt.limit);
+        u = std::min(std::max(u, -gt.limit), gt.limit);
+        const float tg = bf2f(f2bf(g * gt.alpha));
+        const float sg = bf2f(f2bf(1.0f / (1.0f + std::exp(-tg))));
+        const float glu = bf2f(f2bf(g * sg));
+        h[i] = bf2f(f2bf(bf2f(f2bf(u + 1.0f)) * glu));
       }
-      if (const int32_t* perm = D[expert[p]].perm) {  // act-order down: h gathered as its rows read it
-        for (int64_t i = 0; i < I; ++i) { const uint32_t at = uint32_t(perm[i]); ok = ok && at < uint64_t(I); hp[i] = at < uint64_t(I) ? h[at] : 0.0f; }
-        prepare_row(hp.data(), p, D[0].fmt, th);
-      } else {
-        prepare_row(h.data(), p, D[0].fmt, th);
+    } else {
+      for (int64_t i = 0; i < I; ++i) {
+        float g = gu[p * I2 + i], u = gu[p * I2 + I + i];
+        if (bf) { g = bf2f(f2bf(g)); u = bf2f(f2bf(u)); }
+        const float s = g / (1.0f + std::exp(-g));
+        h[i] = bf ? bf2f(f2bf(bf2f(f2bf(s)) * u)) : s * u;
       }
     }
-  });
+    if (const int32_t* perm = D[expert[p]].perm) {  // act-order down: h gathered as its rows read it
+      bool in = true;
+      for (int64_t i = 0; i < I; ++i) { const uint32_t at = uint32_t(perm[i]); in &= at < uint64_t(I); hp[i] = at < uint64_t(I) ? h[at] : 0.0f; }
+      if (!in) ok = false;
+      prepare_row(hp.data(), p, D[0].fmt, th);
+    } else {
+      prepare_row(h.data(), p, D[0].fmt, th);
+    }
+  };
+  // expert j's down rows [r0, r1) for its pairs, written to the output
+  auto down_rows = [&](int64_t j, int64_t r0, int64_t r1) {
+    const float* bias = gt.db.empty() ? nullptr : gt.db[j].data();
+    rows_tokens(D[j], r0, r1, th, pi.data() + first[j], first[j + 1] - first[j], [&](int64_t q, int64_t r, float v) {
+      const int64_t o = oi[first[j] + q] * H + r;
+      if (bias) v += bias[r];
+      if (bf) reinterpret_cast<uint16_t*>(out)[o] = f2bf(v); else reinterpret_cast<float*>(out)[o] = v;
+    });
+  };
+  bool one_each = true;
+  for (int64_t j = 0; j < J; ++j) one_each &= first[j + 1] - first[j] == 1;
+  const int64_t threads = at::get_num_threads();
+  if (one_each && threads > 1 && J % threads == 0 && !at::in_parallel_region()) {
+    // a decode step's experts, one pair each, dividing evenly among the threads: whole experts per thread, no
+    // barrier between the passes (moe.cpp's whole_experts; the same rows, gates and roundings: bit-identical)
+    at::parallel_for(0, J, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> h(I), hp(D[0].perm ? I : 0);
+      for (int64_t j = b; j < e; ++j) {
+        up_rows(j, 0, I2);
+        gate_pair(first[j], h, hp);
+        down_rows(j, 0, H);
+      }
+    });
+  } else {
+    const int64_t avg = std::max<int64_t>(1, P / J);
+    at::parallel_for(0, J * I2, std::max<int64_t>(1, grain(U[0].ld) / avg), [&](int64_t b, int64_t e) {
+      while (b < e) {  // a task may span experts: split it at expert boundaries
+        const int64_t j = b / I2, stop = std::min(e, (j + 1) * I2);
+        up_rows(j, b - j * I2, stop - j * I2);
+        b = stop;
+      }
+    });
+    at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {  // the gates: pairs split over the threads
+      std::vector<float> h(I), hp(D[0].perm ? I : 0);
+      for (int64_t p = b; p < e; ++p) gate_pair(p, h, hp);
+    });
+    at::parallel_for(0, J * H, std::max<int64_t>(1, grain(D[0].ld) / avg), [&](int64_t b, int64_t e) {
+      while (b < e) {
+        const int64_t j = b / H, stop = std::min(e, (j + 1) * H);
+        down_rows(j, b - j * H, stop - j * H);
+        b = stop;
+      }
+    });
+  }
   TORCH_CHECK(ok, "act-order permutation of down: an entry outside 0..", I - 1);
-  at::parallel_for(0, J * H, std::max<int64_t>(1, grain(D[0].ld) / avg), [&](int64_t b, int64_t e) {
-    while (b < e) {
-      const int64_t j = b / H, stop = std::min(e, (j + 1) * H);
-      const float* bias = gt.db.empty() ? nullptr : gt.db[j].data();
-      rows_tokens(D[j], b - j * H, stop - j * H, th, pi.data() + first[j], first[j + 1] - first[j], [&](int64_t q, int64_t r, float v) {
-        const int64_t o = oi[first[j] + q] * H + r;
-        if (bias) v += bias[r];
-        if (bf) reinterpret_cast<uint16_t*>(out)[o] = f2bf(v); else reinterpret_cast<float*>(out)[o] = v;
-      });
-      b = stop;
-    }
-  });
 }
 
 // One token through one expert: pairs_mlp's numbers for a single pair (the same as every batched and grouped call)
