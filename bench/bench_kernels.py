@@ -188,7 +188,7 @@ def ggml_rows(ops, x, rows: list, repeats: int) -> None:
     from moe_offload.engines.offload.loading import ggml
 
     S = [NO_SCALE] * K
-    for name in ("q8_0", "q6_k", "q5_k", "q4_k", "q4_0", "gguf_mxfp4", "iq4_xs"):
+    for name in ("q8_0", "q6_k", "q5_k", "q4_k", "q4_0", "gguf_mxfp4", "iq4_xs", "q3_k", "q2_k"):
         seed = iter(range(10**6))
 
         def make(name=name):

@@ -25,7 +25,7 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
   gemv_q(x [N, K], w, w_scale, bias [R]?, split=0) -> [N, R]    bf16|fp32 x, N <= MAX_TOKENS;        moe_quant.cpp
       the format from w.dtype: int8 [R, K] + fp32 [R] | float8_e4m3fn [R, K] + fp32 block scales [RB, ceil(K/128)]
       (rows >= split read the second half's blocks) | uint8 mxfp4 blocks [R, K/2] + E8M0 scales [R, K/32]
-      | bits8 ggml blocks [R, nb, S] (q8_0, q4_0, q4_1, q5_0, q5_1, q4_z, mxfp4, q4_k, q5_k, q6_k, iq4_xs; the type
+      | bits8 ggml blocks [R, nb, S] (q8_0, q4_0, q4_1, q5_0, q5_1, q4_z, mxfp4, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs; the type
       from S; w_scale empty, or an act-order release's int32 input permutation [K]: row r . x[perm])
   expert_mlp_q(x [1, H], gate_up, gate_up_scale, down, down_scale) -> [1, H]   int8|fp8|ggml, silu(gate) * up, one
       token; intermediates rounded to x's dtype where the unfused path (gemv_q, torch silu, gemv_q) rounds

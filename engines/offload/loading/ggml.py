@@ -35,7 +35,7 @@ class Layout:
 # ggml type ids (gguf.GGMLQuantizationType): the C++ and the GGUF reader agree on these; q4_z (200) is the engine's
 # own block (q4_0 with a zero point, for AWQ releases), never read from or written to a GGUF file
 _QTYPE = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q4_z": 200, "gguf_mxfp4": 39, "q4_k": 12, "q5_k": 13,
-          "q6_k": 14, "iq4_xs": 23}
+          "q6_k": 14, "iq4_xs": 23, "q2_k": 10, "q3_k": 11}
 Q4_Z = "q4_z"
 BY_NAME = {name: Layout(name, _QTYPE[name], b, s) for name, (b, s) in GGML_BLOCKS.items()}
 LAYOUTS = {lay.bytes: lay for lay in BY_NAME.values()}  # S -> layout
@@ -148,6 +148,14 @@ def random_blocks(rows: int, cols: int, name: str, seed: int = 0, scale: float =
         f16(2, dd.astype(np.float16).astype(np.float64) * mid)
     elif name == "iq4_xs":  # scales - 32 in -32..31, table values up to 127
         f16(0, d * unit / (32 * 64))
+    elif name == "q2_k":
+        # each sub-block's min nibble equal to its scale nibble and dmin = d * 1.5: weights d * sc * (q - 1.5)
+        raw[:, :16] = (raw[:, :16] & 0x0F) * 0x11
+        dd = d * unit / (16 * 1.5)
+        f16(80, dd)
+        f16(82, dd.astype(np.float16).astype(np.float64) * 1.5)
+    elif name == "q3_k":  # scales - 32 in -32..31, values -4..3
+        f16(108, d * unit / (32 * 4))
     else:  # q6_k: int8 scales, q - 32
         f16(208, d * unit / (64 * 16))
     return torch.from_numpy(raw).reshape(rows, cols // lay.block, lay.bytes).view(DTYPE)

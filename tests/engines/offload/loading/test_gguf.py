@@ -69,7 +69,8 @@ def test_every_architecture_matches_the_dequantized_model(files, family):
 
 @pytest.mark.parametrize("qtype,down", [("q8_0", None), ("q4_0", None), ("gguf_mxfp4", None), ("q5_k", None),
                                         ("q6_k", None), ("q4_k", "q6_k"), ("q4_1", None), ("q5_0", None),
-                                        ("q5_1", None), ("iq4_xs", None), ("iq4_xs", "q4_1")])
+                                        ("q5_1", None), ("iq4_xs", None), ("iq4_xs", "q4_1"), ("q2_k", "q3_k"),
+                                        ("q3_k", None)])
 def test_every_block_type_matches_the_dequantized_model(files, qtype, down):
     path, ref = files("qwen3_moe", qtype, down)
     want = greedy(ref, PROMPT, 10)

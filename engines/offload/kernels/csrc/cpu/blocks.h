@@ -16,6 +16,11 @@
 //   q4_k  12  256  144  fp16 d, dmin, 12 B 6-bit scales/mins, qs[128]   d*sc[j] * q - dmin*m[j], j = e / 32
 //   q5_k  13  256  176  as q4_k + qh[32] (fifth bit)                    same, q in 0..31
 //   q6_k  14  256  210  ql[128], qh[64], int8 sc[16], fp16 d            d*sc[e/16] * (q - 32)
+//   q2_k  10  256   84  sc[16] (scale nibble | min nibble << 4), qs[64], fp16 d, dmin   d*sc[s] * q - dmin*m[s],
+//                       s = e / 16, q = bits 2j, 2j+1 of qs[32n + l] for e = 128n + 32j + l (2 bits)
+//   q3_k  11  256  110  hmask[32], qs[64] (as q2_k), 12 B of 6-bit scales, fp16 d   d*(sc[s] - 32) * (q - 4 * !h),
+//                       h = bit 4n + j of hmask[l]; sc[s] = nibble s of bytes 0..7 (s < 8 low, else high of s - 8) |
+//                       bits 2 (s / 4), +1 of byte 8 + s % 4 << 4
 //   iq4_xs 23 256  136  fp16 d, u16 sh, sl[4], qs[128] (per 32 as q4_0)  d*(s[j] - 32) * KV_IQ4[q], j = e / 32,
 //                       s[j] = nibble j%2 of sl[j/2] | bits 2j, 2j+1 of sh << 4 (the non-linear table of IQ4_NL)
 // (ggml-quants.c's dequantize_row_*; the gguf package's quants.py is the reference the tests compare with; for q4_z,
@@ -39,8 +44,8 @@
 
 namespace moe_blocks {
 
-enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, MXFP4 = 39,
-                  Q4_Z = 200 };
+enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+                  IQ4_XS = 23, MXFP4 = 39, Q4_Z = 200 };
 
 struct Layout {
   int type = 0;
@@ -62,6 +67,8 @@ inline bool layout_of(int64_t bytes, Layout& L) {
     case 176: L = {Q5_K, 256, 176, 256}; return true;
     case 210: L = {Q6_K, 256, 210, 256}; return true;
     case 136: L = {IQ4_XS, 256, 136, 256}; return true;
+    case 84: L = {Q2_K, 256, 84, 256}; return true;
+    case 110: L = {Q3_K, 256, 110, 256}; return true;
     default: return false;
   }
 }
@@ -102,6 +109,22 @@ inline void unpack_k4(const uint8_t* q, uint8_t* out) {
                          ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4)};  // m 4..7: high nibble of 8..11 | top of 4..7
   std::memcpy(out, r, 16);
 }
+
+// q3_k: the 16 signed 6-bit scales (sc - 32) from the 12 packed bytes, by whole-word masks (scales 4w .. 4w + 3: the
+// low or high nibbles of bytes 0..3 or 4..7, and bits 2w, 2w + 1 of bytes 8..11 as the top two)
+inline void unpack_q3(const uint8_t* p, int8_t* out) {
+  uint32_t u[3];
+  std::memcpy(u, p, 12);
+  const uint32_t low4 = 0x0f0f0f0f, top2 = 0x03030303;
+  const uint32_t r[4] = {(u[0] & low4) | ((u[2] & top2) << 4), (u[1] & low4) | (((u[2] >> 2) & top2) << 4),
+                         ((u[0] >> 4) & low4) | (((u[2] >> 4) & top2) << 4),
+                         ((u[1] >> 4) & low4) | (((u[2] >> 6) & top2) << 4)};
+  uint8_t b[16];
+  std::memcpy(b, r, 16);
+  for (int s = 0; s < 16; ++s) out[s] = int8_t(b[s] - 32);  // 0..63 -> -32..31
+}
+// q2_k / q3_k: the 2 low bits of value e = 128n + 32j + l (bits 2j, 2j+1 of qs[32n + l])
+inline int k2_bits(const uint8_t* qs, int e) { return (qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3; }
 
 // One block -> int8 values v[B] and per-16 (scale, min): weight e = sc16[e/16] * v[e] - mn16[e/16].
 inline void decode(int type, const uint8_t* b, int8_t* v, float* sc16, float* mn16) {
@@ -170,6 +193,20 @@ inline void decode(int type, const uint8_t* b, int8_t* v, float* sc16, float* mn
           }
         }
       }
+      return;
+    }
+    case Q2_K: {
+      const float d = h2f(b + 80), dmin = h2f(b + 82);
+      for (int e = 0; e < 256; ++e) v[e] = int8_t(k2_bits(b + 16, e));
+      for (int s = 0; s < 16; ++s) { sc16[s] = d * float(b[s] & 0xF); mn16[s] = dmin * float(b[s] >> 4); }
+      return;
+    }
+    case Q3_K: {
+      const float d = h2f(b + 108);
+      int8_t sc[16];
+      unpack_q3(b + 96, sc);
+      for (int e = 0; e < 256; ++e) v[e] = int8_t(k2_bits(b + 32, e) - (((b[e % 32] >> (e / 32)) & 1) ? 0 : 4));
+      for (int s = 0; s < 16; ++s) { sc16[s] = d * float(sc[s]); mn16[s] = 0.0f; }
       return;
     }
     case Q6_K: {
@@ -324,6 +361,38 @@ __attribute__((always_inline)) inline __m256i q6k_scale(__m256i sc16, int n, int
   return _mm256_shuffle_epi8(half, pick);
 }
 
+// q2_k / q3_k half n, group j (32 values 128n + 32j ..: sub-blocks 8n + 2j in the low lane, + 1 in the high lane) as
+// unsigned bytes: the 2 low bits from qs (32 bytes of half n), and for q3_k bit 4n + j of hmask (hm) as the third
+// (value + 4, 0..7)
+template <int T>
+__attribute__((always_inline)) inline __m256i k2_group(__m256i qs, __m256i hm, int n, int j) {
+  const __m256i v = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j)), _mm256_set1_epi8(3));
+  if constexpr (T == Q2_K) return v;
+  const __m256i h = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(4 * n + j)), _mm256_set1_epi8(1));
+  return _mm256_or_si256(v, _mm256_slli_epi16(h, 2));
+}
+// their 16 scales as int16 (q2_k: the low nibbles; q3_k: sc - 32) and q2_k's 16 mins
+template <int T>
+__attribute__((always_inline)) inline void k2_scales(const uint8_t* b, __m256i& sc16, __m256i& m16) {
+  if constexpr (T == Q2_K) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), m4 = _mm_set1_epi8(0x0F);
+    sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4));
+    m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+  } else {  // unpack_q3 in registers: nibbles of bytes 0..7 (low: scales 0..7, high: 8..15), the top two bits of
+            // scale 4w + i from byte 8 + i shifted by 2w
+    const uint8_t* p = b + 96;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i nib = _mm_unpacklo_epi64(_mm_and_si128(a, m4), _mm_and_si128(_mm_srli_epi16(a, 4), m4));
+    uint32_t u2;
+    std::memcpy(&u2, p + 8, 4);
+    const __m128i top = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(int(u2)), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+    const __m128i sc = _mm_sub_epi8(_mm_or_si128(nib, _mm_slli_epi16(top, 4)), _mm_set1_epi8(32));
+    sc16 = _mm256_cvtepi8_epi16(sc);
+    m16 = _mm256_setzero_si256();
+  }
+}
+
 // the cache lines of one block of `bytes` at p (software prefetch: the dots are too slow for the hardware
 // prefetcher alone to keep DRAM busy)
 template <int64_t bytes>
@@ -406,6 +475,37 @@ __attribute__((always_inline)) inline void dot_rows_t(const uint8_t* w, int64_t 
         const __m256i mprod = _mm256_madd_epi16(m16, xsum);
         acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b) * xs[i]), _mm256_cvtepi32_ps(sumi), acc[r]);
         sub[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b + 2) * xs[i]), _mm256_cvtepi32_ps(mprod), sub[r]);
+      }
+    }
+  } else if constexpr (T == Q2_K || T == Q3_K) {
+    // per 16 values one scale, applied in integers (madd) as q6_k's; q2_k's mins against the sums of x per 16, q3_k's
+    // offset of 4 likewise (its values read as value + 4, 0..7)
+    constexpr int64_t bytes = T == Q2_K ? 84 : 110;
+    for (int64_t i = 0; i < nb; ++i) {
+      const int8_t* x = xq + 256 * i;
+      const __m256i xsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16 + 16 * i));
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* b = w + r * ld + i * bytes;
+        prefetch_block<bytes>(b + PF * ld);
+        const __m256i hm = T == Q3_K ? load32(b) : _mm256_setzero_si256();
+        __m256i sc16, m16, sumi = _mm256_setzero_si256();
+        k2_scales<T>(b, sc16, m16);
+        for (int n = 0; n < 2; ++n) {
+          const __m256i qs = load32(b + (T == Q2_K ? 16 : 32) + 32 * n);
+          for (int j = 0; j < 4; ++j)
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_maddubs_epi16(k2_group<T>(qs, hm, n, j),
+                                                                                 load32(x + 128 * n + 32 * j)),
+                                                            q6k_scale(sc16, n, j)));
+        }
+        if constexpr (T == Q2_K) {
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b + 80) * xs[i]), _mm256_cvtepi32_ps(sumi), acc[r]);
+          sub[r] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b + 82) * xs[i]), _mm256_cvtepi32_ps(_mm256_madd_epi16(m16, xsum)),
+                                   sub[r]);
+        } else {
+          const __m256 d = _mm256_set1_ps(h2f(b + 108) * xs[i]);
+          acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi), acc[r]);
+          sub[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_slli_epi32(_mm256_madd_epi16(sc16, xsum), 2)), sub[r]);
+        }
       }
     }
   } else {  // Q6_K: q as unsigned 0..63 (the offset of 32 comes back through the sums of x), int8 scales per 16 by madd
@@ -504,6 +604,35 @@ __attribute__((always_inline)) inline void dot_tokens_t(const uint8_t* w, int64_
         sub[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * xs[t][i]), _mm256_cvtepi32_ps(mprod), sub[t]);
       }
     }
+  } else if constexpr (T == Q2_K || T == Q3_K) {
+    constexpr int64_t bytes = T == Q2_K ? 84 : 110;
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* b = w + i * bytes;
+      const __m256i hm = T == Q3_K ? load32(b) : _mm256_setzero_si256();
+      __m256i sc16, m16, sumi[NT];
+      k2_scales<T>(b, sc16, m16);
+      for (int t = 0; t < NT; ++t) sumi[t] = _mm256_setzero_si256();
+      for (int n = 0; n < 2; ++n) {
+        const __m256i qs = load32(b + (T == Q2_K ? 16 : 32) + 32 * n);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i g = k2_group<T>(qs, hm, n, j), sj = q6k_scale(sc16, n, j);
+          for (int t = 0; t < NT; ++t)
+            sumi[t] = _mm256_add_epi32(sumi[t], _mm256_madd_epi16(_mm256_maddubs_epi16(g, load32(xq[t] + 256 * i + 128 * n + 32 * j)), sj));
+        }
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m256i xsum = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs16[t] + 16 * i));
+        if constexpr (T == Q2_K) {
+          acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b + 80) * xs[t][i]), _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+          sub[t] = _mm256_fmadd_ps(_mm256_set1_ps(h2f(b + 82) * xs[t][i]), _mm256_cvtepi32_ps(_mm256_madd_epi16(m16, xsum)),
+                                   sub[t]);
+        } else {
+          const __m256 d = _mm256_set1_ps(h2f(b + 108) * xs[t][i]);
+          acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sumi[t]), acc[t]);
+          sub[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_slli_epi32(_mm256_madd_epi16(sc16, xsum), 2)), sub[t]);
+        }
+      }
+    }
   } else {  // Q6_K
     for (int64_t i = 0; i < nb; ++i) {
       const uint8_t* b = w + i * 210;
@@ -572,6 +701,8 @@ inline void dot_rows(const Layout& L, const uint8_t* w, int64_t ld, int64_t nb, 
     case Q4_K: dot_rows_n<Q4_K>(w, ld, nb, xq, xs, bs16, n, out); return;
     case Q5_K: dot_rows_n<Q5_K>(w, ld, nb, xq, xs, bs16, n, out); return;
     case Q6_K: dot_rows_n<Q6_K>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case Q2_K: dot_rows_n<Q2_K>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case Q3_K: dot_rows_n<Q3_K>(w, ld, nb, xq, xs, bs16, n, out); return;
   }
 #else
   int8_t v[256];
@@ -609,6 +740,8 @@ inline void dot_tokens(const Layout& L, const uint8_t* w, int64_t nb, const int8
     case Q4_K: dot_tokens_n<Q4_K>(w, nb, xq, xs, bs16, n, out); return;
     case Q5_K: dot_tokens_n<Q5_K>(w, nb, xq, xs, bs16, n, out); return;
     case Q6_K: dot_tokens_n<Q6_K>(w, nb, xq, xs, bs16, n, out); return;
+    case Q2_K: dot_tokens_n<Q2_K>(w, nb, xq, xs, bs16, n, out); return;
+    case Q3_K: dot_tokens_n<Q3_K>(w, nb, xq, xs, bs16, n, out); return;
   }
 #else
   for (int t = 0; t < n; ++t) dot_rows(L, w, 0, nb, xq[t], xs[t], bs16[t], 1, out + t);

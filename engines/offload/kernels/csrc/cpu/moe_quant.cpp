@@ -141,7 +141,8 @@ Weight weight_of(const at::Tensor& w, const at::Tensor& s, int64_t split, const 
   } else if (st == at::kBits8) {
     TORCH_CHECK(w.dim() == 3 && moe_blocks::layout_of(w.size(2), W.gl) && w.stride(2) == 1 && w.stride(1) == w.size(2), what,
                 ": expected ggml blocks [R, nb, S] with S the bytes of a q8_0, q4_0, q4_1, q5_0, q5_1, q4_z, mxfp4, q4_k, "
-                "q5_k, q6_k or iq4_xs block (34, 18, 20, 22, 24, 19, 17, 144, 176, 210, 136), rows of contiguous blocks, got ",
+                "q5_k, q6_k, iq4_xs, q2_k or q3_k block (34, 18, 20, 22, 24, 19, 17, 144, 176, 210, 136, 84, 110), rows of "
+                "contiguous blocks, got ",
                 w.sizes(), " strides ", w.strides());
     W.fmt = 'g'; W.k = w.size(1) * W.gl.block;
     if (s.numel() > 0) {  // an act-order 4-bit release's input permutation (loading/int4.py)
@@ -445,7 +446,7 @@ void moe_experts_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s,
 at::Tensor dequant_blocks(const at::Tensor& w) {
   moe_blocks::Layout L;
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBits8 && w.dim() >= 2 && moe_blocks::layout_of(w.size(-1), L),
-              "dequant_blocks: expected ggml blocks [.., nb, S] (bits8, S = 34, 18, 20, 22, 24, 19, 17, 144, 176, 210 or 136 "
+              "dequant_blocks: expected ggml blocks [.., nb, S] (bits8, S = 34, 18, 20, 22, 24, 19, 17, 144, 176, 210, 136, 84 or 110 "
               "bytes) on the CPU, got ", w.scalar_type(), " ", w.sizes(), " on ", w.device());
   at::Tensor wc = w.contiguous();
   std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 1);
