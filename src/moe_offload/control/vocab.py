@@ -24,8 +24,8 @@ DTYPE_BYTES = {
 # releases with a zero point per group (AWQ). The bytes per block tell the types apart (the kernels read the type from
 # them), which is why IQ4_NL (18 bytes, as q4_0) is not among them.
 GGML_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
-               "q4_z": (32, 19), "gguf_mxfp4": (32, 17), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
-               "iq4_xs": (256, 136), "q2_k": (256, 84), "q3_k": (256, 110)}
+               "q4_z": (32, 19), "gguf_mxfp4": (32, 17), "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144),
+               "q5_k": (256, 176), "q6_k": (256, 210), "iq4_xs": (256, 136)}
 QUANTIZED_FORMATS = ("int8", "fp8", "mxfp4", *GGML_BLOCKS)
 FP8_BLOCK = 128
 MX_BLOCK = 32

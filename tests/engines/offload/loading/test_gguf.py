@@ -220,26 +220,26 @@ def test_bad_files_fail_at_load_with_one_line(files, tmp_path):
 
 
 def test_unsupported_expert_type_names_it(tmp_path, monkeypatch):
-    # a q2_k expert tensor: the loader names the type and the ones it computes
+    # an iq2_xxs expert tensor: the loader names the type and the ones it computes
     import gguf_helpers
 
     from moe_offload.engines.offload.loading import ggml
 
     real = gguf_helpers._blocks
 
-    def q2k(R, K, qtype, seed):  # 84-byte q2_k blocks, written raw
-        return torch.zeros(R, K // 256, 84, dtype=torch.uint8).view(torch.bits8)
+    def iq2xxs(R, K, qtype, seed):  # 66-byte iq2_xxs blocks (a type the engine does not compute), written raw
+        return torch.zeros(R, K // 256, 66, dtype=torch.uint8).view(torch.bits8)
 
-    monkeypatch.setattr(gguf_helpers, "_blocks", q2k)
+    monkeypatch.setattr(gguf_helpers, "_blocks", iq2xxs)
     real_deq, real_layout = ggml.reference_dequantize, ggml.layout_of
     monkeypatch.setattr(ggml, "reference_dequantize",
-                        lambda t: torch.zeros(*t.shape[:-2], t.shape[-2] * 256) if t.shape[-1] == 84 else real_deq(t))
-    monkeypatch.setattr(ggml, "layout_of", lambda t: type("L", (), {"qtype": 10})() if t.shape[-1] == 84 else real_layout(t))
+                        lambda t: torch.zeros(*t.shape[:-2], t.shape[-2] * 256) if t.shape[-1] == 66 else real_deq(t))
+    monkeypatch.setattr(ggml, "layout_of", lambda t: type("L", (), {"qtype": 16})() if t.shape[-1] == 66 else real_layout(t))
     path, _ = gguf_helpers.write("qwen3_moe", tmp_path, "q4_k")
     monkeypatch.undo()
     assert gguf_helpers._blocks is real
-    with pytest.raises(ModelError, match=r"ffn_gate_exps.weight is Q2_K; the engine computes Q8_0, Q4_0, Q4_1, Q5_0, "
-                                         r"Q5_1, GGUF_MXFP4, Q4_K, Q5_K, Q6_K, IQ4_XS experts"):
+    with pytest.raises(ModelError, match=r"ffn_gate_exps.weight is IQ2_XXS; the engine computes Q8_0, Q4_0, Q4_1, Q5_0, "
+                                         r"Q5_1, GGUF_MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS experts"):
         load_model(str(path), None)
 
 
