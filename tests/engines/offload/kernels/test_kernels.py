@@ -57,7 +57,10 @@ def test_gemv_matches_fp32_reference(ops, N, H, bias):
         torch.testing.assert_close(y.float().reshape(N), ref, rtol=8e-3, atol=1e-2)
 
 
-@pytest.mark.parametrize("M,N,H", [(2, 7, 33), (3, 64, 1024), (16, 1000, 77), (5, 31, 32), (40, 9, 4097)])
+# (16, 300, 1030), (7, 40, 2056), (40, 9, 4097): more tokens than one tile, with a scalar, an 8-wide and a 1-element
+# tail after the 32-wide steps
+@pytest.mark.parametrize("M,N,H", [(2, 7, 33), (3, 64, 1024), (16, 1000, 77), (5, 31, 32), (40, 9, 4097), (16, 300, 1030),
+                                   (7, 40, 2056)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_matches_fp32_reference_and_each_row_is_the_gemv_alone(ops, M, N, H, bias):
     """A token's row must not depend on the other tokens in the call: batched decode relies on it."""
@@ -82,7 +85,7 @@ def test_expert_forward_batches_a_few_bf16_tokens_through_gemm(ops):
         assert torch.equal(y[t], dispatch.expert_forward(module, x[t : t + 1], up, down)[0])
 
 
-@pytest.mark.parametrize("T,K,E,H,I", [(1, 2, 4, 48, 24), (5, 2, 4, 33, 17), (16, 8, 64, 128, 64)])
+@pytest.mark.parametrize("T,K,E,H,I", [(1, 2, 4, 48, 24), (5, 2, 4, 33, 17), (16, 8, 64, 128, 64), (16, 1, 1, 1040, 600)])
 def test_moe_experts_rows_equal_each_token_through_its_expert_alone(ops, T, K, E, H, I):
     """One call per layer: pair (t, k) lands in out[t * K + k] and equals expert_mlp_bf16 of token t alone."""
     ups = [_w(2 * I, H, seed=10 + e) for e in range(E)]
