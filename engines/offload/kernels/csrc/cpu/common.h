@@ -61,6 +61,13 @@ inline at::Tensor one_token(const at::Tensor& x, int64_t h, const char* what) {
   return x.contiguous();
 }
 
+// A decode step's experts run whole per thread (moe.cpp whole_experts, moe_quant.cpp pairs_mlp) when each has one
+// token and they divide evenly among more than one thread, outside a parallel region.
+inline bool whole_experts_ok(int64_t J, bool one_each) {
+  const int64_t t = at::get_num_threads();
+  return one_each && t > 1 && J % t == 0 && !at::in_parallel_region();
+}
+
 // out[i] = bf16(dot(w[i], x) + bias[i]) for rows [begin, end).
 inline void gemv_range(const uint16_t* w, int64_t ld, const uint16_t* x, int64_t n, const uint16_t* bias,
                        int64_t begin, int64_t end, uint16_t* out) {

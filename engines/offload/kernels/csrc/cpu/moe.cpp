@@ -58,12 +58,7 @@ inline void swiglu_rows(const uint16_t* gu, uint16_t* h, int64_t rows, int64_t I
 // over the threads, with no barrier between the two passes, so the memory stream does not wait for the slower
 // thread's last gate|up rows and the gate before the down rows start (1.5-3 % more GB/s for a decode step's experts,
 // paired runs on a 2-core VM). The same row sums and roundings as the two-pass loops (gemv_range, the gates' element
-// functions): results bit-identical. For experts that divide evenly among >1 threads, outside a parallel region.
-inline bool whole_experts_ok(int64_t J, bool one_each) {
-  const int64_t t = at::get_num_threads();
-  return one_each && t > 1 && J % t == 0 && !at::in_parallel_region();
-}
-
+// functions): results bit-identical. When: common.h's whole_experts_ok.
 // x_of(j): expert j's token (bf16 [H]); out_of(j): its output row (bf16 [H])
 template <typename XOf, typename OutOf>
 void whole_experts(int64_t J, int64_t H, int64_t I, XOf x_of, const std::vector<const uint16_t*>& up,

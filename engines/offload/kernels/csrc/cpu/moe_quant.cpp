@@ -69,19 +69,27 @@ void prepare_row(const float* v, int64_t i, char fmt, Tokens& t) {
     for (int64_t j = 0; j < kp; ++j) t.bs16[(i * kp + j) / 16] = int16_t(t.bs16[(i * kp + j) / 16] + t.q[i * kp + j]);
 }
 
+// row[j] = f(src[perm[j]]) for j < k; false if an entry is outside 0..k-1 (that row then partly zero)
+template <typename S, typename F>
+bool permuted(const S* src, const int32_t* perm, int64_t k, float* row, F f) {
+  bool ok = true;
+  for (int64_t j = 0; j < k; ++j) {
+    const uint32_t at = uint32_t(perm[j]);
+    ok &= at < uint64_t(k);
+    row[j] = at < uint64_t(k) ? f(src[at]) : 0.0f;
+  }
+  return ok;
+}
+
 bool gather_row(const at::Tensor& x, int64_t i, int64_t k, const int32_t* perm, float* row) {
   if (x.scalar_type() == at::kBFloat16) {
     const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr()) + i * k;
     if (!perm) { for (int64_t j = 0; j < k; ++j) row[j] = bf2f(p[j]); return true; }
-    bool ok = true;
-    for (int64_t j = 0; j < k; ++j) { const uint32_t at = uint32_t(perm[j]); ok &= at < uint64_t(k); row[j] = ok ? bf2f(p[at]) : 0.0f; }
-    return ok;
+    return permuted(p, perm, k, row, [](uint16_t v) { return bf2f(v); });
   }
   const float* p = x.data_ptr<float>() + i * k;
   if (!perm) { std::memcpy(row, p, k * sizeof(float)); return true; }
-  bool ok = true;
-  for (int64_t j = 0; j < k; ++j) { const uint32_t at = uint32_t(perm[j]); ok &= at < uint64_t(k); row[j] = ok ? p[at] : 0.0f; }
-  return ok;
+  return permuted(p, perm, k, row, [](float v) { return v; });
 }
 
 void prepare(const at::Tensor& x, int64_t n, int64_t k, char fmt, Tokens& t, int64_t qb) {
@@ -310,9 +318,7 @@ void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const
       }
     }
     if (const int32_t* perm = D[expert[p]].perm) {  // act-order down: h gathered as its rows read it
-      bool in = true;
-      for (int64_t i = 0; i < I; ++i) { const uint32_t at = uint32_t(perm[i]); in &= at < uint64_t(I); hp[i] = at < uint64_t(I) ? h[at] : 0.0f; }
-      if (!in) ok = false;
+      if (!permuted(h.data(), perm, I, hp.data(), [](float v) { return v; })) ok = false;
       prepare_row(hp.data(), p, D[0].fmt, th);
     } else {
       prepare_row(h.data(), p, D[0].fmt, th);
@@ -329,8 +335,7 @@ void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const
   };
   bool one_each = true;
   for (int64_t j = 0; j < J; ++j) one_each &= first[j + 1] - first[j] == 1;
-  const int64_t threads = at::get_num_threads();
-  if (one_each && threads > 1 && J % threads == 0 && !at::in_parallel_region()) {
+  if (moe_cpu::whole_experts_ok(J, one_each)) {
     // a decode step's experts, one pair each, dividing evenly among the threads: whole experts per thread, no
     // barrier between the passes (moe.cpp's whole_experts; the same rows, gates and roundings: bit-identical)
     at::parallel_for(0, J, 1, [&](int64_t b, int64_t e) {
