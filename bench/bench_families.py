@@ -7,11 +7,12 @@ of it each engine streams.
 
     family --config class (FAMILIES below: 12 layers, hidden 1024, ~2 GB of experts)--> random bf16 checkpoint
       --convert_hf_to_gguf.py (bench_llamacpp.to_gguf)--> GGUF bf16
-    rounds x [per family: llama-bench -p 0 -n T -d C | engine generate T tokens after C, static, fraction 1]
+    rounds x [per family: engine built; pairs x (llama-bench -p 0 -n T -d C | engine generate T tokens after C,
+              static, fraction 1; the order alternating)]
       --> table: ms/token medians, ratio, bytes/token, GB/s streamed, share of the measured bandwidth
 
-Ratio per round: each round's pair (run back to back) as a ratio, the median over rounds: less moved by the
-machine's drift than the ratio of the medians. Share = (bytes one token must read / ms per token) / measured read bandwidth: a faster machine cannot hide a
+Ratio per pair: each pair (run back to back) as a ratio, the median over all pairs of all rounds: less moved by the
+machine's drift than the ratio of the medians (this 2-core VM's speed moved by 1.5x within minutes). Share = (bytes one token must read / ms per token) / measured read bandwidth: a faster machine cannot hide a
 slower kernel behind it. Engine start: build_offload_engine's seconds (load, expert store, kernels), the first
 round's (an expert store written) and the later rounds' median (cached). Both sides run 2 threads. Not part of CI.
 """
@@ -100,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per measurement (default 64)")
     ap.add_argument("--context", type=int, default=128, help="tokens in the KV cache before decoding (default 128)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="back-to-back pairs (llama.cpp, this engine; alternating order) per family and round, one "
+                    "engine build (default 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=Path, default=CACHE, help="llama.cpp build and GGUF cache")
     ap.add_argument("--build-only", action="store_true", help="build the checkpoints and their GGUFs, then stop")
@@ -131,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[tuple[str, str], list[float]] = {}
     t_start: dict[str, list[float]] = {}  # engine build seconds per round: the first writes the expert store
 
-    def engine_ms(f: str, **options) -> float:
-        """Mean ms/token of an engine built for this measurement and closed after it (so is the int8 one: holding
-        every family's int8 engine at once, ~12 GB, pushed llama-bench's mapped weights out of the page cache)."""
+    def paired(f: str, key: str, gguf, **options) -> None:
+        """One family's measurements of a round: an engine built for them and closed after (so is the int8 one:
+        holding every family's int8 engine at once, ~12 GB, pushed llama-bench's mapped weights out of the page
+        cache), then ``--pairs`` back-to-back pairs, llama-bench and the engine's mean ms/token, in alternating order
+        (ABBA...) so that a drift within the round moves both sides alike."""
         t0 = time.perf_counter()
         e = build_offload_engine(paths[f], policy="static", fraction=1.0, dtype="bfloat16", **options)
         if not options:
@@ -141,22 +147,25 @@ def main(argv: list[str] | None = None) -> int:
         try:
             prompt = prompt_ids(a.context, ModelSpec.from_hf_config(paths[f]).vocab_size)
             engine_decode(e, prompt, 2)  # warm-up, as llama-bench does
-            return statistics.fmean(engine_decode(e, prompt, a.tokens))
+            for p in range(a.pairs):
+                sides = [("llama", lambda: _llama_ms(gguf, a, tools)),
+                         ("ours", lambda: statistics.fmean(engine_decode(e, prompt, a.tokens)))]
+                got = {name: run() for name, run in (sides if p % 2 == 0 else sides[::-1])}
+                runs.setdefault((f, key), []).append(got["llama"])
+                runs.setdefault((f, "ours " + key), []).append(got["ours"])
         finally:
             e.close()
             gc.collect()
 
     for r in range(a.rounds):
         for f in fams:
-            runs.setdefault((f, "llama.cpp"), []).append(_llama_ms(ggufs[f], a, tools))
-            runs.setdefault((f, "moe-offload"), []).append(engine_ms(f))
-            log(f"round {r + 1}/{a.rounds} {f}: llama.cpp {runs[(f, 'llama.cpp')][-1]:.1f}, "
-                f"moe-offload {runs[(f, 'moe-offload')][-1]:.1f} ms/token")
+            paired(f, "bf16", ggufs[f])
+            log(f"round {r + 1}/{a.rounds} {f}: llama.cpp {fmt_ms(runs[(f, 'bf16')][-a.pairs:])}, "
+                f"moe-offload {fmt_ms(runs[(f, 'ours bf16')][-a.pairs:])} ms/token")
             if f in int8:
-                runs.setdefault((f, "q8_0"), []).append(_llama_ms(q8[f], a, tools))
-                runs.setdefault((f, "int8"), []).append(engine_ms(f, expert_dtype="int8", dense_dtype="int8"))
-                log(f"round {r + 1}/{a.rounds} {f}: llama.cpp q8_0 {runs[(f, 'q8_0')][-1]:.1f}, "
-                    f"moe-offload int8 {runs[(f, 'int8')][-1]:.1f} ms/token")
+                paired(f, "q8_0", q8[f], expert_dtype="int8", dense_dtype="int8")
+                log(f"round {r + 1}/{a.rounds} {f}: llama.cpp q8_0 {fmt_ms(runs[(f, 'q8_0')][-a.pairs:])}, "
+                    f"moe-offload int8 {fmt_ms(runs[(f, 'ours q8_0')][-a.pairs:])} ms/token")
         bw.append(read_bandwidth() / 1e9)
     gbs = statistics.median(bw)
     from moe_offload.engines.offload.kernels import jit
@@ -165,31 +174,35 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{cpu_name()}: llama.cpp's {a.isa} build, this engine's {jit.info().get('variant') or 'no'} kernels")
     print(f"measured read bandwidth: {gbs:.1f} GB/s (median of {len(bw)}: "
           f"{', '.join(f'{b:.1f}' for b in bw)}); {a.tokens} tokens after {a.context}, {a.threads} threads, "
-          f"{a.rounds} rounds, medians\n")
-    print("| family | llama.cpp bf16 ms/token | moe-offload ms/token | ratio | ratio per round (median) | MB/token | "
+          f"{a.rounds} rounds of {a.pairs} back-to-back pairs, medians\n")
+    print("| family | llama.cpp bf16 ms/token | moe-offload ms/token | ratio | ratio per pair (median) | MB/token | "
           "llama.cpp share | moe-offload share | engine start s (first, cached) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for f in fams:
-        lc, mo = statistics.median(runs[(f, "llama.cpp")]), statistics.median(runs[(f, "moe-offload")])
+        lc, mo = statistics.median(runs[(f, "bf16")]), statistics.median(runs[(f, "ours bf16")])
         b = bound_bytes(paths[f])
         share = lambda ms: b / (ms / 1000) / 1e9 / gbs  # noqa: E731
         first, cached = t_start[f][0], statistics.median(t_start[f][1:] or t_start[f])
-        per_round = statistics.median(m / c for m, c in zip(runs[(f, "moe-offload")], runs[(f, "llama.cpp")]))
+        per_round = statistics.median(m / c for m, c in zip(runs[(f, "ours bf16")], runs[(f, "bf16")]))
         print(f"| {f} | {lc:.1f} | {mo:.1f} | {mo / lc:.2f}x | {per_round:.2f}x | {b / 1e6:.0f} | {share(lc):.0%} | "
               f"{share(mo):.0%} | {first:.1f}, {cached:.1f} |")
     if int8:
         print("\nint8 experts + int8 dense linears and LM head (--expert-dtype int8 --dense-dtype int8) "
               "against llama.cpp q8_0 (every weight 8-bit), same rounds\n")
-        print("| family | llama.cpp q8_0 ms/token | moe-offload int8 ms/token | ratio | ratio per round (median) |")
+        print("| family | llama.cpp q8_0 ms/token | moe-offload int8 ms/token | ratio | ratio per pair (median) |")
         print("|---|---|---|---|---|")
         for f in int8:
-            lc, mo = statistics.median(runs[(f, "q8_0")]), statistics.median(runs[(f, "int8")])
-            per_round = statistics.median(m / c for m, c in zip(runs[(f, "int8")], runs[(f, "q8_0")]))
+            lc, mo = statistics.median(runs[(f, "q8_0")]), statistics.median(runs[(f, "ours q8_0")])
+            per_round = statistics.median(m / c for m, c in zip(runs[(f, "ours q8_0")], runs[(f, "q8_0")]))
             print(f"| {f} | {lc:.1f} | {mo:.1f} | {mo / lc:.2f}x | {per_round:.2f}x |")
     streams = [int(n) for n in a.streams.split(",") if n.strip()]
     if streams:
         batched_table(fams, paths, ggufs, streams, a, tools)
     return 0
+
+
+def fmt_ms(xs: list[float]) -> str:
+    return " / ".join(f"{x:.1f}" for x in xs)
 
 
 def _llama_ms(gguf, a, tools) -> float:

@@ -3,7 +3,7 @@
     MOE_OFFLOAD_KERNELS (kernels/jit.py), MOE_OFFLOAD_FAST_DECODE (runtime/fastpath.py, mla_plan.py),
     MOE_OFFLOAD_DECODE_STEP (runtime/decode_step.py),
     MOE_OFFLOAD_MLA_ABSORB (runtime/mla.py), MOE_OFFLOAD_FUSED_ROUTER (runtime/moe_blocks.py),
-    MOE_OFFLOAD_DELTANET (runtime/deltanet.py)
+    MOE_OFFLOAD_DELTANET (runtime/deltanet.py), MOE_OFFLOAD_HUGEPAGES (loading/hugepages.py)
 """
 
 from __future__ import annotations

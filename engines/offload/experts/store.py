@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_offload.engines.offload.loading import quant
+from moe_offload.engines.offload.loading import hugepages, quant
 
 # Names of an experts module's routed tensors, in the order the kernel takes them.
 WEIGHT_NAMES = ("up", "down", "up_bias", "down_bias", "up_scale", "down_scale")
@@ -151,8 +151,10 @@ def take_from_module(module: torch.nn.Module, pin: bool, stored: tuple | None = 
     store, rows = finalize(store, module, pin, was_float, convert_to)
     if rows:
         module.is_transposed = False
-    if pin:  # one layer at a time: peak extra host memory is one layer's experts
-        store = LayerStore(tuple(t.pin_memory() if t is not None else None for t in store.tensors), store.compute_dtype)
+    # one layer at a time: peak extra host memory is one layer's experts. Pinned for CUDA's DMA; else in huge pages
+    # for the CPU kernels (no copy where the loader read them into huge-page memory already)
+    move = (lambda t: t.pin_memory()) if pin else hugepages.rehome
+    store = LayerStore(tuple(move(t) if t is not None else None for t in store.tensors), store.compute_dtype)
     for name, t in zip(module_tensor_names(module), store.tensors):
         if name is not None:
             object.__setattr__(module, name, t)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from moe_offload.engines.offload.experts.diskstore import pread_into
+from moe_offload.engines.offload.loading import hugepages
 from moe_offload.errors import ModelError
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -94,14 +95,14 @@ def read_float_layer(offsets: Offsets, src, module, num_experts: int, dtype: tor
     for proj in (src.up, src.down):
         if proj.fused is not None:
             shape = offsets.shape(proj.fused)
-            t = torch.empty(shape, dtype=dtype)
+            t = hugepages.empty(shape, dtype)
             jobs.append((proj.fused, t))
             out.append(t)
             continue
         parts = [proj.parts[0][i] for i in range(proj.nparts)]
         rows = [offsets.shape(k)[0] for k in parts]
         cols = offsets.shape(parts[0])[1]
-        t = torch.empty((num_experts, sum(rows), cols), dtype=dtype)
+        t = hugepages.empty((num_experts, sum(rows), cols), dtype)
         for e in range(num_experts):
             r0 = 0
             for i in range(proj.nparts):

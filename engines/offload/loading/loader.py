@@ -28,7 +28,7 @@ from moe_offload.engines.offload.experts.prefetch import Prefetcher
 from moe_offload.engines.offload.experts.slots import SlotCache
 from moe_offload.engines.offload.experts.store import take_from_module
 from moe_offload.engines.offload.kernels import dispatch
-from moe_offload.engines.offload.loading import architecture, checkpoint, quant
+from moe_offload.engines.offload.loading import architecture, checkpoint, hugepages, quant
 from moe_offload.engines.offload.loading.inspection import (
     DTYPES,
     ExpertsInfo,
@@ -201,10 +201,12 @@ def load_model(
             raise ConfigError(f"dense_dtype int8: needs bf16 compute on the cpu, got {model.dtype} on {dev} "
                               "(give --dtype bfloat16, or leave the dense weights as they are)")
         quant.quantize_dense(model)
+    if dev.type == "cpu":  # the dense weights (attention, LM head, ...) in huge pages as well, before any kernel
+        hugepages.rehome_module(model)  # path captures them (the engine's decode step, built after this)
     from moe_offload.log import get_logger
 
     get_logger("moe_offload.loader").info("experts_loaded", checkpoint=str(root), checkpoint_format=method or ("gguf" if gguf_file else "float"),
-                                          **expert_summary(executor))
+                                          huge_page_bytes=hugepages.huge_bytes(), **expert_summary(executor))
     return OffloadedModel(model, model.config, executor, placement, dev, policy)
 
 

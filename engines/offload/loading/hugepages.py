@@ -1,0 +1,121 @@
+"""Host weights in transparent huge pages (2 MiB), for the CPU kernels that stream them.
+
+A decode step reads every weight it uses once, front to back: on 4 KiB pages that is a TLB miss and a page walk per
+4 KiB, and the hardware prefetchers stop at each page's end. With the weights in 2 MiB pages the same kernels
+streamed 5-8 % more GB/s (docs/benchmarks.md, "Weights in huge pages"); llama.cpp's mmapped GGUF gets the same from
+the page cache's large folios.
+
+Linux hands out huge pages to anonymous memory only where THP is "always", or "madvise" and the range was advised
+(MADV_HUGEPAGE), and only at the first touch of a page (later, khugepaged collapses a few MiB every 10 s). So:
+
+    empty(shape, dtype)   a tensor whose 2 MiB-aligned pages are advised before anything touches them (the loaders
+                          read experts straight into it: no copy)
+    rehome(t)             a tensor allocated elsewhere (transformers' modules, quantized at load) copied into one
+                          of those; t itself when it is small, not a plain host tensor, or already in one
+    rehome_module(m)      every parameter and buffer of m rehomed in place (tied weights stay tied)
+
+Elsewhere (not Linux, THP "never", MOE_OFFLOAD_HUGEPAGES=0) every call is a plain allocation / the tensor itself.
+The cost is start-up time where the kernel must compact memory to find free 2 MiB pages (0.2-1.4 s per GiB measured
+on a host whose page cache held the checkpoints).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+
+import torch
+
+from moe_offload.engines.offload import switches
+
+PAGE = 1 << 21
+MIN_BYTES = 4 << 20  # smaller tensors hold at most one huge page: not worth a copy
+MADV_HUGEPAGE = 14
+_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+_advised: set[int] = set()  # storages empty() made: rehome leaves them where they are
+
+
+@functools.cache
+def _madvise():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc.madvise
+
+
+@functools.cache
+def _thp_mode() -> str:
+    try:
+        with open(_THP) as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+def available() -> bool:
+    """Huge pages can back host weights here: Linux, THP "always" or "madvise", MOE_OFFLOAD_HUGEPAGES not off."""
+    return sys.platform.startswith("linux") and switches.on("MOE_OFFLOAD_HUGEPAGES") and _thp_mode() in ("always", "madvise")
+
+
+def empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty(shape, dtype=dtype) on the host, its memory advised for huge pages before its first touch (a
+    plain torch.empty where huge pages are not available or the tensor is small)."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if nbytes < MIN_BYTES or not available():
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)  # malloc maps it untouched: no page committed yet
+    start = (-raw.data_ptr()) % PAGE
+    if _madvise()(raw.data_ptr() + start, nbytes // PAGE * PAGE, MADV_HUGEPAGE) != 0:
+        return torch.empty(shape, dtype=dtype)  # an old kernel or a refused range: 4 KiB pages, as before
+    _advised.add(raw.untyped_storage().data_ptr())
+    return raw[start: start + nbytes].view(dtype).view(shape)
+
+
+def advised(t: torch.Tensor) -> bool:
+    """t lives in memory empty() advised."""
+    return t.untyped_storage().data_ptr() in _advised
+
+
+def rehome(t: torch.Tensor) -> torch.Tensor:
+    """t, copied into huge-page memory (empty) when it is a contiguous host tensor of MIN_BYTES or more outside it;
+    else t itself."""
+    if (t.device.type != "cpu" or not t.is_contiguous() or t.numel() * t.element_size() < MIN_BYTES or t.is_pinned()
+            or advised(t) or not available()):
+        return t
+    new = empty(t.shape, t.dtype)
+    if not advised(new):
+        return t
+    return new.copy_(t)
+
+
+def rehome_module(module: torch.nn.Module) -> int:
+    """Every parameter and buffer of ``module`` rehomed in place (``.data`` swapped, so every holder of the
+    parameter sees the new memory; tensors sharing one storage, as tied embeddings, share the new one). Returns
+    the bytes moved."""
+    moved: dict[int, torch.Tensor] = {}
+    total = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        key = t.data_ptr()
+        if key in moved:
+            if moved[key].shape == t.shape and moved[key].dtype == t.dtype:
+                t.data = moved[key]
+            continue
+        new = rehome(t.data)
+        if new is not t.data:
+            total += new.numel() * new.element_size()
+            t.data = new
+        moved[key] = new
+    return total
+
+
+def huge_bytes() -> int:
+    """Bytes of this process's anonymous memory in huge pages now (/proc/self/smaps_rollup), 0 where unknown."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
