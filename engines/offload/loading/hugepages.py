@@ -1,12 +1,12 @@
 """Host weights in transparent huge pages (2 MiB), for the CPU kernels that stream them.
 
 A decode step reads every weight it uses once, front to back: on 4 KiB pages that is a TLB miss and a page walk per
-4 KiB, and the hardware prefetchers stop at each page's end. With the weights in 2 MiB pages the same kernels
-streamed 5-8 % more GB/s (docs/benchmarks.md, "Weights in huge pages"); llama.cpp's mmapped GGUF gets the same from
-the page cache's large folios.
+4 KiB. With the weights in 2 MiB pages a decode step took 2-7 % less time in paired runs (docs/benchmarks.md,
+"Weights in huge pages"); llama.cpp's mmapped GGUF gets the same from the page cache's large folios.
 
 Linux hands out huge pages to anonymous memory only where THP is "always", or "madvise" and the range was advised
-(MADV_HUGEPAGE), and only at the first touch of a page (later, khugepaged collapses a few MiB every 10 s). So:
+(MADV_HUGEPAGE), and only at the first touch of a page (later, khugepaged collapses a few MiB every 10 s). So the
+memory is a fresh mapping of its own (malloc may return pages it touched before), advised before any write:
 
     empty(shape, dtype)   a tensor whose 2 MiB-aligned pages are advised before anything touches them (the loaders
                           read experts straight into it: no copy)
@@ -21,9 +21,10 @@ on a host whose page cache held the checkpoints).
 
 from __future__ import annotations
 
-import ctypes
 import functools
+import mmap
 import sys
+import weakref
 
 import torch
 
@@ -31,17 +32,8 @@ from moe_offload.engines.offload import switches
 
 PAGE = 1 << 21
 MIN_BYTES = 4 << 20  # smaller tensors hold at most one huge page: not worth a copy
-MADV_HUGEPAGE = 14
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
-_advised: set[int] = set()  # storages empty() made: rehome leaves them where they are
-
-
-@functools.cache
-def _madvise():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    return libc.madvise
+_advised: dict[int, weakref.ref] = {}  # storage address -> the mapping empty() made there (gone when unmapped)
 
 
 @functools.cache
@@ -55,7 +47,8 @@ def _thp_mode() -> str:
 
 def available() -> bool:
     """Huge pages can back host weights here: Linux, THP "always" or "madvise", MOE_OFFLOAD_HUGEPAGES not off."""
-    return sys.platform.startswith("linux") and switches.on("MOE_OFFLOAD_HUGEPAGES") and _thp_mode() in ("always", "madvise")
+    return (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE") and switches.on("MOE_OFFLOAD_HUGEPAGES")
+            and _thp_mode() in ("always", "madvise"))
 
 
 def empty(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -64,17 +57,24 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if nbytes < MIN_BYTES or not available():
         return torch.empty(shape, dtype=dtype)
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)  # malloc maps it untouched: no page committed yet
+    # a mapping of its own, not malloc's: malloc may hand back memory it touched before, whose 4 KiB pages stay
+    mm = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: THP's, not shmem's
+    raw = torch.frombuffer(mm, dtype=torch.uint8)  # holds the mapping: unmapped when the last view goes
     start = (-raw.data_ptr()) % PAGE
-    if _madvise()(raw.data_ptr() + start, nbytes // PAGE * PAGE, MADV_HUGEPAGE) != 0:
-        return torch.empty(shape, dtype=dtype)  # an old kernel or a refused range: 4 KiB pages, as before
-    _advised.add(raw.untyped_storage().data_ptr())
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE, start, nbytes // PAGE * PAGE)
+    except (OSError, ValueError):  # a refused range: 4 KiB pages, as before
+        return torch.empty(shape, dtype=dtype)
+    for key in [k for k, ref in _advised.items() if ref() is None]:  # mappings since unmapped
+        del _advised[key]
+    _advised[raw.untyped_storage().data_ptr()] = weakref.ref(mm)
     return raw[start: start + nbytes].view(dtype).view(shape)
 
 
 def advised(t: torch.Tensor) -> bool:
-    """t lives in memory empty() advised."""
-    return t.untyped_storage().data_ptr() in _advised
+    """t lives in memory empty() advised (a mapping still alive: an address malloc reuses later is not)."""
+    ref = _advised.get(t.untyped_storage().data_ptr())
+    return ref is not None and ref() is not None
 
 
 def rehome(t: torch.Tensor) -> torch.Tensor:
