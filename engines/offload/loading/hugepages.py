@@ -101,8 +101,9 @@ def rehome_module(module: torch.nn.Module) -> int:
             if moved[key].shape == t.shape and moved[key].dtype == t.dtype:
                 t.data = moved[key]
             continue
-        new = rehome(t.data)
-        if new is not t.data:
+        old = t.data  # a new tensor object per access: compare with this one
+        new = rehome(old)
+        if new is not old:
             total += new.numel() * new.element_size()
             t.data = new
         moved[key] = new

@@ -46,6 +46,12 @@ def test_rehome_copies_large_host_tensors_once():
     assert hugepages.rehome(strided) is strided
 
 
+def test_rehome_module_counts_only_what_it_moved():
+    small = torch.nn.Linear(8, 8)
+    before = small.weight.data_ptr()
+    assert hugepages.rehome_module(small) == 0 and small.weight.data_ptr() == before
+
+
 @needs_thp
 def test_rehome_module_keeps_tied_weights_tied(monkeypatch):
     monkeypatch.setattr(hugepages, "MIN_BYTES", 0)
