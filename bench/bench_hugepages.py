@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     from bench_engine import prompt_ids, read_bandwidth
-    from bench_families import FAMILIES, build
+    from bench_families import FAMILIES, build, fmt_ms
     from bench_llamacpp import ISA_OPTIONS, as_isa, bound_bytes, engine_decode
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -80,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
         ratio = statistics.median(h / k for h, k in zip(ms["huge"], ms["4k"]))
         rows.append((f, statistics.median(ms["4k"]), statistics.median(ms["huge"]), ratio, bound_bytes(path), start, huge))
-        print(f"{f}: 4k {' / '.join(f'{v:.1f}' for v in ms['4k'])}; huge {' / '.join(f'{v:.1f}' for v in ms['huge'])}",
-              file=sys.stderr)
+        print(f"{f}: 4k {fmt_ms(ms['4k'])}; huge {fmt_ms(ms['huge'])}", file=sys.stderr)
     bw.append(read_bandwidth() / 1e9)
     print(f"\n{cpu_name()}, {jit.info().get('variant')} kernels, {'int8' if a.int8 else 'bf16'} engines; read bandwidth "
           f"{', '.join(f'{b:.1f}' for b in bw)} GB/s (before, after); {a.pairs} pairs of {a.tokens} tokens after {a.context}\n")

@@ -54,7 +54,7 @@ def available() -> bool:
 def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     """torch.empty(shape, dtype=dtype) on the host, its memory advised for huge pages before its first touch (a
     plain torch.empty where huge pages are not available or the tensor is small)."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if nbytes < MIN_BYTES or not available():
         return torch.empty(shape, dtype=dtype)
     # a mapping of its own, not malloc's: malloc may hand back memory it touched before, whose 4 KiB pages stay
