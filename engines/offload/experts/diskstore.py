@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.engines.offload.loading import hugepages
 from moe_offload.errors import ModelError
 
 VERSION = 1
@@ -231,12 +230,8 @@ def pread_into(fd: int, view: memoryview, offset: int) -> int:
 
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     """A uint8 tensor of ``nbytes`` whose first byte is ALIGN-aligned (O_DIRECT's requirement); ``pin``: page-locked
-    (CUDA copies from it are asynchronous DMA). Unpinned, no page is committed until written, and its pages are
-    advised for huge pages (loading/hugepages.py: the kernels stream the host slots as they stream a resident store)."""
-    if not pin:
-        buf = hugepages.empty((nbytes,), torch.uint8)
-        if hugepages.advised(buf):  # 2 MiB-aligned, so ALIGN-aligned
-            return buf
+    (CUDA copies from it are asynchronous DMA). Unpinned, no page is committed until written. Not in huge pages
+    (loading/hugepages.py): the disk tier runs under a memory limit, where they raised the peak RSS (bench_disk.py)."""
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % ALIGN
     return raw[start: start + nbytes]

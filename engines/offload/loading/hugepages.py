@@ -14,6 +14,9 @@ memory is a fresh mapping of its own (malloc may return pages it touched before)
                           of those; t itself when it is small, not a plain host tensor, or already in one
     rehome_module(m)      every parameter and buffer of m rehomed in place (tied weights stay tied)
 
+The disk tier (host slots over an expert store file, under a memory limit) keeps 4 KiB pages: there huge pages
+raised the peak RSS by ~0.2 GiB under a 1.8 GiB cgroup limit (docs/benchmarks.md).
+
 Elsewhere (not Linux, THP "never", MOE_OFFLOAD_HUGEPAGES=0) every call is a plain allocation / the tensor itself.
 The cost is start-up time where the kernel must compact memory to find free 2 MiB pages (0.2-1.4 s per GiB measured
 on a host whose page cache held the checkpoints).

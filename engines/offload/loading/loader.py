@@ -201,8 +201,11 @@ def load_model(
             raise ConfigError(f"dense_dtype int8: needs bf16 compute on the cpu, got {model.dtype} on {dev} "
                               "(give --dtype bfloat16, or leave the dense weights as they are)")
         quant.quantize_dense(model)
-    if dev.type == "cpu":  # the dense weights (attention, LM head, ...) in huge pages as well, before any kernel
-        hugepages.rehome_module(model)  # path captures them (the engine's decode step, built after this)
+    # the dense weights (attention, LM head, ...) in huge pages as well, before any kernel path captures them (the
+    # engine's decode step, built after this); not with the disk tier, which runs under a memory limit: there the
+    # copies raised the peak RSS by ~0.2 GiB under a 1.8 GiB cgroup limit (bench_disk.py)
+    if dev.type == "cpu" and host_cache is None:
+        hugepages.rehome_module(model)
     from moe_offload.log import get_logger
 
     get_logger("moe_offload.loader").info("experts_loaded", checkpoint=str(root), checkpoint_format=method or ("gguf" if gguf_file else "float"),
