@@ -8,13 +8,12 @@
 
 A whole decode step cannot be captured: the offload executor (Python: tiers, fetches, statistics) runs between
 each layer's attention and its experts, so each small module is compiled on its own. The fused decode paths are
-switched off (MOE_OFFLOAD_FAST_DECODE=0) so both sides run transformers' modules. Not part of CI.
+switched off (model_runner.decode_plan replaced) so both sides run transformers' modules. Not part of CI.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -29,14 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--context", type=int, default=128)
     a = ap.parse_args(argv)
-    os.environ["MOE_OFFLOAD_FAST_DECODE"] = "0"
-
     import torch
     from bench_engine import prompt_ids
     from bench_llamacpp import engine_decode
 
     from moe_offload.control.spec import ModelSpec
+    from moe_offload.engines.offload.runtime import model_runner
     from moe_offload.engines.offload.runtime.build import build_offload_engine
+
+    model_runner.decode_plan = lambda *a: None  # transformers' modules on both sides
 
     torch.set_num_threads(2)
     e = build_offload_engine(a.model_dir, policy="static", fraction=1.0, dtype="bfloat16")

@@ -73,19 +73,24 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def build(family: str, out: Path, seed: int = 0) -> Path:
-    """The family's mid-size random bf16 checkpoint in ``out`` (built once)."""
+def build(family: str, out: Path, seed: int = 0, shape: dict | None = None, tokenizer: bool = False) -> Path:
+    """The family's mid-size random bf16 checkpoint in ``out`` (built once), of ``shape`` (default FAMILIES[family]);
+    ``tokenizer``: with the demo tokenizer beside it (for `moe-offload generate --prompt`)."""
     from transformers import AutoConfig
 
-    from moe_offload.demo import save_random_model
+    from moe_offload.demo import build_tokenizer, save_random_model
 
     if (out / "config.json").is_file():
+        if tokenizer and not (out / "tokenizer.json").is_file():
+            build_tokenizer().save_pretrained(out)
         return out
-    config = AutoConfig.for_model(family, **COMMON, **FAMILIES[family], dtype="bfloat16")
+    config = AutoConfig.for_model(family, **COMMON, **(shape or FAMILIES[family]), dtype="bfloat16")
     for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
         setattr(config, k, None)
     t0 = time.perf_counter()
     save_random_model(out, config, seed=seed, dtype=torch.bfloat16)
+    if tokenizer:
+        build_tokenizer().save_pretrained(out)
     gc.collect()
     log(f"built {family} in {time.perf_counter() - t0:.0f} s at {out}")
     return out

@@ -36,7 +36,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CACHE = Path(os.environ.get("MOE_OFFLOAD_LLAMACPP_DIR") or "~/.cache/moe-offload/llama.cpp").expanduser()
+from moe_offload import settings
+
+CACHE = settings.get("MOE_OFFLOAD_LLAMACPP_DIR")
 VERSION = "0.3.36"  # the llama-cpp-python release the issue measured with; --llama-version changes it
 TARGETS = ("llama-bench", "llama-batched-bench")
 OUTTYPES = ("bf16", "q8_0", "f16", "f32")

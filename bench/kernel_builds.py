@@ -6,7 +6,7 @@
 
 Each call loads one library (built libraries live in ~/.cache/moe-offload/kernels/<name>/<name>.so; `jit.build_spec()`
 names the current one), so an A/B runs the two in turns, in fresh processes, e.g. three pairs of `speed` calls.
-Used for the kernel A/Bs in docs/benchmarks.md. Not part of CI.
+Used for the kernel A/Bs in docs/benchmarks/kernels.md. Not part of CI.
 """
 
 import sys

@@ -20,7 +20,7 @@ profiles what the engine runs (the fused path where the family is covered).
 
 Works for any family the engine loads: modules are found by role (embeddings, decoder layers, their attention,
 norm and MLP children, the MLP's router, experts and shared experts). A stage the model lacks reads 0.
-Run on an idle machine; print the command with the table (docs/benchmarks.md).
+Run on an idle machine; print the command with the table (docs/benchmarks/).
 """
 
 from __future__ import annotations

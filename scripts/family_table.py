@@ -1,11 +1,11 @@
-"""Write README.md's supported-family table from the results of tests/engines/offload/test_families.py.
+"""Write docs/families.md's supported-family table from the results of tests/engines/offload/test_families.py.
 
     python scripts/family_table.py                   # run the family tests (a few minutes), then rewrite the table
     python scripts/family_table.py --results F.json  # from a results file written by an earlier run
-    python scripts/family_table.py --check           # exit 1 if README's table differs from what the results give
+    python scripts/family_table.py --check           # exit 1 if the doc's table differs from what the results give
 
-The tests write their results when MOE_OFFLOAD_FAMILY_RESULTS names a file; the table sits in README.md between
-the BEGIN and END markers below, and nothing else in the README is touched.
+The tests write their results when MOE_OFFLOAD_FAMILY_RESULTS names a file; the table sits in docs/families.md between
+the BEGIN and END markers below, and nothing else in it is touched.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def table(payload: dict) -> str:
 
 def replace(readme: str, body: str) -> str:
     if BEGIN not in readme or END not in readme:
-        raise SystemExit(f"README.md has no family table markers ({BEGIN!r} ... {END!r})")
+        raise SystemExit(f"docs/families.md has no family table markers ({BEGIN!r} ... {END!r})")
     head, rest = readme.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{BEGIN}\n{body}\n{END}{tail}"
@@ -81,8 +81,8 @@ def replace(readme: str, body: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, help="results JSON of an earlier run (default: run the tests now)")
-    ap.add_argument("--readme", type=Path, default=ROOT / "README.md")
-    ap.add_argument("--check", action="store_true", help="compare only; exit 1 when the README's table is stale")
+    ap.add_argument("--readme", type=Path, default=ROOT / "docs" / "families.md")
+    ap.add_argument("--check", action="store_true", help="compare only; exit 1 when the doc's table is stale")
     args = ap.parse_args(argv)
     results = args.results
     if results is None:

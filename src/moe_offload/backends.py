@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 from functools import lru_cache
@@ -14,7 +13,7 @@ from importlib import import_module
 
 import pluggy
 
-from moe_offload import hooks
+from moe_offload import hooks, settings
 from moe_offload.errors import BackendUnavailable, ConfigError
 from moe_offload.hostmem import host_memory
 from rm_core import MemoryTier
@@ -83,7 +82,7 @@ def engine_options(backend: str, *, policy=None, fraction=None, mock_ms=None, mo
 
 def node_name() -> str:
     """Kubernetes' $NODE_NAME, else the hostname: the <node> of accelerator ids."""
-    return os.environ.get("NODE_NAME") or socket.gethostname().split(".")[0] or "localhost"
+    return settings.get("NODE_NAME") or socket.gethostname().split(".")[0] or "localhost"
 
 
 def host_memory_bytes() -> int:
@@ -106,7 +105,7 @@ def disk_tier() -> MemoryTier:
 
 
 def _allow_list() -> set[str] | None:
-    raw = os.environ.get("MOE_OFFLOAD_PLUGINS")
+    raw = settings.get("MOE_OFFLOAD_PLUGINS")
     if raw is None:
         return None
     return {p.strip() for p in raw.split(",") if p.strip()}

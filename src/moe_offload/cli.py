@@ -13,6 +13,8 @@ from moe_offload.commands.options import emit
 from moe_offload.errors import OffloadError
 from rm_core import PROTOCOL_VERSION, ContractError
 
+# Long-running services keep their structured info logs; every other command is for people (log.configure in cli).
+SERVICES = ("worker", "gateway", "serve", "airm")
 # Each module defines `commands`: a list of click commands. Imports inside them stay lazy (fast --help).
 COMMAND_MODULES = (
     "moe_offload.commands.plan",
@@ -26,13 +28,20 @@ COMMAND_MODULES = (
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120, "terminal_width": 120})
 @click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+@click.option("--verbose", "-v", is_flag=True, help="Show the engine's info log lines (commands for people show warnings only).")
 @click.version_option(__version__, "--version", prog_name="moe-offload")
 @click.pass_context
-def cli(ctx: click.Context, debug: bool) -> None:
+def cli(ctx: click.Context, debug: bool, verbose: bool) -> None:
     """Run Mixture-of-Experts LLMs larger than accelerator memory."""
-    from moe_offload import log
+    from moe_offload import log, settings
 
-    log.configure(level="debug" if debug else None)
+    if debug:
+        log.configure(level="debug")
+    elif ctx.invoked_subcommand in SERVICES or verbose:
+        log.configure()  # structured lines (JSON off a terminal) at $MOE_OFFLOAD_LOG's level
+    else:  # a command for people: its output is the answer; warnings only, as text, unless the user set otherwise
+        log.configure(level=None if settings.is_set("MOE_OFFLOAD_LOG") else "warning",
+                      json=None if settings.is_set("MOE_OFFLOAD_LOG_JSON") else False)
     ctx.obj = {"debug": debug}
 
 

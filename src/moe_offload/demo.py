@@ -15,9 +15,10 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from moe_offload import settings
 from moe_offload.errors import ConfigError
 
-DEFAULT_DIR = Path("~/.cache/moe-offload/demo-model")
+DEFAULT_DIR = None  # $MOE_OFFLOAD_CACHE_DIR/demo-model (tests set a folder of their own)
 NOTE = "RANDOM WEIGHTS: a moe-offload demo/test model; its output is deterministic nonsense"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # ChatML, with tools in the Hermes / Qwen style: tool signatures in the system turn, the assistant's calls as
@@ -81,7 +82,7 @@ Use it to try the CLI and the engine, and in tests; never to judge output qualit
 
 
 def default_dir() -> Path:
-    return DEFAULT_DIR.expanduser()
+    return Path(DEFAULT_DIR).expanduser() if DEFAULT_DIR is not None else settings.cache_dir("demo-model")
 
 
 def _corpus() -> list[str]:

@@ -144,8 +144,10 @@ STORE_ENV = "MOE_OFFLOAD_STORE_DIR"
 
 
 def store_root() -> Path:
-    """Where expert store files live (the disk tier): $MOE_OFFLOAD_STORE_DIR, else ~/.cache/moe-offload/stores."""
-    return Path(os.environ.get(STORE_ENV) or Path.home() / ".cache" / "moe-offload" / "stores")
+    """Where expert store files live (the disk tier): $MOE_OFFLOAD_STORE_DIR, else $MOE_OFFLOAD_CACHE_DIR/stores."""
+    from moe_offload import settings
+
+    return settings.get(STORE_ENV)
 
 
 def disk_free(path: Path | None = None) -> tuple[int, str]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import structlog
+
+from moe_offload import settings
 
 _configured = False
 
@@ -24,10 +25,10 @@ class _Stderr:
 def configure(level: str | None = None, json: bool | None = None) -> None:
     """Configure once per process. ``MOE_OFFLOAD_LOG`` sets the level, ``MOE_OFFLOAD_LOG_JSON=1|0`` forces the format."""
     global _configured
-    level = (level or os.environ.get("MOE_OFFLOAD_LOG", "info")).upper()
+    level = (level or settings.get("MOE_OFFLOAD_LOG")).upper()
     if json is None:
-        env = os.environ.get("MOE_OFFLOAD_LOG_JSON")
-        json = env == "1" if env in ("0", "1") else not sys.stderr.isatty()
+        env = settings.get("MOE_OFFLOAD_LOG_JSON")
+        json = env == "1" if env else not sys.stderr.isatty()
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[

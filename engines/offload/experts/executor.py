@@ -227,8 +227,8 @@ class Executor:
         # ---- combine: as transformers does, sum over k of w * y in (token, k) order ----
         if T == 1:
             proj = torch.cat(out)  # [K, H]
-        result = self._combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, copied)
-        self._stages(t1, t2, t3, t4, fetch_compute_s)
+        result = self.combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, copied)
+        self.book_stages(t1, t2, t3, t4, fetch_compute_s)
         return result
 
     def book_resident(self, states: list[LayerState], ids: torch.Tensor, experts_s: float) -> None:
@@ -253,7 +253,8 @@ class Executor:
         if self.io is not None:
             self.io.shutdown()
 
-    def _stages(self, t1, t2, t3, t4, fetch_compute_s):
+    # ---- the per-tier hooks a kernel path (fused.py) calls: combine, book, the one-token pair layout ----
+    def book_stages(self, t1, t2, t3, t4, fetch_compute_s):
         """Book a layer's stage times: hits [t1, t2) and the compute of fetched experts are device time, the rest of
         [t2, t3) is fetching, [t3, t4) host experts."""
         if self.timing:
@@ -262,7 +263,7 @@ class Executor:
             st["fetch"] += (t3 - t2) - fetch_compute_s
             st["host_experts"] += t4 - t3
 
-    def _combine(self, state, proj, hidden_states, top_k_index, top_k_weights, hits, host, fetched):
+    def combine(self, state, proj, hidden_states, top_k_index, top_k_weights, hits, host, fetched):
         """sum_k w[t,k] * y[t,k] over proj [S, H] in (token, k) order (as transformers does), and the layer's counts."""
         T, K = top_k_index.shape
         weighted = proj * top_k_weights.reshape(-1, 1)  # [S, H]
@@ -274,7 +275,8 @@ class Executor:
                        fetched * state.expert_bytes)
         return result
 
-    def _one_token_pairs(self, K):
+    def one_token_pairs(self, K):
+        """(tok [K] zeros, perm [K] arange): the pair layout of one token's K experts, built once per K."""
         if K not in self._pairs1:
             self._pairs1[K] = (torch.zeros(K, dtype=torch.long), torch.arange(K))
         return self._pairs1[K]

@@ -66,8 +66,8 @@ def one_token(ex, state, module, k, hidden_states, top_k_index, top_k_weights, h
         y = ops.experts_mlp_bf16(hidden_states.to(torch.bfloat16).contiguous(), [a[0] for a in w], [a[1] for a in w],
                                  *gate_args(module, w))
     t2 = time.perf_counter()
-    result = ex._combine(state, y, hidden_states, top_k_index, top_k_weights, hits, [], 0)
-    ex._stages(t1, t2, t2, t2, 0.0)
+    result = ex.combine(state, y, hidden_states, top_k_index, top_k_weights, hits, [], 0)
+    ex.book_stages(t1, t2, t2, t2, 0.0)
     return result
 
 
@@ -79,7 +79,7 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
     cache = state.cache
     x = hidden_states.contiguous() if quantized else hidden_states.to(torch.bfloat16).contiguous()  # [T, H]
     if T == 1:  # groups are (expert, k, 1): pair s = k
-        tok, perm = ex._one_token_pairs(K)
+        tok, perm = ex.one_token_pairs(K)
     else:
         tok = perm // K  # [S] token of each expert-sorted pair
     proj = torch.empty(T * K, x.shape[1], dtype=x.dtype)  # [S, H] by (token, k)
@@ -125,8 +125,8 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
     else:
         run(host, [state.store.expert(g[0]) for g in host])
     t4 = time.perf_counter()
-    result = ex._combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, len(fetch))
-    ex._stages(t1, t2, t3, t4, fetch_s)
+    result = ex.combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, len(fetch))
+    ex.book_stages(t1, t2, t3, t4, fetch_s)
     return result
 
 

@@ -10,8 +10,8 @@ A layer without dynamic slots cannot fetch, so ``lru``/``hybrid`` compute its mi
 from __future__ import annotations
 
 import math
-import os
 
+from moe_offload import settings
 from moe_offload.control.vocab import MISS_POLICIES
 from moe_offload.errors import ConfigError
 
@@ -37,7 +37,7 @@ def default_hybrid_threshold(expert_bytes: int, expert_params: int, device_type:
     With a calibration (a calibration.Calibration or a JSON path; default: the file $MOE_OFFLOAD_CALIBRATION
     names) for this device type: costmodel.hybrid_threshold, from its measured rates. Otherwise (with a
     warning when the calibration is for another device type) the assumed constants above: (expert_bytes / bus bandwidth) / (2 * params / host flops per token), at least 1."""
-    cal = calibration if calibration is not None else os.environ.get(CALIBRATION_ENV) or None
+    cal = calibration if calibration is not None else settings.get(CALIBRATION_ENV)
     if cal is not None:
         from moe_offload.control.calibration import load_calibration
         from moe_offload.control.costmodel import hybrid_threshold

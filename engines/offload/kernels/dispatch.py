@@ -205,26 +205,17 @@ def _gate(module, h: torch.Tensor) -> torch.Tensor:
     return module._apply_gate(h) if module.has_gate else module.act_fn(h)
 
 
-_GPT_OSS_GATES: dict[type, bool] = {}
+_ACTIVATIONS: dict[type, str] = {}  # experts module class -> its activation, as the family registry names it
+
+
+def set_activation(cls: type, activation: str) -> None:
+    """Record the activation of the experts modules of class ``cls`` (the loader, from control/families.py)."""
+    _ACTIVATIONS[cls] = activation
 
 
 def _is_gpt_oss_gate(module) -> bool:
-    """The module's _apply_gate is gpt-oss's (same source, whatever the family calls it)."""
-    cls = type(module)
-    ok = _GPT_OSS_GATES.get(cls)
-    if ok is None:
-        import inspect
-
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-
-        fn = getattr(module._apply_gate, "__func__", None)
-        try:
-            ok = fn is not None and hasattr(module, "alpha") and hasattr(module, "limit") and (
-                fn is GptOssExperts._apply_gate or inspect.getsource(fn) == inspect.getsource(GptOssExperts._apply_gate))
-        except (OSError, TypeError):
-            ok = False
-        _GPT_OSS_GATES[cls] = ok
-    return ok
+    """The module's gate is gpt-oss's clamped SwiGLU by the registry (its alpha and limit read from the module)."""
+    return _ACTIVATIONS.get(type(module)) == "clamped_swiglu" and hasattr(module, "alpha") and hasattr(module, "limit")
 
 
 def _bias_ok(b: torch.Tensor | None) -> bool:

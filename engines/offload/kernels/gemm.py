@@ -10,21 +10,18 @@ processing there compute-starved. Converting each operand once costs ~6 bytes of
 a few tokens on. Both round an fp32 accumulator to bf16 once, so the results agree up to the order of the fp32
 sums. Tiles of at most TILE_BYTES of fp32 weights bound the temporary memory (an LM head is converted in slices).
 
-MOE_OFFLOAD_PREFILL_FP32=1|0 forces the choice (default: by the CPU, as the kernels' ISA variant says; so
-MOE_OFFLOAD_KERNELS=avx2 on an AVX512-BF16 machine takes the AVX2 host's path).
+The choice follows the kernels' ISA variant (so MOE_OFFLOAD_KERNELS=avx2 on an AVX512-BF16 machine takes the AVX2
+host's path); set_fp32_tiles forces it within a process (an A/B).
 Legend: M tokens, K input features, N output features.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
 from moe_offload.engines.offload.kernels import jit
 
-ENV = "MOE_OFFLOAD_PREFILL_FP32"
 TILE_BYTES = 32 << 20  # fp32 bytes of one converted weight tile
 _choice: dict = {}
 
@@ -32,13 +29,9 @@ _choice: dict = {}
 def fp32_tiles() -> bool:
     """True where bf16 GEMMs of prefill go through fp32 tiles (see the module docstring); decided once."""
     if "on" not in _choice:
-        forced = os.environ.get(ENV, "").strip().lower()
-        if forced in ("0", "1", "true", "false", "on", "off", "yes", "no"):
-            _choice["on"] = forced in ("1", "true", "on", "yes")
-        else:
-            # every CPU with AMX-BF16 also has AVX512-BF16, the best kernel variant
-            variant = jit.info().get("variant") or jit.pick_variant(jit.cpu_flags())[0]
-            _choice["on"] = variant != "avx512bf16"
+        # every CPU with AMX-BF16 also has AVX512-BF16, the best kernel variant
+        variant = jit.info().get("variant") or jit.pick_variant(jit.cpu_flags())[0]
+        _choice["on"] = variant != "avx512bf16"
     return _choice["on"]
 
 

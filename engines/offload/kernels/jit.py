@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.engines.offload import switches
+from moe_offload import settings
 from moe_offload.engines.offload.kernels import ops
 from moe_offload.errors import BackendUnavailable
 
@@ -62,19 +62,17 @@ def cpu_flags() -> set[str]:
 
 def pick_variant(flags: set[str]) -> tuple[str, tuple[str, ...]]:
     """(variant name, compiler flags) for the best ISA these CPU flags allow; MOE_OFFLOAD_KERNELS=<name> picks a lesser one."""
-    forced = os.environ.get(ENV, "")
+    forced = settings.kernels_isa()
     usable = [(name, cflags) for name, needs, cflags in VARIANTS if set(needs) <= flags]  # never one the CPU lacks
     return next(((n, c) for n, c in usable if n == forced), usable[0])
 
 
 def enabled_by_env() -> bool:
-    return switches.on(ENV)
+    return not settings.kernels_off()
 
 
 def build_dir(name: str) -> Path:
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "moe-offload" / "kernels"
-    return base / name
+    return settings.get("TORCH_EXTENSIONS_DIR") / name
 
 
 def load() -> bool:

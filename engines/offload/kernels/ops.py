@@ -105,6 +105,8 @@ rows, Hq/Hkv query/KV heads, D head dim, RD rotary dims, NB blocks per sequence,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 MAX_TOKENS = 16  # tokens one gemv_q call takes (MAX_N in csrc/cpu/quant.h); more go through dequantize + GEMM
@@ -230,3 +232,37 @@ def register_fakes() -> None:
             register_fake(f"moe_offload::{op}", fn)
         except RuntimeError:  # already registered in this process (a second build variant)
             pass
+
+
+# -- the model description's names as the layer kernels' codes (the only place the codes are spelled) ----------
+NORM_CODES = {"rms": 0, "rms_fp32_scale": 1, "rms_one_plus": 2}  # decode_layer_bf16 / rmsnorm_bf16's norm_mode
+ROUTER_ORDER_CODES = {"score_then_topk": 0, "topk_then_score": 1}  # router_mode
+ROPE_CODES = {"rotate_half": 0, "halves": 0, "partial": 0, "interleaved_fp32": 1}  # rope_mode (halves: cos/sin doubled)
+
+
+@dataclass(frozen=True)
+class LayerCodes:
+    """What decode_layer_bf16, deltanet_layer_bf16, rmsnorm_bf16 and the DecodeStep class take as codes, for one
+    model (control/description.py: one norm kind, one router kind and one rotary kind per model)."""
+
+    norm_mode: int
+    router_mode: int
+    rope_mode: int
+    w_bf16: bool  # the router's top-k weights rounded to bf16 (else fp32)
+    gated: bool  # attention with an output gate in q_proj
+
+
+def layer_codes(desc) -> LayerCodes:
+    """The codes of a fused-path ModelDescription. ValueError where its layers disagree (one call takes one set)."""
+    from moe_offload.control.description import Attention, MoEBlock
+
+    attn = {lay.mixer for lay in desc.layers if isinstance(lay.mixer, Attention)}
+    routers = {lay.ffn.router for lay in desc.layers if isinstance(lay.ffn, MoEBlock)}
+    kinds = {(r.order, r.weights_dtype) for r in routers}
+    rotary = {a.rotary.kind for a in attn if a.rotary is not None}
+    gated = {a.output_gate for a in attn}
+    if len(kinds) > 1 or len(rotary) > 1 or len(gated) > 1:
+        raise ValueError("layers with different router, rotary or gate kinds")
+    order, weights = next(iter(kinds), ("score_then_topk", "model"))
+    return LayerCodes(NORM_CODES[desc.norm.kind], ROUTER_ORDER_CODES[order], ROPE_CODES[next(iter(rotary), "rotate_half")],
+                      weights == "model", bool(next(iter(gated), False)))

@@ -28,11 +28,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_offload import settings
 from moe_offload.control import gguf_meta
 from moe_offload.engines.offload.loading import ggml
 from moe_offload.errors import ModelError
 
-VIEW_ROOT = Path(os.environ.get("MOE_OFFLOAD_GGUF_VIEWS", Path.home() / ".cache" / "moe-offload" / "gguf"))
+
+def view_root() -> Path:
+    """Where GGUF views are written: $MOE_OFFLOAD_CACHE_DIR/gguf."""
+    return settings.cache_dir("gguf")
 
 
 def view_dir(path: str | os.PathLike) -> Path:
@@ -41,7 +45,7 @@ def view_dir(path: str | os.PathLike) -> Path:
     # the files' identity and the config this version maps them to: a mapping change writes a new view
     key = hashlib.sha256(json.dumps([[(str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in info.files],
                                      info.config], sort_keys=True).encode()).hexdigest()[:16]
-    out = VIEW_ROOT / f"{info.files[0].stem}-{key}"
+    out = view_root() / f"{info.files[0].stem}-{key}"
     if (out / "config.json").is_file():
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")

@@ -1,7 +1,7 @@
 """Host weights in transparent huge pages (2 MiB), for the CPU kernels that stream them.
 
 A decode step reads every weight it uses once, front to back: on 4 KiB pages that is a TLB miss and a page walk per
-4 KiB. With the weights in 2 MiB pages a decode step took 2-7 % less time in paired runs (docs/benchmarks.md,
+4 KiB. With the weights in 2 MiB pages a decode step took 2-7 % less time in paired runs (docs/benchmarks/kernels.md,
 "Weights in huge pages"); llama.cpp's mmapped GGUF gets the same from the page cache's large folios.
 
 Linux hands out huge pages to anonymous memory only where THP is "always", or "madvise" and the range was advised
@@ -15,7 +15,7 @@ memory is a fresh mapping of its own (malloc may return pages it touched before)
     rehome_module(m)      every parameter and buffer of m rehomed in place (tied weights stay tied)
 
 The disk tier (host slots over an expert store file, under a memory limit) keeps 4 KiB pages: there huge pages
-raised the peak RSS by ~0.2 GiB under a 1.8 GiB cgroup limit (docs/benchmarks.md).
+raised the peak RSS by ~0.2 GiB under a 1.8 GiB cgroup limit (docs/benchmarks/disk.md).
 
 Elsewhere (not Linux, THP "never", MOE_OFFLOAD_HUGEPAGES=0) every call is a plain allocation / the tensor itself.
 The cost is start-up time where the kernel must compact memory to find free 2 MiB pages (0.2-1.4 s per GiB measured
@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from moe_offload.engines.offload import switches
+from moe_offload import settings
 
 PAGE = 1 << 21
 MIN_BYTES = 4 << 20  # smaller tensors hold at most one huge page: not worth a copy
@@ -50,7 +50,7 @@ def _thp_mode() -> str:
 
 def available() -> bool:
     """Huge pages can back host weights here: Linux, THP "always" or "madvise", MOE_OFFLOAD_HUGEPAGES not off."""
-    return (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE") and switches.on("MOE_OFFLOAD_HUGEPAGES")
+    return (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE") and settings.get("MOE_OFFLOAD_HUGEPAGES")
             and _thp_mode() in ("always", "madvise"))
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from moe_offload.control import vocab
+from moe_offload.control import families, vocab
 from moe_offload.engines.offload.experts import policies, tiering
 from moe_offload.engines.offload.experts.executor import IMPLEMENTATION, RESIDENT, Executor, register
 from moe_offload.engines.offload.experts.prefetch import Prefetcher
@@ -192,6 +192,9 @@ def load_model(
         cache = SlotCache(store, pinned, dynamic, dev, alias_pinned=dev.type == "cpu")
         executor.attach(module, info.layer, store, cache)
     executor.finish_setup()
+    family = families.family_of(getattr(model.config, "model_type", ""))
+    for _, module, _ in stores:  # the experts' gate as the registry names it (dispatch.py fuses clamped_swiglu)
+        dispatch.set_activation(type(module), family.activation if family is not None else "silu")
     routers = _install_hooks(model, executor, [m for _, m, _ in stores], modules)
     if host_cache is not None and prefetch:
         executor.prefetcher = Prefetcher(routers)
@@ -345,10 +348,8 @@ def _install_hooks(model, executor: Executor, experts_modules, modules) -> list:
 
 def _direct(config) -> bool:
     """Float experts read by offset into the store (direct.py) rather than through from_pretrained: every family
-    but the omni wrappers, whose text path loads from a sub-config ($MOE_OFFLOAD_DIRECT_LOAD=0: never)."""
-    import os
-
-    return os.environ.get("MOE_OFFLOAD_DIRECT_LOAD", "1") != "0" and not architecture.text_only(config)
+    but the omni wrappers, whose text path loads from a sub-config."""
+    return not architecture.text_only(config)
 
 
 def _top_k(config) -> int:

@@ -21,14 +21,13 @@ attention DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash; MiniMax-M2's; Ernie 4.5's), it
 placement pinning all) and, over the expert store file, held in a host slot that is never evicted and already read
 in (until the background reads land, the loop runs and waits for what it routes to); experts the one-call kernels
 take (experts/fused.kind: "bf16" or "q"); top-k <= 16, at most KERNEL_MAX_GROUP tokens, not the load-time probe
-(dry). MOE_OFFLOAD_DECODE_STEP=0 keeps the per-layer loop.
+(dry).
 """
 
 from __future__ import annotations
 
 import torch
 
-from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.experts import fused
 from moe_offload.engines.offload.experts.tiercache import TierSlots
 from moe_offload.engines.offload.kernels import dispatch
@@ -37,8 +36,6 @@ from moe_offload.engines.offload.runtime.moe_blocks import weight_and_scale
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
-
-ENV = "MOE_OFFLOAD_DECODE_STEP"
 
 
 def _guarded(build, plan):
@@ -73,13 +70,12 @@ class StepCall:
             return lay.block is not None and (lay.block.shared_args is not None or getattr(lay.block, "shared", None) is None)
 
         items = [(lay.idx, lay.state, glue_ok(lay), lay.dense) for lay in plan.layers]
-        why = _refuse(plan.executor, items)
+        why = _refuse(plan.executor, items) or ("" if plan.uniform_rotary else "layers rotate by different tables")
         if why:
             log.debug("whole-step decode off", reason=why)
             return None
-        fam, hd = plan.family, plan.head_dim
-        obj = torch.classes.moe_offload.DecodeStep(plan.bs, fam.router_weights_bf16, fam.norm_mode, fam.router_mode,
-                                                   fam.rope_mode, fam.gated)
+        c, hd = plan.codes, plan.head_dim
+        obj = torch.classes.moe_offload.DecodeStep(plan.bs, c.w_bf16, c.norm_mode, c.router_mode, c.rope_mode, c.gated)
         probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
         for lay in plan.layers:
             experts = _experts_args(lay.state, lay.experts, probe)
@@ -185,8 +181,6 @@ class StepCall:
 def _refuse(executor, items) -> str:
     """Why the call cannot run a model of ``items``: (layer, its experts' executor state or None, its MoE block's glue
     is the kernels' (a shared expert they take, the router fused or DeepSeek-V3's), a dense layer's mlp_rows args)."""
-    if not switches.on(ENV):
-        return f"{ENV}=0"
     if executor.device.type != "cpu":
         return "not a CPU executor"
     for idx, state, glue_ok, dense in items:

@@ -1,6 +1,5 @@
-"""Gated-DeltaNet layers (Qwen3-Next's and Qwen3.5's linear attention, and every family whose layer has either's
-source): their
-per-sequence state in the paged engine, and a token's decode step in one kernel call instead of ~70 torch ops.
+"""Gated-DeltaNet layers (Qwen3-Next's and Qwen3.5's linear attention: the registry's families with
+``linear="gated_deltanet"``, control/families.py): their per-sequence state in the paged engine, and a token's decode step in one kernel call instead of ~70 torch ops.
 
     layer(hidden [1, N, H], cache=kv.PagedCache) (the paged engine: the step's sequences packed)
       -> decode rows (one token of a sequence with a past), bf16 on the CPU with the kernels:
@@ -20,70 +19,38 @@ state [seats, Hv, Dk, Dv] (fp32, as the module's rule keeps it); a sequence's se
 freed when it finishes or is preempted (the scheduler's release).
 
 Why: without it a hybrid model ran one forward per sequence on transformers' cache (its batched throughput was
-0.07x llama.cpp's), and a decode step spent a quarter of its time in the layer's small ops. Which layers, by
-construction: the layer's forward, its helpers and its gated norm must have Qwen3-Next's or Qwen3.5's source
-(moe_blocks.same_source; helpers compared as source text). Exactness: the module path is the module's own code on
-the same state; the kernel follows the module's dtypes and element-wise operation order, its reductions over a
+0.07x llama.cpp's), and a decode step spent a quarter of its time in the layer's small ops. Which layers: the
+``linear_attn`` of every decoder layer of a family the registry names gated_deltanet (tests/engines/offload/
+test_family_registry.py checks those layers' source and helpers). Exactness: the module path is the module's own
+code on the same state; the kernel follows the module's dtypes and element-wise operation order, its reductions over a
 head's dims are ordered differently, so outputs agree to bf16 rounding (tests/engines/offload/kernels/
-test_deltanet.py). ``MOE_OFFLOAD_DELTANET=0`` keeps the kernel out (the module computes every row).
+test_deltanet.py).
 Legend: N step tokens, B sequences, C conv channels, K conv taps, Hv value heads, Dk / Dv head dims.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import sys
 
 import torch
 
-from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.runtime import kv
-from moe_offload.engines.offload.runtime.moe_blocks import same_source
-
-ENV = "MOE_OFFLOAD_DELTANET"
-HELPERS = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule", "l2norm", "apply_mask_to_padding_states")
 
 
-def _references():
-    """(module, layer class, gated norm class, plain projections) of the layers this covers."""
-    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35
-    from transformers.models.qwen3_next import modeling_qwen3_next as q3n
-
-    return ((q3n, q3n.Qwen3NextGatedDeltaNet, q3n.Qwen3NextRMSNormGated, False),
-            (q35, q35.Qwen3_5MoeGatedDeltaNet, q35.Qwen3_5MoeRMSNormGated, True))
-
-
-def _same_helpers(layer, ref, cls) -> bool:
-    mod = sys.modules[type(layer).__module__]
-    try:
-        return all(inspect.getsource(getattr(mod, f)) == inspect.getsource(getattr(ref, f)) for f in HELPERS) and (
-            not hasattr(cls, "fix_query_key_value_ordering") or inspect.getsource(type(layer).fix_query_key_value_ordering)
-            == inspect.getsource(cls.fix_query_key_value_ordering))
-    except (AttributeError, OSError, TypeError):
-        return False
-
-
-def _covered(m) -> bool | None:
-    """None: not a covered layer; else whether its projections are Qwen3.5's plain ones."""
-    if getattr(m, "activation", None) != "silu":
-        return None
-    for ref, cls, norm, plain in _references():
-        if same_source(m, cls) and same_source(getattr(m, "norm", None), norm) and _same_helpers(m, ref, cls):
-            return plain
-    return None
-
-
-def install(model: torch.nn.Module) -> int:
-    """Give every covered gated-DeltaNet layer of ``model`` this forward; returns how many layers (0: none covered)."""
-    layers = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+def install(model: torch.nn.Module, linear: str) -> int:
+    """Give every gated-DeltaNet layer of ``model`` this forward when the family's linear-attention kind (``linear``,
+    from the registry) is gated_deltanet; returns how many layers (0: none)."""
+    if linear != "gated_deltanet":
+        return 0
+    layers = [m.linear_attn for m in model.modules() if isinstance(getattr(m, "linear_attn", None), torch.nn.Module)]
     n = 0
     for m in layers:
         if isinstance(m.__dict__.get("forward"), functools.partial):  # installed before (a second engine)
             n += 1
-        elif (plain := _covered(m)) is not None:
-            m._moe_offload_plain = plain
+        elif getattr(m, "activation", None) == "silu":
+            m._moe_offload_plain = hasattr(m, "in_proj_qkv")  # Qwen3.5's separate projections, else Qwen3-Next's
             # the kernel's fp32 constants, once (A_log.float() and dt_bias as the module promotes them; conv bias)
             m._moe_offload_fp32 = (m.A_log.detach().float(), m.dt_bias.detach().float(),
                                    None if m.conv1d.bias is None else m.conv1d.bias.detach().float())
@@ -96,7 +63,7 @@ def _kernel_takes(layer, x: torch.Tensor) -> bool:
     from moe_offload.engines.offload.kernels import jit
 
     return (x.dtype == torch.bfloat16 and x.is_cpu and layer.conv1d.weight.dtype == torch.float32
-            and layer.norm.weight.dtype == torch.bfloat16 and switches.on(ENV) and jit.load())
+            and layer.norm.weight.dtype == torch.bfloat16 and jit.load())
 
 
 def _kernel(layer, x: torch.Tensor, conv_state, state, slots=None) -> torch.Tensor:
@@ -181,10 +148,10 @@ class LinearLayer:
     @classmethod
     def of(cls, m: torch.nn.Module) -> "LinearLayer | None":
         """The layer ``m`` (installed by ``install``) as deltanet_layer_bf16 takes it, or None: projections with a bias,
-        bf16 beside int8 / ggml blocks, a conv or norm of other dtypes, or the switch off."""
+        bf16 beside int8 / ggml blocks, a conv or norm of other dtypes."""
         from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 
-        if not isinstance(m.__dict__.get("forward"), functools.partial) or not switches.on(ENV):
+        if not isinstance(m.__dict__.get("forward"), functools.partial):
             return None
         plain = m._moe_offload_plain
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a") if plain else ("in_proj_qkvz", "in_proj_ba")

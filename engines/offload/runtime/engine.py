@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
+from moe_offload.control import families
 from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats
 from moe_offload.engines.offload.runtime import deltanet, kv_budget
 from moe_offload.engines.offload.runtime.accounting import Accounting
 from moe_offload.engines.offload.runtime.kv_budget import KVCacheConfig
-from moe_offload.engines.offload.runtime.model_runner import ModelRunner
+from moe_offload.engines.offload.runtime.model_runner import ModelRunner, describe_model
 from moe_offload.engines.offload.runtime.output import OutputProcessor, Request
 from moe_offload.engines.offload.runtime.sampling import SequenceState
 from moe_offload.engines.offload.runtime.scheduler import RUNNING, Scheduler, SchedulerConfig
@@ -72,8 +73,11 @@ class OffloadEngine(Engine):
         sched = scheduler or SchedulerConfig()
         text_config = self.model.config.get_text_config()
         model_len = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
+        # what each layer computes, from the config and the family registry (control/description.py), once
+        self.description = describe_model(self.model)
+        family = families.family_of(self.description.model_type)
         # gated-DeltaNet layers: their state in the pool's seats, one-token steps in one kernel call (deltanet.py)
-        self.deltanet_layers = deltanet.install(self.model)
+        self.deltanet_layers = deltanet.install(self.model, family.linear if family is not None else "")
         probed = kv_budget.probe_kv_bytes(self.model, self.executor, self.device) if cache == "paged" else None
         # bytes of KV per token, and of fixed-size per-sequence state (linear attention) per sequence
         self.kv_bytes_per_token, self.state_bytes_per_seq = probed if probed is not None else (None, 0)
@@ -89,7 +93,8 @@ class OffloadEngine(Engine):
         self.scheduler = Scheduler(
             SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, chunked_prefill=self.paged), self.pool)
         self.accounting = Accounting(getattr(self.executor, "tier_names", None))
-        self.runner = ModelRunner(self.model, self.executor, self.pool, self.device, self.accounting, paged=self.paged)
+        self.runner = ModelRunner(self.model, self.executor, self.pool, self.device, self.accounting, paged=self.paged,
+                                  desc=self.description)
         self.output = OutputProcessor(self.scheduler, self.accounting)
         placement = getattr(offloaded, "placement", None)
         self.info = EngineInfo(

@@ -11,16 +11,15 @@
       (every expert resident: all of this for every layer in one C++ call instead, runtime/decode_step.py)
       -> final norm (moe_offload::rmsnorm_bf16) -> LM head -> logits [M, V]
 
-Why: the module path spends about as long in small torch ops as in reading weights (docs/benchmarks.md,
+Why: the module path spends about as long in small torch ops as in reading weights (docs/benchmarks/engine.md,
 decode-step profile); this path makes one call per layer for everything but the experts.
 
-When: bf16 weights on the CPU with the kernels built, the paged KV cache, a decode-only step, and a family
-whose layers this path reproduces (``FAMILIES``: qwen3_moe, qwen2_moe, olmoe, mixtral, gpt_oss with the router
-fused too; qwen3_next likewise, its gated-DeltaNet layers in one call each, its gated attention and zero-centred
-norms in decode_layer_bf16; glm4_moe, dots1, hy_v3, solar_open, minimax_m2 with attention and norms fused and the MoE
-block run as its module, or by moe_blocks.py where it is DeepSeek-V3's block (glm4_moe, dots1); the roundings of each
-family's module path are mirrored); anything else,
-a prefill chunk, fp32, CUDA, MOE_OFFLOAD_FAST_DECODE=0 run the module path). The KV rows it writes are the
+When: the model's description (control/description.py, from the family registry control/families.py) says
+every layer is a kind this path computes, bf16 weights on the CPU with the kernels built, the paged KV cache, and a
+decode-only step. The description decides what each layer computes (norm kind, rotary kind and table or NoPE, window,
+router kind: in the layer call for softmax routers, a MoE block's selection in moe_blocks.py for the others, or the
+block's module); this file only binds it to the model's weights and runs it. The roundings of each family's module
+path are mirrored. Anything else, a prefill chunk, fp32, CUDA run the module path. The KV rows it writes are the
 rows the module path writes, so the two paths mix freely within a sequence.
 """
 
@@ -31,68 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_offload.engines.offload import switches
-from moe_offload.engines.offload.kernels import jit
+from moe_offload.control.description import Attention, LinearMixer, ModelDescription, MoEBlock, Rotary
+from moe_offload.engines.offload.kernels import jit, ops
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.engines.offload.runtime import deltanet
 from moe_offload.engines.offload.runtime.decode_step import StepCall
-from moe_offload.engines.offload.runtime.moe_blocks import (
-    deepseek_block,
-    mlp_args,
-    mlp_rows,
-    sigmoid_topk_block,
-    softmax_bias_block,
-)
+from moe_offload.engines.offload.runtime.moe_blocks import block_for, mlp_args, mlp_rows
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
-
-ENV = "MOE_OFFLOAD_FAST_DECODE"
-
-
-@dataclass(frozen=True)
-class Family:
-    """What differs between the families this path covers."""
-
-    window_from_config: bool  # sliding window: config.sliding_window (else the attention module's attribute)
-    router_weights_bf16: bool  # the router casts its top-k weights to the model dtype (Mixtral keeps fp32)
-    always_renormalise: bool  # top-k weights renormalised whatever the config says (Mixtral)
-    router: str | None = "gate"  # the MoE block's router module; None: the block runs as a module (its own router,
-    # shared experts and glue; the executor still serves its experts), only attention and norms are fused
-    router_mode: int = 0  # 0: softmax over all experts, then top-k; 1: top-k logits, then softmax over them
-    norm_mode: int = 0  # 0: bf16(w * bf16(x / rms)); 1: bf16(w * (x / rms)) (gpt-oss scales in fp32)
-    rope: str = "full"  # "full": rotate_half over the head; "halves": gpt-oss's cos/sin of D/2 over the two halves;
-    # "partial": rotate_half over the first cos.shape[-1] dims, the rest passes (partial_rotary_factor); "pairs_fp32":
-    # interleaved pairs in fp32 from fp32 cos/sin (Ernie 4.5)
-    gated: bool = False  # q_proj holds per head q and an output gate: attention * sigmoid(gate) (Qwen3-Next)
-
-    @property
-    def rope_mode(self) -> int:
-        """decode_layer_bf16's rope_mode."""
-        return 1 if self.rope == "pairs_fp32" else 0
-
-
-FAMILIES = {
-    "qwen3_moe": Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False),
-    "qwen2_moe": Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False),
-    "olmoe": Family(window_from_config=True, router_weights_bf16=True, always_renormalise=False),
-    "mixtral": Family(window_from_config=True, router_weights_bf16=False, always_renormalise=True),
-    # attention sinks, q/k/v/o and router biases, sliding and full layers alternating, rotary over halves; the
-    # experts (biases, clamped swiglu, MXFP4 as shipped) stay with the executor
-    "gpt_oss": Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False, router="router",
-                      router_mode=1, norm_mode=1, rope="halves"),
-}
-# Families whose attention and norms this path reproduces but whose routers it does not (sigmoid scores, correction
-# biases, expert groups, shared experts): the fused call does attention and norms, the MoE block runs as its module.
-MODULE_MLP = Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False, router=None,
-                    rope="partial")
-FAMILIES.update({name: MODULE_MLP for name in ("glm4_moe", "dots1", "hy_v3", "solar_open", "minimax_m2")})
-# zero-centred norms ((1 + w), fp32, one rounding), gated attention over a partial rotary, Qwen2-MoE's router and
-# gated shared expert; three of four layers gated-DeltaNet linear attention (deltanet.LinearLayer, one call each)
-FAMILIES["qwen3_next"] = Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False,
-                                norm_mode=2, rope="partial", gated=True)
-FAMILIES["ernie4_5_moe"] = Family(window_from_config=False, router_weights_bf16=True, always_renormalise=False, router=None,
-                                  rope="pairs_fp32")
 
 
 def _shared_args(se, gate) -> tuple | None:
@@ -114,10 +60,9 @@ def _eps(norm) -> float:
     return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
 
 
-def _attention_args(layer, attn, eps: float, fam: Family, cfg) -> tuple:
+def _attention_args(layer, attn, eps: float, window: int | None) -> tuple:
     """decode_layer_bf16's weight arguments of a softmax-attention layer: (ln1, eps, q, k, v, their biases, q/k norms),
     (scaling, window, o, its bias, ln2); int8 rows or ggml blocks where the projections hold them."""
-    window = getattr(cfg, "sliding_window", None) if fam.window_from_config else getattr(attn, "sliding_window", None)
     q8 = isinstance(attn.q_proj, (QuantLinear, BlockLinear))
     w_of = (lambda m: m.weight_q) if q8 else (lambda m: m.weight)
     qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -131,10 +76,6 @@ def _attention_args(layer, attn, eps: float, fam: Family, cfg) -> tuple:
 def _head_dim(inner) -> int | None:
     """The head dim of the model's softmax attention (its first layer that has one)."""
     return next((layer.self_attn.head_dim for layer in inner.layers if getattr(layer, "self_attn", None) is not None), None)
-
-
-def enabled_by_env() -> bool:
-    return switches.on(ENV)
 
 
 @dataclass
@@ -156,112 +97,116 @@ class _Layer:
     shared_args: tuple | None = None  # (gate_up [2I, H], down [H, I], gate [1, H], scales x 2) for shared_expert_bf16
     dense: tuple | None = None  # a dense layer's silu MLP as mlp_args gives it (gate_up, down, scales x 2), else None
     linear: object | None = None  # a gated-DeltaNet layer (deltanet.LinearLayer): args then holds (ln1, eps), (ln2,)
+    rotary: Rotary | None = None  # an attention layer's rotary (None: NoPE)
 
 
 class DecodePlan:
-    """Built once per engine by ``build``; ``forward`` runs one decode-only step."""
+    """Built once per engine by ``build`` from the model's description; ``forward`` runs one decode-only step."""
 
-    def __init__(self, model, executor, family: Family, layers: list[_Layer], eps: float, bs: int, pool):
-        self.model, self.executor, self.family = model, executor, family
+    def __init__(self, model, executor, desc: ModelDescription, layers: list[_Layer], eps: float, bs: int, pool):
+        self.model, self.executor, self.desc = model, executor, desc
+        self.codes = ops.layer_codes(desc)
         self.layers, self.eps, self.bs, self.pool = layers, eps, bs, pool
         inner = model.model
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         self.lm_head = model.lm_head
         self.head_dim = _head_dim(inner)
         self.linear = [lay for lay in layers if lay.linear is not None]  # gated-DeltaNet layers, in order
+        # one cos/sin per step serves every layer (the whole-step call takes one); else per rotary (a table per layer
+        # type, or none: NoPE layers rotate by the identity, cos 1 and sin 0, which leaves q and k bit for bit)
+        self.uniform_rotary = desc.uniform_rotary
         self.steps = 0
         self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: not built yet
 
-    # -- eligibility --------------------------------------------------------------------------------------------
+    # -- binding the description to the model's weights ------------------------------------------------------------
     @classmethod
-    def build(cls, model, executor, pool) -> "DecodePlan | None":
-        """The plan for this model, or None (with the reason logged at debug) where the module path must run.
-        Never raises: a layout it does not expect means the module path."""
+    def build(cls, model, executor, pool, desc: ModelDescription) -> "DecodePlan | None":
+        """The plan for this model, or None (with the reason logged) where the module path must run. Never raises: a
+        module layout that does not hold what the description says means the module path."""
         try:
-            return cls._build(model, executor, pool)
+            return cls._build(model, executor, pool, desc)
         except (AttributeError, TypeError, ValueError, RuntimeError) as e:
-            log.debug("fused decode path off", reason=f"{type(e).__name__}: {e}")
+            log.info("fused decode path off: decode steps run transformers' modules", reason=f"{type(e).__name__}: {e}",
+                     model_type=desc.model_type)
             return None
 
     @classmethod
-    def _build(cls, model, executor, pool) -> "DecodePlan | None":
-        why = cls._refuse(model, executor)
+    def _build(cls, model, executor, pool, desc: ModelDescription) -> "DecodePlan | None":
+        why = cls._refuse(model, executor, desc)
         if why:
             log.info("fused decode path off: decode steps run transformers' modules", reason=why,
-                     model_type=getattr(model.config, "model_type", ""))
+                     model_type=desc.model_type)
             return None
-        cfg = model.config
-        fam = FAMILIES[cfg.model_type]
         eps = _eps(model.model.norm)
         layers = []
-        for i, layer in enumerate(model.model.layers):
+        for i, (layer, d) in enumerate(zip(model.model.layers, desc.layers)):
             attn = getattr(layer, "self_attn", None)
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (qn, kn) if n is not None]
             if any(_eps(n) != eps for n in norms):
-                log.debug("fused decode path off", reason="norms with different eps")
-                return None
+                return _off("norms with different eps")
             mlp = layer.mlp
             experts = getattr(mlp, "experts", None)
             state = getattr(experts, "_moe_offload", None) if experts is not None else None
-            router = getattr(mlp, fam.router, None) if fam.router else None
-            moe = mlp if state is not None and hasattr(router, "weight") else None
+            if isinstance(d.ffn, MoEBlock) != (experts is not None):
+                return _off(f"layer {i}: the description and the modules disagree on a MoE layer")
             if experts is not None and state is None:
-                log.debug("fused decode path off", reason=f"layer {i}: experts not served by the executor")
-                return None
-            if fam.router and experts is not None and moe is None:
-                log.debug("fused decode path off", reason=f"layer {i}: no {fam.router}.weight")
-                return None
+                return _off(f"layer {i}: experts not served by the executor")
+            fused = isinstance(d.ffn, MoEBlock) and _router_in_layer_call(d.ffn)
+            router = _router_module(mlp) if fused else None
+            if fused and router is None:
+                return _off(f"layer {i}: no router weight")
+            moe = mlp if fused else None
             shared = None
-            if moe is not None and hasattr(mlp, "shared_expert"):
+            if moe is not None and d.ffn.shared_gate:
                 shared = (mlp.shared_expert, mlp.shared_expert_gate)
-            if attn is None:  # a gated-DeltaNet layer: one deltanet_layer_bf16 call
+            if isinstance(d.mixer, LinearMixer):  # a gated-DeltaNet layer: one deltanet_layer_bf16 call
                 lay = _Layer(i, ((layer.input_layernorm.weight, eps), (layer.post_attention_layernorm.weight,)), moe,
                              experts, state, None if moe is not None else mlp, shared)
                 lay.linear = deltanet.LinearLayer.of(layer.linear_attn)
                 if lay.linear is None:
-                    log.debug("fused decode path off", reason=f"layer {i}: linear attention the layer call does not take")
-                    return None
+                    return _off(f"layer {i}: linear attention the layer call does not take")
             else:
-                lay = _Layer(i, _attention_args(layer, attn, eps, fam, cfg), moe, experts, state,
+                lay = _Layer(i, _attention_args(layer, attn, eps, d.mixer.window), moe, experts, state,
                              None if moe is not None else mlp, shared)
+                lay.rotary = d.mixer.rotary
                 lay.sinks = getattr(attn, "sinks", None)
                 if isinstance(attn.q_proj, (QuantLinear, BlockLinear)):  # --dense-dtype int8, a GGUF file's blocks
                     lay.scales = tuple(getattr(attn, a).weight_scale for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
-            if moe is None and experts is not None:  # DeepSeek-V3's block (GLM-4.5+, dots.llm1), MiniMax-M2's
-                lay.block = deepseek_block(mlp) or sigmoid_topk_block(mlp) or softmax_bias_block(mlp)
+            if moe is None and experts is not None:  # the block's selection by kind, or its module (runs_as_module)
+                lay.block = block_for(mlp, d.ffn)
             if shared is not None:
                 lay.shared_args = _shared_args(*shared)
             if experts is None:
                 lay.dense = mlp_args(mlp)
             if moe is not None:
                 if any(t is not None and t.dtype != torch.bfloat16 for t in (router.weight, getattr(router, "bias", None))):
-                    log.debug("fused decode path off", reason=f"layer {i}: router not bf16")
-                    return None
+                    return _off(f"layer {i}: router not bf16")
                 lay.router = router.weight
                 lay.router_bias = getattr(router, "bias", None)
-                lay.top_k = int(router.top_k)
-                lay.norm_topk = fam.always_renormalise or bool(getattr(router, "norm_topk_prob", False))
+                lay.top_k = d.ffn.router.top_k
+                lay.norm_topk = d.ffn.router.renormalise
             if lay.linear is not None and lay.router_bias is not None:
-                log.debug("fused decode path off", reason=f"layer {i}: a router bias beside linear attention")
-                return None
+                return _off(f"layer {i}: a router bias beside linear attention")
             layers.append(lay)
-        log.info("fused decode path on", model_type=cfg.model_type, layers=len(layers),
-                 router="fused" if fam.router else "module")
-        return cls(model, executor, fam, layers, eps, pool.block_size, pool)
+        log.info("fused decode path on", model_type=desc.model_type, layers=len(layers),
+                 router="fused" if any(lay.moe is not None for lay in layers) else "module")
+        return cls(model, executor, desc, layers, eps, pool.block_size, pool)
 
     @staticmethod
-    def _refuse(model, executor) -> str:
-        if not enabled_by_env():
-            return f"{ENV}=0"
+    def _refuse(model, executor, desc: ModelDescription) -> str:
+        if desc.path != "fused":
+            return desc.why
+        if desc.attention == "mla":
+            return "MLA attention (mla_plan.py)"
         cfg = model.config
-        if getattr(cfg, "model_type", "") not in FAMILIES:
-            return "family not covered"
         if executor is None:
             return "no offload executor"
         inner = getattr(model, "model", None)
         if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return "unexpected module layout"
+        if len(inner.layers) != len(desc.layers):
+            return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
         if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, QuantLinear, BlockLinear)):
             return "no linear LM head"
         if getattr(cfg, "clip_qkv", None) is not None:
@@ -295,14 +240,15 @@ class DecodePlan:
         head_dim = _head_dim(inner)
         if head_dim is None:
             return "no attention layer"
-        probe = torch.zeros(1, 1, cfg.hidden_size, dtype=torch.bfloat16)
-        cos, _ = inner.rotary_emb(probe, torch.zeros(1, 1, dtype=torch.long))
-        rope = FAMILIES[cfg.model_type].rope
-        if rope == "pairs_fp32" and not (cos.shape[-1] == head_dim and cos.dtype == torch.float32):
-            return f"fp32 rotary of {cos.shape[-1]} dims on heads of {head_dim} expected"
-        if not (cos.shape[-1] == head_dim or (rope == "halves" and 2 * cos.shape[-1] == head_dim)
-                or (rope == "partial" and cos.shape[-1] < head_dim and cos.shape[-1] % 2 == 0)):
-            return f"rotary of {cos.shape[-1]} dims on heads of {head_dim}"
+        for rotary in {lay.mixer.rotary for lay in desc.layers if isinstance(lay.mixer, Attention)} - {None}:
+            cos, _ = _cos_sin(inner.rotary_emb, torch.zeros(1, 1, cfg.hidden_size, dtype=torch.bfloat16),
+                              torch.zeros(1, 1, dtype=torch.long), rotary, raw=True)
+            kind, d = rotary.kind, cos.shape[-1]
+            if kind == "interleaved_fp32" and not (d == head_dim and cos.dtype == torch.float32):
+                return f"fp32 rotary of {d} dims on heads of {head_dim} expected"
+            if not (d == head_dim or (kind == "halves" and 2 * d == head_dim)
+                    or (kind == "partial" and d < head_dim and d % 2 == 0)):
+                return f"rotary of {d} dims on heads of {head_dim}"
         if not jit.load():
             return "kernels unavailable"
         return ""
@@ -318,13 +264,12 @@ class DecodePlan:
         lens_t = torch.tensor(lens, dtype=torch.long)
         pos = lens_t.sub(1).unsqueeze(0)  # [1, M]
         h = self.embed(torch.tensor(ids, dtype=torch.long))  # [M, H]
-        cos, sin = self.rotary(h, pos)  # [1, M, D] (gpt-oss: [1, M, D/2], applied to the two halves)
-        if self.family.rope == "halves":  # the same products as rotate_half over [cos, cos], [sin, sin]
-            cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-        elif self.family.rope == "pairs_fp32":  # pair j's angle: the first half (the module repeats it interleaved)
-            half = cos.shape[-1] // 2
-            cos, sin = cos[..., :half], sin[..., :half]
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        rot = {r: _cos_sin(self.rotary, h, pos, r)
+               for r in {lay.rotary for lay in self.layers if lay.linear is None} - {None}}
+        if any(lay.rotary is None and lay.linear is None for lay in self.layers):  # NoPE: the identity rotation
+            d = max((c.shape[-1] for c, _ in rot.values()), default=self.head_dim)
+            rot[None] = (h.new_ones(M, d), h.new_zeros(M, d))
+        cos, sin = next(iter(rot.values())) if rot else (None, None)  # the one table when uniform_rotary
         ex = self.executor
         t0 = time.perf_counter()
         ex.begin_forward()
@@ -344,21 +289,21 @@ class DecodePlan:
             return self._logits(x, t0)
         op = torch.ops.moe_offload.decode_layer_bf16
         add = None
-        fam = self.family
-        rw_bf16 = fam.router_weights_bf16
+        c = self.codes
         for lay in self.layers:
             if lay.linear is not None:
                 (ln1, eps), (ln2,) = lay.args
                 h, x2, idx, w = lay.linear.step(states[lay.idx], h, add, ln1, eps, ln2, lay.router, lay.top_k,
-                                                lay.norm_topk, rw_bf16, fam.norm_mode, seats_t)
+                                                lay.norm_topk, c.w_bf16, c.norm_mode, seats_t)
             else:
                 (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
                 hd = self.head_dim
                 kp, vp = self.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
+                cos, sin = rot[lay.rotary]
                 h, x2, idx, w = op(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kp, vp, table, lens_t,
                                    self.bs, scaling, window, wo, bo, ln2, lay.router, lay.top_k, lay.norm_topk,
-                                   rw_bf16, lay.sinks, lay.router_bias, fam.norm_mode, fam.router_mode, *lay.scales,
-                                   fam.rope_mode, fam.gated)
+                                   c.w_bf16, lay.sinks, lay.router_bias, c.norm_mode, c.router_mode, *lay.scales,
+                                   c.rope_mode, c.gated)
             if lay.moe is not None:
                 out = ex.forward(lay.state, lay.experts, x2, idx, w)
                 if lay.shared_args is not None:  # one kernel call, rounded as the module's ops round
@@ -374,10 +319,46 @@ class DecodePlan:
                 out = lay.mlp(x2.unsqueeze(0))
                 out = (out[0] if isinstance(out, tuple) else out)[0]
             add = out.contiguous()
-        return self._logits(torch.ops.moe_offload.rmsnorm_bf16(h, add, self.norm.weight, self.eps, fam.norm_mode), t0)
+        return self._logits(torch.ops.moe_offload.rmsnorm_bf16(h, add, self.norm.weight, self.eps, c.norm_mode), t0)
 
     def _logits(self, x: torch.Tensor, t0: float) -> torch.Tensor:
         logits = self.lm_head(x)  # [M, V]
         self.executor.end_forward(t0)
         self.steps += 1
         return logits
+
+
+def _off(reason: str) -> None:
+    log.info("fused decode path off: decode steps run transformers' modules", reason=reason)
+    return None
+
+
+def _router_in_layer_call(block: MoEBlock) -> bool:
+    """decode_layer_bf16 computes this block's router itself: softmax scores (over every expert, or over the top-k
+    logits) without a correction bias; other routers are a MoE block's selection (moe_blocks.block_for)."""
+    r = block.router
+    return not block.runs_as_module and r.scoring == "softmax" and not r.correction_bias and r.groups is None
+
+
+def _router_module(mlp):
+    """The MoE block's router linear: its ``gate`` or its ``router`` (gpt-oss), whichever holds a weight."""
+    for name in ("gate", "router"):
+        m = getattr(mlp, name, None)
+        if hasattr(m, "weight") and hasattr(m, "top_k"):
+            return m
+    return None
+
+
+def _cos_sin(module, h: torch.Tensor, pos: torch.Tensor, rotary: Rotary, raw: bool = False):
+    """cos, sin [M, RD] of ``rotary`` at positions pos [1, M] from the model's own rotary module (every rope scaling it
+    knows; a table per layer type where the family keeps one), laid out as decode_layer_bf16 reads them. ``raw``: as
+    the module returns them ([1, M, D'])."""
+    cos, sin = module(h, pos, rotary.table) if rotary.table else module(h, pos)  # [1, M, D']
+    if raw:
+        return cos, sin
+    if rotary.kind == "halves":  # gpt-oss: cos/sin of D/2 over the two halves = rotate_half over [cos, cos], [sin, sin]
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    elif rotary.kind == "interleaved_fp32":  # pair j's angle: the first half (the module repeats it interleaved)
+        half = cos.shape[-1] // 2
+        cos, sin = cos[..., :half], sin[..., :half]
+    return cos[0].contiguous(), sin[0].contiguous()

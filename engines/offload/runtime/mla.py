@@ -12,13 +12,13 @@ up-projections absorbed into the query and the output (DeepSeek's inference code
       --o_proj--> ...
 
 Why: expanding is a [L, R] x [R, H*(N+V)] product per layer and step, on top of attention over H full-width keys;
-on a DeepSeek-V3-layout model it was two-thirds of a decode step (docs/benchmarks.md). Absorbed, a step reads
+on a DeepSeek-V3-layout model it was two-thirds of a decode step (docs/benchmarks/engine.md). Absorbed, a step reads
 kv_b_proj once and R + P values per cached position. Prefill chunks keep the expansion: there the product is a
 GEMM over the chunk's rows either way, and absorbed attention does more work per (query, key) pair.
 
 Which modules: every transformers attention module with ``expand_kv`` and ``kv_b_proj`` (DeepSeek-V2/V3, Kimi,
 GLM-4.7-Flash, LongCat, MiniCPM3, Mistral 4, ...), except those with a sparse-attention indexer (DeepSeek-V3.2's
-DSA: its mask selects keys) or a sliding window. ``MOE_OFFLOAD_MLA_ABSORB=0`` keeps the expansion everywhere.
+DSA: its mask selects keys) or a sliding window.
 
 Numbers: the absorbed sums run in fp32 and round once, where the module path rounds the expanded keys and values to
 the model dtype first; fp32 models agree to float rounding (greedy tokens identical in the exactness tests), bf16
@@ -32,15 +32,8 @@ import functools
 
 import torch
 
-from moe_offload.engines.offload import switches
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.runtime import kv
-
-ENV = "MOE_OFFLOAD_MLA_ABSORB"
-
-
-def enabled_by_env() -> bool:
-    return switches.on(ENV)
 
 
 def eligible(module) -> bool:
@@ -58,10 +51,8 @@ def eligible(module) -> bool:
 
 
 def prepare(model) -> int:
-    """Install the absorbed decode on every eligible MLA module of ``model``; returns how many (0 when none, or
-    when ``MOE_OFFLOAD_MLA_ABSORB=0``). Idempotent."""
-    if not enabled_by_env():
-        return 0
+    """Install the absorbed decode on every eligible MLA module of ``model``; returns how many (0 when none).
+    Idempotent."""
     n = 0
     for m in model.modules():
         if hasattr(m, "_moe_offload_mla"):  # installed before (False: switched off for an A/B, still installed)

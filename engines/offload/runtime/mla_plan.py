@@ -13,12 +13,12 @@ around attention.
       -> final norm -> LM head -> logits [M, V]
 
 Why: in the module path a DeepSeek-V3-layout decode step spends about a third of its time in ~2000 small torch
-ops (norms in 6-7 ops, the cache update, the split/cat/transpose of MLA, dtype copies; docs/benchmarks.md); here
+ops (norms in 6-7 ops, the cache update, the split/cat/transpose of MLA, dtype copies; docs/benchmarks/engine.md); here
 the attention half is ~12 calls per layer.
 
-Which models, by construction rather than by a list: every model whose decoder layer, MLA attention and RMSNorm
-have DeepSeek-V3's source code (transformers copies them into each family that shares the layout:
-moe_blocks.same_source compares the source with the family prefixes taken out), in bf16 on the CPU with the kernels built and the paged cache.
+Which models: those whose description (control/description.py) has MLA attention, i.e. the registry's families
+with DeepSeek-V3's layers (control/families.py; tests/engines/offload/test_family_registry.py checks each against the
+installed transformers' source), in bf16 on the CPU with the kernels built and the paged cache.
 Each step computes what the module path computes, at the same roundings, through the same kernels (logits equal
 where the routes agree; tests/engines/offload/runtime/test_mla.py).
 Legend: M sequences (one token each), H hidden, Hh heads, N/P/V nope/rope/value head dims, R kv_lora_rank.
@@ -26,51 +26,31 @@ Legend: M sequences (one token each), H hidden, Hh heads, N/P/V nope/rope/value 
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
 
+from moe_offload.control.description import ModelDescription, MoEBlock
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.kernels.dispatch import GEMM_MAX_TOKENS
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
-from moe_offload.engines.offload.runtime import fastpath, mla
 from moe_offload.engines.offload.runtime.decode_step import StepCall
-from moe_offload.engines.offload.runtime.moe_blocks import deepseek_block, fuse_linears, mlp_args, mlp_rows, same_source
+from moe_offload.engines.offload.runtime.moe_blocks import block_for, fuse_linears, mlp_args, mlp_rows
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
 
 
-def _same_rotary(attn) -> bool:
-    """The attention module's rotary functions are DeepSeek-V3's (what mla_prologue_bf16 reproduces)."""
-    import inspect
-
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ref
-
-    mod = sys.modules[type(attn).__module__]
-    try:
-        return all(inspect.getsource(getattr(mod, f)) == inspect.getsource(getattr(ref, f))
-                   for f in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "rotate_half"))
-    except (AttributeError, OSError, TypeError):
-        return False
-
-
-def _reference_classes():
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
-
-    return m.DeepseekV3DecoderLayer, m.DeepseekV3Attention, m.DeepseekV3RMSNorm
-
-
 class MLADecodePlan:
     """Built once per engine by ``build`` (or None); ``forward`` runs one decode-only step, as fastpath.DecodePlan."""
 
-    def __init__(self, model, executor, pool):
-        self.model, self.executor, self.pool = model, executor, pool
+    def __init__(self, model, executor, pool, desc: ModelDescription):
+        self.model, self.executor, self.pool, self.desc = model, executor, pool, desc
         inner = model.model
         self.embed, self.rotary, self.norm, self.lm_head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
         self.layers = list(inner.layers)
-        self.blocks = [deepseek_block(layer.mlp) for layer in self.layers]  # None: the MLP runs as its module
+        self.blocks = [block_for(layer.mlp, d.ffn) if isinstance(d.ffn, MoEBlock) else None  # None: its module runs
+                       for layer, d in zip(self.layers, desc.layers)]
         # q_a and kv_a read the same input: one GEMV over their rows (the modules' weights become views of it), as
         # (rows, scales): bf16 (scales None), or --dense-dtype int8's rows (gemv_q)
         self.qkv_a = [fuse_linears(a.q_a_proj, a.kv_a_proj_with_mqa) if a.q_lora_rank is not None else None
@@ -83,37 +63,33 @@ class MLADecodePlan:
         self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: not built yet
 
     @classmethod
-    def build(cls, model, executor, pool) -> "MLADecodePlan | None":
+    def build(cls, model, executor, pool, desc: ModelDescription) -> "MLADecodePlan | None":
         try:
-            why = cls._refuse(model, executor)
+            why = cls._refuse(model, executor, desc)
         except (AttributeError, TypeError, ValueError) as e:  # a layout it does not expect: the module path
             why = f"{type(e).__name__}: {e}"
         if why:
             log.debug("MLA fused decode path off", reason=why, model_type=getattr(model.config, "model_type", ""))
             return None
-        plan = cls(model, executor, pool)
+        plan = cls(model, executor, pool, desc)
         log.info("fused decode path on", model_type=model.config.model_type, layers=len(plan.layers),
                  attention="mla (absorbed)", router="fused" if any(plan.blocks) else "module")
         return plan
 
     @staticmethod
-    def _refuse(model, executor) -> str:
-        if not fastpath.enabled_by_env() or not mla.enabled_by_env():
-            return "switched off"
+    def _refuse(model, executor, desc: ModelDescription) -> str:
+        if desc.path != "fused" or desc.attention != "mla":
+            return desc.why or "not MLA attention"
         inner = getattr(model, "model", None)
         if executor is None or inner is None or not all(
                 hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return "unexpected module layout"
-        layer_cls, attn_cls, norm_cls = _reference_classes()
+        if len(inner.layers) != len(desc.layers):
+            return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
         for layer in inner.layers:
             attn = getattr(layer, "self_attn", None)
-            if not (same_source(layer, layer_cls) and same_source(attn, attn_cls)
-                    and getattr(attn, "_moe_offload_mla", False)):
-                return "not DeepSeek-V3's decoder layer and MLA attention"
-            norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.kv_a_layernorm]
-            norms += [attn.q_a_layernorm] if attn.q_lora_rank is not None else []
-            if not all(same_source(n, norm_cls) for n in norms + [inner.norm]):
-                return "not DeepSeek-V3's RMSNorm"
+            if not getattr(attn, "_moe_offload_mla", False):
+                return "MLA attention not absorbed (mla.py)"
             # the absorbed attention reads kv_b_proj's bf16 weight per head; the other projections may be
             # --dense-dtype int8's QuantLinear (or a GGUF file's blocks), called as gemv_q as the module path calls them
             if type(attn.kv_b_proj) is not torch.nn.Linear:
@@ -125,8 +101,6 @@ class MLADecodePlan:
             for m in [attn, layer.input_layernorm, layer.post_attention_layernorm]:
                 if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in m.parameters()):
                     return "not bf16 on the CPU"
-        if not _same_rotary(inner.layers[0].self_attn):
-            return "not DeepSeek-V3's rotary functions"
         if not isinstance(getattr(model, "lm_head", None), torch.nn.Module):
             return "no LM head"
         if inner.norm.weight.dtype != torch.bfloat16 or inner.embed_tokens.weight.dtype != torch.bfloat16:

@@ -4,8 +4,9 @@
       paged:  every token of the step packed into one forward [1, N]: ids, positions, slot_mapping [N] (pool rows
               of the new KV), the key layout (layout(): decode sequences first, each padded to the longest, then
               each prefill chunk's context) --model + PagedCache (kv.py)--> logits of the kept rows [R, V]
-      fused:  a step where every sequence computes one token, on a covered family --DecodePlan (fastpath.py)-->
-              logits [B, V]
+      fused:  a step where every sequence computes one token, on a model whose description (control/description.py)
+              the fused path computes --DecodePlan (fastpath.py) | MLADecodePlan (mla_plan.py), chosen once in
+              decode_plan()--> logits [B, V]
       each:   a model with state beyond attention KV: one forward per sequence on its own cache
     around each forward: the executor's counters before and after --Accounting.book--> each sequence's stats
 
@@ -16,9 +17,36 @@ from __future__ import annotations
 
 import torch
 
+from moe_offload.control.description import ModelDescription, describe
 from moe_offload.engines.offload.runtime import fastpath, kv, mla, mla_plan
 from moe_offload.engines.offload.runtime.accounting import Accounting, snapshot
 from moe_offload.engines.offload.runtime.scheduler import SchedulerOutput
+from moe_offload.errors import OffloadError
+from moe_offload.log import get_logger
+
+log = get_logger("moe_offload.runner")
+
+
+def describe_model(model) -> ModelDescription:
+    """The model's description (control/description.py) from its config, once per engine; a config the description
+    cannot read describes as the module path, with the reason."""
+    cfg = model.config
+    try:
+        return describe(cfg)
+    except (OffloadError, ValueError, TypeError, KeyError) as e:
+        return ModelDescription(str(getattr(cfg, "model_type", "")), "module", f"{type(e).__name__}: {e}", None, ())
+
+
+def decode_plan(model, executor, pool, desc: ModelDescription):
+    """The one place the decode path is chosen, from the description: its decode-only steps skip transformers' modules
+    (fastpath.py for softmax and linear attention, mla_plan.py for MLA) where every layer is a kind those compute;
+    None: every step runs the modules. Tests replace this function to run the module path as the reference."""
+    if desc.path != "fused":
+        log.info("decode steps run transformers' modules", model_type=desc.model_type, reason=desc.why)
+        return None
+    if desc.attention == "mla":
+        return mla_plan.MLADecodePlan.build(model, executor, pool, desc)
+    return fastpath.DecodePlan.build(model, executor, pool, desc)
 
 
 class ModelRunner:
@@ -26,16 +54,15 @@ class ModelRunner:
     blocks and a step is one forward; else each sequence keeps the model's own cache (Request.cache). ``fast``:
     the fused decode plan, or None (set it to None to run every step through transformers' modules)."""
 
-    def __init__(self, model, executor, pool: kv.KVPool, device: torch.device, accounting: Accounting, *, paged: bool):
+    def __init__(self, model, executor, pool: kv.KVPool, device: torch.device, accounting: Accounting, *, paged: bool,
+                 desc: ModelDescription | None = None):
         self.model, self.executor, self.pool, self.device = model, executor, pool, device
+        self.desc = desc if desc is not None else describe_model(model)
         self.accounting, self.paged = accounting, paged
         self.paged_cache = kv.PagedCache(pool)
         # MLA layers decode over their latent cache with kv_b_proj absorbed (mla.py)
         self.mla_layers = mla.prepare(model) if paged else 0
-        # decode-only steps of covered bf16 CPU families skip transformers' modules (fastpath.py; mla_plan.py for
-        # DeepSeek-V3's layout)
-        self.fast = (fastpath.DecodePlan.build(model, executor, pool) or mla_plan.MLADecodePlan.build(model, executor, pool)
-                     if paged else None)
+        self.fast = decode_plan(model, executor, pool, self.desc) if paged else None
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Logits [R, V] of the step (rows as output.py reads them), or None when no sequence has a row."""

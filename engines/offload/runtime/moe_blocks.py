@@ -1,53 +1,25 @@
-"""Layers the fused decode paths run without their modules, recognised by their source code, not by a family list.
+"""MoE blocks the fused decode paths run without their modules, chosen by the model description's router kind.
 
-    same_source(module, reference class): the two classes' forward source with each one's family prefix taken out
-        (Glm4MoeMoE's and DeepseekV3MoE's both read ``self.gate``, ``self.experts``, ``self.shared_experts``) -- transformers copies a layer into every family that
-        shares it, so equal source means equal computation
-    softmax_bias_block(mlp): Ernie 4.5's (fp32 softmax scores + correction bias to choose, weights rounded to bf16,
-        shared experts)
-    sigmoid_topk_block(mlp): MiniMax-M2's (sigmoid scores + correction bias, top-k, no groups, no shared expert), the
-        same selection call with one group
-    deepseek_block(mlp, state): DeepSeek-V3's MoE block (sigmoid router with correction bias and expert groups, shared
-        experts; also GLM-4.5+, dots.llm1, Kimi K2, ...) as
+    block_for(mlp, MoEBlock description) --router kind-->
+        grouped_sigmoid: DeepSeek-V3's block (sigmoid router with correction bias and expert groups, shared experts;
+            also GLM-4.5+, dots.llm1, Kimi K2, ...) as
             F.linear(x, router fp32) -> sigmoid -> moe_offload::grouped_topk (kernels/csrc/cpu/router.cpp)
             -> the offload executor (tiers, fetches, statistics) + shared experts (mlp_rows: one kernel call)
+        sigmoid_topk: MiniMax-M2's (sigmoid scores + correction bias, top-k, no groups, no shared expert), the same
+            selection call with one group
+        softmax_bias: Ernie 4.5's (fp32 softmax scores + correction bias to choose, weights rounded to bf16, shared
+            experts)
+        anything else, or experts the executor does not serve: None (the block runs as its module)
 
 Why: the module's router is ~15 small torch ops per layer; the selection is one call here. The logits and the
 sigmoid are the module's own ops, the selection the module's fp32 operations (tests: test_fastpath.py, test_mla.py).
+Which family has which router is the registry's word (control/families.py), never read from a module's source.
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
-
-from moe_offload.engines.offload import switches
-
-
-def _suffix(a: str, b: str) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
-        n += 1
-    return n
-
-
-def same_source(obj, reference: type) -> bool:
-    """True when ``type(obj)``'s ``forward`` is ``reference``'s in source, with the family prefixes exchanged (the
-    computation; constructors differ in spelling, and the callers read the attributes they need)."""
-    cls = type(obj)
-    if cls is reference:
-        return True
-    n = _suffix(cls.__name__, reference.__name__)
-    mine, theirs = cls.__name__[: len(cls.__name__) - n], reference.__name__[: len(reference.__name__) - n]
-    if not n or not mine or not theirs:
-        return False
-    try:
-        return (inspect.getsource(cls.forward).replace(mine, "X")
-                == inspect.getsource(reference.forward).replace(theirs, "X"))
-    except (OSError, TypeError, AttributeError):
-        return False
 
 
 def fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor | None:
@@ -165,9 +137,7 @@ def plus_shared(out: torch.Tensor, x: torch.Tensor, shared, shared_args: tuple |
 
 
 def _served(mlp):
-    """The experts module of ``mlp`` when the fused router is on and the executor serves those experts, else None."""
-    if not switches.on("MOE_OFFLOAD_FUSED_ROUTER"):
-        return None
+    """The experts module of ``mlp`` when the executor serves those experts, else None."""
     experts = getattr(mlp, "experts", None)
     return experts if getattr(experts, "_moe_offload", None) is not None else None
 
@@ -221,18 +191,6 @@ class SigmoidTopkBlock:
         return ex.forward(self.state, self.experts, x, ids, weights)
 
 
-def sigmoid_topk_block(mlp) -> SigmoidTopkBlock | None:
-    """The block for ``mlp`` when it is MiniMax-M2's (by source) with its experts on the executor, else None."""
-    experts = _served(mlp)
-    if experts is None or not hasattr(mlp, "e_score_correction_bias"):
-        return None
-    from transformers.models.minimax_m2 import modeling_minimax_m2 as ref
-
-    if not (same_source(mlp, ref.MiniMaxM2SparseMoeBlock) and same_source(getattr(mlp, "gate", None), ref.MiniMaxM2TopKRouter)):
-        return None
-    return SigmoidTopkBlock(mlp, experts._moe_offload)
-
-
 class SoftmaxBiasBlock:
     """Ernie 4.5's MoE block for decode rows, as the module computes it: fp32 logits, their softmax, + the correction
     bias to choose top-k, the chosen softmax scores over their sum, rounded to bf16; shared experts added (mlp_rows)."""
@@ -255,30 +213,29 @@ class SoftmaxBiasBlock:
         return out if self.shared is None else plus_shared(out, x, self.shared, self.shared_args)
 
 
-def softmax_bias_block(mlp) -> SoftmaxBiasBlock | None:
-    """The block for ``mlp`` when it is Ernie 4.5's (by source) with its experts on the executor, else None."""
-    experts = _served(mlp)
-    if experts is None:
-        return None
-    from transformers.models.ernie4_5_moe import modeling_ernie4_5_moe as ref
-
-    if not (same_source(mlp, ref.Ernie4_5_MoeSparseMoeBlock) and same_source(getattr(mlp, "gate", None), ref.Ernie4_5_MoeTopKRouter)
-            and same_source(getattr(mlp.gate, "moe_statics", None), ref.Ernie4_5_MoeStatics)):
-        return None
-    return SoftmaxBiasBlock(mlp, experts._moe_offload)
-
-
 def deepseek_block(mlp) -> DeepseekBlock | None:
-    """The block for ``mlp`` when it is DeepSeek-V3's MoE block with its experts on the executor, else None
-    (``MOE_OFFLOAD_FUSED_ROUTER=0`` also gives None: the block then runs as its module)."""
+    """DeepSeek-V3's block for ``mlp`` (a grouped_sigmoid router) with its experts on the executor, else None: experts
+    not served, or groups the selection call does not take."""
     experts = _served(mlp)
     if experts is None or not hasattr(mlp, "shared_experts"):
-        return None
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ref
-
-    if not (same_source(mlp, ref.DeepseekV3MoE) and same_source(getattr(mlp, "gate", None), ref.DeepseekV3TopkRouter)):
         return None
     g = mlp.gate
     if g.num_experts % g.num_group or g.top_k > (g.num_experts // g.num_group) * g.topk_group:
         return None
     return DeepseekBlock(mlp, experts._moe_offload)
+
+
+def block_for(mlp, block) -> DeepseekBlock | SigmoidTopkBlock | SoftmaxBiasBlock | None:
+    """The block that runs ``mlp`` for decode rows, by the description's router kind (``block``: a
+    description.MoEBlock); None where its module must run."""
+    experts = _served(mlp)
+    if experts is None or block.runs_as_module:
+        return None
+    r = block.router
+    if r.scoring == "sigmoid" and r.groups is not None:
+        return deepseek_block(mlp)
+    if r.scoring == "sigmoid" and r.correction_bias and hasattr(mlp, "e_score_correction_bias"):
+        return SigmoidTopkBlock(mlp, experts._moe_offload)
+    if r.scoring == "softmax" and r.correction_bias:
+        return SoftmaxBiasBlock(mlp, experts._moe_offload)
+    return None

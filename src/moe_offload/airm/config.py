@@ -6,10 +6,10 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from moe_offload import settings
 from moe_offload.control import vocab
 from rm_core import ContractError
 
@@ -40,7 +40,7 @@ class RunConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     metrics_port: int | None = None
-    gateway: str = field(default_factory=lambda: os.environ.get("LLMD_GATEWAY_URL", ""))
+    gateway: str = field(default_factory=lambda: settings.get("LLMD_GATEWAY_URL") or "")
     wid: str | None = None
     priors: dict[str, float] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)

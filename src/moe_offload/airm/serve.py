@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from moe_offload import settings
 from rm_core import ContractError, Workload
 
 GATEWAY_TOKEN_ENV = "MOE_OFFLOAD_GATEWAY_TOKEN"
@@ -114,7 +115,7 @@ def _worker(cfg, log, running: RunningWorkload) -> None:
 def _register(cfg, url: str, name: str, log) -> None:
     from moe_offload.serving.gateway import register
 
-    token = os.environ.get(GATEWAY_TOKEN_ENV, "")
+    token = settings.get(GATEWAY_TOKEN_ENV) or ""
     if not token:
         raise ContractError("config.gateway", f"${GATEWAY_TOKEN_ENV} set (the gateway refuses workers without its token)", cfg.gateway)
 
@@ -131,7 +132,7 @@ def _register(cfg, url: str, name: str, log) -> None:
 def _gateway(cfg, log, running: RunningWorkload) -> None:
     from moe_offload.serving import gateway
 
-    app = gateway.create_app((), token=os.environ.get(GATEWAY_TOKEN_ENV) or None, api_key=cfg.api_key)
+    app = gateway.create_app((), token=settings.get(GATEWAY_TOKEN_ENV) or None, api_key=cfg.api_key)
     handle = _start(app, cfg.host, cfg.port)
     running.url = handle.url
     running._stops.append(handle.stop)

@@ -14,13 +14,13 @@ crash: every job in flight gets 503 and the engine is rebuilt on the same thread
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import threading
 import time
 from collections import deque
 from typing import Any, Callable
 
+from moe_offload import settings
 from moe_offload.engines.base import Engine
 from moe_offload.engines.params import SamplingParams
 from moe_offload.errors import ConfigError, OffloadError
@@ -29,8 +29,7 @@ from moe_offload.serving.errors import APIError
 from moe_offload.serving.events import DoneEvent, ErrorEvent, JobEvent, PromptLogprobsEvent, StartedEvent, TokenEvent
 
 log = get_logger("serving.queue")
-SWITCH_INTERVAL_S = 0.0005
-SWITCH_ENV = "MOE_OFFLOAD_SWITCH_INTERVAL"  # seconds; for A/B runs
+SWITCH_ENV = "MOE_OFFLOAD_SWITCH_INTERVAL"  # seconds (settings.py); for A/B runs
 
 
 class Job:
@@ -100,7 +99,7 @@ class EngineRunner:
         # The engine thread runs Python between torch ops, holding the GIL; each streamed token wakes the event
         # loop, which then waits up to the interpreter's switch interval (5 ms by default) for the GIL, and the
         # engine as long to get it back. A short interval keeps the serving path from stretching decode steps.
-        sys.setswitchinterval(min(sys.getswitchinterval(), float(os.environ.get(SWITCH_ENV, SWITCH_INTERVAL_S))))
+        sys.setswitchinterval(min(sys.getswitchinterval(), settings.get(SWITCH_ENV)))
         built = threading.Event()
         failure: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, args=(built, failure), name="moe-offload-engine", daemon=True)

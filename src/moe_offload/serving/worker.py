@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from moe_offload import __version__
+from moe_offload import __version__, settings
 from moe_offload.log import get_logger
 from moe_offload.serving import defaults as gen_defaults
 from moe_offload.serving import errors, openapi
@@ -74,7 +73,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         raise ConfigError(f"max_body_bytes: expected >= 1 (every request would get 413), got {max_body_bytes}")
     runner = EngineRunner(engine, max_queue=max_queue)
     if api_key is None:
-        api_key = os.environ.get(API_KEY_ENV) or None
+        api_key = settings.get(API_KEY_ENV) or None
     name = model_name or runner.info.model
     if placement is not None and getattr(placement, "predicted_hit_rate", None):
         runner.info = dataclasses.replace(runner.info, predicted_hit_rate=dict(placement.predicted_hit_rate))

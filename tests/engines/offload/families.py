@@ -65,6 +65,8 @@ OVERRIDES: dict[str, dict] = {
     "gemma4": {"text_config.enable_moe_block": True, "text_config.num_experts": EXPERTS,
                "text_config.top_k_experts": TOP_K, "text_config.moe_intermediate_size": 32},
     "dots1": {"n_routed_experts": EXPERTS, "n_shared_experts": 1},
+    # defaults with every layer full: a sliding layer beside a full one shows both rotary tables and the window
+    "mellum": {"layer_types": ["sliding_attention", "full_attention"] * 14},
     # defaults that do not build: no layer pattern, no indexer sizes
     "lfm2_moe": {"layer_types": ["conv", "conv", "full_attention", "conv"], "num_hidden_layers": 4},
     "qwen4_exp": {"text_config.indexer_n_heads": 2, "text_config.indexer_kv_heads": 1, "text_config.indexer_head_dim": 16,

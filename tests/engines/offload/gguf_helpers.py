@@ -12,7 +12,7 @@ and the transformers model each one means (the reference of the exactness tests)
     vocabulary: the demo's byte-level BPE tokenizer (tokens, types, merges)
 
 The loader undoes exactly these conversions; it was also checked against files llama.cpp's own converter wrote (see
-docs/benchmarks.md), which CI cannot build.
+docs/benchmarks/gguf.md), which CI cannot build.
 """
 
 from __future__ import annotations

@@ -10,17 +10,18 @@ that adds a family adds a test case here; the families that cannot be built are 
     ModelSpec of its config: same MoE layers as the model's experts modules; budget and plan accept it
 
 fp32 throughout. MOE_OFFLOAD_FAMILY_RESULTS=path writes each family's outcome as JSON (scripts/family_table.py
-turns it into README's table).
+turns it into docs/families.md's table).
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 import families as F
 import pytest
 import torch
+
+from moe_offload import settings
 
 FAMILIES = F.experts_families()
 RUNNABLE = [f for f in FAMILIES if f not in F.NOT_GENERATIVE]
@@ -43,7 +44,7 @@ def _one_thread_and_results():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-    out = os.environ.get("MOE_OFFLOAD_FAMILY_RESULTS")
+    out = settings.get("MOE_OFFLOAD_FAMILY_RESULTS")
     if out:
         from transformers import __version__
 

@@ -15,7 +15,7 @@ import torch
 
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.loader import load_model
-from moe_offload.engines.offload.runtime import deltanet
+from moe_offload.engines.offload.runtime import deltanet, model_runner
 
 pytestmark = pytest.mark.skipif(not jit.load(), reason="the CPU kernels cannot be built here")
 
@@ -37,7 +37,7 @@ def test_one_token_steps_match_the_module(family_checkpoints, monkeypatch, batch
 
     om = load_model(_checkpoint(family_checkpoints, family), None, dtype="bfloat16")  # convolutions widened to fp32
     layers = [m for m in om.model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
-    assert deltanet.install(om.model) == len(layers) > 0
+    assert deltanet.install(om.model, "gated_deltanet") == len(layers) > 0
     calls = []
     op = torch.ops.moe_offload.gated_delta_decode_bf16
     monkeypatch.setattr(torch.ops.moe_offload, "gated_delta_decode_bf16", lambda *a: calls.append(1) or op(*a))
@@ -73,13 +73,14 @@ def test_engine_tokens_with_and_without_the_kernel(family_checkpoints, monkeypat
     # bf16 greedy decoding of three sequences batched through the paged engine's module path: the kernel's decode rows
     # (states in the pool's seats) and the module's give the same tokens; the switch keeps the kernel out. The fused
     # decode path (Qwen3-Next: deltanet_layer_bf16 per layer, the same step inside) gives them too.
-    from moe_offload.engines.offload.runtime import fastpath
+    from moe_offload.control.families import FAMILIES as REGISTRY
     from moe_offload.engines.offload.runtime.build import build_offload_engine
 
     path = _checkpoint(family_checkpoints, family)
-    if family in fastpath.FAMILIES:
+    on_fused_path = REGISTRY[family].attention != "module"
+    if on_fused_path:
         fused = _engine_tokens(build_offload_engine(path, dtype="bfloat16"))
-    monkeypatch.setenv(fastpath.ENV, "0")
+    monkeypatch.setattr(model_runner, "decode_plan", lambda *a: None)  # the module path
     calls = []
     op = torch.ops.moe_offload.gated_delta_decode_bf16
     monkeypatch.setattr(torch.ops.moe_offload, "gated_delta_decode_bf16", lambda *a: calls.append(a[0].shape[0]) or op(*a))
@@ -92,11 +93,11 @@ def test_engine_tokens_with_and_without_the_kernel(family_checkpoints, monkeypat
     on = tokens()
     assert calls and max(calls) == 3  # decode rows of the three sequences in one call
     calls.clear()
-    monkeypatch.setenv(deltanet.ENV, "0")
+    monkeypatch.setattr(deltanet, "_kernel_takes", lambda layer, x: False)  # the module's own code for every row
     off = tokens()
     assert not calls
     assert on == off and all(len(t) == 10 for t in on)
-    if family in fastpath.FAMILIES:
+    if on_fused_path:
         assert fused == on
 
 
@@ -121,14 +122,13 @@ def test_dense_int8_holds_the_deltanet_projections_as_int8(family_checkpoints, m
     # --dense-dtype int8: the layer's input and output projections are int8 rows too (else a hybrid's int8 step reads
     # them at twice q8_0's bytes); the kernel takes their outputs, and its decode steps still run (on the module path)
     from moe_offload.engines.offload.loading.quant import QuantLinear
-    from moe_offload.engines.offload.runtime import fastpath
     from moe_offload.engines.offload.runtime.build import build_offload_engine
     from moe_offload.engines.params import SamplingParams
 
     calls = []
     op = torch.ops.moe_offload.gated_delta_decode_bf16
     monkeypatch.setattr(torch.ops.moe_offload, "gated_delta_decode_bf16", lambda *a: calls.append(1) or op(*a))
-    monkeypatch.setenv(fastpath.ENV, "0")
+    monkeypatch.setattr(model_runner, "decode_plan", lambda *a: None)  # the module path
     engine = build_offload_engine(_checkpoint(family_checkpoints, family), dtype="bfloat16", expert_dtype="int8",
                                   dense_dtype="int8")
     try:

@@ -61,15 +61,5 @@ def test_the_block_is_the_module(monkeypatch):
     block = moe_blocks.deepseek_block(moe)
     assert block is not None
     torch.testing.assert_close(block(Executor(), x), moe(x.unsqueeze(0))[0], rtol=0, atol=0)
-    monkeypatch.setenv("MOE_OFFLOAD_FUSED_ROUTER", "0")
+    moe.experts._moe_offload = None  # experts the executor does not serve: the module runs
     assert moe_blocks.deepseek_block(moe) is None
-
-
-def test_same_source_tells_copies_from_other_layers():
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE, Glm4MoeTopkRouter
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
-    cfg = DeepseekV3Config(hidden_size=64, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)
-    assert moe_blocks.same_source(DeepseekV3TopkRouter(cfg), Glm4MoeTopkRouter)
-    assert moe_blocks.same_source(DeepseekV3MoE(cfg), Glm4MoeMoE)
-    assert not moe_blocks.same_source(DeepseekV3MoE(cfg), Qwen3MoeSparseMoeBlock)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from offload_helpers import FAMILIES
 
-from moe_offload.engines.offload.loading import direct
+from moe_offload.engines.offload.loading import direct, loader
 from moe_offload.engines.offload.loading.loader import load_model
 from moe_offload.errors import ModelError
 
@@ -18,7 +18,7 @@ from moe_offload.errors import ModelError
 def test_direct_load_holds_what_from_pretrained_holds(checkpoints, family, dtype, monkeypatch):
     path = checkpoints(family)
     fast = load_model(path, None, dtype=dtype)
-    monkeypatch.setenv("MOE_OFFLOAD_DIRECT_LOAD", "0")
+    monkeypatch.setattr(loader, "_direct", lambda config: False)  # through from_pretrained, the reference
     slow = load_model(path, None, dtype=dtype)
     for a, b in zip(fast.executor.layers, slow.executor.layers):
         for x, y in zip(a.store.tensors, b.store.tensors):

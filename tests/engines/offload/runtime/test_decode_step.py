@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moe_offload.engines.offload.kernels import jit
+from moe_offload.engines.offload.runtime import decode_step
 from moe_offload.engines.offload.runtime.build import build_offload_engine
 from moe_offload.engines.params import SamplingParams
 
@@ -213,7 +214,7 @@ def test_whole_step_is_taken_only_where_every_expert_is_resident(checkpoints, mo
     assert plan_step(checkpoints("qwen3_moe"), fraction=1.0) is not None
     assert plan_step(checkpoints("qwen3_moe"), fraction=0.5) is None  # misses: the executor decides per layer
     assert plan_step(checkpoints("gpt_oss"), fraction=1.0) is not None  # biased, clamped experts in the call too
-    monkeypatch.setenv("MOE_OFFLOAD_DECODE_STEP", "0")
+    monkeypatch.setattr(decode_step, "_refuse", lambda *a: "refused")  # the per-layer loop, as a refusal gives
     assert plan_step(checkpoints("qwen3_moe"), fraction=1.0) is None
 
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 from offload_helpers import build_qwen3_next
 
+from moe_offload.control.families import FAMILIES
 from moe_offload.engines.offload.kernels import jit
-from moe_offload.engines.offload.runtime import fastpath
 from moe_offload.engines.offload.runtime.build import build_offload_engine
 from moe_offload.engines.params import SamplingParams
 
@@ -89,26 +89,48 @@ def _compare_steps(engine, steps: int) -> list[tuple[float, bool]]:
     return out
 
 
-@pytest.mark.parametrize("family", sorted(f for f, fam in fastpath.FAMILIES.items() if fam.router and f != "qwen3_next"))
+# every registered softmax-attention family: the five the checkpoints fixture builds (offload_helpers.py), the rest
+# from their own config classes (families.py); MLA families are test_mla.py's, Qwen3-Next's hybrid layers below
+HELPER_FAMILIES = ["gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
+OTHER_FAMILIES = sorted(f for f, fam in FAMILIES.items()
+                        if fam.attention == "gqa" and not fam.linear and f not in HELPER_FAMILIES)
+
+
+def test_the_family_lists_hold_every_gqa_family_of_the_registry():
+    assert set(HELPER_FAMILIES) <= {f for f, fam in FAMILIES.items() if fam.attention == "gqa" and not fam.linear}
+
+
+@pytest.mark.parametrize("family", HELPER_FAMILIES)
 def test_fused_decode_matches_module_path(checkpoints, family):
     _run_both_paths(checkpoints(family), policy="static", fraction=0.5)
 
 
-@pytest.mark.parametrize("family", sorted(f for f, fam in fastpath.FAMILIES.items() if fam.router is None))
-def test_attention_fused_families_with_their_own_moe_blocks(tmp_path, family):
-    # families whose routers stay modules (sigmoid scores, correction biases, groups, shared experts) and whose
-    # attention varies (partial rotary, q/k norms, biases): the tiny checkpoints of tests/engines/offload/families.py
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_fused_families_built_from_their_own_configs(tmp_path, family):
+    # the registry's other families, from the tiny checkpoints of tests/engines/offload/families.py: routers run as a
+    # MoE block's selection or its module (sigmoid scores, correction biases, groups, shared experts), attention that
+    # varies (partial rotary, q/k norms, biases), and the two families registered by one line each: mellum (a rotary
+    # table per layer type, sliding layers from layer_types) and exaone_moe (NoPE on its global layers)
     import families
 
     ids = families.PROMPT_IDS
 
     def expect(engine):
-        assert all(lay.router is None for lay in engine.runner.fast.layers)
-        # DeepSeek-V3's MoE block (GLM-4.5+, dots.llm1, Solar Open), MiniMax-M2's and Ernie 4.5's run with the fused selection
-        # (moe_blocks.py), others as modules
+        fam = FAMILIES[family]
+        in_layer = fam.router in ("softmax_topk", "topk_softmax")
+        assert all((lay.router is not None) == in_layer for lay in engine.runner.fast.layers if lay.experts is not None)
+        # DeepSeek-V3's MoE block (GLM-4.5+, dots.llm1, Solar Open, EXAONE), MiniMax-M2's and Ernie 4.5's run with the
+        # fused selection (moe_blocks.py); hy_v3's as its module
         blocks = [lay.block is not None for lay in engine.runner.fast.layers if lay.experts is not None]
-        fused = ("glm4_moe", "dots1", "solar_open", "minimax_m2", "ernie4_5_moe")
-        assert blocks and all(blocks) == (family in fused) and any(blocks) == all(blocks), blocks
+        assert blocks and any(blocks) == all(blocks), blocks
+        assert all(blocks) == (fam.router not in ("module", "softmax_topk", "topk_softmax")), blocks
+        # what the description says of each layer's rotary: a table per layer type, none (NoPE), or the one table
+        rotaries = [lay.rotary for lay in engine.runner.fast.layers if lay.linear is None]
+        assert rotaries == [lay.mixer.rotary for lay in engine.runner.desc.layers]
+        if family == "exaone_moe":
+            assert None in rotaries and engine.runner.fast.uniform_rotary is False, rotaries
+        if family == "mellum":
+            assert {r.table for r in rotaries} == {"sliding_attention", "full_attention"}, rotaries
 
     _run_both_paths(families.build(family, tmp_path), [list(ids[:8]), list(ids[10:14]), list(ids[20:60])], expect)
 
@@ -152,12 +174,12 @@ def test_single_sequence_steps_use_the_plan_and_keep_stats(checkpoints):
         engine.close()
 
 
-# every family of offload_helpers is covered now (deepseek_v3 by the MLA plan: test_mla.py); these are not
+# families the registry does not list keep the module path
 @pytest.mark.parametrize("family", ["phimoe", "granitemoe"])
 def test_uncovered_families_keep_the_module_path(tmp_path, family):
     import families
 
-    assert family not in fastpath.FAMILIES
+    assert family not in FAMILIES
     engine = build_offload_engine(families.build(family, tmp_path), dtype="bfloat16")
     try:
         assert engine.runner.fast is None
@@ -165,14 +187,8 @@ def test_uncovered_families_keep_the_module_path(tmp_path, family):
         engine.close()
 
 
-def test_fp32_and_the_switch_keep_the_module_path(checkpoints, monkeypatch):
+def test_fp32_keeps_the_module_path(checkpoints):
     engine = build_offload_engine(checkpoints("qwen3_moe"))  # the checkpoint's fp32
-    try:
-        assert engine.runner.fast is None
-    finally:
-        engine.close()
-    monkeypatch.setenv(fastpath.ENV, "0")
-    engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16")
     try:
         assert engine.runner.fast is None
     finally:

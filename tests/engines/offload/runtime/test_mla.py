@@ -96,7 +96,7 @@ def test_decode_steps_attend_over_latents_and_keep_the_tokens(checkpoints, monke
             engine.close()
 
     absorbed, expansions, layers = run()
-    monkeypatch.setenv(mla.ENV, "0")
+    monkeypatch.setattr(mla, "prepare", lambda model: 0)  # the modules' own expansion, as the reference
     expanded, expansions_off, layers_off = run()
     assert layers > 0 and layers_off == 0
     assert absorbed == expanded
@@ -119,9 +119,9 @@ def test_fused_mla_decode_matches_the_module_path(checkpoints):
     _run_both_paths(checkpoints("deepseek_v3"), expect=expect, policy="lru", fraction=0.5, dense_dtype="int8")
 
 
-def test_the_mla_plan_covers_deepseek_v3_source_alikes_only(checkpoints, monkeypatch, tmp_path):
-    # GLM-4.7-Flash's layers are DeepSeek-V3's source under another name: covered without being listed; DeepSeek-V2's
-    # attention differs (its rotary): absorbed attention, module path around it
+def test_the_mla_plan_covers_the_registrys_mla_families_only(checkpoints, monkeypatch, tmp_path):
+    # GLM-4.7-Flash's layers are DeepSeek-V3's parts (one registry line); DeepSeek-V2 is not registered (its rotary and
+    # router differ): absorbed attention, module path around it
     import families
 
     for family, plan in (("glm4_moe_lite", True), ("deepseek_v2", False)):
@@ -130,14 +130,14 @@ def test_the_mla_plan_covers_deepseek_v3_source_alikes_only(checkpoints, monkeyp
             assert isinstance(engine.runner.fast, mla_plan.MLADecodePlan) == plan and engine.runner.mla_layers > 0, family
         finally:
             engine.close()
-    # a family whose layers are not DeepSeek-V3's source keeps the module path; the switch turns the plan off
+    # a GQA family is not the MLA plan's; without absorbed attention there is no MLA plan
     engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16")
     try:
         assert not isinstance(engine.runner.fast, mla_plan.MLADecodePlan)
-        assert mla_plan.MLADecodePlan._refuse(engine.model, engine.executor) == "not DeepSeek-V3's decoder layer and MLA attention"
+        assert mla_plan.MLADecodePlan._refuse(engine.model, engine.executor, engine.description) == "not MLA attention"
     finally:
         engine.close()
-    monkeypatch.setenv(mla.ENV, "0")
+    monkeypatch.setattr(mla, "prepare", lambda model: 0)  # without absorbed attention, no MLA plan
     engine = build_offload_engine(checkpoints("deepseek_v3"), dtype="bfloat16")
     try:
         assert engine.runner.fast is None and engine.runner.mla_layers == 0

@@ -10,7 +10,7 @@
 //
 // Why: the module path expands every cached latent through kv_b_proj at every step (a [L, R] x [R, H*(N+V)] GEMM
 // per layer, in torch's bf16 GEMM) and attends over H full-width keys; two-thirds of a DeepSeek-V3-layout decode
-// step went there (docs/benchmarks.md). Absorbed, a step reads kv_b_proj once and the cache's R + P values per
+// step went there (docs/benchmarks/engine.md). Absorbed, a step reads kv_b_proj once and the cache's R + P values per
 // position; the cache holds R + P values per token (the latents), not H * (N + P + V).
 //
 // Numbers: fp32 throughout (the query's latent, the scores, the softmax, the latent output), one rounding to bf16 at
