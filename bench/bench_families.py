@@ -4,6 +4,7 @@ of it each engine streams.
 
     python bench/bench_families.py --families deepseek_v3,glm4_moe --root /tmp/families   # build, convert, measure
     python bench/bench_families.py --families deepseek_v3 --build-only                   # checkpoints + GGUFs only
+    python bench/bench_families.py --as-user --rounds 3     # fresh `moe-offload generate` processes vs llama-bench
 
     family --config class (FAMILIES below: 12 layers, hidden 1024, ~2 GB of experts)--> random bf16 checkpoint
       --convert_hf_to_gguf.py (bench_llamacpp.to_gguf)--> GGUF bf16
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also: --expert-dtype int8 --dense-dtype int8 against llama.cpp q8_0 (engines built once)")
     ap.add_argument("--isa", choices=tuple(ISA_OPTIONS), default="native",
                     help="avx2: llama.cpp built for AVX2 only against this engine's avx2 kernels (torch capped too)")
+    ap.add_argument("--as-user", action="store_true",
+                    help="instead: as a user runs it, `llama-bench -n T` against a fresh `moe-offload generate "
+                    "--max-tokens T` process after a short prompt, alternating, --rounds times")
     a = ap.parse_args(argv)
     as_isa(a.isa)
     fams = [f.strip() for f in a.families.split(",") if f.strip()]
@@ -125,11 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
     tools = ensure_llamacpp(a.cache, isa=a.isa)
-    paths = {f: build(f, a.root / f) for f in fams}
+    paths = {f: build(f, a.root / f, tokenizer=a.as_user) for f in fams}
     ggufs = {f: to_gguf(p, "bf16", cache=a.cache, tools=tools) for f, p in paths.items()}
     q8 = {f: to_gguf(p, "q8_0", cache=a.cache, tools=tools) for f, p in paths.items()} if a.int8 else {}
     if a.build_only:
         return 0
+    if a.as_user:
+        return as_user_table(fams, paths, ggufs, a, tools)
 
     from moe_offload.control.spec import ModelSpec
     from moe_offload.engines.offload.runtime.build import build_offload_engine
@@ -203,6 +209,68 @@ def main(argv: list[str] | None = None) -> int:
     streams = [int(n) for n in a.streams.split(",") if n.strip()]
     if streams:
         batched_table(fams, paths, ggufs, streams, a, tools)
+    return 0
+
+
+PROMPT = "def fibonacci(n): return"  # a short prompt, as a user types one
+
+
+def fresh_process(path: Path, tokens: int, threads: int) -> dict:
+    """A fresh `moe-offload generate` process on ``path`` (bf16, every expert resident, ``tokens`` after PROMPT), as a
+    user runs it: {"ms": its decode ms/token (every decode step, the first ones included), "token_ms": each step's,
+    "wall_s": the process from start to exit}."""
+    import json
+    import os
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    exe = Path(sys.executable).parent / "moe-offload"
+    t0 = time.perf_counter()
+    out = subprocess.run([str(exe), "generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", str(tokens),
+                          "--ignore-eos", "--json"], capture_output=True, text=True, env=env, check=True)
+    wall = time.perf_counter() - t0
+    got = json.loads(out.stdout)
+    return {"ms": float(got["stats"]["decode_ms_per_token"]), "token_ms": got.get("token_ms", []), "wall_s": wall}
+
+
+def as_user_table(fams, paths, ggufs, a, tools) -> int:
+    """Each family as a user runs it: `llama-bench -p 0 -n T -t threads` and a fresh `moe-offload generate` process,
+    back to back in alternating order, ``--rounds`` times; ratios of the medians and per pair."""
+    from bench_engine import read_bandwidth
+    from bench_llamacpp import bound_bytes, llama_bench
+
+    runs: dict[tuple[str, str], list] = {}
+    bw = [read_bandwidth() / 1e9]
+    for r in range(a.rounds):
+        for f in fams:
+            sides = [("llama", lambda: statistics.fmean(
+                         llama_bench(ggufs[f], a.tokens, threads=a.threads, tools=tools)["ms_per_token"])),
+                     ("ours", lambda: fresh_process(paths[f], a.tokens, a.threads))]
+            for name, run in (sides if r % 2 == 0 else sides[::-1]):
+                runs.setdefault((f, name), []).append(run())
+            ours = runs[(f, "ours")][-1]
+            log(f"round {r + 1}/{a.rounds} {f}: llama-bench {runs[(f, 'llama')][-1]:.1f}, moe-offload generate "
+                f"{ours['ms']:.1f} ms/token (process {ours['wall_s']:.1f} s)")
+        bw.append(read_bandwidth() / 1e9)
+    gbs = statistics.median(bw)
+    print(f"\nas a user runs it: `llama-bench -p 0 -n {a.tokens} -t {a.threads}` against a fresh `moe-offload generate "
+          f"--max-tokens {a.tokens} --ignore-eos` process (bf16, every expert resident, prompt {PROMPT!r}); "
+          f"{a.rounds} rounds, alternating; read bandwidth {gbs:.1f} GB/s (median of {len(bw)}: "
+          f"{', '.join(f'{b:.1f}' for b in bw)})\n")
+    print("| family | llama-bench ms/token | moe-offload generate ms/token (all steps) | ratio | per pair (median) | "
+          "first 16 steps | after 16 | our share | process wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for f in fams:
+        lc = statistics.median(runs[(f, "llama")])
+        ours = runs[(f, "ours")]
+        mo = statistics.median(o["ms"] for o in ours)
+        per_pair = statistics.median(o["ms"] / c for o, c in zip(ours, runs[(f, "llama")]))
+        first = statistics.median(statistics.fmean(o["token_ms"][:16]) for o in ours) if ours[0]["token_ms"] else 0.0
+        rest = statistics.median(statistics.fmean(o["token_ms"][16:]) for o in ours) if ours[0]["token_ms"] else 0.0
+        share = bound_bytes(paths[f]) / (mo / 1000) / 1e9 / gbs
+        wall = statistics.median(o["wall_s"] for o in ours)
+        print(f"| {f} | {lc:.1f} | {mo:.1f} | {mo / lc:.2f}x | {per_pair:.2f}x | {first:.1f} | {rest:.1f} | "
+              f"{share:.0%} | {wall:.1f} |")
     return 0
 
 

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_families import FAMILIES, build  # noqa: E402
+from bench_families import FAMILIES, build, fresh_process  # noqa: E402
 
 SHAPES = {
     "qwen3_moe": FAMILIES["qwen3_moe"],
@@ -44,19 +42,6 @@ SHAPES = {
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def fresh_process(path: Path, tokens: int, threads: int) -> float:
-    """Decode ms/token of a fresh `moe-offload generate` process, as a user runs it (median of its steps)."""
-    import os
-
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    exe = Path(sys.executable).parent / "moe-offload"
-    out = subprocess.run([str(exe), "generate", "--model", str(path), "--prompt", "def fibonacci(n): return",
-                          "--max-tokens", str(tokens), "--ignore-eos", "--dtype", "bfloat16", "--json"],
-                         capture_output=True, text=True, env=env, check=True)
-    stats = json.loads(out.stdout)["stats"]
-    return float(stats["decode_ms_per_token"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                     e.close()
                     gc.collect()
             model_runner.decode_plan = chooser
-            runs.setdefault((f, "process"), []).append(fresh_process(paths[f], a.tokens, a.threads))
+            runs.setdefault((f, "process"), []).append(fresh_process(paths[f], a.tokens, a.threads)["ms"])
             log(f"round {r + 1} {f}: " + ", ".join(f"{k} {runs[(f, k)][-1]:.1f}" for k in ("fused", "module", "process")))
         bw.append(read_bandwidth() / 1e9)
     gbs = statistics.median(bw)

@@ -70,7 +70,7 @@ class StepCall:
             return lay.block is not None and (lay.block.shared_args is not None or getattr(lay.block, "shared", None) is None)
 
         items = [(lay.idx, lay.state, glue_ok(lay), lay.dense) for lay in plan.layers]
-        why = _refuse(plan.executor, items) or ("" if plan.uniform_rotary else "layers rotate by different tables")
+        why = _refuse(plan.executor, items)
         if why:
             log.debug("whole-step decode off", reason=why)
             return None
@@ -94,6 +94,8 @@ class StepCall:
                 kp, vp = plan.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
                 obj.add_layer(ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kp, vp, scaling, window, wo, bo, ln2, lay.router,
                               top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales, *experts, *shared)
+                if not plan.uniform_rotary:  # a table per layer type, or the identity (NoPE): run_tables passes each
+                    obj.rotary_table(plan.rotaries.index(lay.rotary))
             _add_gate(obj, lay.state, lay.experts, probe)
             _add_mlp(obj, lay.block, lay.dense)
         log.info("whole-step decode on", layers=len(plan.layers))
@@ -163,6 +165,10 @@ class StepCall:
     def run(self, h, cos, sin, table, lens, norm, eps) -> torch.Tensor:
         """One decode step through every layer; returns the final norm's output [M, H] and books the routes."""
         return self._book(*self.obj.step(h, cos, sin, table, lens, norm, eps))
+
+    def run_tables(self, h, cos: list, sin: list, table, lens, norm, eps, seats=None, states=()) -> torch.Tensor:
+        """run_hybrid() for layers rotating by different tables: cos[i], sin[i] the i-th of plan.rotaries."""
+        return self._book(*self.obj.step_tables(h, cos, sin, table, lens, norm, eps, seats, list(states)))
 
     def run_hybrid(self, h, cos, sin, table, lens, norm, eps, seats, states) -> torch.Tensor:
         """run() for a model with gated-DeltaNet layers: seats [M] int64, states their (conv, state) pools in order."""

@@ -115,6 +115,7 @@ class DecodePlan:
         # one cos/sin per step serves every layer (the whole-step call takes one); else per rotary (a table per layer
         # type, or none: NoPE layers rotate by the identity, cos 1 and sin 0, which leaves q and k bit for bit)
         self.uniform_rotary = desc.uniform_rotary
+        self.rotaries = list(dict.fromkeys(lay.rotary for lay in layers if lay.linear is None))  # the step's tables
         self.steps = 0
         self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: not built yet
 
@@ -281,7 +282,12 @@ class DecodePlan:
             states = {lay.idx: lay.linear.states(self.pool, seats, fresh, h.dtype) for lay in self.linear}
             seats_t = torch.tensor(seats, dtype=torch.long)
         if self.step_call is not None and self.step_call.takes(M):  # every layer in one call
-            if self.linear:
+            if not self.uniform_rotary:
+                x = self.step_call.run_tables(h, [rot[r][0] for r in self.rotaries], [rot[r][1] for r in self.rotaries],
+                                              table, lens_t, self.norm.weight, self.eps,
+                                              seats_t if self.linear else None,
+                                              [t for lay in self.linear for t in states[lay.idx]])
+            elif self.linear:
                 x = self.step_call.run_hybrid(h, cos, sin, table, lens_t, self.norm.weight, self.eps, seats_t,
                                               [t for lay in self.linear for t in states[lay.idx]])
             else:

@@ -105,6 +105,21 @@ def test_whole_step_equals_the_layer_loop_deepseek_block(tmp_path, family):
     assert _both_paths(path, prompts=(list(ids[:8]), list(ids[10:14]), list(ids[20:60]))) >= 8
 
 
+@pytest.mark.parametrize("family", ["mellum", "exaone_moe"])
+def test_whole_step_equals_the_layer_loop_with_a_rotary_table_per_layer(tmp_path, family):
+    # the two families registered by one line: mellum's sliding and full layers rotate by tables of their own (a theta
+    # each), exaone_moe's global layers by none (NoPE: the identity table); each layer takes its table in the call
+    import families
+
+    def ready(engine):
+        plan = engine.runner.fast
+        assert not plan.uniform_rotary and len(plan.rotaries) == 2, plan.rotaries
+
+    ids = families.PROMPT_IDS
+    path = families.build(family, tmp_path)
+    assert _both_paths(path, prompts=(list(ids[:8]), list(ids[10:14]), list(ids[20:60])), ready=ready) >= 8
+
+
 def test_whole_step_equals_the_layer_loop_mla(checkpoints, tmp_path):
     # DeepSeek-V3's layout: MLA attention over the latent pool (q_a|kv_a fused, q_a_layernorm, q_b), a dense first
     # layer, the grouped router and a shared expert; GLM-4.7-Flash's copy of it too

@@ -62,6 +62,9 @@ def test_generate_json(demo_dir, capsys):
     s = data["stats"]
     assert s["completion_tokens"] == 6 and s["hits"] + s["misses"] > 0 and data["policy"] == "lru"
     assert s["bytes_moved"]["cpu:0"] > 0
+    # each decode step's ms (the prefill step gives the first token): their mean is the reported ms/token
+    assert len(data["token_ms"]) == 5 and all(t > 0 for t in data["token_ms"])
+    assert abs(sum(data["token_ms"]) / 5 - s["decode_ms_per_token"]) < 0.01
 
 
 def test_generate_text_sampled_and_chat(demo_dir, capsys):

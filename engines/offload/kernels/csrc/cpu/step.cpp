@@ -13,6 +13,8 @@
 //     .step_mla(h, cos, sin, slots [M], rows [M * lmax], lens, norm, eps)   the same for MLA layers (mla_plan.py)
 //     .step_hybrid(h, cos, sin, blocks, lens, norm, eps, seats [M], states)  step() with gated-DeltaNet layers: each
 //        token's seat and the linear layers' (conv, state) pools, in layer order
+//     .rotary_table(t) / .step_tables(h, cos[], sin[], ...)  layers rotating by different tables (one per layer type,
+//        the identity for NoPE layers): the last added layer's table, then step_hybrid with a (cos, sin) per table
 //
 // Why: a layer's Python glue (the executor's split and bookkeeping, three torch ops of combine, two op calls with
 // ~40 arguments) costs ~0.2-0.3 ms against ~1 ms of weight reads on a 2-core host, and the second core idles through
@@ -200,7 +202,7 @@ class DecodeStep : public torch::CustomClassHolder {
 
   std::tuple<at::Tensor, at::Tensor, double> step(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor blocks,
                                                   at::Tensor lens, at::Tensor norm, double eps) {
-    return step_hybrid(h, cos, sin, blocks, lens, norm, eps, std::nullopt, {});
+    return step_tables(h, {cos}, {sin}, blocks, lens, norm, eps, std::nullopt, {});
   }
 
   // step() for a model with gated-DeltaNet layers: slots [M] each token's seat, states the linear layers' (conv window,
@@ -208,9 +210,27 @@ class DecodeStep : public torch::CustomClassHolder {
   std::tuple<at::Tensor, at::Tensor, double> step_hybrid(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor blocks,
                                                          at::Tensor lens, at::Tensor norm, double eps,
                                                          std::optional<at::Tensor> slots, std::vector<at::Tensor> states) {
+    return step_tables(h, {cos}, {sin}, blocks, lens, norm, eps, slots, std::move(states));
+  }
+
+  // the last added layer rotates by table t of step_tables' cos / sin lists (a rotary table per layer type, or the
+  // identity for a layer without position encoding); every layer rotates by table 0 unless told otherwise
+  void rotary_table(int64_t t) {
+    TORCH_CHECK(!layers_.empty() && t >= 0, "DecodeStep.rotary_table: expected a layer added before, and t >= 0");
+    layers_.back().rot = t;
+  }
+
+  // step_hybrid() with one (cos, sin) per rotary table: layer i rotates by cos[rot_i], sin[rot_i]
+  std::tuple<at::Tensor, at::Tensor, double> step_tables(at::Tensor h, std::vector<at::Tensor> cos,
+                                                         std::vector<at::Tensor> sin, at::Tensor blocks, at::Tensor lens,
+                                                         at::Tensor norm, double eps, std::optional<at::Tensor> slots,
+                                                         std::vector<at::Tensor> states) {
     TORCH_CHECK((int64_t)states.size() == 2 * linear_layers_ && (linear_layers_ == 0 || slots.has_value()),
                 "DecodeStep.step: expected the seats and (conv, state) pools of ", linear_layers_, " linear layers, got ",
                 states.size(), " tensors");
+    TORCH_CHECK(!cos.empty() && cos.size() == sin.size(), "DecodeStep.step: expected as many cos as sin tables, >= 1");
+    for (const Layer& y : layers_)
+      TORCH_CHECK(y.rot < (int64_t)cos.size(), "DecodeStep.step: a layer rotates by table ", y.rot, " of ", cos.size());
     return run(h, norm, eps, [&](const Layer& y, at::Tensor& h, std::optional<at::Tensor>& add) {
       TORCH_CHECK(!y.mla.has_value(), "DecodeStep.step: an MLA layer (step_mla runs those)");
       const int64_t top_k = y.wr.has_value() ? y.top_k : 0;
@@ -223,7 +243,8 @@ class DecodeStep : public torch::CustomClassHolder {
                                 d.dims[2], d.dims[3], slots, d.plain, y.wo, y.so, y.ln2, y.wr, top_k, norm_topk, w_bf16_,
                                 norm_mode_);
       } else {
-        r = decode_layer_bf16(h, add, y.ln1, y.eps, y.wq, y.wk, y.wv, y.bq, y.bk, y.bv, y.qn, y.kn, cos, sin, y.kpool,
+        r = decode_layer_bf16(h, add, y.ln1, y.eps, y.wq, y.wk, y.wv, y.bq, y.bk, y.bv, y.qn, y.kn, cos[y.rot],
+                              sin[y.rot], y.kpool,
                               y.vpool, blocks, lens, bs_, y.scaling, y.window, y.wo, y.bo, y.ln2, y.wr, top_k, norm_topk,
                               w_bf16_, y.sinks, y.rb, norm_mode_, router_mode_, y.sq, y.sk, y.sv, y.so, rope_mode_, gated_);
       }
@@ -383,6 +404,7 @@ class DecodeStep : public torch::CustomClassHolder {
     std::vector<at::Tensor> up_b, dn_b;      // .expert_gate: the experts' biases by id, else empty
     int64_t gate = 0;                        // 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU (interleaved rows)
     double alpha = 0.0, limit = 0.0;
+    int64_t rot = 0;                         // .rotary_table: which of step_tables' cos / sin it rotates by
   };
 
   // the step's routed pairs grouped by expert in ascending id (stable: pairs in (token, k) order within an expert),
@@ -457,5 +479,7 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
       .def("expert_gate", &moe_cpu::DecodeStep::expert_gate)
       .def("step", &moe_cpu::DecodeStep::step)
       .def("step_hybrid", &moe_cpu::DecodeStep::step_hybrid)
+      .def("rotary_table", &moe_cpu::DecodeStep::rotary_table)
+      .def("step_tables", &moe_cpu::DecodeStep::step_tables)
       .def("step_mla", &moe_cpu::DecodeStep::step_mla);
 }
