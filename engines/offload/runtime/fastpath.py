@@ -161,6 +161,9 @@ class DecodePlan:
             shared = None
             if moe is not None and d.ffn.shared_gate:
                 shared = (mlp.shared_expert, mlp.shared_expert_gate)
+            elif moe is not None and (d.ffn.shared_experts
+                                      or any(hasattr(mlp, n) for n in ("shared_expert", "shared_experts"))):
+                return _off(f"layer {i}: shared experts without a gate beside a router in the layer call")
             if isinstance(d.mixer, LinearMixer):  # a gated-DeltaNet layer: one deltanet_layer_bf16 call
                 lay = _Layer(i, ((layer.input_layernorm.weight, eps), (layer.post_attention_layernorm.weight,)), moe,
                              experts, state, None if moe is not None else mlp, shared)
