@@ -32,7 +32,7 @@ from moe_offload.engines.offload.experts import fused
 from moe_offload.engines.offload.experts.tiercache import TierSlots
 from moe_offload.engines.offload.kernels import dispatch
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
-from moe_offload.engines.offload.runtime.moe_blocks import weight_and_scale
+from moe_offload.engines.offload.runtime.weights import weight_and_scale
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")

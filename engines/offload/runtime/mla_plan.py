@@ -35,7 +35,8 @@ from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.kernels.dispatch import GEMM_MAX_TOKENS
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.engines.offload.runtime.decode_step import StepCall
-from moe_offload.engines.offload.runtime.moe_blocks import block_for, fuse_linears, mlp_args, mlp_rows
+from moe_offload.engines.offload.runtime.moe_blocks import block_for, mlp_rows
+from moe_offload.engines.offload.runtime.weights import fuse_linears, mlp_args
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
