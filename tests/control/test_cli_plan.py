@@ -42,6 +42,18 @@ def test_spec_text_and_json(capsys, model_dir):
     assert main(["spec", "--model", str(model_dir / "config.json"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["num_experts"] == 32 and data["moe_layers"] == list(range(8)) and data["total_params"] > 0
+    # the decode path the registry gives this family (control/families.py), said in the text and the JSON
+    assert data["decode_path"] == "fused" and "qwen3_moe" in data["decode_path_reason"]
+    assert "decode path" in out and "fused (the registry's qwen3_moe entry" in out
+
+
+def test_spec_says_why_an_unregistered_family_takes_the_module_path(capsys, tmp_path):
+    d = tmp_path / "phimoe"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**moe_config(), "model_type": "phimoe"}))
+    assert main(["spec", "--model", str(d), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["decode_path"] == "module" and "not in the registry" in data["decode_path_reason"]
 
 
 def test_budget_json(capsys, model_dir):

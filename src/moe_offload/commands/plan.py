@@ -84,7 +84,22 @@ def spec_cmd(model: str, expert_dtype: str | None, as_json: bool) -> None:
     rows.insert(2, ("layer kinds", ", ".join(f"{n} {t}" for t, n in kinds.items())
                     + (f" ({s.linear_design} linear attention)" if s.linear_design else "")))
     rows += [("estimated", e) for e in s.estimated]
-    emit(s.summary(), as_json, "\n".join(f"{k:20} {v}" for k, v in rows))
+    path, why = _decode_path(model)
+    rows.append(("decode path", path + (f" ({why})" if why else "")))
+    emit({**s.summary(), "decode_path": path, "decode_path_reason": why}, as_json,
+         "\n".join(f"{k:20} {v}" for k, v in rows))
+
+
+def _decode_path(model: str) -> tuple[str, str]:
+    """The decode path a bf16 CPU engine takes for this checkpoint, from the family registry (control/families.py):
+    ("fused" | "fused (MLA)" | "module", why in words)."""
+    from moe_offload.control.description import describe
+    from moe_offload.control.hf_config import load_config
+
+    d = describe(load_config(model))
+    if d.path == "module":
+        return "module", f"transformers' modules: {d.why}"
+    return ("fused (MLA)" if d.attention == "mla" else "fused"), f"the registry's {d.model_type} entry, bf16 on the CPU"
 
 
 @click.command("budget")
