@@ -81,10 +81,17 @@ def build(family: str, out: Path, seed: int = 0, shape: dict | None = None, toke
 
     from moe_offload.demo import build_tokenizer, save_random_model
 
-    if (out / "config.json").is_file():
-        if tokenizer and not (out / "tokenizer.json").is_file():
-            build_tokenizer().save_pretrained(out)
-        return out
+    if not (out / "config.json").is_file():
+        config = AutoConfig.for_model(family, **COMMON, **(shape or FAMILIES[family]), dtype="bfloat16")
+        for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            setattr(config, k, None)
+        t0 = time.perf_counter()
+        save_random_model(out, config, seed=seed, dtype=torch.bfloat16)
+        gc.collect()
+        log(f"built {family} in {time.perf_counter() - t0:.0f} s at {out}")
+    if tokenizer and not (out / "tokenizer.json").is_file():
+        build_tokenizer().save_pretrained(out)
+    return out
     config = AutoConfig.for_model(family, **COMMON, **(shape or FAMILIES[family]), dtype="bfloat16")
     for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
         setattr(config, k, None)
@@ -230,7 +237,7 @@ def fresh_process(path: Path, tokens: int, threads: int) -> dict:
                           "--ignore-eos", "--json"], capture_output=True, text=True, env=env, check=True)
     wall = time.perf_counter() - t0
     got = json.loads(out.stdout)
-    return {"ms": float(got["stats"]["decode_ms_per_token"]), "token_ms": got.get("token_ms", []), "wall_s": wall}
+    return {"ms": float(got["stats"]["decode_ms_per_token"]), "token_ms": got["token_ms"], "wall_s": wall}
 
 
 def as_user_table(fams, paths, ggufs, a, tools) -> int:
@@ -265,8 +272,8 @@ def as_user_table(fams, paths, ggufs, a, tools) -> int:
         ours = runs[(f, "ours")]
         mo = statistics.median(o["ms"] for o in ours)
         per_pair = statistics.median(o["ms"] / c for o, c in zip(ours, runs[(f, "llama")]))
-        first = statistics.median(statistics.fmean(o["token_ms"][:16]) for o in ours) if ours[0]["token_ms"] else 0.0
-        rest = statistics.median(statistics.fmean(o["token_ms"][16:]) for o in ours) if ours[0]["token_ms"] else 0.0
+        first = statistics.median(statistics.fmean(o["token_ms"][:16]) for o in ours)
+        rest = statistics.median(statistics.fmean(o["token_ms"][16:]) for o in ours)
         share = bound_bytes(paths[f]) / (mo / 1000) / 1e9 / gbs
         wall = statistics.median(o["wall_s"] for o in ours)
         print(f"| {f} | {lc:.1f} | {mo:.1f} | {mo / lc:.2f}x | {per_pair:.2f}x | {first:.1f} | {rest:.1f} | "

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_families import FAMILIES, build, fresh_process  # noqa: E402
+from bench_families import FAMILIES, build, fresh_process, log  # noqa: E402
 
 SHAPES = {
     "qwen3_moe": FAMILIES["qwen3_moe"],
@@ -38,10 +38,6 @@ SHAPES = {
                        layer_types=(["sliding_attention"] * 3 + ["full_attention"]) * 3,
                        mlp_layer_types=["dense"] + ["sparse"] * 11),
 }
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from moe_offload.control import families
 from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats
 from moe_offload.engines.offload.runtime import deltanet, kv_budget
 from moe_offload.engines.offload.runtime.accounting import Accounting
@@ -75,9 +74,8 @@ class OffloadEngine(Engine):
         model_len = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
         # what each layer computes, from the config and the family registry (control/description.py), once
         self.description = describe_model(self.model)
-        family = families.family_of(self.description.model_type)
         # gated-DeltaNet layers: their state in the pool's seats, one-token steps in one kernel call (deltanet.py)
-        self.deltanet_layers = deltanet.install(self.model, family.linear if family is not None else "")
+        self.deltanet_layers = deltanet.install(self.model, self.description.linear)
         probed = kv_budget.probe_kv_bytes(self.model, self.executor, self.device) if cache == "paged" else None
         # bytes of KV per token, and of fixed-size per-sequence state (linear attention) per sequence
         self.kv_bytes_per_token, self.state_bytes_per_seq = probed if probed is not None else (None, 0)

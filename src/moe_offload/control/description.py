@@ -108,6 +108,7 @@ class ModelDescription:
     why: str  # why the module path, in words ("" on the fused path)
     norm: Norm | None
     layers: tuple[Layer, ...]
+    linear: str = ""  # the family's linear-attention kind (gated_deltanet: its kernel runs on either path), else ""
 
     @property
     def attention(self) -> str:
@@ -124,18 +125,19 @@ def describe(config: Mapping[str, Any] | Any, name: str | None = None) -> ModelD
     """The description of a config (a config.json dict or a transformers config). A family the registry does not
     list, or one registered as module-only, describes as the module path with the reason."""
     from moe_offload.control import families
-    from moe_offload.control.hf_config import parse
+    from moe_offload.control.hf_config import parse, text_config
 
     raw = config if isinstance(config, Mapping) else config.to_dict()
     f = parse(dict(raw), name)
-    text = _text(raw)
+    text, _ = text_config(dict(raw))
     # the registry names the checkpoint's model_type (a multimodal wrapper's, not its text config's)
     model_type = str(raw.get("model_type") or f["model_type"])
     fam = families.FAMILIES.get(model_type) or families.FAMILIES.get(f["model_type"])
     if fam is None:
         return ModelDescription(model_type, "module", "family not in the registry", None, ())
     if fam.attention == "module":
-        return ModelDescription(model_type, "module", fam.why or "registered for the module path", None, ())
+        return ModelDescription(model_type, "module", fam.why or "registered for the module path", None, (),
+                                fam.linear)
     eps = float(text.get("rms_norm_eps") or text.get("layer_norm_epsilon") or 1e-6)
     types = tuple(f.get("layer_types") or ())
     moe = set(f["moe_layers"])
@@ -150,19 +152,10 @@ def describe(config: Mapping[str, Any] | Any, name: str | None = None) -> ModelD
         elif kind in ("full_attention", "sliding_attention"):
             mixer = _attention(fam, f, text, kind)
         else:
-            return ModelDescription(model_type, "module", f"layer {i}: a {kind} layer", None, ())
+            return ModelDescription(model_type, "module", f"layer {i}: a {kind} layer", None, (), fam.linear)
         ffn = _moe_block(fam, f, text) if i in moe else DenseMLP()
         layers.append(Layer(i, mixer, ffn))
-    return ModelDescription(model_type, "fused", "", Norm(fam.norm, eps), tuple(layers))
-
-
-def _text(raw: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The text model's config dict of a (possibly multimodal) config dict."""
-    for key in ("text_config", "thinker_config"):
-        sub = raw.get(key)
-        if isinstance(sub, Mapping):
-            return _text(sub) if "text_config" in sub else sub
-    return raw
+    return ModelDescription(model_type, "fused", "", Norm(fam.norm, eps), tuple(layers), fam.linear)
 
 
 def _attention(fam, f: Mapping[str, Any], text: Mapping[str, Any], kind: str) -> Attention:

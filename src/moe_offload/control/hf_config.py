@@ -196,7 +196,7 @@ _CORRECTION_BIAS = {"deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa", "s
                     "nemotron_h", "minimax_m2"}
 
 
-def _text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the decoder's config, the outermost config): multimodal wrappers (qwen3_vl_moe, gemma4, ...) keep the
     decoder in text_config, omni models one level deeper (thinker_config.text_config)."""
     outer = cfg
@@ -223,7 +223,7 @@ def _sub_config(outer: dict[str, Any], key: str) -> dict[str, Any] | None:
 
 def parse(cfg: dict[str, Any], name: str | None) -> dict[str, Any]:
     """The ModelSpec fields of a parsed config.json (ModelError, naming the model, for what is missing or wrong)."""
-    cfg, outer = _text_config(cfg)
+    cfg, outer = text_config(cfg)
     model_type = str(cfg.get("model_type") or "unknown")
     name = name or cfg.get("_name_or_path") or outer.get("_name_or_path") or model_type
     where = f"{name} ({model_type})"
