@@ -71,8 +71,9 @@ class DecodePlan:
         if isinstance(bound, str):
             why, bound = bound, None
         if bound is None:
-            log.info("fused decode path off: decode steps run transformers' modules", reason=why,
-                     model_type=desc.model_type)
+            # a family the registry puts on this path falls back: loud (a warning reaches every command's output)
+            log.warning("fused decode path off: decode steps run transformers' modules (slower)", reason=why,
+                        model_type=desc.model_type)
             return None
         layers, eps = bound
         log.info("fused decode path on", model_type=desc.model_type, layers=len(layers),

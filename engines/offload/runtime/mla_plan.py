@@ -70,7 +70,8 @@ class MLADecodePlan:
         except (AttributeError, TypeError, ValueError) as e:  # a layout it does not expect: the module path
             why = f"{type(e).__name__}: {e}"
         if why:
-            log.debug("MLA fused decode path off", reason=why, model_type=getattr(model.config, "model_type", ""))
+            log.warning("MLA fused decode path off: decode steps run transformers' modules (slower)", reason=why,
+                        model_type=getattr(model.config, "model_type", ""))
             return None
         plan = cls(model, executor, pool, desc)
         log.info("fused decode path on", model_type=model.config.model_type, layers=len(plan.layers),
