@@ -98,44 +98,87 @@ def runtime_reserve() -> int:
     its memory) plus HEADROOM; RESERVE when it cannot be measured."""
     rss = resident_bytes()
     return rss + HEADROOM if rss else RESERVE
+DEFAULT_KV_HOST = 4 << 30  # the KV budget of a CPU engine when memory allows (runtime/kv_budget.DEFAULT_KV_CPU)
 MIN_KV_DISK = 64 << 20  # the smallest KV budget the disk tier sizes itself with (when none is asked for)
 
 
 @dataclass(frozen=True)
 class HostPlan:
-    """How the host tier is used. ``host_cache``: bytes of host memory for routed experts when they live on disk
-    (None: every expert in host memory); ``kv_bytes``: the KV budget the plan counted (None: the engine's default);
-    ``reason``: why, in words."""
+    """How host memory is split, weights first. ``host_cache``: bytes of host memory for routed experts when they
+    live on disk (None: every expert in host memory); ``kv_bytes``: the KV budget (None: the device's, not the
+    host's); ``reason``: why, in words. The split: ``limit`` (what the process may use, ``source`` says whence),
+    ``reserve`` (the runtime), ``dense`` (dense weights in host memory), ``experts`` (routed experts in host memory:
+    all of them, or the disk tier's cache), ``experts_on_disk``."""
 
     host_cache: int | None
     kv_bytes: int | None
     reason: str
+    limit: int = 0
+    source: str = ""
+    reserve: int = 0
+    dense: int = 0
+    experts: int = 0
+    experts_on_disk: bool = False
+
+    def split(self) -> dict:
+        """The split as numbers (the start log, ``plan --json``, /metrics, ``generate --json``)."""
+        return {"limit_bytes": self.limit, "limit_source": self.source, "reserve_bytes": self.reserve,
+                "dense_bytes": self.dense, "experts_bytes": self.experts, "kv_bytes": self.kv_bytes or 0,
+                "experts_tier": "disk" if self.experts_on_disk else "host", "reason": self.reason}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def plan_host(experts_bytes: int, dense_bytes: int, *, host_memory: int | None = None, kv_asked: int | None = None,
-              kv_default: int = 4 << 30, limit: HostMemory | None = None, dense_on_host: bool = True,
-              reserve: int = RESERVE) -> HostPlan:
-    """Where the routed experts (``experts_bytes``, as stored) live. ``host_memory``: bytes for experts the user gave
-    (--host-memory): the disk tier when they do not fit in it. Otherwise the process's limit (``limit``, default
-    host_memory()) minus the dense weights (when ``dense_on_host``), the KV budget and ``reserve``: the disk tier only
-    when the experts do not fit, and then with a KV budget of ``kv_asked`` or 1/16 of the limit (at least
-    MIN_KV_DISK), not the all-in-memory default."""
-    if host_memory is not None:
-        if experts_bytes <= host_memory:
-            return HostPlan(None, None, f"--host-memory {host_memory / 2**30:.2f} GiB holds every expert")
-        return HostPlan(host_memory, None, f"--host-memory {host_memory / 2**30:.2f} GiB for experts")
+              kv_default: int = DEFAULT_KV_HOST, kv_floor: int = 0, limit: HostMemory | None = None,
+              dense_on_host: bool = True, reserve: int = RESERVE) -> HostPlan:
+    """Host memory, weights first: the dense weights (when ``dense_on_host``) and the runtime's ``reserve`` come off
+    the process's limit (``limit``, default host_memory()); the routed experts (``experts_bytes``, as stored) stay in
+    memory whenever they fit beside the smallest KV budget, ``kv_floor`` (one full-context sequence; ``kv_asked``
+    when given), and the KV budget is then what they leave, at most ``kv_default``. Only experts that do not fit go
+    to the disk tier, whose KV budget is ``kv_asked`` or 1/16 of the limit (at least ``kv_floor`` and MIN_KV_DISK)
+    and whose host cache is the rest. ``kv_default`` 0: the KV cache is on an accelerator, not counted here.
+    ``host_memory`` (--host-memory): bytes for experts the user gave; the disk tier when they do not fit in it.
+    A limit that cannot hold the dense weights, the runtime and the KV floor raises ConfigError naming the shortfall."""
+    from moe_offload.errors import ConfigError
+
     limit = limit or host_memory_limit()
     dense = dense_bytes if dense_on_host else 0
-    kv = kv_asked if kv_asked is not None else kv_default
-    if experts_bytes + dense + kv + reserve <= limit.bytes:
-        return HostPlan(None, None, f"every expert fits in {limit.source} ({limit.bytes / 2**30:.1f} GiB)")
-    kv = kv_asked if kv_asked is not None else max(MIN_KV_DISK, limit.bytes // 16)
-    cache = limit.bytes - dense - kv - reserve
-    if cache <= 0:
-        cache = 0  # the tiering check names the minimum
-    return HostPlan(cache, kv, f"{limit.source} is {limit.bytes / 2**30:.2f} GiB: experts on disk; dense weights "
-                               f"{dense / 2**30:.2f}, KV {kv / 2**30:.2f}, runtime {reserve / 2**30:.2f}, host cache of "
-                               f"experts {cache / 2**30:.2f} GiB")
+    on_host = kv_default > 0  # the KV cache lives in host memory (a CPU engine)
+    base = {"limit": limit.bytes, "source": limit.source, "reserve": reserve, "dense": dense}
+    if host_memory is not None:
+        kv = kv_asked if kv_asked is not None else (kv_default if on_host else None)
+        if experts_bytes <= host_memory:
+            return HostPlan(None, kv, f"--host-memory {_gib(host_memory)} holds every expert", experts=experts_bytes,
+                            **base)
+        return HostPlan(host_memory, kv, f"--host-memory {_gib(host_memory)} for experts", experts=host_memory,
+                        experts_on_disk=True, **base)
+    free = limit.bytes - reserve - dense  # what the experts and the KV cache share
+    floor = kv_asked if kv_asked is not None else (kv_floor if on_host else 0)
+    if free < floor or free < 0:
+        raise ConfigError(f"host memory: {limit.source} is {_gib(limit.bytes)}; the dense weights ({_gib(dense)}), the "
+                          f"runtime ({_gib(reserve)}) and the smallest KV budget ({_gib(floor)}) need "
+                          f"{_gib(dense + reserve + floor)}: {_gib(floor - free)} short (raise the limit, or "
+                          "give a smaller --max-model-len / --kv-cache-memory)")
+    if experts_bytes + floor <= free:
+        kv = kv_asked if kv_asked is not None else (min(kv_default, free - experts_bytes) if on_host else None)
+        why = (f"weights first: every expert fits in {limit.source} ({_gib(limit.bytes)})"
+               + (f"; KV {_gib(kv)}" + (" as asked" if kv_asked is not None else
+                                        " (the default)" if kv == kv_default else " (what the weights leave)")
+                  if kv is not None else ""))
+        return HostPlan(None, kv, why, experts=experts_bytes, **base)
+    if kv_asked is not None:
+        kv = kv_asked
+    else:
+        kv = max(kv_floor, MIN_KV_DISK, min(kv_default, limit.bytes // 16)) if on_host else None
+    kv = min(kv, free) if kv is not None else None
+    cache = free - (kv or 0)
+    return HostPlan(cache, kv, f"{limit.source} is {_gib(limit.bytes)}: experts on disk; dense weights {_gib(dense)}, "
+                               + (f"KV {_gib(kv)}, " if kv is not None else "")
+                               + f"runtime {_gib(reserve)}, host cache of experts {_gib(cache)}",
+                    experts=cache, experts_on_disk=True, **base)
 
 
 host_memory_limit = host_memory

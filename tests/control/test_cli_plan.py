@@ -135,3 +135,35 @@ def test_control_plane_imports_neither_torch_nor_numpy():
             "moe_offload.commands.plan; print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_plan_shows_the_host_memory_split_weights_first(capsys, tmp_path, model_dir):
+    # --backend cpu: this machine's host tier holds the dense weights, the experts and the KV budget they leave
+    from moe_offload.control.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(str(model_dir))
+    assert main(["plan", "--model", str(model_dir), "--backend", "cpu", "--fraction", "0.5", "--json"]) == 0
+    mem = json.loads(capsys.readouterr().out)["memory"]
+    assert mem["experts_tier"] == "host" and mem["experts_bytes"] == spec.routed_expert_bytes
+    assert mem["dense_bytes"] == spec.non_expert_bytes and 0 < mem["kv_bytes"] <= 4 << 30
+    assert main(["plan", "--model", str(model_dir), "--backend", "cpu", "--fraction", "0.5"]) == 0
+    assert "host memory: weights first: every expert fits" in capsys.readouterr().out
+    # a hardware profile (a GPU host: dense weights and KV on the device): its host tier, less the stated 1 GiB
+    # reserve, holds half the experts -> the rest on the disk tier; below the reserve, the shortfall is stated, and
+    # planning for that machine still answers (rc 0)
+    import dataclasses
+
+    from moe_offload.control.hardware import load_hardware
+    from moe_offload.hostmem import RESERVE
+
+    hw = load_hardware("h100-pcie")
+    for host, want in ((RESERVE + spec.routed_expert_bytes // 2, "disk"), (RESERVE // 2, "short")):
+        f = tmp_path / f"host-{host}.json"
+        f.write_text(json.dumps(dataclasses.replace(hw, host_memory_bytes=host).to_dict()))
+        assert main(["plan", "--model", str(model_dir), "--hardware", str(f), "--json"]) == 0
+        mem = json.loads(capsys.readouterr().out)["memory"]
+        if want == "disk":
+            assert mem["experts_tier"] == "disk" and mem["experts_bytes"] == spec.routed_expert_bytes // 2
+            assert mem["dense_bytes"] == 0 and mem["kv_bytes"] == 0
+        else:
+            assert "0.50 GiB short" in mem["error"]

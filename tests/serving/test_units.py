@@ -142,6 +142,19 @@ def test_hit_rate_gauge_has_no_host_tier_series():
     assert 'tier="host"' not in "\n".join(l for l in text.splitlines() if l.startswith("moe_offload_expert_hit_rate"))
 
 
+def test_metrics_show_the_host_memory_plan():
+    from moe_offload.hostmem import HostMemory, plan_host
+    from moe_offload.serving.metrics import WorkerMetrics
+
+    GiB = 2**30
+    plan = plan_host(5 * GiB, GiB, kv_floor=GiB // 4, limit=HostMemory(8 * GiB, "cgroup v2 memory.max of /w"), reserve=GiB)
+    text = WorkerMetrics("m", max_model_len=64, cache_info={"memory_plan": plan.split()}).render().decode()
+    for part, v in (("limit", 8 * GiB), ("reserve", GiB), ("dense", GiB), ("experts", 5 * GiB), ("kv", GiB)):
+        line = f'moe_offload_host_memory_plan_bytes{{experts_tier="host",model_name="m",part="{part}"}} '
+        assert float(text.split(line, 1)[1].split()[0]) == v, part
+    assert "moe_offload_host_memory_plan_bytes" not in WorkerMetrics("m", max_model_len=64).render().decode()
+
+
 def test_closing_the_runner_aborts_the_running_generation():
     # Shutdown waits for the engine thread; a long generation must not hold it for its whole length.
     import asyncio

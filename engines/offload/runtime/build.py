@@ -48,8 +48,29 @@ def _placement(path: Path, placement, fraction, policy: str, backend: str, dtype
     return resolve_placement(placement, fraction, policy, spec=spec, tiers=tiers)
 
 
+FLOOR_CONTEXT = 4096  # tokens of the smallest KV budget when max_model_len is not given (capped by the model's)
+
+
+def kv_floor(path: Path, dtype: str | None, max_model_len: int | None) -> tuple[int, int]:
+    """(bytes, tokens): the KV cache of one full-context sequence, the smallest KV budget the host plan leaves: of
+    ``max_model_len`` tokens when given, else of the model's context capped at FLOOR_CONTEXT (the engine serves what
+    the budget then holds). Sized by control/kvsizes.py from the config, in ``dtype`` when given."""
+    from moe_offload.control.hf_config import load_config, text_config
+    from moe_offload.control.spec import ModelSpec
+
+    cfg = load_config(str(path))
+    spec = ModelSpec.from_hf_config(cfg, name=path.name)
+    model_len = int(text_config(cfg)[0].get("max_position_embeddings") or 2048)
+    tokens = min(max_model_len, model_len) if max_model_len else min(model_len, FLOOR_CONTEXT)
+    size = spec.kv_cache_bytes(tokens)
+    if dtype:
+        size = size * getattr(torch, dtype).itemsize // spec.dtype_bytes
+    return size, tokens
+
+
 def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheConfig, device: str):
-    """hostmem.plan_host for this checkpoint: its experts' and dense weights' bytes as the engine will hold them."""
+    """hostmem.plan_host for this checkpoint, weights first: its experts' and dense weights' bytes as the engine will
+    hold them, the KV budget bounded below by one full-context sequence (kv_floor)."""
     from moe_offload.engines.offload.loading.inspection import inspect_checkpoint
     from moe_offload.hostmem import plan_host, runtime_reserve
 
@@ -57,20 +78,24 @@ def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheC
         raise ConfigError(f"host_memory: expected bytes (an integer >= 1), got {host_memory!r}")
     _, experts, dense = inspect_checkpoint(path, dtype, expert_dtype)
     on_cpu = torch.device(device).type == "cpu"
+    floor, tokens = kv_floor(path, dtype, kv_config.max_model_len) if on_cpu else (0, 0)
     plan = plan_host(sum(i.expert_bytes * i.num_experts for i in experts), dense, host_memory=host_memory,
                      kv_asked=kv_config.kv_cache_memory, dense_on_host=on_cpu, kv_default=DEFAULT_KV_CPU if on_cpu else 0,
-                     reserve=runtime_reserve())
+                     kv_floor=floor, reserve=runtime_reserve())
     if plan.host_cache is None and on_cpu:
         from moe_offload.engines.offload.loading.convert import existing_store
 
         if existing_store(str(path), dtype, expert_dtype) is not None:
             # every expert fits, and an expert store was written: host slots for all of them over it, read in the
             # background from the start (a forward waits only for what it routes to), one copy in memory
-            plan = dataclasses.replace(plan, host_cache=sys.maxsize, reason=plan.reason + "; read from the expert store")
-    if plan.host_cache is not None:
-        from moe_offload.log import get_logger
+            plan = dataclasses.replace(plan, host_cache=sys.maxsize, reason=plan.reason + "; experts read from the "
+                                       "expert store in the background (a forward waits only for what it routes to)")
+        else:
+            plan = dataclasses.replace(plan, reason=plan.reason + "; experts loaded up front")
+    from moe_offload.log import get_logger
 
-        get_logger("moe_offload.build").info("host tier", plan=plan.reason)
+    get_logger("moe_offload.build").info("memory plan", **{k: v for k, v in plan.split().items()},
+                                          kv_floor_tokens=tokens)
     return plan
 
 
@@ -147,8 +172,10 @@ def build_offload_engine(
         str(path), resolved, policy=policy, device=device, dtype=dtype, hybrid_threshold=hybrid_threshold,
         expert_dtype=expert_dtype, dense_dtype=dense_dtype, host_cache=plan.host_cache, prefetch=prefetch,
     )
-    return OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache,
-                         kv_config=kv_config, scheduler=sched)
+    engine = OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache,
+                           kv_config=kv_config, scheduler=sched)
+    engine.memory_plan = plan.split()
+    return engine
 
 
 __all__ = ["BUILD_OPTIONS", "build_offload_engine", "load_tokenizer"]

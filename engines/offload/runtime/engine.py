@@ -105,6 +105,7 @@ class OffloadEngine(Engine):
             predicted_hit_rate=dict(getattr(placement, "predicted_hit_rate", {}) or {}),
             features=frozenset(ENGINE_FEATURES),
         )
+        self.memory_plan: dict[str, Any] | None = None  # the host memory split (hostmem.HostPlan.split; build.py)
         self._llg = None  # llguidance's tokenizer, built at the first structured-output request
         self._next_sid = 0
         self._steps = 0
@@ -157,7 +158,7 @@ class OffloadEngine(Engine):
                 "cache_dtype": "auto", "kv_cache_memory_bytes": self.kv_cache_memory if self.paged else 0,
                 "paged": self.paged, "max_num_seqs": self.scheduler.config.max_num_seqs,
                 "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
-                "max_model_len": self.info.max_model_len}
+                "max_model_len": self.info.max_model_len, "memory_plan": self.memory_plan}
 
     def stats(self) -> dict[str, Any]:
         d = self.accounting.total.to_dict()

@@ -16,9 +16,9 @@ import torch
 
 from moe_offload.engines.offload.runtime import kv
 from moe_offload.errors import ConfigError
+from moe_offload.hostmem import DEFAULT_KV_HOST as DEFAULT_KV_CPU  # the KV budget on a cpu device when memory allows
 from moe_offload.log import get_logger
 
-DEFAULT_KV_CPU = 4 * 2**30  # bytes: the KV budget on a cpu device unless kv_cache_memory says otherwise
 log = get_logger("engine.offload")
 
 

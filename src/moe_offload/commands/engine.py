@@ -147,7 +147,7 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
             out = {"model": engine.info.model, "backend": engine.info.backend, "policy": engine.info.policy,
                    "prompt_ids": ids, "token_ids": tokens, "text": text, "stats": s.to_dict(),
                    "token_ms": [round(t, 3) for t in s.token_ms],  # each decode step's wall ms, the first ones included
-                   "experts": _experts(engine)}
+                   "experts": _experts(engine), "memory": getattr(engine, "memory_plan", None)}
             click.echo(json.dumps(out, indent=2))
             return
         click.echo(text[len(shown):] if text.startswith(shown) else "\n" + text)

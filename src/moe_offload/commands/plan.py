@@ -249,6 +249,13 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
         lines.append(f"  {host}: {host_slots} expert slots per layer ({pinned} pinned in all, the rest an LRU cache); "
                      f"{disk}: {on_disk} experts in the expert store" if on_disk else
                      f"  {host}: holds every expert no accelerator holds ({host_slots} slots per layer): no disk tier")
+    try:
+        split = _host_split(spec, machine, host_memory, context, batch, backend)
+        result["memory"] = split.split()
+        lines.append(f"  host memory: {split.reason}")
+    except ConfigError as e:  # planning for another machine: the shortfall is a finding, not a failure
+        result["memory"] = {"error": str(e)}
+        lines.append(f"  {e}")
     if placement.predicted_hit_rate:
         lines.append("  predicted hit rate: " + _rates(placement.predicted_hit_rate, disk if on_disk else host))
     else:
@@ -265,6 +272,27 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
             f.write(placement.to_json(indent=1))
         lines.append(f"  wrote {out}")
     emit(result, as_json, "\n".join(lines))
+
+
+def _host_split(spec, machine, host_memory, context: int, batch: int, backend: str | None):
+    """The engine's host memory plan for this model (hostmem.plan_host, weights first): the host tier of
+    ``machine`` (a backend's or a hardware profile's tiers) or this process's limit, the stated runtime reserve
+    (RESERVE: the engine measures its own), the KV floor of ``batch`` sequences of ``context`` tokens. Dense weights
+    and KV count on the host only for ``--backend cpu``; without a backend the accelerators hold them."""
+    from moe_offload import hostmem
+    from moe_offload.control.placement import host_tier_name
+    from moe_offload.control.units import parse_size
+
+    limit = None
+    if machine:
+        host = next((t for t in machine if t.name == host_tier_name(machine)), None)
+        if host is not None and host.capacity_bytes:
+            limit = hostmem.HostMemory(host.capacity_bytes, f"the {host.name} tier")
+    on_cpu = backend == "cpu"  # else the accelerators hold the dense weights and the KV cache
+    return hostmem.plan_host(spec.routed_expert_bytes, spec.non_expert_bytes,
+                             host_memory=None if host_memory is None else parse_size(host_memory, "--host-memory"),
+                             kv_default=hostmem.DEFAULT_KV_HOST if on_cpu else 0,
+                             kv_floor=spec.kv_cache_bytes(context, batch), limit=limit, dense_on_host=on_cpu)
 
 
 def _rates(rates, host: str | None) -> str:

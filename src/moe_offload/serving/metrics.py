@@ -86,6 +86,15 @@ class WorkerMetrics:
         cap = Gauge("moe_offload_memory_tier_capacity_bytes", "Capacity of each memory tier, bytes.", ["tier", "kind", "accelerator"], registry=r)
         for t in tiers:
             cap.labels(tier=t.name, kind=t.kind, accelerator=t.accelerator or "").set(t.capacity_bytes)
+        plan = ci.get("memory_plan") or {}
+        if plan:
+            split = Gauge("moe_offload_host_memory_plan_bytes",
+                          "The host memory plan, weights first (planned at start, not measured): part=limit | reserve "
+                          "(the runtime) | dense | experts (in host memory; experts_tier=disk: the disk tier's cache) "
+                          "| kv (the KV budget).", ["model_name", "part", "experts_tier"], registry=r)
+            for part in ("limit", "reserve", "dense", "experts", "kv"):
+                split.labels(model_name=model_name, part=part,
+                             experts_tier=plan["experts_tier"]).set(plan[f"{part}_bytes"])
         over = f"over the decode steps of the last {WINDOW} requests (at most {WINDOW_STEPS} steps)"
         Gauge("airm_tok_s", f"Decode throughput {over}, tokens per second.", ["model_name"],
               registry=r).labels(**m).set_function(lambda: self._decode_window()[0])
