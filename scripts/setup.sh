@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q --upgrade pip "setuptools>=69" wheel ninja
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+# --no-build-isolation: setup.py compiles the CPU kernels (every ISA variant) against the torch just installed
+"$VENV/bin/python" -m pip install -q --no-build-isolation -e ".[test]"
 touch "$VENV/.installed"

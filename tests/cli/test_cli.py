@@ -50,6 +50,18 @@ def test_selftest_reports_failure(capsys, monkeypatch):
     assert "FAIL broken" in out and "boom" in out
 
 
+def test_selftest_fails_its_kernels_line_without_the_kernels(capsys, monkeypatch):
+    # a run without the compiled kernels is several times slower: selftest says so with a FAIL, not a PASS
+    from moe_offload.engines.offload.kernels import jit
+
+    monkeypatch.setattr(jit, "load", lambda: False)
+    monkeypatch.setattr(jit, "info", lambda: {"ok": False, "error": "RuntimeError: no compiler here"})
+    code, out, _ = run(["selftest"], capsys)
+    assert code == 1
+    line = next(x for x in out.splitlines() if "kernels" in x)
+    assert line.startswith("FAIL kernels") and "no compiler here" in line and "transformers' modules" in line
+
+
 def test_version(capsys):
     code, out, _ = run(["version"], capsys)
     assert code == 0 and "protocol 0.1" in out

@@ -155,6 +155,18 @@ def test_metrics_show_the_host_memory_plan():
     assert "moe_offload_host_memory_plan_bytes" not in WorkerMetrics("m", max_model_len=64).render().decode()
 
 
+def test_metrics_say_whether_the_cpu_kernels_run():
+    from moe_offload.serving.metrics import WorkerMetrics
+
+    on = {"ok": True, "variant": "avx2", "source": "prebuilt", "error": ""}
+    off = {"ok": False, "variant": "avx2", "source": "", "error": "RuntimeError: no compiler"}
+    for info, want in ((on, "1.0"), (off, "0.0")):
+        text = WorkerMetrics("m", max_model_len=64, cache_info={"kernels": info}).render().decode()
+        line = next(x for x in text.splitlines() if x.startswith("moe_offload_cpu_kernels{"))
+        assert line.endswith(" " + want) and f'source="{info["source"]}"' in line and 'variant="avx2"' in line
+    assert 'reason="RuntimeError: no compiler"' in text
+
+
 def test_closing_the_runner_aborts_the_running_generation():
     # Shutdown waits for the engine thread; a long generation must not hold it for its whole length.
     import asyncio

@@ -1,20 +1,23 @@
-"""The loader of the CPU kernels: builds csrc/cpu/ for this CPU's ISA at first use, loads the library (its ops
-register as ``torch.ops.moe_offload.*``) and their fake kernels (ops.py).
+"""The loader of the CPU kernels: the library built at install for this CPU's ISA, else a build at first use; its
+ops register as ``torch.ops.moe_offload.*``, with their fake kernels (ops.py).
 
-    csrc/cpu/*.cpp + *.h --cpp_extension.load(ISA flags)--> <build dir>/<name>.so --> torch.ops.moe_offload
-    name = moe_offload_cpu_<variant>_<hash of every file under csrc/, the flags and torch.__version__>
+    pip install (setup.py): csrc/cpu/ --every variant of buildinfo.VARIANTS--> kernels/_cpu_<variant>.so + STAMP
+    load(): CPUID --the variant's prebuilt library, when STAMP names this torch and these sources--> loaded
+            --else (an edited checkout, another torch, an install without them)--> cpp_extension.load(ISA flags)
+              --> <build dir>/moe_offload_cpu_<variant>_<hash of csrc/, the flags and torch.__version__>.so
 
 The ISA (AVX512-BF16, AVX2, or a portable loop) comes from /proc/cpuinfo; MOE_OFFLOAD_KERNELS=<variant> picks a
 lesser one, MOE_OFFLOAD_KERNELS=0 turns the kernels off. The build directory is $TORCH_EXTENSIONS_DIR or
 ~/.cache/moe-offload/kernels (the temp dir where that is read-only), never the package: an installed wheel's
-read-only csrc/ is only read. ``load()`` builds once per machine and returns False, after one warning, when the
-kernels are disabled or cannot be built; callers then keep the ``F.linear`` path.
+read-only csrc/ is only read. ``load()`` returns False, after one warning, when the kernels are disabled or cannot
+be built; callers then keep the ``F.linear`` path, and the engine's start log, /metrics and ``selftest`` say so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -26,6 +29,8 @@ import torch
 
 from moe_offload import settings
 from moe_offload.engines.offload.kernels import ops
+from moe_offload.engines.offload.kernels.buildinfo import BASE_CFLAGS, STAMP, VARIANTS, prebuilt_name
+from moe_offload.engines.offload.kernels.buildinfo import source_hash as _hash_of
 from moe_offload.errors import BackendUnavailable
 
 try:
@@ -35,15 +40,6 @@ except ImportError:  # not a POSIX system: torch's own lock file only
 
 ENV = "MOE_OFFLOAD_KERNELS"
 CSRC = Path(__file__).parent / "csrc"  # shipped as package data (pyproject.toml)
-
-# ISA variants, best first: (name, /proc/cpuinfo flags it needs, compiler flags)
-VARIANTS = (
-    # every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4) also has VNNI, which the int8 kernels use
-    ("avx512bf16", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c"),
-     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c", "-DMOE_AVX512BF16")),
-    ("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c", "-DMOE_AVX2")),
-    ("portable", (), ()),
-)
 
 _lock = threading.Lock()
 _state: dict = {}  # "ok": usable now, "built": library loaded, "variant": ISA, "error": why not
@@ -86,8 +82,8 @@ def load() -> bool:
     if ok is None:
         with _lock:
             if "ok" not in _state:
-                _state.update(_build() if enabled_by_env() else {"ok": False, "built": False, "variant": "",
-                                                                  "error": f"disabled by {ENV}"})
+                _state.update((_prebuilt() or _build()) if enabled_by_env() else
+                              {"ok": False, "built": False, "variant": "", "source": "", "error": f"disabled by {ENV}"})
             ok = _state["ok"]
     return ok
 
@@ -97,13 +93,14 @@ def set_enabled(on: bool) -> bool:
     Returns whether they are on."""
     with _lock:
         if on and not _state.get("built"):
-            _state.update(_build())
+            _state.update(_prebuilt() or _build())
         _state["ok"] = bool(on and _state.get("built"))
         return _state["ok"]
 
 
 def info() -> dict:
-    """{"ok": bool, "built": bool, "variant": str, "error": str} once ``load()`` ran; {} before."""
+    """{"ok": bool, "built": bool, "variant": str, "source": "prebuilt" | "jit" | "", "error": str} once ``load()``
+    ran; {} before."""
     return dict(_state)
 
 
@@ -113,11 +110,8 @@ def sources() -> list[Path]:
 
 
 def source_hash() -> str:
-    """sha256 of every file under csrc/ (headers and .clang-format included), path and bytes, in path order."""
-    h = hashlib.sha256()
-    for f in sorted(p for p in CSRC.rglob("*") if p.is_file()):
-        h.update(f.relative_to(CSRC).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
+    """sha256 of every file under csrc/ (buildinfo.source_hash)."""
+    return _hash_of(CSRC)
 
 
 def build_spec() -> tuple[str, list[str], str]:
@@ -125,9 +119,7 @@ def build_spec() -> tuple[str, list[str], str]:
     the sources' bytes, flags and torch version, so a cache shared by machines never hands one a library for another
     ISA, and an edited header is a new build."""
     variant, isa = pick_variant(cpu_flags())
-    # -fopenmp: at::parallel_for is an inline OpenMP region; without it the kernel would run on one thread.
-    # The library then needs libgomp.so.1, which resolves to the copy torch already loaded (one thread pool).
-    cflags = ["-O3", "-fopenmp", *isa]
+    cflags = [*BASE_CFLAGS, *isa]
     key = hashlib.sha256("\0".join((source_hash(), *cflags, torch.__version__)).encode()).hexdigest()[:12]
     return variant, cflags, f"moe_offload_cpu_{variant}_{key}"
 
@@ -150,6 +142,35 @@ def _build_lock(directory: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _prebuilt() -> dict | None:
+    """Load the variant CPUID picks from the libraries built at install (setup.py), or None (then _build): none
+    there, or their STAMP names another torch or other sources (an edited checkout: the developer's JIT build)."""
+    variant = pick_variant(cpu_flags())[0]
+    here = Path(__file__).parent
+    libs = sorted(here.glob(prebuilt_name(variant) + ".*so"))
+    try:
+        stamp = json.loads((here / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+    if not libs or stamp.get("torch") != torch.__version__ or stamp.get("source_hash") != source_hash():
+        from moe_offload.log import get_logger
+
+        get_logger("moe_offload.kernels").info(
+            "prebuilt kernels do not match: building", variant=variant, have=bool(libs),
+            built_for=stamp.get("torch"), torch=torch.__version__, same_sources=stamp.get("source_hash") == source_hash())
+        return None
+    try:
+        torch.ops.load_library(str(libs[0]))
+    except (OSError, RuntimeError) as e:
+        from moe_offload.log import get_logger
+
+        get_logger("moe_offload.kernels").warning("prebuilt kernels do not load: building", library=str(libs[0]),
+                                                  error=" ".join(str(e).split())[-300:])
+        return None
+    ops.register_fakes()
+    return {"ok": True, "built": True, "variant": variant, "source": "prebuilt", "error": ""}
 
 
 def _build() -> dict:
@@ -180,7 +201,7 @@ def _build() -> dict:
                 verbose=False,
             )
         ops.register_fakes()
-        return {"ok": True, "built": True, "variant": variant, "error": ""}
+        return {"ok": True, "built": True, "variant": variant, "source": "jit", "error": ""}
     except Exception as e:  # noqa: BLE001 - any build or load failure means: keep the F.linear path
         msg = " ".join(str(e).split())[-400:]
         from moe_offload.log import get_logger
@@ -189,7 +210,7 @@ def _build() -> dict:
             "cpu_kernels_unavailable", variant=variant, error=f"{type(e).__name__}: {msg}",
             fallback="F.linear", hint=f"set {ENV}=0 to skip the build",
         )
-        return {"ok": False, "built": False, "variant": variant, "error": f"{type(e).__name__}: {msg}"}
+        return {"ok": False, "built": False, "variant": variant, "source": "", "error": f"{type(e).__name__}: {msg}"}
 
 
 def _find_ninja() -> None:

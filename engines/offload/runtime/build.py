@@ -172,6 +172,15 @@ def build_offload_engine(
         str(path), resolved, policy=policy, device=device, dtype=dtype, hybrid_threshold=hybrid_threshold,
         expert_dtype=expert_dtype, dense_dtype=dense_dtype, host_cache=plan.host_cache, prefetch=prefetch,
     )
+    if torch.device(device).type == "cpu":
+        from moe_offload.engines.offload.kernels import jit
+
+        if not jit.load():
+            from moe_offload.log import get_logger
+
+            get_logger("moe_offload.build").warning(
+                "CPU kernels off: decode runs transformers' modules, several times slower",
+                reason=jit.info().get("error") or "disabled", fix="reinstall with a compiler (scripts/setup.sh)")
     engine = OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache,
                            kv_config=kv_config, scheduler=sched)
     engine.memory_plan = plan.split()

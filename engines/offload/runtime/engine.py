@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats
+from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.runtime import deltanet, kv_budget
 from moe_offload.engines.offload.runtime.accounting import Accounting
 from moe_offload.engines.offload.runtime.kv_budget import KVCacheConfig
@@ -158,7 +159,8 @@ class OffloadEngine(Engine):
                 "cache_dtype": "auto", "kv_cache_memory_bytes": self.kv_cache_memory if self.paged else 0,
                 "paged": self.paged, "max_num_seqs": self.scheduler.config.max_num_seqs,
                 "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
-                "max_model_len": self.info.max_model_len, "memory_plan": self.memory_plan}
+                "max_model_len": self.info.max_model_len, "memory_plan": self.memory_plan,
+                "kernels": jit.info() if self.device.type == "cpu" else None}
 
     def stats(self) -> dict[str, Any]:
         d = self.accounting.total.to_dict()

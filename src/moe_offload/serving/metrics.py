@@ -86,6 +86,13 @@ class WorkerMetrics:
         cap = Gauge("moe_offload_memory_tier_capacity_bytes", "Capacity of each memory tier, bytes.", ["tier", "kind", "accelerator"], registry=r)
         for t in tiers:
             cap.labels(tier=t.name, kind=t.kind, accelerator=t.accelerator or "").set(t.capacity_bytes)
+        kernels = ci.get("kernels")
+        if kernels is not None:
+            Gauge("moe_offload_cpu_kernels", "1: the compiled CPU kernels run (variant: the ISA build, source: prebuilt "
+                  "at install | jit); 0: they are off (reason) and decode runs transformers' modules, slower.",
+                  ["model_name", "variant", "source", "reason"], registry=r).labels(
+                model_name=model_name, variant=kernels.get("variant", ""), source=kernels.get("source", ""),
+                reason=(kernels.get("error") or "")[:200]).set(1 if kernels.get("ok") else 0)
         plan = ci.get("memory_plan") or {}
         if plan:
             split = Gauge("moe_offload_host_memory_plan_bytes",

@@ -292,6 +292,7 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, capsys):
 
     saved = dict(jit._state)
     monkeypatch.setattr(ext, "load", lambda **kw: (_ for _ in ()).throw(RuntimeError("no compiler here")))
+    monkeypatch.setattr(jit, "_prebuilt", lambda: None)  # as an install without the prebuilt libraries
     jit._state.clear()
     try:
         assert jit.load() is False and jit.load() is False  # second call: cached, no second warning

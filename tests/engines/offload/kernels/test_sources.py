@@ -84,3 +84,26 @@ def test_block_sizes_are_the_vocabularys():
     mb = re.search(r"constexpr int64_t MB = (\d+);", text)
     assert fb and int(fb[1]) == vocab.FP8_BLOCK
     assert mb and int(mb[1]) == vocab.MX_BLOCK
+
+
+def test_the_kernels_built_at_install_are_the_ones_loaded(monkeypatch):
+    # setup.py compiled every ISA variant at install and stamped them with the torch and the sources they were built
+    # from: a missing stamp is an install without kernels (pip's build isolation, no torch at build time)
+    import json
+
+    import torch
+
+    from moe_offload.engines.offload.kernels.buildinfo import STAMP, prebuilt_name
+
+    here = Path(jit.__file__).parent
+    stamp = json.loads((here / STAMP).read_text())
+    assert stamp["variants"] == [v[0] for v in jit.VARIANTS]
+    assert all(list(here.glob(prebuilt_name(v) + ".*so")) for v in stamp["variants"])
+    if stamp["torch"] == torch.__version__ and stamp["source_hash"] == jit.source_hash():
+        assert jit.load() and jit.info()["source"] == "prebuilt", jit.info()
+    # other sources (an edited checkout) or another torch: not those libraries, the build at first use instead
+    monkeypatch.setattr(jit, "source_hash", lambda: "0" * 64)
+    assert jit._prebuilt() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert jit._prebuilt() is None
