@@ -11,13 +11,16 @@ buffers also allow O_DIRECT, which keeps the page cache from holding a second co
 Biases are not in the records: they are small and stay in memory with the model.
 
 The manifest is written last (write to a temporary name, then rename): a store without one is incomplete and is
-written again, never read.
+written again, never read. It records the data file's size and CRC-32: a data file of another size (truncated, cut
+mid-write) is found at every open and the store written again; ``verify`` reads the whole file against the CRC
+(`moe-offload convert` runs it on a store it finds).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +28,7 @@ import torch
 
 from moe_offload.errors import ModelError
 
-VERSION = 1
+VERSION = 2  # 2: the manifest records the data file's CRC-32
 ALIGN = 4096  # record offset, record size and buffer address: the page size, which O_DIRECT asks for
 TENSOR_ALIGN = 64  # a tensor's offset inside its record: any dtype's view is aligned
 MANIFEST, DATA = "store.json", "experts.bin"
@@ -90,6 +93,7 @@ class StoreWriter:
         self.fmt, self.meta = fmt, dict(meta or {})
         self._f = open(self.dir / DATA, "wb")
         self._pos = 0
+        self._crc = 0  # CRC-32 of every byte written, in order
         self.layers: list[LayerEntry] = []
         self._cur: tuple | None = None  # (name, layer, num_experts, offset, entries, record bytes, written)
 
@@ -110,6 +114,7 @@ class StoreWriter:
                 raw = t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
                 record[e.offset: e.offset + e.nbytes] = raw
         self._f.write(record)
+        self._crc = zlib.crc32(record, self._crc)
         self._pos += rb
         cur[6] += 1
 
@@ -124,7 +129,7 @@ class StoreWriter:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
-        doc = {"version": VERSION, "format": self.fmt, "data_bytes": self._pos, **self.meta,
+        doc = {"version": VERSION, "format": self.fmt, "data_bytes": self._pos, "crc32": self._crc, **self.meta,
                "layers": [{"name": lay.name, "layer": lay.layer, "num_experts": lay.num_experts, "offset": lay.offset,
                            "record_bytes": lay.record_bytes,
                            "tensors": [None if t is None else {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
@@ -150,8 +155,9 @@ class Manifest:
 
 
 def read_manifest(directory: Path) -> Manifest | None:
-    """The store's manifest, or None when the directory holds no complete store; ModelError for an unreadable one or
-    one whose data file is shorter than the manifest says (truncated)."""
+    """The store's manifest, or None when the directory holds no complete store: no manifest (cut mid-write),
+    another version, or a data file whose size is not the manifest's (truncated): those are written again, never
+    read (a warning names the last). ModelError for a manifest that is not one."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         return None
@@ -172,10 +178,27 @@ def read_manifest(directory: Path) -> Manifest | None:
     if doc.get("version") != VERSION:
         return None  # another version: written again
     size = man.data_path.stat().st_size if man.data_path.is_file() else -1
-    if size < man.data_bytes:
-        raise ModelError(f"{man.data_path}: expert store truncated ({max(size, 0)} of {man.data_bytes} bytes); delete "
-                         f"{directory} to have it written again")
+    if size != man.data_bytes:
+        from moe_offload.log import get_logger
+
+        get_logger("moe_offload.store").warning("expert store truncated or cut: writing it again", store=str(directory),
+                                                bytes=max(size, 0), expected=man.data_bytes)
+        return None
     return man
+
+
+def verify(man: Manifest, chunk: int = 64 << 20) -> bool:
+    """Whether the data file's bytes have the CRC-32 the manifest recorded (reads the whole file)."""
+    crc = 0
+    with open(man.data_path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc == man.meta.get("crc32")
+
+
+def discard(directory: Path) -> None:
+    """Make the store at ``directory`` incomplete (its manifest removed): the next ensure writes it again."""
+    (Path(directory) / MANIFEST).unlink(missing_ok=True)
 
 
 class StoreFile:

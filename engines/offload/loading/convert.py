@@ -53,8 +53,9 @@ def ensure_store(root: Path, config, experts: list, method: str | None, read_as:
     target = stored_format(method, read_as, convert_to, dtype)
     where = Path(out) if out is not None else store_dir(root, target)
     man = diskstore.read_manifest(where)
-    if man is not None:
+    if man is not None and man.meta.get("checkpoint") == str(Path(root).resolve()):
         return man
+    # none, or a store of another checkpoint under this name (a directory copied or renamed): written now
     t0 = time.perf_counter()
     log.info("writing the expert store (once per checkpoint and format)", checkpoint=str(root), store=str(where),
              format=target)
@@ -141,7 +142,13 @@ def convert_checkpoint(path: str, dtype: str | None = None, expert_dtype: str | 
     """(the expert store of checkpoint ``path`` as the engine would load it with ``dtype`` / ``expert_dtype``, whether
     it was written now). What `moe-offload convert` runs; the engine finds the store where this puts it."""
     root, config, experts, method, read_as, convert_to, compute, target = _target(path, dtype, expert_dtype)
-    existed = diskstore.read_manifest(_where(root, config, read_as, compute, target)) is not None
+    where = _where(root, config, read_as, compute, target)
+    found = diskstore.read_manifest(where)
+    if found is not None and not diskstore.verify(found):  # the size is right, the bytes are not: written again
+        log.warning("expert store does not match its checksum: writing it again", store=str(where))
+        diskstore.discard(where)
+        found = None
+    existed = found is not None
     if getattr(config, "gguf_file", None) is not None:  # the file's blocks (or --expert-dtype bf16's floats)
         from moe_offload.engines.offload.loading import gguf_load
 

@@ -8,7 +8,9 @@ layer, so nearly every step reads from disk.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,18 +143,30 @@ def test_budget_below_the_working_set_names_the_minimum(checkpoints):
         load_model(path, placement(*moe_layers(path), 0.5, "static"), host_cache=rb * (TOP_K + 1))
 
 
-def test_truncated_store_fails_at_load_and_a_vanished_one_fails_the_request(checkpoints, store_dir):
+def test_a_damaged_store_is_written_again_never_read_and_a_vanished_one_fails_the_request(checkpoints, store_dir):
+    from moe_offload.engines.offload.loading.convert import convert_checkpoint
+
     path = checkpoints("qwen3_moe")
+    want = greedy(load_model(path, placement(*moe_layers(path), 1.0, "static")).model, PROMPT, N_TOKENS)[0]
     om = load_tight(path, 0.0, "static")
     om.executor.close()
     (store,) = list(store_dir.iterdir())
     data = store / diskstore.DATA
-    size = data.stat().st_size
-    os.truncate(data, size - 4096)
-    with pytest.raises(ModelError, match="truncated"):
-        load_tight(path, 0.0, "static")
-    os.truncate(data, size)  # the bytes are gone (zeros) but the size is back: loads
+    good = data.read_bytes()
+    os.truncate(data, len(good) - 4096)  # truncated: found at open by its size, written again, then served exactly
     om = load_tight(path, 0.0, "static")
+    assert data.read_bytes() == good and greedy(om.model, PROMPT, N_TOKENS)[0] == want
+    om.executor.close()
+    os.truncate(data, len(good) - 4096)
+    os.truncate(data, len(good))  # the size is back but the last record is zeros: the checksum finds it
+    assert not diskstore.verify(diskstore.read_manifest(store))
+    man, written = convert_checkpoint(path)  # `moe-offload convert` verifies what it finds
+    assert written and diskstore.verify(man) and data.read_bytes() == good
+    # a store of another checkpoint under this name (a directory copied over): written again, not read
+    doc = json.loads((store / diskstore.MANIFEST).read_text())
+    (store / diskstore.MANIFEST).write_text(json.dumps({**doc, "checkpoint": "/elsewhere/model"}))
+    om = load_tight(path, 0.0, "static")
+    assert json.loads((store / diskstore.MANIFEST).read_text())["checkpoint"] == str(Path(path).resolve())
     os.truncate(data, 0)  # mid-run: the next read is short
     with pytest.raises(ModelError, match=r"model\.layers\.\d+\.mlp\.experts expert \d+: read 0 of"):
         greedy(om.model, PROMPT, N_TOKENS)
