@@ -33,7 +33,7 @@ def _worker_options(fn):
         click.option("--max-queue", default=64, show_default=True, type=int, help="Waiting requests beyond which new ones get 429."),
         click.option("--max-num-seqs", type=int, help="cpu/cuda: sequences decoded together in one step [default: 16]."),
         click.option("--max-num-batched-tokens", type=int, help="cpu/cuda: tokens per step (decode + prefill chunks) [default: 512]."),
-        click.option("--kv-cache-memory", help="cpu/cuda: KV cache budget, e.g. 2GiB [default: 4GiB on cpu, 80%% of free memory on cuda]."),
+        click.option("--kv-cache-memory", help="cpu/cuda: KV cache budget, e.g. 2GiB [default: cpu: what the weights leave in the memory limit, at most 4GiB; cuda: 80%% of free memory]."),
         click.option("--host-memory", help="cpu/cuda: host memory for routed experts, e.g. 8GiB; those that do not fit "
                      "live on disk [default: what the process's memory limit leaves]."),
         click.option("--max-model-len", type=int, help="cpu/cuda: longest prompt + output served [default: the model's, capped to the KV budget]."),
