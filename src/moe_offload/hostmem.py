@@ -98,6 +98,8 @@ def runtime_reserve() -> int:
     its memory) plus HEADROOM; RESERVE when it cannot be measured."""
     rss = resident_bytes()
     return rss + HEADROOM if rss else RESERVE
+
+
 DEFAULT_KV_HOST = 4 << 30  # the KV budget of a CPU engine when memory allows (runtime/kv_budget.DEFAULT_KV_CPU)
 MIN_KV_DISK = 64 << 20  # the smallest KV budget the disk tier sizes itself with (when none is asked for)
 
@@ -157,7 +159,7 @@ def plan_host(experts_bytes: int, dense_bytes: int, *, host_memory: int | None =
                         experts_on_disk=True, **base)
     free = limit.bytes - reserve - dense  # what the experts and the KV cache share
     floor = kv_asked if kv_asked is not None else (kv_floor if on_host else 0)
-    if free < floor or free < 0:
+    if free < floor:  # floor >= 0: a negative free is short too
         raise ConfigError(f"host memory: {limit.source} is {_gib(limit.bytes)}; the dense weights ({_gib(dense)}), the "
                           f"runtime ({_gib(reserve)}) and the smallest KV budget ({_gib(floor)}) need "
                           f"{_gib(dense + reserve + floor)}: {_gib(floor - free)} short (raise the limit, or "

@@ -154,12 +154,13 @@ def _prebuilt() -> dict | None:
         stamp = json.loads((here / STAMP).read_text())
     except (OSError, ValueError):
         return None
-    if not libs or stamp.get("torch") != torch.__version__ or stamp.get("source_hash") != source_hash():
+    same_sources = stamp.get("source_hash") == source_hash()  # reads csrc/ once
+    if not libs or stamp.get("torch") != torch.__version__ or not same_sources:
         from moe_offload.log import get_logger
 
         get_logger("moe_offload.kernels").info(
             "prebuilt kernels do not match: building", variant=variant, have=bool(libs),
-            built_for=stamp.get("torch"), torch=torch.__version__, same_sources=stamp.get("source_hash") == source_hash())
+            built_for=stamp.get("torch"), torch=torch.__version__, same_sources=same_sources)
         return None
     try:
         torch.ops.load_library(str(libs[0]))

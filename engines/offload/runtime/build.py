@@ -94,7 +94,7 @@ def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheC
             plan = dataclasses.replace(plan, reason=plan.reason + "; experts loaded up front")
     from moe_offload.log import get_logger
 
-    get_logger("moe_offload.build").info("memory plan", **{k: v for k, v in plan.split().items()},
+    get_logger("moe_offload.build").info("memory plan", **plan.split(),
                                           kv_floor_tokens=tokens)
     return plan
 
