@@ -121,7 +121,8 @@ def _why(err: str) -> str:
 
 
 def disk_bandwidth(store: Path, reads: int = 64) -> float:
-    """GB/s of O_DIRECT record reads from the expert store, 8 threads (what the disk tier's demand reads do)."""
+    """GB/s of expert reads from the expert store, 8 threads (what the disk tier's demand reads do: O_DIRECT records
+    of a copy, or buffered extents of the checkpoint read in place)."""
     import random
     from concurrent.futures import ThreadPoolExecutor
 
@@ -237,8 +238,10 @@ def main(argv=None) -> int:
     seen = {r.get("prompt_tokens") for v in runs.values() for r in v if r.get("prompt_tokens")}
     print(f"prompt tokens: engine {sorted(seen)}, llama-bench -p {prompt_tokens}")
     for label, c in conv.items():
-        print(f"expert store {label}: {c['bytes'] / 2**30:.2f} GiB, {'written' if c['written'] else 'found'} in "
-              f"{c['wall_s']:.1f} s ({c['store']})")
+        held = (f"in place, {c['disk_bytes'] / 2**10:.0f} KiB on disk ({100 * c['disk_bytes'] / ckpt:.4f} % of the "
+                "checkpoint)" if c.get("in_place") else f"a copy, {c['bytes'] / 2**30:.2f} GiB")
+        print(f"expert store {label}: {held}, {'written' if c['written'] else 'found'} in {c['wall_s']:.1f} s "
+              f"({c['store']})")
     return 0
 
 

@@ -167,3 +167,30 @@ def test_plan_shows_the_host_memory_split_weights_first(capsys, tmp_path, model_
             assert mem["dense_bytes"] == 0 and mem["kv_bytes"] == 0
         else:
             assert "0.50 GiB short" in mem["error"]
+
+
+def test_spec_and_plan_state_the_disk_the_disk_tier_needs(capsys, model_dir, monkeypatch, tmp_path):
+    # experts kept as shipped: read in place, no copy; --expert-dtype int8 re-lays them out: a copy of every expert
+    # (records padded to 4 KiB), set against the free space of the store's disk
+    from moe_offload.control.spec import ModelSpec
+
+    monkeypatch.setenv("MOE_OFFLOAD_STORE_DIR", str(tmp_path / "stores"))
+    spec = ModelSpec.from_hf_config(str(model_dir))
+    assert spec.disk_in_place and spec.disk_copy_bytes == 0
+    int8 = spec.with_expert_dtype("int8")
+    assert not int8.disk_in_place
+    assert int8.disk_copy_bytes == spec.num_moe_layers * spec.num_experts * -(-int8.expert_bytes // 4096) * 4096
+    host = ["--host-memory", str(spec.routed_expert_bytes // 4)]
+    assert main(["plan", "--model", str(model_dir), "--slots", "8", *host, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["disk"] == {"in_place": True, "store_bytes": 0,
+                                                          "reason": "reads the checkpoint's expert tensors in place (no copy)"}
+    assert main(["plan", "--model", str(model_dir), "--slots", "8", *host, "--expert-dtype", "int8"]) == 0
+    assert f"disk: an expert store copy of {int8.disk_copy_bytes / 2**30:.2f} GiB" in capsys.readouterr().out
+    from moe_offload import hostmem
+
+    monkeypatch.setattr(hostmem, "disk_free", lambda path=None: (1, "/small"))
+    assert main(["plan", "--model", str(model_dir), "--slots", "8", *host, "--expert-dtype", "int8", "--json"]) == 0
+    disk = json.loads(capsys.readouterr().out)["disk"]
+    assert disk["short"] is True and "the engine will refuse it" in disk["reason"]
+    assert main(["spec", "--model", str(model_dir)]) == 0
+    assert "in place (no copy)" in capsys.readouterr().out

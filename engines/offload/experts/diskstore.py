@@ -14,6 +14,14 @@ The manifest is written last (write to a temporary name, then rename): a store w
 written again, never read. It records the data file's size and CRC-32: a data file of another size (truncated, cut
 mid-write) is found at every open and the store written again; ``verify`` reads the whole file against the CRC
 (`moe-offload convert` runs it on a store it finds).
+
+A store **in place** has no experts.bin: where the checkpoint already holds each expert's tensors as the engine keeps
+them (bf16 safetensors, GGUF expert blocks: contiguous per expert), the manifest lists, per expert, the extents of
+the checkpoint's files that make its record (``files`` [{path, size, mtime_ns}], per layer ``extents`` [expert]
+[[file, offset, nbytes, record offset]]), and a miss is one pread per extent straight into the host slot (gate and
+up side by side make the fused gate|up). The files are read buffered at any offset (no alignment to keep) and the
+pages read are dropped from the page cache after (posix_fadvise), so the host cache holds the only copy. A file of
+another size or mtime makes the store stale: written again, never read. The manifest is the whole store on disk.
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ class LayerEntry:
     offset: int  # bytes into experts.bin of expert 0's record
     record_bytes: int  # a multiple of ALIGN
     tensors: tuple[TensorEntry | None, ...]  # RECORD_TENSORS order; None: the format has no such tensor
+    # in place: per expert the ((file, offset, nbytes, record offset), ...) its record is read from; None: experts.bin
+    extents: tuple[tuple[tuple[int, int, int, int], ...], ...] | None = None
 
     def record_offset(self, e: int) -> int:
         return self.offset + e * self.record_bytes
@@ -68,6 +78,11 @@ class LayerEntry:
     def payload_bytes(self) -> int:
         """Bytes of one expert's tensors (the record without its padding)."""
         return sum(t.nbytes for t in self.tensors if t is not None)
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes one read of an expert moves: its record (a copy), its tensors' extents (in place)."""
+        return self.payload_bytes if self.extents is not None else self.record_bytes
 
 
 def layout(tensors: tuple[torch.Tensor | None, ...]) -> tuple[tuple[TensorEntry | None, ...], int]:
@@ -86,19 +101,23 @@ def layout(tensors: tuple[torch.Tensor | None, ...]) -> tuple[tuple[TensorEntry 
 class StoreWriter:
     """Writes experts.bin sequentially (one expert in memory at a time), then the manifest."""
 
-    def __init__(self, directory: Path, fmt: str, meta: dict | None = None):
+    def __init__(self, directory: Path, fmt: str, meta: dict | None = None, files: list[Path] | None = None):
+        """``files``: a store in place over these files (add_extents, no experts.bin), else a copy (add_expert)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / MANIFEST).unlink(missing_ok=True)  # incomplete until close()
         self.fmt, self.meta = fmt, dict(meta or {})
-        self._f = open(self.dir / DATA, "wb")
+        self.files = [Path(f).resolve() for f in files] if files is not None else None
+        if self.files is not None:
+            (self.dir / DATA).unlink(missing_ok=True)  # a copy written before: the checkpoint serves instead
+        self._f = open(self.dir / DATA, "wb") if self.files is None else None
         self._pos = 0
         self._crc = 0  # CRC-32 of every byte written, in order
         self.layers: list[LayerEntry] = []
-        self._cur: tuple | None = None  # (name, layer, num_experts, offset, entries, record bytes, written)
+        self._cur: list | None = None  # [name, layer, num_experts, offset, entries, record bytes, written, extents]
 
     def begin_layer(self, name: str, layer: int, num_experts: int) -> None:
-        self._cur = [name, layer, num_experts, self._pos, None, None, 0]
+        self._cur = [name, layer, num_experts, self._pos, None, None, 0, []]
 
     def add_expert(self, tensors: tuple[torch.Tensor | None, ...]) -> None:
         """The next expert's (up, down, up_scale, down_scale), as the host store holds them."""
@@ -118,27 +137,61 @@ class StoreWriter:
         self._pos += rb
         cur[6] += 1
 
+    def add_extents(self, entries: tuple[TensorEntry | None, ...], record_bytes: int,
+                    extents: list[tuple[int, int, int, int]]) -> None:
+        """In place: the next expert's record (layout ``entries``) is read from ``extents`` (file index into
+        ``files``, file offset, bytes, record offset), which must fill its tensors exactly."""
+        cur = self._cur
+        if cur[4] is None:
+            cur[4], cur[5] = entries, record_bytes
+        elif entries != cur[4]:
+            raise ValueError(f"{cur[0]}: expert {cur[6]} has a different layout than expert 0")
+        if sum(x[2] for x in extents) != sum(t.nbytes for t in entries if t is not None):
+            raise ValueError(f"{cur[0]}: expert {cur[6]}'s extents do not fill its record")
+        cur[7].append(tuple(tuple(int(v) for v in x) for x in extents))
+        cur[6] += 1
+
     def end_layer(self) -> None:
-        name, layer, n, off, entries, rb, written = self._cur
+        name, layer, n, off, entries, rb, written, extents = self._cur
         if written != n:
             raise ValueError(f"{name}: {written} experts written, expected {n}")
-        self.layers.append(LayerEntry(name, layer, n, off, rb, entries))
+        self.layers.append(LayerEntry(name, layer, n, off, rb, entries, tuple(extents) if self.files is not None else None))
         self._cur = None
 
     def close(self) -> Path:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        doc = {"version": VERSION, "format": self.fmt, "data_bytes": self._pos, "crc32": self._crc, **self.meta,
-               "layers": [{"name": lay.name, "layer": lay.layer, "num_experts": lay.num_experts, "offset": lay.offset,
-                           "record_bytes": lay.record_bytes,
-                           "tensors": [None if t is None else {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
-                                                                "offset": t.offset, "nbytes": t.nbytes}
-                                       for t in lay.tensors]} for lay in self.layers]}
+        doc = {"version": VERSION, "format": self.fmt, "data_bytes": self._pos, **self.meta}
+        if self._f is not None:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            doc["crc32"] = self._crc
+        else:
+            doc["files"] = [{"path": str(f), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
+                            for f in self.files]
+        doc["layers"] = [{"name": lay.name, "layer": lay.layer, "num_experts": lay.num_experts, "offset": lay.offset,
+                          "record_bytes": lay.record_bytes,
+                          "tensors": [None if t is None else {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                                                               "offset": t.offset, "nbytes": t.nbytes}
+                                      for t in lay.tensors],
+                          **({"extents": [[list(x) for x in ex] for ex in lay.extents]} if lay.extents is not None else {})}
+                         for lay in self.layers]
         tmp = self.dir / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(doc, indent=1))
         tmp.rename(self.dir / MANIFEST)
         return self.dir
+
+
+def write_in_place(directory: Path, fmt: str, meta: dict, files: list[Path], experts: list, layers: list) -> "Manifest":
+    """A store in place over ``files``: per experts module of ``experts`` (name, layer, num_experts) its ``layers``
+    item (record entries, record bytes, per expert extents). Returns its manifest."""
+    writer = StoreWriter(directory, fmt, {**meta, "rows_layers": []}, files=files)
+    for info, (entries, rb, extents) in zip(experts, layers):
+        writer.begin_layer(info.name, info.layer, info.num_experts)
+        for ex in extents:
+            writer.add_extents(entries, rb, ex)
+        writer.end_layer()
+    writer.close()
+    return read_manifest(directory)
 
 
 @dataclass(frozen=True)
@@ -148,10 +201,20 @@ class Manifest:
     data_bytes: int
     meta: dict
     layers: dict[str, LayerEntry]  # by experts module name
+    files: tuple[Path, ...] = ()  # in place: the checkpoint files the extents index; () for a copy (experts.bin)
 
     @property
     def data_path(self) -> Path:
         return self.dir / DATA
+
+    @property
+    def in_place(self) -> bool:
+        return bool(self.files)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the store adds on disk: its data file and manifest (in place: the manifest alone)."""
+        return self.data_bytes + (self.dir / MANIFEST).stat().st_size
 
 
 def read_manifest(directory: Path) -> Manifest | None:
@@ -167,20 +230,31 @@ def read_manifest(directory: Path) -> Manifest | None:
         for d in doc["layers"]:
             tensors = tuple(None if t is None else TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["offset"],
                                                                t["nbytes"]) for t in d["tensors"])
+            ext = d.get("extents")
             layers[d["name"]] = LayerEntry(d["name"], d["layer"], d["num_experts"], d["offset"], d["record_bytes"],
-                                           tensors)
-        known = {"version", "format", "data_bytes", "layers"}
+                                           tensors, None if ext is None else tuple(tuple(tuple(x) for x in e)
+                                                                                   for e in ext))
+        known = {"version", "format", "data_bytes", "layers", "files"}
+        files = [(Path(f["path"]), int(f["size"]), int(f["mtime_ns"])) for f in doc.get("files", ())]
         man = Manifest(Path(directory), doc["format"], int(doc["data_bytes"]), {k: v for k, v in doc.items() if k not in known},
-                       layers)
+                       layers, tuple(f[0] for f in files))
     except (ValueError, KeyError, TypeError) as e:
         raise ModelError(f"{path}: not an expert store manifest ({type(e).__name__}: {e}); delete the directory "
                          "to have it written again") from None
     if doc.get("version") != VERSION:
         return None  # another version: written again
+    from moe_offload.log import get_logger
+
+    if files:  # in place: every file as it was when the extents were taken
+        for f, size, mtime in files:
+            st = f.stat() if f.is_file() else None
+            if st is None or st.st_size != size or st.st_mtime_ns != mtime:
+                get_logger("moe_offload.store").warning("expert store's checkpoint file changed: writing it again",
+                                                        store=str(directory), file=str(f))
+                return None
+        return man
     size = man.data_path.stat().st_size if man.data_path.is_file() else -1
     if size != man.data_bytes:
-        from moe_offload.log import get_logger
-
         get_logger("moe_offload.store").warning("expert store truncated or cut: writing it again", store=str(directory),
                                                 bytes=max(size, 0), expected=man.data_bytes)
         return None
@@ -188,7 +262,10 @@ def read_manifest(directory: Path) -> Manifest | None:
 
 
 def verify(man: Manifest, chunk: int = 64 << 20) -> bool:
-    """Whether the data file's bytes have the CRC-32 the manifest recorded (reads the whole file)."""
+    """Whether the data file's bytes have the CRC-32 the manifest recorded (reads the whole file). A store in place
+    has no bytes of its own: its files were checked (size, mtime) when its manifest was read."""
+    if man.in_place:
+        return True
     crc = 0
     with open(man.data_path, "rb") as f:
         while block := f.read(chunk):
@@ -202,15 +279,19 @@ def discard(directory: Path) -> None:
 
 
 class StoreFile:
-    """experts.bin open for reads: ``read(entry, e, buf)`` reads expert ``e``'s record into ``buf`` (uint8, record
-    bytes, ALIGN-aligned address when O_DIRECT is on). Thread-safe (pread has no shared file position)."""
+    """experts.bin (or, in place, the checkpoint's files) open for reads: ``read(entry, e, buf)`` reads expert
+    ``e``'s record into ``buf`` (uint8, record bytes, ALIGN-aligned address when O_DIRECT is on). Thread-safe (pread
+    has no shared file position)."""
 
     def __init__(self, manifest: Manifest, direct: bool = True):
         self.manifest = manifest
         path = str(manifest.data_path)
         self.direct = False
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-        if direct and hasattr(os, "O_DIRECT"):
+        self.fds = [os.open(str(f), flags) for f in manifest.files]  # in place: buffered, any offset
+        if manifest.in_place:
+            self.fd = -1
+        elif direct and hasattr(os, "O_DIRECT"):
             try:
                 self.fd = os.open(path, flags | os.O_DIRECT)
                 self.direct = True
@@ -220,9 +301,12 @@ class StoreFile:
             self.fd = os.open(path, flags)
 
     def read(self, entry: LayerEntry, e: int, buf: torch.Tensor) -> int:
-        """Bytes read (= entry.record_bytes); ModelError naming the layer and expert when the file is short or gone."""
-        off = entry.record_offset(e)
+        """Bytes read (= entry.record_bytes; in place, the record's payload); ModelError naming the layer and expert
+        when the file is short or gone."""
         view = memoryview(buf.numpy()).cast("B")
+        if entry.extents is not None:
+            return self._read_extents(entry, e, view)
+        off = entry.record_offset(e)
         try:
             n = pread_into(self.fd, view, off)
         except OSError as err:
@@ -234,10 +318,26 @@ class StoreFile:
             os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)  # the host cache holds it: no second copy
         return n
 
+    def _read_extents(self, entry: LayerEntry, e: int, view: memoryview) -> int:
+        total = 0
+        for f, off, n, into in entry.extents[e]:
+            try:
+                got = pread_into(self.fds[f], view[into: into + n], off)
+            except OSError as err:
+                raise ModelError(f"{self.manifest.files[f]}: reading {entry.name} expert {e} failed: {err}") from None
+            if got != n:
+                raise ModelError(f"{self.manifest.files[f]}: {entry.name} expert {e}: read {got} of {n} bytes at "
+                                 f"{off} (the checkpoint file is truncated)")
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(self.fds[f], off, n, os.POSIX_FADV_DONTNEED)  # the host cache holds it: no 2nd copy
+            total += n
+        return total
+
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in [self.fd, *self.fds]:
+            if fd >= 0:
+                os.close(fd)
+        self.fd, self.fds = -1, []
 
 
 def pread_into(fd: int, view: memoryview, offset: int) -> int:

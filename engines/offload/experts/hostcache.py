@@ -166,12 +166,15 @@ class CachedLayerStore(LayerStore, TierSlots):
                     started += 1
         return started
 
-    def wait(self, e: int) -> tuple[torch.Tensor | None, ...]:
+    def wait(self, e: int, retry: bool = True) -> tuple[torch.Tensor | None, ...]:
         s = self.slot_of[e]
         if s in self.pending:
             t0 = time.perf_counter()
             err = self._settle(s)
             self.disk.stall_s += time.perf_counter() - t0
+            if err is not None and retry:  # a read may have failed before its file was mended (a prefetch, or a
+                self.request([e])  # read of a request that failed first): read once more, now
+                return self.wait(e, retry=False)
             if err is not None:
                 raise err  # the read's ModelError, in the request that needed the expert
         return self.views(e)

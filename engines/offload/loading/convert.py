@@ -7,6 +7,11 @@
 
 Memory: one expert (one layer for an FP8/MXFP4 checkpoint, read as checkpoint.read_layer reads it). The records
 hold the bytes the in-memory store would hold, so the disk tier computes the same numbers as the all-in-DRAM engine.
+
+In place first: where the checkpoint's files already hold every expert's tensors as the store would (the compute
+dtype, no --expert-dtype conversion, no quantized layout, not transposed), the store is a manifest of their extents
+(diskstore, "in place") and no byte is copied; expert 0 and the last expert are read both ways and must be equal
+bytes, else the copy is written. A copy checks the disk's free space first and refuses a shortfall in one line.
 Where: $MOE_OFFLOAD_STORE_DIR or ~/.cache/moe-offload/stores, one directory per checkpoint (path, config.json and
 safetensors sizes and mtimes) and stored format; `moe-offload convert` writes one ahead of the first run.
 """
@@ -23,7 +28,8 @@ from moe_offload.engines.offload.experts import diskstore
 from moe_offload.engines.offload.experts.store import LayerStore, finalize
 from moe_offload.engines.offload.loading import checkpoint
 from moe_offload.engines.offload.loading.architecture import meta_model
-from moe_offload.hostmem import store_root
+from moe_offload.errors import ConfigError
+from moe_offload.hostmem import disk_free, store_root
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.convert")
@@ -61,21 +67,35 @@ def ensure_store(root: Path, config, experts: list, method: str | None, read_as:
              format=target)
     meta = meta_model(config, dtype)
     modules = dict(meta.named_modules())
-    writer = diskstore.StoreWriter(where, target, {"checkpoint": str(Path(root).resolve())})
-    rows_layers = []
     with checkpoint.Files(root) as files:
         sources = checkpoint.find_sources(meta, experts, files.keys(), method)
+        place = None
+        if method is None and convert_to is None:
+            place = _in_place(root, files, sources, modules, experts, dtype)
+        if place is not None:
+            paths, layers = place
+            man = diskstore.write_in_place(where, target, {"checkpoint": str(Path(root).resolve())}, paths, experts,
+                                           layers)
+            log.info("expert store in place: the checkpoint's files are read where they are", store=str(where),
+                     seconds=round(time.perf_counter() - t0, 1), manifest_bytes=man.disk_bytes)
+            return man
+        writer, rows_layers = None, []
         for info in experts:
             module = modules[info.name]
-            writer.begin_layer(info.name, info.layer, info.num_experts)
             rows = False
-            for up, down, us, ds in _experts(files, sources[info.name], module, info.num_experts, method, read_as, dtype):
+            for e, (up, down, us, ds) in enumerate(_experts(files, sources[info.name], module, info.num_experts, method,
+                                                            read_as, dtype)):
                 one = LayerStore((up[None], down[None], None, None,
                                   us[None] if us is not None else None, ds[None] if ds is not None else None), dtype)
                 one, rows = finalize(one, module, False, method is None or read_as == "float", convert_to)
                 t = one.tensors
-                writer.add_expert((t[0][0], t[1][0], t[4][0] if t[4] is not None else None,
-                                   t[5][0] if t[5] is not None else None))
+                record = (t[0][0], t[1][0], t[4][0] if t[4] is not None else None, t[5][0] if t[5] is not None else None)
+                if writer is None:  # the first record's size prices the copy: refused before any byte is written
+                    _check_disk(where, diskstore.layout(record)[1] * sum(i.num_experts for i in experts))
+                    writer = diskstore.StoreWriter(where, target, {"checkpoint": str(Path(root).resolve())})
+                if e == 0:
+                    writer.begin_layer(info.name, info.layer, info.num_experts)
+                writer.add_expert(record)
             writer.end_layer()
             if rows:
                 rows_layers.append(info.name)
@@ -84,6 +104,91 @@ def ensure_store(root: Path, config, experts: list, method: str | None, read_as:
     log.info("expert store written", store=str(where), seconds=round(time.perf_counter() - t0, 1),
              gib=round(writer._pos / 2**30, 3))
     return diskstore.read_manifest(where)
+
+
+def _check_disk(where: Path, need: int) -> None:
+    """ConfigError naming the shortfall when the filesystem of ``where`` has less than ``need`` bytes free."""
+    free, at = disk_free(where)
+    if free < need:
+        raise ConfigError(f"disk tier: the expert store copy needs {need / 2**30:.2f} GiB at {at}, which has "
+                          f"{free / 2**30:.2f} GiB free (free space, or set MOE_OFFLOAD_STORE_DIR to a larger disk)")
+
+
+def _in_place(root: Path, files, sources: dict, modules: dict, experts: list, dtype: torch.dtype):
+    """(files, per layer (entries, record bytes, per expert extents)) when every expert's record is the bytes of
+    extents of the checkpoint's safetensors as they are (gate and up parts side by side), else None. Expert 0 and
+    the last expert of each layer are read through the extents and compared with what the copy would hold."""
+    from moe_offload.engines.offload.loading.direct import Offsets
+
+    offsets = Offsets(root)
+    try:
+        paths = sorted({w[0] for w in offsets.where.values()})
+        index = {p: i for i, p in enumerate(paths)}
+        out = []
+        for info in experts:
+            module, src = modules[info.name], sources[info.name]
+            if module.is_transposed:
+                return None  # kept as [out, in] rows on the CPU (store.finalize): a copy
+            per_expert = []
+            for e in range(info.num_experts):
+                ex = []
+                for proj in (src.up, src.down):
+                    keys = [proj.fused] if proj.fused is not None else [proj.parts[e][i] for i in range(proj.nparts)]
+                    for key in keys:
+                        if key not in offsets.where:
+                            return None
+                        path, off, dt, shape = offsets.where[key]
+                        if dt != dtype:
+                            return None  # cast at load: a copy
+                        n = dt.itemsize
+                        for d in shape:
+                            n *= d
+                        if proj.fused is not None:
+                            if shape[0] != info.num_experts:
+                                return None
+                            n //= info.num_experts
+                            off += e * n
+                        ex.append([index[path], off, n])
+                    ex.append(None)  # the end of one tensor
+                per_expert.append(ex)
+            first = _record(files, src, module, 0, dtype)
+            entries, rb = diskstore.layout(first)
+            placed = []
+            for ex in per_expert:
+                into, pos, k = [], 0, 0
+                for x in ex:
+                    if x is None:
+                        k += 1
+                        if k < 2:  # the down tensor starts at its own offset in the record
+                            pos = entries[k].offset
+                        continue
+                    into.append((x[0], x[1], x[2], pos))
+                    pos += x[2]
+                placed.append(into)
+            out.append((entries, rb, placed))
+            for e in {0, info.num_experts - 1}:  # read both ways: equal bytes, or a copy
+                want = _record(files, src, module, e, dtype)
+                buf = torch.zeros(rb, dtype=torch.uint8)
+                view = memoryview(buf.numpy())
+                for f, off, n, at in placed[e]:
+                    offsets.pread(paths[f], view[at: at + n], off)
+                for t, entry in zip(want, entries):
+                    if t is None:
+                        continue
+                    got = buf[entry.offset: entry.offset + entry.nbytes]
+                    if not torch.equal(got, t.contiguous().view(torch.uint8).reshape(-1)):
+                        return None
+        return [Path(p) for p in paths], out
+    finally:
+        offsets.drop()
+        offsets.close()
+
+
+def _record(files, src, module, e: int, dtype: torch.dtype) -> tuple:
+    """Expert ``e``'s record tensors (up, down, None, None) as the copy would hold them (float checkpoints)."""
+    up, down = _float(files, src.up, e).to(dtype), _float(files, src.down, e).to(dtype)
+    one, _ = finalize(LayerStore((up[None], down[None], None, None, None, None), dtype), module, False, True, None)
+    return one.tensors[0][0], one.tensors[1][0], None, None
 
 
 def _experts(files, src, module, num_experts: int, method: str | None, read_as: str, dtype: torch.dtype):

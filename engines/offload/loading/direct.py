@@ -61,6 +61,12 @@ class Offsets:
     def shape(self, key: str) -> tuple[int, ...]:
         return self.where[key][3]
 
+    def pread(self, path: str, view: memoryview, offset: int) -> None:
+        """``view`` := the bytes of file ``path`` at ``offset`` (ModelError when the file ends first)."""
+        got = pread_into(self._fd(path), view, offset)
+        if got != len(view):
+            raise ModelError(f"{path}: read {got} of {len(view)} bytes at {offset} (the file is truncated)")
+
     def read_into(self, key: str, dst: torch.Tensor) -> None:
         """``dst`` (contiguous, the tensor's number of elements) := the checkpoint's tensor ``key``, cast if needed.
         Thread-safe (pread); the bytes read are dropped from the page cache by ``drop``."""

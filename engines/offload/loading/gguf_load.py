@@ -74,9 +74,17 @@ class Tensors:
     def __init__(self, info: gguf_meta.GGUFInfo):
         self.info = info
         self.t = {}
-        for f in info.files:
+        self.file = {}  # name -> index into info.files
+        for i, f in enumerate(info.files):
             for t in gguf_meta.open_reader(f).tensors:  # every tensor's bytes checked against the file's size
                 self.t[t.name] = t
+                self.file[t.name] = i
+
+    def extent(self, name: str, e: int) -> tuple[int, int, int]:
+        """(file index, byte offset, bytes) of expert ``e``'s slice of a [E, ..] tensor in its file."""
+        t = self._get(name)
+        experts = int(t.shape[-1])  # gguf lists dimensions innermost first: the expert is the last
+        return self.file[name], int(t.data_offset) + e * (int(t.n_bytes) // experts), int(t.n_bytes) // experts
 
     def has(self, name: str) -> bool:
         return name in self.t
@@ -260,16 +268,30 @@ def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bo
     log.info("writing the expert store (once per file and format)", gguf=str(info.files[0]), store=str(where))
     tensors = Tensors(info)
     modules = dict(meta_model(config, dtype).named_modules())
-    writer = diskstore.StoreWriter(where, target, {"checkpoint": str(info.files[0].resolve())})
+    place = _in_place(tensors, experts, modules, dtype, dequantize)
+    if place is not None:  # the file's expert tensors are the records: a manifest of their extents, no copy
+        man = diskstore.write_in_place(where, target, {"checkpoint": str(info.files[0].resolve())}, list(info.files),
+                                       experts, place)
+        log.info("expert store in place: the file's expert tensors are read where they are", store=str(where),
+                 seconds=round(time.perf_counter() - t0, 1))
+        return man
+    writer = None
     rows_layers = []
     for i in experts:
         module = modules[i.name]
-        writer.begin_layer(i.name, i.layer, i.num_experts)
         rows = False
         for e in range(i.num_experts):
             up, down, _, _ = read_experts(tensors, i, module, dtype, dequantize, expert=e)
             one, rows = finalize(LayerStore((up, down, None, None, None, None), dtype), module, False, False, None)
-            writer.add_expert((one.tensors[0][0], one.tensors[1][0], None, None))
+            record = (one.tensors[0][0], one.tensors[1][0], None, None)
+            if writer is None:  # priced before any byte is written
+                from moe_offload.engines.offload.loading.convert import _check_disk
+
+                _check_disk(where, diskstore.layout(record)[1] * sum(x.num_experts for x in experts))
+                writer = diskstore.StoreWriter(where, target, {"checkpoint": str(info.files[0].resolve())})
+            if e == 0:
+                writer.begin_layer(i.name, i.layer, i.num_experts)
+            writer.add_expert(record)
         writer.end_layer()
         if rows:
             rows_layers.append(i.name)
@@ -277,6 +299,53 @@ def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bo
     writer.close()
     log.info("expert store written", store=str(where), seconds=round(time.perf_counter() - t0, 1))
     return diskstore.read_manifest(where)
+
+
+def _in_place(tensors: Tensors, experts: list, modules: dict, dtype: torch.dtype, dequantize: bool):
+    """Per layer (entries, record bytes, per expert extents) when each expert's record is its gate, up and down
+    slices of the file as they are (ggml blocks kept as stored, or float experts already in ``dtype``), else None.
+    Expert 0 and the last expert of each layer are read through the extents and compared with read_experts'."""
+    from moe_offload.engines.offload.experts import diskstore
+    from moe_offload.engines.offload.experts.store import LayerStore, finalize
+
+    if dequantize:
+        return None
+    out = []
+    fds = [os.open(str(f), os.O_RDONLY) for f in tensors.info.files]
+    try:
+        for i in experts:
+            module = modules[i.name]
+            if getattr(module, "is_transposed", False):
+                return None  # gpt-oss: gate and up rows interleaved, a layout the file does not have
+            names = [f"blk.{i.layer}.{t}.weight" for t in gguf_meta.EXPERT_TENSORS]
+
+            def record(e):
+                up, down, _, _ = read_experts(tensors, i, module, dtype, False, expert=e)
+                one, _ = finalize(LayerStore((up, down, None, None, None, None), dtype), module, False, False, None)
+                return one.tensors[0][0], one.tensors[1][0], None, None
+
+            first = record(0)
+            entries, rb = diskstore.layout(first)
+            extents = []
+            for e in range(i.num_experts):
+                (fg, og, ng), (fu, ou, nu), (fd, od, nd) = (tensors.extent(n, e) for n in names)
+                extents.append([(fg, og, ng, 0), (fu, ou, nu, ng), (fd, od, nd, entries[1].offset)])
+            for e in {0, i.num_experts - 1}:
+                want = first if e == 0 else record(e)
+                buf = torch.zeros(rb, dtype=torch.uint8)
+                view = memoryview(buf.numpy())
+                for f, off, n, at in extents[e]:
+                    if diskstore.pread_into(fds[f], view[at: at + n], off) != n:
+                        return None
+                for t, entry in zip(want, entries):
+                    if t is not None and not torch.equal(buf[entry.offset: entry.offset + entry.nbytes],
+                                                         t.contiguous().view(torch.uint8).reshape(-1)):
+                        return None
+            out.append((entries, rb, extents))
+        return out
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def keep_dense_blocks(model, tensors: Tensors) -> int:

@@ -287,9 +287,11 @@ def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction
 @click.option("--expert-dtype", type=EXPERT_DTYPE_CHOICE, help=EXPERT_DTYPE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the store's path and sizes as JSON.")
 def convert_cmd(model, dtype, expert_dtype, as_json) -> None:
-    """Write the expert store file the disk tier reads: every routed expert once, as the engine stores it (quantized
-    once for --expert-dtype), one aligned record per expert, in $MOE_OFFLOAD_STORE_DIR or ~/.cache/moe-offload/stores.
-    The engine writes it itself when experts do not fit in host memory; this does it ahead of the first run."""
+    """Prepare the expert store the disk tier reads, in $MOE_OFFLOAD_STORE_DIR or ~/.cache/moe-offload/stores: where
+    the checkpoint holds experts as the engine keeps them (bf16 safetensors, GGUF blocks), a manifest of where each
+    expert lies in its files (read in place, no copy); else a copy of every routed expert as the engine stores it
+    (quantized once for --expert-dtype), one aligned record per expert. The engine does this itself when experts do
+    not fit in host memory; this does it ahead of the first run."""
     import time
 
     from moe_offload.engines.offload.loading.convert import convert_checkpoint
@@ -299,9 +301,12 @@ def convert_cmd(model, dtype, expert_dtype, as_json) -> None:
     man, written = convert_checkpoint(str(_model_dir(model)), dtype, expert_dtype)
     layers = list(man.layers.values())
     summary = {"store": str(man.dir), "format": man.fmt, "written": written, "seconds": round(time.perf_counter() - t0, 2),
-               "bytes": man.data_bytes, "layers": len(layers), "experts_per_layer": layers[0].num_experts if layers else 0,
+               "bytes": man.data_bytes, "disk_bytes": man.disk_bytes, "in_place": man.in_place, "layers": len(layers),
+               "experts_per_layer": layers[0].num_experts if layers else 0,
                "record_bytes": layers[0].record_bytes if layers else 0}
-    emit(summary, as_json, f"{'wrote' if written else 'found'} {man.dir}: {man.fmt} experts, {man.data_bytes / 2**30:.2f} GiB, "
+    held = (f"read in place from the checkpoint's files (the store is its {man.disk_bytes / 2**10:.0f} KiB manifest)"
+            if man.in_place else f"{man.data_bytes / 2**30:.2f} GiB copied")
+    emit(summary, as_json, f"{'wrote' if written else 'found'} {man.dir}: {man.fmt} experts {held}, "
                            f"{len(layers)} layers, {summary['record_bytes']} bytes per expert record")
 
 

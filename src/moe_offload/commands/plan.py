@@ -77,6 +77,8 @@ def spec_cmd(model: str, expert_dtype: str | None, as_json: bool) -> None:
         ("total", format_size(s.total_bytes) + " (loaded: non-expert weights in " + s.dtype + ", experts as held)"),
         ("checkpoint", format_size(s.checkpoint_bytes) + f" (as stored: experts {stored}"
                        + (", linears in block fp8" if stored == "fp8" else "") + ")"),
+        ("disk tier", "reads the checkpoint's expert tensors in place (no copy)" if s.disk_in_place else
+         f"an expert store copy of {format_size(s.disk_copy_bytes)} (experts re-laid out; when they do not fit in memory)"),
         ("kv cache / token", format_size(s.kv_bytes_per_token)
          + (f" (not counted: {', '.join(s.kv_unknown_kinds)} layers)" if s.kv_unknown_kinds else "")),
     ]
@@ -256,6 +258,10 @@ def plan_cmd(model, profile_path, klass, slots, fraction, budgets, backend, cont
     except ConfigError as e:  # planning for another machine: the shortfall is a finding, not a failure
         result["memory"] = {"error": str(e)}
         lines.append(f"  {e}")
+        split = None
+    if on_disk or (split is not None and split.experts_on_disk):
+        result["disk"] = _disk_need(spec)
+        lines.append(f"  disk: {result['disk']['reason']}")
     if placement.predicted_hit_rate:
         lines.append("  predicted hit rate: " + _rates(placement.predicted_hit_rate, disk if on_disk else host))
     else:
@@ -293,6 +299,21 @@ def _host_split(spec, machine, host_memory, context: int, batch: int, backend: s
                              host_memory=None if host_memory is None else parse_size(host_memory, "--host-memory"),
                              kv_default=hostmem.DEFAULT_KV_HOST if on_cpu else 0,
                              kv_floor=spec.kv_cache_bytes(context, batch), limit=limit, dense_on_host=on_cpu)
+
+
+def _disk_need(spec) -> dict:
+    """What the disk tier needs on disk (a prediction from the spec): nothing beyond the checkpoint when its files
+    are read in place, else an expert store copy, set against the free space where it would be written."""
+    from moe_offload import hostmem
+
+    need = spec.disk_copy_bytes
+    if need == 0:
+        return {"in_place": True, "store_bytes": 0, "reason": "reads the checkpoint's expert tensors in place (no copy)"}
+    free, where = hostmem.disk_free()
+    short = need > free
+    return {"in_place": False, "store_bytes": need, "free_bytes": free, "path": where, "short": short,
+            "reason": f"an expert store copy of {need / 2**30:.2f} GiB (experts re-laid out) at {where}, "
+                      f"{free / 2**30:.2f} GiB free" + (": too little, the engine will refuse it" if short else "")}
 
 
 def _rates(rates, host: str | None) -> str:

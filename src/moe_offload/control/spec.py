@@ -289,6 +289,23 @@ class ModelSpec(WeightBytes, KVSizes):
                               f"(dequantize at load) or {stored} / unset (keep them as stored)")
         return replace(self, expert_format=fmt)
 
+    @property
+    def disk_in_place(self) -> bool:
+        """Prediction (the engine decides on the files, convert.py): whether the disk tier reads the experts from the
+        checkpoint's own files, with no store copy: experts kept as shipped (no --expert-dtype conversion), float
+        safetensors or a GGUF file's blocks, in a layout the engine computes from (not gpt-oss's transposed one)."""
+        kept = self.expert_format == self.checkpoint_expert_format
+        return kept and self.model_type != "gpt_oss" and (self.quantization is None or bool(self.stored_layer_expert_bytes))
+
+    @property
+    def disk_copy_bytes(self) -> int:
+        """Bytes of disk the expert store copy needs (0 when the experts are read in place): every routed expert as
+        the engine holds it, records padded to 4 KiB (a prediction)."""
+        if self.disk_in_place:
+            return 0
+        per = -(-self.expert_bytes // 4096) * 4096
+        return self.num_moe_layers * self.num_experts * per
+
     # ---- output -------------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
@@ -311,6 +328,8 @@ class ModelSpec(WeightBytes, KVSizes):
             lm_head_bytes=self.lm_head_bytes,
             non_expert_bytes=self.non_expert_bytes,
             total_bytes=self.total_bytes,
+            disk_in_place=self.disk_in_place,
+            disk_copy_bytes=self.disk_copy_bytes,
             kv_bytes_per_token=self.kv_bytes_per_token,
             kv_unknown_kinds=list(self.kv_unknown_kinds),
         )

@@ -118,8 +118,8 @@ def test_prefetch_is_measured_and_changes_no_token(checkpoints, monkeypatch):
     assert d_on["prefetch_reads"] > 0 and d_on["predicted"] > 0
     assert 0 < d_on["prefetch_precision"] <= 1 and 0 < d_on["prefetch_recall"] <= 1
     assert d_on["prefetch_hits"] <= d_on["prefetch_reads"]
-    # each read is one record: the bytes are reads times the record size
-    rb = {s.store.entry.record_bytes for s in on.executor.layers}
+    # each read is one expert: the bytes are reads times its size (in place: its tensors, not the padded record)
+    rb = {s.store.entry.read_bytes for s in on.executor.layers}
     assert len(rb) == 1 and d_on["disk_bytes"] == d_on["disk_reads"] * rb.pop()
 
 
@@ -146,30 +146,84 @@ def test_budget_below_the_working_set_names_the_minimum(checkpoints):
 def test_a_damaged_store_is_written_again_never_read_and_a_vanished_one_fails_the_request(checkpoints, store_dir):
     from moe_offload.engines.offload.loading.convert import convert_checkpoint
 
-    path = checkpoints("qwen3_moe")
-    want = greedy(load_model(path, placement(*moe_layers(path), 1.0, "static")).model, PROMPT, N_TOKENS)[0]
-    om = load_tight(path, 0.0, "static")
+    path = checkpoints("qwen3_moe")  # fp32 weights computed in bf16: a cast at load, so the store is a copy
+    want = greedy(load_model(path, placement(*moe_layers(path), 1.0, "static"), dtype="bfloat16").model,
+                  PROMPT, N_TOKENS)[0]
+    om = load_tight(path, 0.0, "static", dtype="bfloat16")
     om.executor.close()
     (store,) = list(store_dir.iterdir())
     data = store / diskstore.DATA
     good = data.read_bytes()
     os.truncate(data, len(good) - 4096)  # truncated: found at open by its size, written again, then served exactly
-    om = load_tight(path, 0.0, "static")
+    om = load_tight(path, 0.0, "static", dtype="bfloat16")
     assert data.read_bytes() == good and greedy(om.model, PROMPT, N_TOKENS)[0] == want
     om.executor.close()
     os.truncate(data, len(good) - 4096)
     os.truncate(data, len(good))  # the size is back but the last record is zeros: the checksum finds it
     assert not diskstore.verify(diskstore.read_manifest(store))
-    man, written = convert_checkpoint(path)  # `moe-offload convert` verifies what it finds
+    man, written = convert_checkpoint(path, "bfloat16")  # `moe-offload convert` verifies what it finds
     assert written and diskstore.verify(man) and data.read_bytes() == good
     # a store of another checkpoint under this name (a directory copied over): written again, not read
     doc = json.loads((store / diskstore.MANIFEST).read_text())
     (store / diskstore.MANIFEST).write_text(json.dumps({**doc, "checkpoint": "/elsewhere/model"}))
-    om = load_tight(path, 0.0, "static")
+    om = load_tight(path, 0.0, "static", dtype="bfloat16")
     assert json.loads((store / diskstore.MANIFEST).read_text())["checkpoint"] == str(Path(path).resolve())
     os.truncate(data, 0)  # mid-run: the next read is short
     with pytest.raises(ModelError, match=r"model\.layers\.\d+\.mlp\.experts expert \d+: read 0 of"):
         greedy(om.model, PROMPT, N_TOKENS)
+
+
+def test_a_checkpoint_that_needs_no_new_layout_is_read_in_place(checkpoints, store_dir, tmp_path):
+    """fp32 safetensors computed in fp32: the store is a manifest of the checkpoint's extents (< 5 % of it on disk,
+    no experts.bin); a checkpoint file changed after makes it stale (written again), and one cut mid-run fails the
+    request with a message naming the file, not the process."""
+    import shutil
+
+    src = Path(checkpoints("qwen3_moe"))
+    path = tmp_path / "model"
+    shutil.copytree(src, path)  # changed below: a copy of its own
+    want = greedy(load_model(str(path), placement(*moe_layers(str(path)), 1.0, "static")).model, PROMPT, N_TOKENS)[0]
+    om = load_tight(str(path), 0.0, "static")
+    assert greedy(om.model, PROMPT, N_TOKENS)[0] == want
+    om.executor.close()
+    (store,) = list(store_dir.iterdir())
+    man = diskstore.read_manifest(store)
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert man.in_place and not man.data_path.exists() and man.disk_bytes < 0.05 * weights
+    entry = next(iter(man.layers.values()))
+    assert len(entry.extents) == entry.num_experts and len(entry.extents[0]) == 3  # gate, up, down
+    shard = next(path.glob("*.safetensors"))
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # the file changed
+    assert diskstore.read_manifest(store) is None  # stale: never read (the store of the changed file is another)
+    om = load_tight(str(path), 0.0, "static")  # written again (in place again), same tokens
+    assert greedy(om.model, PROMPT, N_TOKENS)[0] == want
+    assert [diskstore.read_manifest(d) is not None for d in sorted(store_dir.iterdir(), key=lambda d: d != store)] \
+        == [False, True]
+    om.executor.close()
+    # a file cut under the engine: the read names the file, the layer and the expert (the dense weights of a
+    # truncated file are memory-mapped, so the cut is made on a copy the store's descriptor is pointed at)
+    man = diskstore.read_manifest(next(d for d in store_dir.iterdir() if d != store))
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(shard.read_bytes()[:4096])
+    f = diskstore.StoreFile(man)
+    os.close(f.fds[0])
+    f.fds[0] = os.open(cut, os.O_RDONLY)
+    entry = max(man.layers.values(), key=lambda x: x.layer)
+    with pytest.raises(ModelError, match=r"model\.safetensors: model\.layers\.\d+\.mlp\.experts expert 7: read 0 of"):
+        f.read(entry, 7, diskstore.aligned_empty(entry.record_bytes))
+    f.close()
+
+
+def test_a_store_copy_the_disk_cannot_hold_is_refused_before_a_byte_is_written(checkpoints, store_dir, monkeypatch):
+    from moe_offload.engines.offload.loading import convert
+
+    path = checkpoints("qwen3_moe")
+    monkeypatch.setattr(convert, "disk_free", lambda where: (4096, str(where)))
+    with pytest.raises(ConfigError, match=r"disk tier: the expert store copy needs 0\.\d+ GiB at .*4096|has 0\.00 GiB free"):
+        convert.convert_checkpoint(path, "bfloat16")
+    assert not store_dir.exists() or not any(store_dir.rglob(diskstore.DATA))
+    man, written = convert.convert_checkpoint(path)  # in place needs no room: written
+    assert written and man.in_place
 
 
 def test_store_records_are_aligned_views(tmp_path):
@@ -201,9 +255,10 @@ def test_engine_reports_the_disk_tier_and_survives_a_store_cut_mid_run(checkpoin
     from moe_offload.engines.params import SamplingParams
     from moe_offload.errors import EngineError
 
-    path = checkpoints("qwen3_moe")
-    ref = list(build_offload_engine(path).generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True)))
-    engine = build_offload_engine(path, host_memory=records(path) * (TOP_K + 1))
+    path = checkpoints("qwen3_moe")  # in bf16: a store copy (cast at load)
+    ref = list(build_offload_engine(path, dtype="bfloat16").generate(PROMPT, SamplingParams(max_tokens=8,
+                                                                                             ignore_eos=True)))
+    engine = build_offload_engine(path, dtype="bfloat16", host_memory=records(path, dtype="bfloat16") * (TOP_K + 1))
     try:
         gen = engine.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
         assert list(gen) == ref

@@ -184,7 +184,10 @@ def test_convert_then_generate_on_the_disk_tier(demo_dir, tmp_path, monkeypatch,
     with the same tokens as the in-memory run, and reports the disk tier."""
     monkeypatch.setenv("MOE_OFFLOAD_STORE_DIR", str(tmp_path / "stores"))
     rc, out, _ = cli(capsys, "convert", "--model", str(demo_dir), "--json")
-    assert rc == 0 and json.loads(out)["written"] is True
+    conv = json.loads(out)
+    assert rc == 0 and conv["written"] is True
+    weights = sum(f.stat().st_size for f in Path(demo_dir).glob("*.safetensors"))
+    assert conv["in_place"] is True and 0 < conv["disk_bytes"] < 0.05 * weights  # read in place: the manifest alone
     rc, out, _ = cli(capsys, "convert", "--model", str(demo_dir), "--json")
     assert rc == 0 and json.loads(out)["written"] is False  # found, not written again
     common = ("generate", "--model", str(demo_dir), "--prompt", "The river runs", "--max-tokens", "6", "--ignore-eos")
