@@ -204,3 +204,14 @@ def disk_free(path: Path | None = None) -> tuple[int, str]:
     while not p.exists() and p != p.parent:
         p = p.parent
     return shutil.disk_usage(p).free, str(p)
+
+
+def check_disk(where: Path, need: int) -> None:
+    """ConfigError naming the shortfall when the filesystem of ``where`` has less than ``need`` bytes free (an
+    expert store copy is priced before any byte of it is written)."""
+    from moe_offload.errors import ConfigError
+
+    free, at = disk_free(where)
+    if free < need:
+        raise ConfigError(f"disk tier: the expert store copy needs {need / 2**30:.2f} GiB at {at}, which has "
+                          f"{free / 2**30:.2f} GiB free (free space, or set MOE_OFFLOAD_STORE_DIR to a larger disk)")

@@ -169,3 +169,25 @@ def test_api_key_comes_from_the_secret_never_the_pod_spec():
 ])
 def test_incomplete_values_are_refused_with_the_missing_setting(values, message):
     assert message in render_error(values)
+
+
+def test_the_default_image_is_what_the_containerfile_builds():
+    """The chart runs the image container/Containerfile builds: its tag is the chart's appVersion (the build command
+    the values name), its user is the pod's non-root user, its command and probe are the chart's."""
+    import re
+
+    recipe = (ROOT / "container" / "Containerfile").read_text()
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    objs = render()
+    c = container(objs)
+    assert c["image"] == f"{values['image']['repository']}:{chart['appVersion']}"
+    assert f"-t {values['image']['repository']}:{chart['appVersion']} ." in recipe
+    uid = int(re.search(r"^USER (\d+)$", recipe, re.M).group(1))
+    assert uid != 0 and objs["Deployment"]["spec"]["template"]["spec"]["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": uid, "fsGroup": uid}
+    assert re.search(r'^ENTRYPOINT \["moe-offload"\]$', recipe, re.M) and c["command"][0] == "moe-offload"
+    assert "127.0.0.1:8000/health" in recipe and c["livenessProbe"]["httpGet"]["path"] == "/health"
+    # the kernels are compiled in the build stage (against the torch installed there), not at run time
+    assert "pip install -q --no-build-isolation ." in recipe and "g++" not in recipe.split("\nFROM ${BASE}\n")[-1]
+    assert (CHART / "templates" / "deployment.yaml").read_text().count("readOnly: true") >= 2  # the model volume

@@ -181,6 +181,30 @@ class StoreWriter:
         return self.dir
 
 
+def write_copy(directory: Path, fmt: str, meta: dict, experts: list, layers) -> "Manifest":
+    """A store copy: per experts module of ``experts`` its ``layers`` item, an iterable of (record tensors, whether
+    its float weights were made [out, in] rows), one per expert. The first record prices the whole copy against the
+    disk's free space before any byte is written (check_disk). Returns its manifest."""
+    writer, rows_layers = None, []
+    for info, records in zip(experts, layers):
+        rows = False
+        for e, (record, rows) in enumerate(records):
+            if writer is None:
+                from moe_offload.hostmem import check_disk
+
+                check_disk(directory, layout(record)[1] * sum(i.num_experts for i in experts))
+                writer = StoreWriter(directory, fmt, meta)
+            if e == 0:
+                writer.begin_layer(info.name, info.layer, info.num_experts)
+            writer.add_expert(record)
+        writer.end_layer()
+        if rows:
+            rows_layers.append(info.name)
+    writer.meta["rows_layers"] = rows_layers  # experts modules whose float weights are stored as [out, in] rows
+    writer.close()
+    return read_manifest(directory)
+
+
 def write_in_place(directory: Path, fmt: str, meta: dict, files: list[Path], experts: list, layers: list) -> "Manifest":
     """A store in place over ``files``: per experts module of ``experts`` (name, layer, num_experts) its ``layers``
     item (record entries, record bytes, per expert extents). Returns its manifest."""

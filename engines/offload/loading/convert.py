@@ -28,8 +28,7 @@ from moe_offload.engines.offload.experts import diskstore
 from moe_offload.engines.offload.experts.store import LayerStore, finalize
 from moe_offload.engines.offload.loading import checkpoint
 from moe_offload.engines.offload.loading.architecture import meta_model
-from moe_offload.errors import ConfigError
-from moe_offload.hostmem import disk_free, store_root
+from moe_offload.hostmem import store_root
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.convert")
@@ -79,39 +78,23 @@ def ensure_store(root: Path, config, experts: list, method: str | None, read_as:
             log.info("expert store in place: the checkpoint's files are read where they are", store=str(where),
                      seconds=round(time.perf_counter() - t0, 1), manifest_bytes=man.disk_bytes)
             return man
-        writer, rows_layers = None, []
-        for info in experts:
+
+        def records(info):
             module = modules[info.name]
-            rows = False
-            for e, (up, down, us, ds) in enumerate(_experts(files, sources[info.name], module, info.num_experts, method,
-                                                            read_as, dtype)):
+            for up, down, us, ds in _experts(files, sources[info.name], module, info.num_experts, method, read_as,
+                                             dtype):
                 one = LayerStore((up[None], down[None], None, None,
                                   us[None] if us is not None else None, ds[None] if ds is not None else None), dtype)
                 one, rows = finalize(one, module, False, method is None or read_as == "float", convert_to)
                 t = one.tensors
-                record = (t[0][0], t[1][0], t[4][0] if t[4] is not None else None, t[5][0] if t[5] is not None else None)
-                if writer is None:  # the first record's size prices the copy: refused before any byte is written
-                    _check_disk(where, diskstore.layout(record)[1] * sum(i.num_experts for i in experts))
-                    writer = diskstore.StoreWriter(where, target, {"checkpoint": str(Path(root).resolve())})
-                if e == 0:
-                    writer.begin_layer(info.name, info.layer, info.num_experts)
-                writer.add_expert(record)
-            writer.end_layer()
-            if rows:
-                rows_layers.append(info.name)
-    writer.meta["rows_layers"] = rows_layers  # experts modules whose float weights are stored as [out, in] rows
-    writer.close()
+                yield (t[0][0], t[1][0], t[4][0] if t[4] is not None else None,
+                       t[5][0] if t[5] is not None else None), rows
+
+        man = diskstore.write_copy(where, target, {"checkpoint": str(Path(root).resolve())}, experts,
+                                   (records(info) for info in experts))
     log.info("expert store written", store=str(where), seconds=round(time.perf_counter() - t0, 1),
-             gib=round(writer._pos / 2**30, 3))
-    return diskstore.read_manifest(where)
-
-
-def _check_disk(where: Path, need: int) -> None:
-    """ConfigError naming the shortfall when the filesystem of ``where`` has less than ``need`` bytes free."""
-    free, at = disk_free(where)
-    if free < need:
-        raise ConfigError(f"disk tier: the expert store copy needs {need / 2**30:.2f} GiB at {at}, which has "
-                          f"{free / 2**30:.2f} GiB free (free space, or set MOE_OFFLOAD_STORE_DIR to a larger disk)")
+             gib=round(man.data_bytes / 2**30, 3))
+    return man
 
 
 def _in_place(root: Path, files, sources: dict, modules: dict, experts: list, dtype: torch.dtype):
@@ -255,7 +238,7 @@ def convert_checkpoint(path: str, dtype: str | None = None, expert_dtype: str | 
         found = None
     existed = found is not None
     if getattr(config, "gguf_file", None) is not None:  # the file's blocks (or --expert-dtype bf16's floats)
-        from moe_offload.engines.offload.loading import gguf_load
+        from moe_offload.engines.offload.loading import gguf_store
 
-        return gguf_load.ensure_store(config.gguf_file, config, experts, compute, read_as == "float"), not existed
+        return gguf_store.ensure_store(config.gguf_file, config, experts, compute, read_as == "float"), not existed
     return ensure_store(root, config, experts, method, read_as, convert_to, compute), not existed

@@ -120,7 +120,9 @@ def load_model(
         from moe_offload.engines.offload.loading import gguf_load
 
         if host_cache is not None:  # the disk tier: an expert store of the file's blocks, host slots over it
-            manifest = gguf_load.ensure_store(gguf_file, config, experts, load_dtype, dequantize=read_as == "float")
+            from moe_offload.engines.offload.loading import gguf_store
+
+            manifest = gguf_store.ensure_store(gguf_file, config, experts, load_dtype, dequantize=read_as == "float")
             pins = host_pins(placement)
             host_slots = tiering.host_slots(experts, manifest, layout, host_cache, _top_k(config),
                                             alias=dev.type == "cpu", host_pinned=pins)

@@ -218,7 +218,9 @@ def test_a_store_copy_the_disk_cannot_hold_is_refused_before_a_byte_is_written(c
     from moe_offload.engines.offload.loading import convert
 
     path = checkpoints("qwen3_moe")
-    monkeypatch.setattr(convert, "disk_free", lambda where: (4096, str(where)))
+    from moe_offload import hostmem
+
+    monkeypatch.setattr(hostmem, "disk_free", lambda where=None: (4096, str(where)))
     with pytest.raises(ConfigError, match=r"disk tier: the expert store copy needs 0\.\d+ GiB at .*4096|has 0\.00 GiB free"):
         convert.convert_checkpoint(path, "bfloat16")
     assert not store_dir.exists() or not any(store_dir.rglob(diskstore.DATA))
