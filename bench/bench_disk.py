@@ -220,7 +220,7 @@ def main(argv=None) -> int:
     same = None
     if free_runs and all(r.get("ok") for r in runs["ours"] + free_runs["ours"]):
         same = all(r["tokens"] == free_runs["ours"][0]["tokens"] for r in runs["ours"] + runs["ours_nopf"] if r["ok"])
-    print(f"\nmemory bandwidth {bw / 1e9:.1f} GB/s (fp32 sum), disk {dbw:.2f} GB/s (O_DIRECT record reads, 8 threads); "
+    print(f"\nmemory bandwidth {bw / 1e9:.1f} GB/s (fp32 sum), disk {dbw:.2f} GB/s (the store's expert reads, 8 threads); "
           f"checkpoint {ckpt / 2**30:.2f} GiB, limit {args.limit_gib} GiB ({ckpt / limit:.2f}x below the checkpoint); "
           f"{args.tokens} tokens, {args.rounds} rounds\n")
     print("| run | ms/token (median; each round) | tok/s | vs llama.cpp | start to first token, s | peak RSS / cgroup peak, GiB | disk tier |")
