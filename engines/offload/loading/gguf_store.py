@@ -31,8 +31,8 @@ def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bo
     default, target = store_dir(path, dtype, dequantize)
     where = Path(out) if out is not None else default
     man = diskstore.read_manifest(where)
-    if man is not None:
-        return man
+    if man is not None and man.meta.get("checkpoint") == str(gguf_meta.files_of(path)[0].resolve()):
+        return man  # else none, or a store of another file under this name (a directory copied): written now
     info = gguf_meta.read(path)
     log = get_logger("moe_offload.gguf")
     t0 = time.perf_counter()
