@@ -101,7 +101,7 @@ def _in_place(root: Path, files, sources: dict, modules: dict, experts: list, dt
     """(files, per layer (entries, record bytes, per expert extents)) when every expert's record is the bytes of
     extents of the checkpoint's safetensors as they are (gate and up parts side by side), else None. Expert 0 and
     the last expert of each layer are read through the extents and compared with what the copy would hold."""
-    from moe_offload.engines.offload.loading.direct import Offsets
+    from moe_offload.engines.offload.loading.direct import Offsets, same_bytes
 
     offsets = Offsets(root)
     try:
@@ -112,12 +112,14 @@ def _in_place(root: Path, files, sources: dict, modules: dict, experts: list, dt
             module, src = modules[info.name], sources[info.name]
             if module.is_transposed:
                 return None  # kept as [out, in] rows on the CPU (store.finalize): a copy
-            per_expert = []
+            first = _record(files, src, module, 0, dtype)
+            entries, rb = diskstore.layout(first)
+            extents = []
             for e in range(info.num_experts):
                 ex = []
-                for proj in (src.up, src.down):
+                for proj, pos in ((src.up, entries[0].offset), (src.down, entries[1].offset)):
                     keys = [proj.fused] if proj.fused is not None else [proj.parts[e][i] for i in range(proj.nparts)]
-                    for key in keys:
+                    for key in keys:  # gate and up parts side by side make the fused gate|up
                         if key not in offsets.where:
                             return None
                         path, off, dt, shape = offsets.where[key]
@@ -131,36 +133,15 @@ def _in_place(root: Path, files, sources: dict, modules: dict, experts: list, dt
                                 return None
                             n //= info.num_experts
                             off += e * n
-                        ex.append([index[path], off, n])
-                    ex.append(None)  # the end of one tensor
-                per_expert.append(ex)
-            first = _record(files, src, module, 0, dtype)
-            entries, rb = diskstore.layout(first)
-            placed = []
-            for ex in per_expert:
-                into, pos, k = [], 0, 0
-                for x in ex:
-                    if x is None:
-                        k += 1
-                        if k < 2:  # the down tensor starts at its own offset in the record
-                            pos = entries[k].offset
-                        continue
-                    into.append((x[0], x[1], x[2], pos))
-                    pos += x[2]
-                placed.append(into)
-            out.append((entries, rb, placed))
-            for e in {0, info.num_experts - 1}:  # read both ways: equal bytes, or a copy
-                want = _record(files, src, module, e, dtype)
-                buf = torch.zeros(rb, dtype=torch.uint8)
-                view = memoryview(buf.numpy())
-                for f, off, n, at in placed[e]:
-                    offsets.pread(paths[f], view[at: at + n], off)
-                for t, entry in zip(want, entries):
-                    if t is None:
-                        continue
-                    got = buf[entry.offset: entry.offset + entry.nbytes]
-                    if not torch.equal(got, t.contiguous().view(torch.uint8).reshape(-1)):
-                        return None
+                        ex.append((index[path], off, n, pos))
+                        pos += n
+                extents.append(ex)
+            fds = [offsets.fd(p) for p in paths]
+            last = info.num_experts - 1
+            if not (same_bytes(fds, extents[0], entries, rb, first)
+                    and same_bytes(fds, extents[last], entries, rb, _record(files, src, module, last, dtype))):
+                return None  # read both ways: equal bytes, or a copy
+            out.append((entries, rb, extents))
         return [Path(p) for p in paths], out
     finally:
         offsets.drop()

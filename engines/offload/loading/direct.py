@@ -53,19 +53,14 @@ class Offsets:
             os.close(fd)
         self.fds.clear()
 
-    def _fd(self, path: str) -> int:
+    def fd(self, path: str) -> int:
+        """A read descriptor of ``path``, opened once (closed by ``close``)."""
         if path not in self.fds:
             self.fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         return self.fds[path]
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.where[key][3]
-
-    def pread(self, path: str, view: memoryview, offset: int) -> None:
-        """``view`` := the bytes of file ``path`` at ``offset`` (ModelError when the file ends first)."""
-        got = pread_into(self._fd(path), view, offset)
-        if got != len(view):
-            raise ModelError(f"{path}: read {got} of {len(view)} bytes at {offset} (the file is truncated)")
 
     def read_into(self, key: str, dst: torch.Tensor) -> None:
         """``dst`` (contiguous, the tensor's number of elements) := the checkpoint's tensor ``key``, cast if needed.
@@ -78,7 +73,7 @@ class Offsets:
             raise ModelError(f"{key}: {numel} values in the checkpoint, expected {dst.numel()}")
         tmp = dst if dt == dst.dtype else torch.empty(dst.shape, dtype=dt)
         view = memoryview(tmp.view(torch.uint8).reshape(-1).numpy())
-        got = pread_into(self._fd(path), view, off)
+        got = pread_into(self.fd(path), view, off)
         if got != len(view):
             raise ModelError(f"{path}: {key} is truncated (read {got} of {len(view)} bytes)")
         if tmp is not dst:
@@ -123,3 +118,16 @@ def read_float_layer(offsets: Offsets, src, module, num_experts: int, dtype: tor
             f.result()
     offsets.drop()
     return tuple(out)
+
+
+def same_bytes(fds: list[int], extents, entries: tuple, record_bytes: int,
+               want: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether one expert's ``extents`` (file index into ``fds``, offset, bytes, record offset) read into a record
+    of layout ``entries`` give the record tensors ``want`` byte for byte (a store in place is checked so)."""
+    buf = torch.zeros(record_bytes, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    for f, off, n, at in extents:
+        if pread_into(fds[f], view[at: at + n], off) != n:
+            return False
+    return all(t is None or torch.equal(buf[e.offset: e.offset + e.nbytes], t.contiguous().view(torch.uint8).reshape(-1))
+               for t, e in zip(want, entries))

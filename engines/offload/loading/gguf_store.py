@@ -66,6 +66,7 @@ def _in_place(tensors: Tensors, experts: list, modules: dict, dtype: torch.dtype
     Expert 0 and the last expert of each layer are read through the extents and compared with read_experts'."""
     from moe_offload.engines.offload.experts import diskstore
     from moe_offload.engines.offload.experts.store import LayerStore, finalize
+    from moe_offload.engines.offload.loading.direct import same_bytes
 
     if dequantize:
         return None
@@ -89,17 +90,10 @@ def _in_place(tensors: Tensors, experts: list, modules: dict, dtype: torch.dtype
             for e in range(i.num_experts):
                 (fg, og, ng), (fu, ou, nu), (fd, od, nd) = (tensors.extent(n, e) for n in names)
                 extents.append([(fg, og, ng, 0), (fu, ou, nu, ng), (fd, od, nd, entries[1].offset)])
-            for e in {0, i.num_experts - 1}:
-                want = first if e == 0 else record(e)
-                buf = torch.zeros(rb, dtype=torch.uint8)
-                view = memoryview(buf.numpy())
-                for f, off, n, at in extents[e]:
-                    if diskstore.pread_into(fds[f], view[at: at + n], off) != n:
-                        return None
-                for t, entry in zip(want, entries):
-                    if t is not None and not torch.equal(buf[entry.offset: entry.offset + entry.nbytes],
-                                                         t.contiguous().view(torch.uint8).reshape(-1)):
-                        return None
+            last = i.num_experts - 1
+            if not (same_bytes(fds, extents[0], entries, rb, first)
+                    and same_bytes(fds, extents[last], entries, rb, record(last))):
+                return None  # read both ways: equal bytes, or a copy
             out.append((entries, rb, extents))
         return out
     finally:

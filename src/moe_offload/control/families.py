@@ -32,6 +32,9 @@ class Family:
     router_weights: str = "model"  # model | fp32 (Mixtral keeps its top-k weights in fp32)
     activation: str = "silu"  # silu | clamped_swiglu (gpt-oss)
     linear: str = ""  # the linear-attention layers' kind: gated_deltanet | "" (none)
+    # rows: experts as [E, out, in], gate and up parts side by side | transposed: [E, in, out], gate|up interleaved
+    # (gpt-oss): the disk tier re-lays them out in a store copy instead of reading the checkpoint in place
+    expert_layout: str = "rows"
     why: str = ""  # for attention="module": why, in words
 
     def but(self, **changes) -> "Family":
@@ -41,7 +44,7 @@ class Family:
 
 QWEN3_MOE = Family("gqa")
 GPT_OSS = Family("gqa", norm="rms_fp32_scale", rotary="halves", window="layer_types", router="topk_softmax",
-                 activation="clamped_swiglu")
+                 activation="clamped_swiglu", expert_layout="transposed")
 GLM4_MOE = Family("gqa", rotary="partial", router="grouped_sigmoid")
 DEEPSEEK_V3 = Family("mla", router="grouped_sigmoid")
 QWEN3_NEXT = Family("gqa", norm="rms_one_plus", rotary="partial", linear="gated_deltanet")

@@ -293,9 +293,14 @@ class ModelSpec(WeightBytes, KVSizes):
     def disk_in_place(self) -> bool:
         """Prediction (the engine decides on the files, convert.py): whether the disk tier reads the experts from the
         checkpoint's own files, with no store copy: experts kept as shipped (no --expert-dtype conversion), float
-        safetensors or a GGUF file's blocks, in a layout the engine computes from (not gpt-oss's transposed one)."""
+        safetensors or a GGUF file's blocks, in a layout the engine computes from (the family registry's
+        ``expert_layout``: not a transposed one)."""
+        from moe_offload.control.families import family_of
+
+        family = family_of(self.model_type)
         kept = self.expert_format == self.checkpoint_expert_format
-        return kept and self.model_type != "gpt_oss" and (self.quantization is None or bool(self.stored_layer_expert_bytes))
+        return (kept and (family is None or family.expert_layout == "rows")
+                and (self.quantization is None or bool(self.stored_layer_expert_bytes)))
 
     @property
     def disk_copy_bytes(self) -> int:

@@ -359,3 +359,17 @@ def test_host_pins_only_where_a_layer_keeps_experts_on_disk():
     assert host_pins(pl) == {0: [1, 2]}
     assert host_pins(Placement("m", tiers[:2], (LayerPlacement(0, ("acc", "host", "host", "host"), {"acc": 1}),),
                                "top")) == {}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_registry_names_the_expert_layout_the_modules_have(checkpoints, family):
+    """spec's in-place prediction reads the registry's expert_layout; the engine reads the module: they agree."""
+    from transformers import AutoConfig
+
+    from moe_offload.control.families import family_of
+    from moe_offload.engines.offload.loading.architecture import meta_model
+
+    path = checkpoints(family)
+    experts = [m for m in meta_model(AutoConfig.from_pretrained(path), torch.float32).modules()
+               if hasattr(m, "is_transposed")]
+    assert experts and all((family_of(family).expert_layout == "transposed") == m.is_transposed for m in experts)
