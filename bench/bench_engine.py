@@ -53,10 +53,69 @@ def build_model(out: Path, seed: int = 0, shape: dict | None = None) -> Path:
         return out
     config = Qwen3MoeConfig(**(shape or SHAPE), norm_topk_prob=True, tie_word_embeddings=False, dtype="bfloat16")
     t0 = time.perf_counter()
-    save_random_model(out, config, seed=seed, dtype=torch.bfloat16)
+    if config.num_hidden_layers > 16:  # larger than memory may hold at once: written layer by layer
+        _save_streamed(out, config, seed)
+    else:
+        save_random_model(out, config, seed=seed, dtype=torch.bfloat16)
     gc.collect()
     print(f"built the benchmark model in {time.perf_counter() - t0:.1f} s at {out}", file=sys.stderr)
     return out
+
+
+def _save_streamed(out: Path, config, seed: int, shard_bytes: int = 2 * 2**30) -> None:
+    """A random bf16 checkpoint of ``config`` written one layer at a time into shards of ~``shard_bytes`` (a model
+    bigger than this machine's memory, e.g. the 72-layer disk-tier benchmark): the tensor names and shapes of a
+    one-layer model saved by transformers, repeated per layer; weights N(0, initializer_range), norms 1."""
+    import copy
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from moe_offload.demo import save_random_model
+
+    one = copy.deepcopy(config)
+    one.num_hidden_layers = 1
+    with tempfile.TemporaryDirectory() as tmp:
+        save_random_model(tmp, one, seed=seed, dtype=torch.bfloat16)
+        with safe_open(str(Path(tmp) / "model.safetensors"), "pt") as h:
+            shapes = {k: h.get_slice(k).get_shape() for k in h.keys()}
+    g = torch.Generator().manual_seed(seed)
+    std = config.initializer_range
+
+    def tensor(shape):
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=torch.bfloat16)
+        return (torch.randn(shape, generator=g) * std).to(torch.bfloat16)
+
+    glob = [k for k in shapes if not k.startswith("model.layers.0.")]
+    groups = [[(k, shapes[k]) for k in glob]] + [
+        [(k.replace("model.layers.0.", f"model.layers.{i}.", 1), shapes[k]) for k in shapes if k.startswith("model.layers.0.")]
+        for i in range(config.num_hidden_layers)]
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map, shard, size, n, total = {}, {}, 0, 0, 0
+
+    def flush():
+        nonlocal shard, size, n
+        if shard:
+            name = f"model-{n:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+            shard, size, n = {}, 0, n + 1
+
+    for group in groups:
+        for k, shape in group:
+            t = tensor(shape)
+            shard[k] = t
+            size += t.numel() * 2
+            total += t.numel() * 2
+        if size >= shard_bytes:
+            flush()
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=1))
+    config.architectures = ["Qwen3MoeForCausalLM"]  # as the model's own save writes it (converters read it)
+    config.save_pretrained(out)
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:

@@ -92,6 +92,12 @@ def _corpus() -> list[str]:
 
 def build_tokenizer(vocab_size: int = VOCAB):
     """A transformers PreTrainedTokenizerFast trained on the shipped corpus (byte-level BPE, ChatML template)."""
+    return train_tokenizer(_corpus(), vocab_size)
+
+
+def train_tokenizer(texts, vocab_size: int, max_length: int = SHAPE["max_position_embeddings"]):
+    """The project's tokenizer trainer: a byte-level BPE of ``vocab_size`` over ``texts`` (an iterable of str) with
+    the ChatML specials and template, as a transformers PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -104,13 +110,13 @@ def build_tokenizer(vocab_size: int = VOCAB):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         chat_template=CHAT_TEMPLATE,
-        model_max_length=SHAPE["max_position_embeddings"],
+        model_max_length=max_length,
     )
 
 

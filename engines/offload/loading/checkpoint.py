@@ -1,6 +1,7 @@
 """A quantized checkpoint's routed experts, read as stored; everything else handed to transformers.
 
-    config.quantization_config --quant_method--> "mxfp4" (gpt-oss) | "fp8" (DeepSeek-V3 style 128x128 blocks)
+    config.quantization_config --quant_method--> "mxfp4" (gpt-oss) | "fp8" (DeepSeek-V3 style 128x128 blocks) |
+        a 4-bit method (int4.py) | "nvfp4" (ModelOpt quant_algo NVFP4, nvfp4.py)
     safetensors keys --transformers' conversion mapping (renamings, per-expert converters)--> which keys feed which
         experts module's gate_up / down: fused [E, ...] tensors, or one tensor per expert (gate, up concatenated)
       -> experts: read one layer at a time, kept in the stored format (or dequantized for --expert-dtype bf16)
@@ -26,14 +27,14 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.control.quant_config import check_int4, has_zero_points
-from moe_offload.engines.offload.loading import int4, quant
+from moe_offload.control.quant_config import check_int4, has_zero_points, is_nvfp4
+from moe_offload.engines.offload.loading import int4, nvfp4, quant
 from moe_offload.errors import ModelError
 
-METHODS = ("mxfp4", "fp8", *int4.METHODS)
+METHODS = ("mxfp4", "fp8", *int4.METHODS, "nvfp4")
 # the format a method's experts are stored in by this loader (int4.py repacks 4-bit releases as q4_0 blocks, those
 # with zero points (AWQ, GPTQ sym=false: "gptq_zp", asymmetric compressed-tensors: "compressed-tensors_zp") as q4_z)
-STORED_FORMAT = {"mxfp4": "mxfp4", "fp8": "fp8", **dict.fromkeys(int4.METHODS, "q4_0"),
+STORED_FORMAT = {"mxfp4": "mxfp4", "fp8": "fp8", "nvfp4": "nvfp4", **dict.fromkeys(int4.METHODS, "q4_0"),
                  **dict.fromkeys(("awq", "gptq_zp", "compressed-tensors_zp"), "q4_z")}
 SCALE_SUFFIX = "_scale_inv"  # fp8: "<linear>.weight" -> "<linear>.weight_scale_inv"
 
@@ -46,11 +47,14 @@ def quant_method(config, where: str = "checkpoint") -> str | None:
     if qc is None:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
+    if is_nvfp4(qc, where):
+        return "nvfp4"
     method = str(qc.get("quant_method", ""))
-    if method not in METHODS or method.endswith("_zp"):  # the _zp names are this loader's, never a config's
+    if method not in METHODS or method.endswith("_zp") or method == "nvfp4":  # "nvfp4" is this loader's name  # the _zp names are this loader's, never a config's
         raise ModelError(f"{where}: quantization_config.quant_method {method!r} is not supported; expected one of "
-                         f"{', '.join(m for m in METHODS if not m.endswith('_zp'))} (gpt-oss MXFP4, DeepSeek-style "
-                         "block FP8, 4-bit GPTQ, compressed-tensors or AWQ) or an unquantized checkpoint")
+                         f"{', '.join(m for m in METHODS if not m.endswith('_zp') and m != 'nvfp4')}, modelopt (gpt-oss "
+                         "MXFP4, DeepSeek-style block FP8, 4-bit GPTQ, compressed-tensors or AWQ, ModelOpt NVFP4) or "
+                         "an unquantized checkpoint")
     if method in int4.METHODS:
         check_int4(qc, where)
         if method in ("gptq", "compressed-tensors") and has_zero_points(qc):
@@ -126,6 +130,8 @@ class ExpertSources:
                     out.add(k)
                     if method == "fp8":
                         out.add(k + SCALE_SUFFIX)
+                    if method == "nvfp4":
+                        out |= set(nvfp4.beside(k))
                     if method in int4.METHODS:
                         base = k.removesuffix(int4.WEIGHT[method])
                         out |= {base + x for x in int4.BESIDE[method]}
@@ -153,7 +159,7 @@ def find_sources(meta_model, experts: list, keys: list[str], method: str | None)
         wanted[f"{info.name}.{down_name}"] = (info.name, 1)
         out[info.name] = ExpertSources(Projection(), Projection())
     for key in keys:
-        if method == "fp8" and key.endswith(SCALE_SUFFIX):
+        if (method == "fp8" and key.endswith(SCALE_SUFFIX)) or (method == "nvfp4" and nvfp4.is_beside(key)):
             continue  # found through its weight
         packed = key
         if method in int4.METHODS:  # "<linear>.qweight" / ".weight_packed" stands for "<linear>.weight"
@@ -220,6 +226,11 @@ def read_layer(files: Files, src: ExpertSources, module, num_experts: int, metho
             split = 0
         elif method in int4.METHODS:
             (w, s), split = _stack_int4(files, proj, num_experts, method), 0  # s: act-order permutations
+        elif method == "nvfp4":
+            if proj.fused is not None:
+                raise ModelError(f"{proj.fused}: expected one NVFP4 tensor per expert, found a fused tensor")
+            (w, s), split = nvfp4.stack(files, [[proj.parts[e][i] for i in range(proj.nparts)]
+                                                for e in range(num_experts)]), 0  # s: the tensor scales per row
         else:
             w, s = _stack_fp8(files, proj, num_experts)
             split = gate_up_split(module, w.shape[1]) if which == 0 and proj.nparts == 2 else 0
@@ -279,14 +290,19 @@ def _stack_fp8(files: Files, proj: Projection, num_experts: int) -> tuple[torch.
 
 # ---- everything else: a state dict for from_pretrained ---------------------------------------------------------------
 def rest_state_dict(files: Files, skip: set[str], method: str, dtype: torch.dtype) -> dict:
-    """Every key not in ``skip``: lazy slices, except FP8 linears (weight + weight_scale_inv) and 4-bit linears
-    (int4.py), dequantized to ``dtype``."""
+    """Every key not in ``skip``: lazy slices, except FP8 linears (weight + weight_scale_inv), 4-bit linears
+    (int4.py) and NVFP4 linears (nvfp4.py), dequantized to ``dtype``."""
     sd = {}
     for key in files.keys():
         if key in skip or (method == "fp8" and key.endswith(SCALE_SUFFIX)):
             continue
         if method in int4.METHODS and any(key.endswith(x) for x in int4.BESIDE[method]):
             continue  # read with its packed weight
+        if method == "nvfp4" and nvfp4.is_beside(key):
+            continue
+        if method == "nvfp4" and nvfp4.is_nvfp4_weight(files, key):  # another NVFP4 linear: dequantized
+            sd[key] = nvfp4.dequantize(*nvfp4.read(files, key), dtype)
+            continue
         if method in int4.METHODS and key.endswith(int4.WEIGHT[method]):  # another 4-bit linear: dequantized
             prefix = key.removesuffix(int4.WEIGHT[method])
             codes, scale, zeros, p = int4.read(files, prefix, method)

@@ -68,10 +68,13 @@ def ensure_store(root: Path, config, experts: list, method: str | None, read_as:
     modules = dict(meta.named_modules())
     with checkpoint.Files(root) as files:
         sources = checkpoint.find_sources(meta, experts, files.keys(), method)
-        place = None
-        if method is None and convert_to is None:
+        if convert_to is not None:
+            place = f"--expert-dtype makes {convert_to} experts"
+        elif method is not None:
+            place = f"a {method} release's experts are {'dequantized' if read_as == 'float' else 'repacked'} at load"
+        else:
             place = _in_place(root, files, sources, modules, experts, dtype)
-        if place is not None:
+        if not isinstance(place, str):
             paths, layers = place
             man = diskstore.write_in_place(where, target, {"checkpoint": str(Path(root).resolve())}, paths, experts,
                                            layers)
@@ -90,6 +93,8 @@ def ensure_store(root: Path, config, experts: list, method: str | None, read_as:
                 yield (t[0][0], t[1][0], t[4][0] if t[4] is not None else None,
                        t[5][0] if t[5] is not None else None), rows
 
+        log.info("expert store copied: the checkpoint's layout is not the one the engine computes from", why=place,
+                 store=str(where))
         man = diskstore.write_copy(where, target, {"checkpoint": str(Path(root).resolve())}, experts,
                                    (records(info) for info in experts))
     log.info("expert store written", store=str(where), seconds=round(time.perf_counter() - t0, 1),
@@ -99,7 +104,7 @@ def ensure_store(root: Path, config, experts: list, method: str | None, read_as:
 
 def _in_place(root: Path, files, sources: dict, modules: dict, experts: list, dtype: torch.dtype):
     """(files, per layer (entries, record bytes, per expert extents)) when every expert's record is the bytes of
-    extents of the checkpoint's safetensors as they are (gate and up parts side by side), else None. Expert 0 and
+    extents of the checkpoint's safetensors as they are (gate and up parts side by side), else why not (a str). Expert 0 and
     the last expert of each layer are read through the extents and compared with what the copy would hold."""
     from moe_offload.engines.offload.loading.direct import Offsets, same_bytes
 
@@ -111,7 +116,7 @@ def _in_place(root: Path, files, sources: dict, modules: dict, experts: list, dt
         for info in experts:
             module, src = modules[info.name], sources[info.name]
             if module.is_transposed:
-                return None  # kept as [out, in] rows on the CPU (store.finalize): a copy
+                return f"{info.name}: transposed experts are kept as [out, in] rows"  # store.finalize
             first = _record(files, src, module, 0, dtype)
             entries, rb = diskstore.layout(first)
             extents = []
@@ -121,16 +126,17 @@ def _in_place(root: Path, files, sources: dict, modules: dict, experts: list, dt
                     keys = [proj.fused] if proj.fused is not None else [proj.parts[e][i] for i in range(proj.nparts)]
                     for key in keys:  # gate and up parts side by side make the fused gate|up
                         if key not in offsets.where:
-                            return None
+                            return f"{key}: not a plain safetensors tensor"
                         path, off, dt, shape = offsets.where[key]
                         if dt != dtype:
-                            return None  # cast at load: a copy
+                            return f"{key} is {str(dt).removeprefix('torch.')}, the engine computes in " \
+                                   f"{str(dtype).removeprefix('torch.')}"  # cast at load: a copy
                         n = dt.itemsize
                         for d in shape:
                             n *= d
                         if proj.fused is not None:
                             if shape[0] != info.num_experts:
-                                return None
+                                return f"{key}: {shape[0]} stacked experts, expected {info.num_experts}"
                             n //= info.num_experts
                             off += e * n
                         ex.append((index[path], off, n, pos))
@@ -140,7 +146,7 @@ def _in_place(root: Path, files, sources: dict, modules: dict, experts: list, dt
             last = info.num_experts - 1
             if not (same_bytes(fds, extents[0], entries, rb, first)
                     and same_bytes(fds, extents[last], entries, rb, _record(files, src, module, last, dtype))):
-                return None  # read both ways: equal bytes, or a copy
+                return f"{info.name}: an expert read in place differs from its copy"  # read both ways
             out.append((entries, rb, extents))
         return [Path(p) for p in paths], out
     finally:

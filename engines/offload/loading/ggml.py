@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moe_offload.control.vocab import GGML_BLOCKS
+from moe_offload.control.vocab import FP4_VALUES, GGML_BLOCKS
 
 DTYPE = torch.bits8
 
@@ -33,13 +33,14 @@ class Layout:
 
 
 # ggml type ids (gguf.GGMLQuantizationType): the C++ and the GGUF reader agree on these; q4_z (200) is the engine's
-# own block (q4_0 with a zero point, for AWQ releases), never read from or written to a GGUF file
+# own block (q4_0 with a zero point, for AWQ releases), nvfp4 (201) its block for ModelOpt NVFP4 releases (nvfp4.py);
+# neither is read from or written to a GGUF file
 _QTYPE = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q4_z": 200, "gguf_mxfp4": 39, "q4_k": 12, "q5_k": 13,
-          "q6_k": 14, "iq4_xs": 23, "q2_k": 10, "q3_k": 11}
-Q4_Z = "q4_z"
+          "q6_k": 14, "iq4_xs": 23, "q2_k": 10, "q3_k": 11, "nvfp4": 201}
+Q4_Z, NVFP4 = "q4_z", "nvfp4"
 BY_NAME = {name: Layout(name, _QTYPE[name], b, s) for name, (b, s) in GGML_BLOCKS.items()}
 LAYOUTS = {lay.bytes: lay for lay in BY_NAME.values()}  # S -> layout
-GGUF_TYPES = tuple(n for n in BY_NAME if n != Q4_Z)  # the ones a GGUF file can hold
+GGUF_TYPES = tuple(n for n in BY_NAME if n not in (Q4_Z, NVFP4))  # the ones a GGUF file can hold
 
 
 def is_blocks(t: torch.Tensor | None) -> bool:
@@ -86,6 +87,13 @@ def reference_dequantize(t: torch.Tensor) -> torch.Tensor:
     from gguf import GGMLQuantizationType, quants
 
     lay = layout_of(t)
+    if lay.name == NVFP4:  # e4m3(s[j]) * e2m1(q) per 16: inputs l, l + 16 of half h in byte 4 + 16h + l
+        raw = t.contiguous().view(torch.uint8)
+        s = raw[..., :4].contiguous().view(torch.float8_e4m3fn).float()  # [.., nb, 4]
+        q = raw[..., 4:].unflatten(-1, (2, 16))
+        c = torch.stack([q & 0xF, q >> 4], dim=-2).flatten(-3)  # [.., nb, 64]
+        vals = torch.tensor(FP4_VALUES)[c.long()]
+        return (vals * s.repeat_interleave(16, dim=-1)).flatten(-2)
     if lay.name == Q4_Z:
         raw = t.contiguous().view(torch.uint8)
         d = raw[..., :2].contiguous().view(torch.float16).float()  # [.., nb, 1]
@@ -146,6 +154,9 @@ def random_blocks(rows: int, cols: int, name: str, seed: int = 0, scale: float =
         dd = d * unit / (32 * mid)  # sc up to 63, |q - mid| up to mid
         f16(0, dd)
         f16(2, dd.astype(np.float16).astype(np.float64) * mid)
+    elif name == NVFP4:  # an e4m3 scale per 16 (halved in the blocks' values, 2 x e2m1 up to 12)
+        s = torch.from_numpy(d.repeat(4) * unit / 6 * g.uniform(0.5, 1.5, size=4 * nb)).float()
+        raw[:, :4] = s.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(nb, 4)
     elif name == "iq4_xs":  # scales - 32 in -32..31, table values up to 127
         f16(0, d * unit / (32 * 64))
     elif name == "q2_k":

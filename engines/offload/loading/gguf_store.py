@@ -40,7 +40,7 @@ def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bo
     tensors = Tensors(info)
     modules = dict(meta_model(config, dtype).named_modules())
     place = _in_place(tensors, experts, modules, dtype, dequantize)
-    if place is not None:  # the file's expert tensors are the records: a manifest of their extents, no copy
+    if not isinstance(place, str):  # the file's expert tensors are the records: a manifest of their extents, no copy
         man = diskstore.write_in_place(where, target, {"checkpoint": str(info.files[0].resolve())}, list(info.files),
                                        experts, place)
         log.info("expert store in place: the file's expert tensors are read where they are", store=str(where),
@@ -54,6 +54,8 @@ def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bo
             one, rows = finalize(LayerStore((up, down, None, None, None, None), dtype), module, False, False, None)
             yield (one.tensors[0][0], one.tensors[1][0], None, None), rows
 
+    log.info("expert store copied: the file's layout is not the one the engine computes from", why=place,
+             store=str(where))
     man = diskstore.write_copy(where, target, {"checkpoint": str(info.files[0].resolve())}, experts,
                                (records(i) for i in experts))
     log.info("expert store written", store=str(where), seconds=round(time.perf_counter() - t0, 1))
@@ -62,21 +64,21 @@ def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bo
 
 def _in_place(tensors: Tensors, experts: list, modules: dict, dtype: torch.dtype, dequantize: bool):
     """Per layer (entries, record bytes, per expert extents) when each expert's record is its gate, up and down
-    slices of the file as they are (ggml blocks kept as stored, or float experts already in ``dtype``), else None.
+    slices of the file as they are (ggml blocks kept as stored, or float experts already in ``dtype``), else why not.
     Expert 0 and the last expert of each layer are read through the extents and compared with read_experts'."""
     from moe_offload.engines.offload.experts import diskstore
     from moe_offload.engines.offload.experts.store import LayerStore, finalize
     from moe_offload.engines.offload.loading.direct import same_bytes
 
     if dequantize:
-        return None
+        return "the experts are dequantized at load (--expert-dtype bf16)"
     out = []
     fds = [os.open(str(f), os.O_RDONLY) for f in tensors.info.files]
     try:
         for i in experts:
             module = modules[i.name]
             if getattr(module, "is_transposed", False):
-                return None  # gpt-oss: gate and up rows interleaved, a layout the file does not have
+                return f"{i.name}: gate and up rows interleaved (gpt-oss), a layout the file does not have"
             names = [f"blk.{i.layer}.{t}.weight" for t in gguf_meta.EXPERT_TENSORS]
 
             def record(e):
@@ -93,7 +95,7 @@ def _in_place(tensors: Tensors, experts: list, modules: dict, dtype: torch.dtype
             last = i.num_experts - 1
             if not (same_bytes(fds, extents[0], entries, rb, first)
                     and same_bytes(fds, extents[last], entries, rb, record(last))):
-                return None  # read both ways: equal bytes, or a copy
+                return f"{i.name}: an expert read in place differs from its copy"  # read both ways
             out.append((entries, rb, extents))
         return out
     finally:

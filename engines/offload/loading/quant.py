@@ -6,6 +6,8 @@
     mxfp4  (blocks uint8 [R, K/2],      scales uint8 [R, K/32])  gpt-oss: e2m1 pairs + E8M0 per 32
     ggml   (blocks bits8 [R, K/B, S],   None)                    GGUF files, --expert-dtype int4 (q4_0): llama.cpp's
                                                                   block types, scales inside each block (ggml.py)
+    nvfp4  (blocks bits8 [R, K/64, 36], fp32 [R])                ModelOpt NVFP4 releases (nvfp4.py): e2m1 + an e4m3
+                                                                  scale per 16 in the blocks, the tensor scale per row
 
 A quantized projection is always stored [R, K] (output rows, as a GEMV reads them), whatever the family's
 float layout. The format of a stored tensor is its dtype: int8 -> int8, float8_e4m3fn -> fp8, uint8 -> mxfp4,
@@ -22,12 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from moe_offload.control.vocab import FP8_BLOCK, MX_BLOCK
+from moe_offload.control.vocab import FP4_VALUES, FP8_BLOCK, MX_BLOCK
 from moe_offload.control.vocab import QUANTIZED_FORMATS as QUANTIZED
 from moe_offload.engines.offload.loading import ggml
 
 FP8_MAX = 448.0  # largest finite e4m3fn
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FORMAT_OF_DTYPE = {torch.int8: "int8", torch.float8_e4m3fn: "fp8", torch.uint8: "mxfp4", ggml.DTYPE: "ggml"}
 
 
@@ -135,7 +136,10 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor | None, split: int = 0, dtyp
         return dequantize_fp8(w, scale, split, dtype)
     if fmt == "mxfp4":
         return dequantize_mxfp4(w, scale, dtype)
-    if fmt is not None:  # ggml blocks; ``scale``: None, or an act-order release's input permutation [K] (int32)
+    if fmt is not None:  # ggml blocks; ``scale``: None, an act-order release's input permutation [K] (int32), or an
+        # NVFP4 release's tensor scale per row [R] (fp32, applied to the blocks' fp32 weights, then ``dtype``)
+        if scale is not None and scale.numel() and scale.is_floating_point():
+            return (ggml.dequantize(w, torch.float32) * scale.float().unsqueeze(-1)).to(dtype)
         blocks = ggml.dequantize(w, dtype)
         return blocks if scale is None or scale.numel() == 0 else unpermute(blocks, scale)
     return w.to(dtype)

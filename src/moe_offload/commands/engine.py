@@ -46,7 +46,14 @@ HOST_MEMORY_HELP = ("Host memory for routed experts, e.g. 8GiB; experts that do 
                     "disk, host memory caching them (default: what the process's memory limit leaves).")
 
 
+KV_HELP = ("KV cache budget, e.g. 2GiB (default: what the weights leave in the memory limit after a reserve, at most "
+           "4GiB on the CPU; at least one --max-model-len sequence).")
+
+
 def _engine_options(fn):
+    fn = click.option("--max-model-len", type=click.IntRange(min=1),
+                      help="Longest prompt + output (default: the model's, capped to the KV budget).")(fn)
+    fn = click.option("--kv-cache-memory", help=KV_HELP)(fn)
     fn = click.option("--no-prefetch", is_flag=True, help="Disk tier: do not read the next layer's predicted experts ahead.")(fn)
     fn = click.option("--host-memory", help=HOST_MEMORY_HELP)(fn)
     fn = click.option("--dense-dtype", type=DENSE_DTYPE_CHOICE, help=DENSE_DTYPE_HELP)(fn)
@@ -61,7 +68,7 @@ def _engine_options(fn):
 
 def _build(model: Path, backend: str, policy: str, fraction: float | None, placement: str | None, dtype: str | None,
            expert_dtype: str | None = None, dense_dtype: str | None = None, host_memory: str | None = None,
-           no_prefetch: bool = False):
+           no_prefetch: bool = False, kv_cache_memory: str | None = None, max_model_len: int | None = None):
     from moe_offload.backends import get_backend
 
     if fraction is not None and not 0.0 <= fraction <= 1.0:
@@ -79,6 +86,12 @@ def _build(model: Path, backend: str, policy: str, fraction: float | None, place
         options["host_memory"] = parse_size(host_memory, "--host-memory")
     if no_prefetch:
         options["prefetch"] = False
+    if kv_cache_memory:
+        from moe_offload.control.units import parse_size
+
+        options["kv_cache_memory"] = parse_size(kv_cache_memory, "--kv-cache-memory")
+    if max_model_len:
+        options["max_model_len"] = max_model_len
     return get_backend(backend).build_engine(str(model), placement, **options)
 
 
@@ -117,7 +130,7 @@ def demo_model(out: str | None, seed: int) -> None:
 @click.option("--ignore-eos", is_flag=True, help="Keep going after an end-of-sequence token.")
 @click.option("--json", "as_json", is_flag=True, help="Print the token ids, text and stats as JSON.")
 def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype,
-             host_memory, no_prefetch, temperature, top_p, top_k, seed, ignore_eos, as_json) -> None:
+             host_memory, no_prefetch, kv_cache_memory, max_model_len, temperature, top_p, top_k, seed, ignore_eos, as_json) -> None:
     """Generate text with the offload engine; stats go to stderr (or into --json)."""
     from moe_offload.engines.params import SamplingParams
 
@@ -126,7 +139,8 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
     _quiet()
     path = _model_dir(model)
     _require_tokenizer(path)
-    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype, host_memory, no_prefetch)
+    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype, host_memory, no_prefetch,
+                    kv_cache_memory, max_model_len)
     try:
         ids = _encode(engine, prompt, chat)
         gen = engine.generate(ids, params)
@@ -245,7 +259,7 @@ def capture_routes(engine, prompts: list[list[int]], max_tokens: int = 1) -> tup
 @_engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
 def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype,
-                host_memory, no_prefetch, as_json) -> None:
+                host_memory, no_prefetch, kv_cache_memory, max_model_len, as_json) -> None:
     """Record the top-k expert ids per MoE layer per token over a prompt set (a routes file for `plan`)."""
     from moe_offload.control.profile import Routes, save_routes
     from moe_offload.control.spec import ModelSpec
@@ -256,7 +270,8 @@ def profile_cmd(model, prompts, out, max_tokens, chat, backend, policy, fraction
     _quiet()
     path = _model_dir(model)
     _require_tokenizer(path)
-    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype, host_memory, no_prefetch)
+    engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype, host_memory, no_prefetch,
+                    kv_cache_memory, max_model_len)
     try:
         spec = ModelSpec.from_hf_config(str(path))
         layers, per_prompt = capture_routes(engine, [_encode(engine, p, chat) for p, _ in rows], max_tokens)

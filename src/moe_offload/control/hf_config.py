@@ -13,7 +13,7 @@ import os
 from typing import Any, Mapping
 
 from moe_offload.control import layerkinds
-from moe_offload.control.quant_config import INT4_METHODS, act_order, check_int4, has_zero_points
+from moe_offload.control.quant_config import INT4_METHODS, act_order, check_int4, has_zero_points, is_nvfp4
 from moe_offload.control.vocab import DTYPE_BYTES, FP8_BLOCK
 from moe_offload.errors import ConfigError, ModelError
 
@@ -343,6 +343,10 @@ def parse(cfg: dict[str, Any], name: str | None) -> dict[str, Any]:
         expert_format=stored,
         checkpoint_expert_format=stored,
         act_order=stored in ("q4_0", "q4_z") and act_order(dict(quant)),
+        # an NVFP4 release quantizes every linear but those its ignore list names (the router, lm_head; attention
+        # where a pattern names it)
+        attention_quantized=not (stored == "nvfp4" and any("attn" in str(p) for p in
+                                                          quant.get("ignore", quant.get("exclude_modules")) or ())),
     ) | _gguf_sizes(cfg, moe_layers)
 
 
@@ -359,12 +363,14 @@ def _gguf_sizes(cfg: dict[str, Any], moe_layers) -> dict[str, Any]:
 
 def _checkpoint_expert_format(quant: Any, where: str) -> str:
     """"mxfp4" | "fp8" | "q4_0" (4-bit GPTQ / compressed-tensors) | "q4_z" (AWQ, GPTQ sym=false, compressed-tensors
-    symmetric=false) for the quantized releases the engine loads as stored, "" for float checkpoints."""
+    symmetric=false) | "nvfp4" (ModelOpt NVFP4) for the quantized releases the engine loads as stored, "" for float checkpoints."""
     if not isinstance(quant, Mapping):
         return ""
     method = quant.get("quant_method")
     if method == "mxfp4":
         return "mxfp4"
+    if is_nvfp4(dict(quant), where):
+        return "nvfp4"
     if method in INT4_METHODS:  # 4-bit, held as q4_0 blocks (zero points: q4_z); the rest refused, as the loader does
         check_int4(dict(quant), where)
         return "q4_z" if has_zero_points(dict(quant)) else "q4_0"
@@ -374,5 +380,6 @@ def _checkpoint_expert_format(quant: Any, where: str) -> str:
             raise ModelError(f"{where}: FP8 weight_block_size {block!r} is not supported; expected [128, 128]")
         return "fp8"
     raise ModelError(f"{where}: quantization_config.quant_method {method!r} is not supported; expected mxfp4, fp8, "
-                     "gptq, compressed-tensors or awq (gpt-oss MXFP4, DeepSeek-style block FP8, 4-bit) or an "
+                     "gptq, compressed-tensors, awq or modelopt (gpt-oss MXFP4, DeepSeek-style block FP8, 4-bit, "
+                     "NVFP4) or an "
                      "unquantized checkpoint")

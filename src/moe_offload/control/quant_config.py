@@ -1,6 +1,6 @@
 """Quantized releases whose configs the control plane reads as the engine loads them (no torch): which 4-bit
 safetensors layouts are supported (engines/offload/loading/int4.py repacks them into q4_0 blocks, those with zero points
-(AWQ, GPTQ sym=false, asymmetric compressed-tensors) into q4_z)."""
+(AWQ, GPTQ sym=false, asymmetric compressed-tensors) into q4_z), and ModelOpt NVFP4 (loading/nvfp4.py: nvfp4 blocks)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Any
 from moe_offload.errors import ModelError
 
 INT4_METHODS = ("gptq", "compressed-tensors", "awq")
+MODELOPT_METHODS = ("modelopt", "modelopt_fp4")  # ModelOpt's quant_method spellings (hf_quant_config.json's producer)
+NVFP4_GROUP = 16  # values per e4m3 block scale
 # compressed-tensors' ActivationOrdering (quant_args.py; static = weight, dynamic = group, True = group): weight keeps
 # the groups consecutive, group stores a g_idx (read as GPTQ's act-order, loading/int4.py)
 ACTORDER = (None, False, True, "weight", "static", "group", "dynamic")
@@ -69,3 +71,18 @@ def act_order(qc: dict[str, Any]) -> bool:
     if method == "compressed-tensors":
         return _ct_weights(qc).get("actorder") in (True, "group", "dynamic")
     return False
+
+
+def is_nvfp4(qc: dict[str, Any], where: str) -> bool:
+    """The config names a ModelOpt release (quant_method "modelopt" / "modelopt_fp4"): True for NVFP4 weights in
+    groups of 16 (e2m1 values, an e4m3 scale per 16, an fp32 scale per tensor); ModelError for another ModelOpt
+    algorithm or group; False for any other method."""
+    if qc.get("quant_method") not in MODELOPT_METHODS:
+        return False
+    algo = qc.get("quant_algo")
+    groups = list((qc.get("config_groups") or {}).values())
+    group = qc.get("group_size", ((groups[0].get("weights") or {}).get("group_size") if len(groups) == 1 else None))
+    if algo != "NVFP4" or group not in (None, NVFP4_GROUP):
+        raise ModelError(f"{where}: ModelOpt quant_algo={algo!r} group_size={group!r} is not supported; expected NVFP4 "
+                         f"in groups of {NVFP4_GROUP} (MIXED_PRECISION and FP8 releases are not read)")
+    return True

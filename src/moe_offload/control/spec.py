@@ -92,6 +92,7 @@ class ModelSpec(WeightBytes, KVSizes):
     expert_format: str = ""
     checkpoint_expert_format: str = ""
     act_order: bool = False  # an act-order 4-bit release: each expert projection keeps its input order (int32 [K])
+    attention_quantized: bool = True  # an FP8 / NVFP4 release ships its attention linears quantized
     # a GGUF file: each MoE layer's expert as stored (its block types; Q4_K_M mixes them per layer) and all tensors,
     # read from the file, not derived from the shape
     stored_layer_expert_bytes: tuple[int, ...] = ()

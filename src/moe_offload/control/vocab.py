@@ -22,13 +22,15 @@ DTYPE_BYTES = {
 # scales (engines/offload/loading/ggml.py). gguf_mxfp4 is GGUF's MXFP4 (one E8M0 byte + 16 bytes of nibbles). q4_z is
 # not a GGUF type but this engine's block in the same family: q4_0 with a zero point byte, d * (q - z), for 4-bit
 # releases with a zero point per group (AWQ). The bytes per block tell the types apart (the kernels read the type from
-# them), which is why IQ4_NL (18 bytes, as q4_0) is not among them.
+# them), which is why IQ4_NL (18 bytes, as q4_0) is not among them. nvfp4 is not a GGUF type either: a ModelOpt NVFP4
+# release's bytes regrouped per 64 weights (4 e4m3 scales, 32 bytes of e2m1 pairs), its fp32 tensor scale held per row.
 GGML_BLOCKS = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
                "q4_z": (32, 19), "gguf_mxfp4": (32, 17), "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144),
-               "q5_k": (256, 176), "q6_k": (256, 210), "iq4_xs": (256, 136)}
+               "q5_k": (256, 176), "q6_k": (256, 210), "iq4_xs": (256, 136), "nvfp4": (64, 36)}
 QUANTIZED_FORMATS = ("int8", "fp8", "mxfp4", *GGML_BLOCKS)
 FP8_BLOCK = 128
 MX_BLOCK = 32
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 codes 0..15
 # --expert-dtype choices -> the expert format they give (quantize a float checkpoint at load, or keep bf16);
 # int4: group-wise symmetric 4-bit, group 32 (llama.cpp's q4_0 blocks: an fp16 scale per 32 weights).
 EXPERT_DTYPES = {"int8": "int8", "fp8": "fp8", "int4": "q4_0", "bf16": "bfloat16"}
@@ -60,5 +62,5 @@ def stored_weight_bytes(fmt: str, rows: int, cols: int, split: int = 0, float_by
         return rows * cols // 2 + rows * cols // MX_BLOCK
     if fmt in GGML_BLOCKS:
         per, size = GGML_BLOCKS[fmt]
-        return rows * blocks(cols, per) * size
+        return rows * blocks(cols, per) * size + (4 * rows if fmt == "nvfp4" else 0)  # nvfp4: an fp32 scale per row
     return rows * cols * float_bytes

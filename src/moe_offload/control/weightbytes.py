@@ -57,16 +57,19 @@ class WeightBytes:
         fmt = self.checkpoint_expert_format or self.dtype
         experts = self.num_moe_layers * self.num_experts * self.stored_expert_bytes(fmt)
         rest = self.non_expert_bytes
-        if fmt == "fp8":
-            shapes = [s for i in range(self.num_layers) for s in self.layer_linear_shapes(i)]
-            rest += sum(stored_weight_bytes("fp8", r, c) - r * c * self.dtype_bytes for r, c in shapes)
-            if self.router_correction_bias:
-                rest += self.num_moe_layers * self.num_experts * (4 - self.dtype_bytes)
+        if fmt in ("fp8", "nvfp4"):
+            shapes = [s for i in range(self.num_layers) for s in self.layer_linear_shapes(i, self.attention_quantized)]
+            rest += sum(_shipped(fmt, r, c) - r * c * self.dtype_bytes for r, c in shapes)
+        if fmt == "fp8" and self.router_correction_bias:
+            rest += self.num_moe_layers * self.num_experts * (4 - self.dtype_bytes)
+        if fmt == "nvfp4":  # the release's 8 bytes of scales per linear, not the engine's 4 per row
+            H, I, m = self.hidden_size, self.expert_intermediate_size, 3 if self.mlp_gated else 2
+            experts += self.num_moe_layers * self.num_experts * (8 * m - 4 * ((m - 1) * I + H))
         return rest + experts
 
-    def layer_linear_shapes(self, layer: int) -> list[tuple[int, int]]:
+    def layer_linear_shapes(self, layer: int, attention: bool = True) -> list[tuple[int, int]]:
         """[out, in] of every linear weight of one decoder layer but the routed experts and the router: attention
-        and the dense or shared-expert MLP (what an FP8 release quantizes)."""
+        (unless not ``attention``) and the dense or shared-expert MLP (what an FP8 or NVFP4 release quantizes)."""
         H, nh, nkv, hd = self.hidden_size, self.num_attention_heads, self.num_kv_heads, self.head_dim
         if self.layer_types[layer] == "linear_attention":
             inner = nh * hd
@@ -79,6 +82,7 @@ class WeightBytes:
                           (H, nh * self.v_head_dim)]
         else:
             shapes = [(nh * hd, H), (nkv * hd, H), (nkv * hd, H), (H, nh * hd)]
+        shapes = shapes if attention else []
         inter = self.shared_intermediate_size if layer in self._moe_set else self.dense_intermediate_size
         if inter:
             shapes += [(inter, H), (inter, H), (H, inter)]
@@ -110,3 +114,11 @@ class WeightBytes:
     def total_bytes(self) -> int:
         """Non-expert weights in the compute dtype plus the routed experts in their format (what a load holds)."""
         return self.non_expert_bytes + self.routed_expert_bytes
+
+
+def _shipped(fmt: str, rows: int, cols: int) -> int:
+    """Bytes of one [rows, cols] linear as an FP8 or NVFP4 release ships it (NVFP4: e2m1 pairs, an e4m3 scale per 16,
+    the fp32 weight_scale_2 and input_scale)."""
+    if fmt == "nvfp4":
+        return rows * cols // 2 + rows * cols // 16 + 8
+    return stored_weight_bytes(fmt, rows, cols)

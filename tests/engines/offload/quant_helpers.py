@@ -13,6 +13,14 @@
         routed experts one tensor per expert: model.layers.N.mlp.experts.{e}.{gate,up,down}_proj.weight
         quantization_config {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
+    ModelOpt NVFP4 (nvidia/*-NVFP4): every nn.Linear weight but the router and lm_head
+        ....weight            uint8 [out, in/2]  e2m1 pairs, the even input in the low nibble
+        ....weight_scale      float8_e4m3fn [out, in/16];  ....weight_scale_2, ....input_scale  fp32 []
+        routed experts one tensor per expert, as transformers saves the family
+        quantization_config {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": [..]}
+        (hidden and expert intermediate 64: the engine's nvfp4 blocks hold 64 inputs). transformers has no CPU
+        NVFP4 loader: the reference is the same weights dequantized (nvfp4.dequantize) into an fp32 checkpoint.
+
 Shapes keep transformers' dequantizing reference meaningful: its Fp8Dequantize derives the block size from the
 scale grid, which equals the 128 blocks only where a dimension is <= 128 or a multiple of 128, so the FP8 model
 uses hidden 256 and expert intermediate 128 (two column blocks, gate and up one row block each, down two).
@@ -33,6 +41,8 @@ VOCAB = 300  # the demo tokenizer trained to 300 tokens
 
 MXFP4_QCONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                                      "model.embed_tokens", "lm_head"]}
+NVFP4_QCONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                 "producer": {"name": "modelopt"}, "ignore": ["lm_head", "*mlp.gate"]}
 FP8_QCONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
 
@@ -127,6 +137,46 @@ def build_deepseek_fp8(root: Path, seed: int = 1234) -> str:
             out[key] = t
     _write(path, out, FP8_QCONFIG)
     return str(path)
+
+
+def nvfp4_config(family: str):
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    c = {**COMMON, "hidden_size": 64, "head_dim": 16, "vocab_size": VOCAB}
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**c, num_hidden_layers=2, intermediate_size=64, moe_intermediate_size=64, num_experts=E,
+                              num_experts_per_tok=2, norm_topk_prob=True)
+    return MixtralConfig(**c, num_hidden_layers=2, intermediate_size=64, num_local_experts=E, num_experts_per_tok=2)
+
+
+def build_nvfp4(root: Path, family: str, seed: int = 1234) -> tuple[str, str]:
+    """(a tiny ``family`` model in the ModelOpt NVFP4 release layout, the same weights dequantized as an fp32
+    checkpoint: the reference)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from moe_offload.engines.offload.loading import nvfp4
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(nvfp4_config(family))
+    path, ref = Path(root) / f"{family}_nvfp4", Path(root) / f"{family}_nvfp4_ref"
+    tensors = _save_bf16(model, path)
+    _save_bf16(model, ref)
+    out, deq = {}, {}
+    for key, t in tensors.items():
+        if key.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in key and not key.startswith("lm_head") \
+                and not key.endswith(".gate.weight"):
+            q, s, g = nvfp4.quantize(t.float())
+            out |= {key: q, key + "_scale": s, key + "_scale_2": g, key.removesuffix(".weight") + ".input_scale":
+                    torch.tensor(1.0)}
+            deq[key] = nvfp4.dequantize(q, s, g)
+        else:
+            out[key], deq[key] = t, t.float()
+    _write(path, out, NVFP4_QCONFIG)
+    for f in ref.glob("*.safetensors*"):
+        f.unlink()
+    save_file({k: v.contiguous() for k, v in deq.items()}, ref / "model.safetensors", metadata={"format": "pt"})
+    return str(path), str(ref)
 
 
 def tensor_bytes(path: str, expert_only: bool = False) -> int:

@@ -228,6 +228,18 @@ def test_a_store_copy_the_disk_cannot_hold_is_refused_before_a_byte_is_written(c
     assert written and man.in_place
 
 
+def test_a_copy_says_why_the_checkpoint_is_not_read_in_place(checkpoints, store_dir):
+    from structlog.testing import capture_logs
+
+    from moe_offload.engines.offload.loading import convert
+
+    with capture_logs() as logs:
+        man, written = convert.convert_checkpoint(checkpoints("mixtral"), "bfloat16")  # fp32 files, bf16 compute
+    assert written and not man.in_place
+    (why,) = [e["why"] for e in logs if e["event"].startswith("expert store copied")]
+    assert "is float32, the engine computes in bfloat16" in why, why
+
+
 def test_store_records_are_aligned_views(tmp_path):
     w = diskstore.StoreWriter(tmp_path, "bfloat16")
     w.begin_layer("m.experts", 1, 3)

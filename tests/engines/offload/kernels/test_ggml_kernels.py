@@ -90,7 +90,7 @@ def test_gemv_blocks(ops, name, R, K, N, xdtype):
 @pytest.mark.parametrize("up_name,down_name,I", [("q4_k", "q6_k", 512), ("q8_0", "q8_0", 512), ("q5_k", "q4_k", 512),
                                                  ("q4_0", "q4_0", 512), ("gguf_mxfp4", "gguf_mxfp4", 512),
                                                  ("q4_k", "q5_0", 288), ("q5_k", "q5_1", 288), ("q4_1", "iq4_xs", 512),
-                                                 ("q2_k", "q3_k", 512), ("q3_k", "q4_k", 512)])
+                                                 ("q2_k", "q3_k", 512), ("q3_k", "q4_k", 512), ("nvfp4", "nvfp4", 512)])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 def test_expert_mlps(ops, up_name, down_name, I, xdtype):
     # llama.cpp's Q4_K_M mixes types within an expert (gate/up q4_k, down q6_k): each projection reads its own blocks;
@@ -116,7 +116,7 @@ def test_expert_mlps(ops, up_name, down_name, I, xdtype):
 
 @pytest.mark.parametrize("up_name,down_name,I", [("q4_k", "q6_k", 512), ("q8_0", "q8_0", 512), ("q5_k", "q4_0", 512),
                                                  ("q4_k", "q5_0", 288), ("q5_1", "q4_1", 512), ("iq4_xs", "q5_1", 512),
-                                                 ("q2_k", "q3_k", 512)])
+                                                 ("q2_k", "q3_k", 512), ("nvfp4", "q4_k", 512)])
 def test_moe_experts_q_batched_step(ops, up_name, down_name, I):
     # a batched decode step of block experts in one call: every (token, k) row equals that token alone through
     # expert_mlp_q (each weight row decoded once from memory for the expert's tokens, the sums per token unchanged)

@@ -67,6 +67,16 @@ def test_generate_json(demo_dir, capsys):
     assert abs(sum(data["token_ms"]) / 5 - s["decode_ms_per_token"]) < 0.01
 
 
+def test_generate_takes_the_kv_budget_and_context(demo_dir, capsys):
+    rc, out, _ = cli(capsys, "generate", "--model", str(demo_dir), "--prompt", "The river runs", "--max-tokens", "3",
+                     "--kv-cache-memory", "32MiB", "--max-model-len", "128", "--json")
+    assert rc == 0
+    mem = json.loads(out)["memory"]
+    assert mem["kv_bytes"] == 32 * 2**20 and "as asked" in mem["reason"]
+    rc, _, err = cli(capsys, "generate", "--model", str(demo_dir), "--prompt", "x", "--kv-cache-memory", "1KiB")
+    assert rc != 0 and err.startswith("error: kv_cache_memory") and err.count("\n") == 1
+
+
 def test_generate_text_sampled_and_chat(demo_dir, capsys):
     args = ("generate", "--model", str(demo_dir), "--prompt", "hello", "--chat", "--max-tokens", "5", "--temperature",
             "0.8", "--top-p", "0.9", "--top-k", "50", "--seed", "4", "--ignore-eos")

@@ -13,6 +13,9 @@
 //   q4_z 200   32   19  fp16 d, uint8 z, q[16] nibbles as q4_0       d * (q - z)   (not a GGUF type: this engine's
 //                       block for 4-bit releases with a zero point per group, AWQ; the weights exact in fp32)
 //   mxfp4 39   32   17  E8M0 e, q[16] nibbles as q4_0               2^(e-128) * {0,1,2,3,4,6,8,12,0,-1,..,-12}[q]
+//   nvfp4 201  64   36  e4m3 s[4] (one per 16), q[32]: two halves of 16 bytes, nibbles as q4_0 within each 32
+//                       e4m3(s[e/16]) / 2 * {0,1,2,..,12,..}[q] (not a GGUF type: this engine's block for ModelOpt NVFP4
+//                       releases, their bytes regrouped per 64; the per-tensor fp32 scale is a row scale beside it)
 //   q4_k  12  256  144  fp16 d, dmin, 12 B 6-bit scales/mins, qs[128]   d*sc[j] * q - dmin*m[j], j = e / 32
 //   q5_k  13  256  176  as q4_k + qh[32] (fifth bit)                    same, q in 0..31
 //   q6_k  14  256  210  ql[128], qh[64], int8 sc[16], fp16 d            d*sc[e/16] * (q - 32)
@@ -37,6 +40,7 @@
 
 #include <c10/util/Half.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -45,7 +49,7 @@
 namespace moe_blocks {
 
 enum Type : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-                  IQ4_XS = 23, MXFP4 = 39, Q4_Z = 200 };
+                  IQ4_XS = 23, MXFP4 = 39, Q4_Z = 200, NVFP4 = 201 };
 
 struct Layout {
   int type = 0;
@@ -69,6 +73,7 @@ inline bool layout_of(int64_t bytes, Layout& L) {
     case 136: L = {IQ4_XS, 256, 136, 256}; return true;
     case 84: L = {Q2_K, 256, 84, 256}; return true;
     case 110: L = {Q3_K, 256, 110, 256}; return true;
+    case 36: L = {NVFP4, 64, 36}; return true;
     default: return false;
   }
 }
@@ -89,6 +94,19 @@ inline float e8m0_half(uint8_t e) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+// nvfp4's block scales: a float8 e4m3fn byte -> its value / 2 (KV_MXFP4 holds twice the e2m1 values), from a table
+struct E4m3Half {
+  float v[256];
+  E4m3Half() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 0xF, m = b & 7;
+      const float f = e ? std::ldexp(1.0f + m / 8.0f, e - 8) : std::ldexp(m / 8.0f, -7);
+      v[b] = (b & 0x80) ? -f : f;
+    }
+  }
+};
+inline const E4m3Half E4M3_HALF;
+inline float e4m3_half(uint8_t b) { return E4M3_HALF.v[b]; }
 alignas(16) inline const int8_t KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 alignas(16) inline const int8_t KV_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 // iq4_xs: sub-block j's scale s[j] - 32 (-32..31)
@@ -161,6 +179,14 @@ inline void decode(int type, const uint8_t* b, int8_t* v, float* sc16, float* mn
       }
       sc16[0] = sc16[1] = h2f(b);
       mn16[0] = mn16[1] = type == Q5_0 ? 0.0f : -h2f(b + 2);
+      return;
+    }
+    case NVFP4: {
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* q = b + 4 + 16 * h;
+        for (int l = 0; l < 16; ++l) { v[32 * h + l] = KV_MXFP4[q[l] & 0xF]; v[32 * h + l + 16] = KV_MXFP4[q[l] >> 4]; }
+      }
+      for (int j = 0; j < 4; ++j) { sc16[j] = e4m3_half(b[j]); mn16[j] = 0.0f; }
       return;
     }
     case IQ4_XS: {
@@ -305,6 +331,14 @@ __attribute__((always_inline)) inline __m256i small_block(const uint8_t* b, floa
     return _mm256_shuffle_epi8(lut, nibbles32(b + 1));
   }
 }
+// nvfp4 half h of a block (values 32h ..): the 32 signed values (2 x e2m1) and x's scale times the half's two block
+// scales, lanes 0-3 (values 0-15 in dot_s8's lanes) and 4-7 (16-31)
+__attribute__((always_inline)) inline __m256i nv_half(const uint8_t* b, int h, float xs, __m256& s) {
+  const float s0 = e4m3_half(b[2 * h]) * xs, s1 = e4m3_half(b[2 * h + 1]) * xs;
+  s = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(KV_MXFP4)));
+  return _mm256_shuffle_epi8(lut, nibbles32(b + 4 + 16 * h));
+}
 // q4_1 / q5_1: the 32 unsigned values (0..15, 0..31), the scale d and the min m
 template <int T>
 __attribute__((always_inline)) inline __m256i min_block(const uint8_t* b, float& d, float& m) {
@@ -423,6 +457,18 @@ __attribute__((always_inline)) inline void dot_rows_t(const uint8_t* w, int64_t 
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(q, x)), _mm256_set1_ps(d * xs[i]), acc[r]);
       }
     }
+  } else if constexpr (T == NVFP4) {  // two halves of 32 per block, each with x's scale per 32
+    for (int64_t i = 0; i < nb; ++i)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i x = load32(xq + 64 * i + 32 * h);
+        for (int r = 0; r < NR; ++r) {
+          const uint8_t* b = w + r * ld + i * 36;
+          if (h == 0) prefetch_block<36>(b + PF * ld);
+          __m256 s;
+          const __m256i q = nv_half(b, h, xs[2 * i + h], s);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(q, x)), s, acc[r]);
+        }
+      }
   } else if constexpr (T == Q4_1 || T == Q5_1) {  // q unsigned: maddubs' unsigned operand as it is
     constexpr int64_t bytes = T == Q4_1 ? 20 : 24;
     for (int64_t i = 0; i < nb; ++i) {
@@ -558,6 +604,18 @@ __attribute__((always_inline)) inline void dot_tokens_t(const uint8_t* w, int64_
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xs[t][i]), acc[t]);
       }
     }
+  } else if constexpr (T == NVFP4) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t i = 0; i < nb; ++i)
+      for (int h = 0; h < 2; ++h) {
+        __m256 s;
+        const __m256i q = nv_half(w + i * 36, h, 1.0f, s);
+        const __m256i aq = _mm256_sign_epi8(q, q);
+        for (int t = 0; t < NT; ++t) {
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(load32(xq[t] + 64 * i + 32 * h), q)), ones);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s, _mm256_set1_ps(xs[t][2 * i + h])), acc[t]);
+        }
+      }
   } else if constexpr (T == Q4_1 || T == Q5_1) {
     constexpr int64_t bytes = T == Q4_1 ? 20 : 24;
     for (int64_t i = 0; i < nb; ++i) {
@@ -698,6 +756,7 @@ inline void dot_rows(const Layout& L, const uint8_t* w, int64_t ld, int64_t nb, 
     case Q5_1: dot_rows_n<Q5_1>(w, ld, nb, xq, xs, bs16, n, out); return;
     case IQ4_XS: dot_rows_n<IQ4_XS>(w, ld, nb, xq, xs, bs16, n, out); return;
     case MXFP4: dot_rows_n<MXFP4>(w, ld, nb, xq, xs, bs16, n, out); return;
+    case NVFP4: dot_rows_n<NVFP4>(w, ld, nb, xq, xs, bs16, n, out); return;
     case Q4_K: dot_rows_n<Q4_K>(w, ld, nb, xq, xs, bs16, n, out); return;
     case Q5_K: dot_rows_n<Q5_K>(w, ld, nb, xq, xs, bs16, n, out); return;
     case Q6_K: dot_rows_n<Q6_K>(w, ld, nb, xq, xs, bs16, n, out); return;
@@ -737,6 +796,7 @@ inline void dot_tokens(const Layout& L, const uint8_t* w, int64_t nb, const int8
     case Q5_1: dot_tokens_n<Q5_1>(w, nb, xq, xs, bs16, n, out); return;
     case IQ4_XS: dot_tokens_n<IQ4_XS>(w, nb, xq, xs, bs16, n, out); return;
     case MXFP4: dot_tokens_n<MXFP4>(w, nb, xq, xs, bs16, n, out); return;
+    case NVFP4: dot_tokens_n<NVFP4>(w, nb, xq, xs, bs16, n, out); return;
     case Q4_K: dot_tokens_n<Q4_K>(w, nb, xq, xs, bs16, n, out); return;
     case Q5_K: dot_tokens_n<Q5_K>(w, nb, xq, xs, bs16, n, out); return;
     case Q6_K: dot_tokens_n<Q6_K>(w, nb, xq, xs, bs16, n, out); return;

@@ -148,15 +148,19 @@ Weight weight_of(const at::Tensor& w, const at::Tensor& s, int64_t split, const 
     W.ms = s.data_ptr<uint8_t>(); W.s_ld = s.stride(0);
   } else if (st == at::kBits8) {
     TORCH_CHECK(w.dim() == 3 && moe_blocks::layout_of(w.size(2), W.gl) && w.stride(2) == 1 && w.stride(1) == w.size(2), what,
-                ": expected ggml blocks [R, nb, S] with S the bytes of a q8_0, q4_0, q4_1, q5_0, q5_1, q4_z, mxfp4, q4_k, "
-                "q5_k, q6_k, iq4_xs, q2_k or q3_k block (34, 18, 20, 22, 24, 19, 17, 144, 176, 210, 136, 84, 110), rows of "
+                ": expected ggml blocks [R, nb, S] with S the bytes of a q8_0, q4_0, q4_1, q5_0, q5_1, q4_z, mxfp4, nvfp4, "
+                "q4_k, q5_k, q6_k, iq4_xs, q2_k or q3_k block (34, 18, 20, 22, 24, 19, 17, 36, 144, 176, 210, 136, 84, 110), rows of "
                 "contiguous blocks, got ",
                 w.sizes(), " strides ", w.strides());
     W.fmt = 'g'; W.k = w.size(1) * W.gl.block;
-    if (s.numel() > 0) {  // an act-order 4-bit release's input permutation (loading/int4.py)
+    if (s.numel() > 0 && s.scalar_type() == at::kFloat) {  // an NVFP4 release's scale per row (loading/nvfp4.py)
+      TORCH_CHECK(s.device().is_cpu() && s.dim() == 1 && s.numel() == W.rows && s.is_contiguous(), what,
+                  ": ggml blocks take an fp32 scale per row [", W.rows, "] (NVFP4), got ", s.sizes());
+      W.rs = s.data_ptr<float>();
+    } else if (s.numel() > 0) {  // an act-order 4-bit release's input permutation (loading/int4.py)
       TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == at::kInt && s.dim() == 1 && s.numel() == W.k && s.is_contiguous(),
-                  what, ": ggml blocks take no scale, or an int32 input permutation [", W.k, "] (act-order), got ",
-                  s.scalar_type(), " ", s.sizes());
+                  what, ": ggml blocks take no scale, an int32 input permutation [", W.k, "] (act-order) or an fp32 scale "
+                  "per row [", W.rows, "] (NVFP4), got ", s.scalar_type(), " ", s.sizes());
       W.perm = s.data_ptr<int32_t>();
     }
   } else {
@@ -229,8 +233,9 @@ void expert_set(at::TensorList ups, at::TensorList up_s, at::TensorList dns, at:
     expert_pair(ups[k], up_s[k], dns[k], dn_s[k], what, U[k], D[k]);
     TORCH_CHECK(ups[k].scalar_type() == ups[0].scalar_type() && D[k].rows == D[0].rows && D[k].k == D[0].k
                 && U[k].gl.type == U[0].gl.type && D[k].gl.type == D[0].gl.type && !U[k].perm == !U[0].perm
-                && !D[k].perm == !D[0].perm, what,
-                ": expected experts of one dtype, shape and block type (act-order permutations on all or none), got ", ups[k].scalar_type(), " ", ups[k].sizes(),
+                && !D[k].perm == !D[0].perm && !U[k].rs == !U[0].rs && !D[k].rs == !D[0].rs, what,
+                ": expected experts of one dtype, shape and block type (act-order permutations on all or none, row "
+                "scales on all or none), got ", ups[k].scalar_type(), " ", ups[k].sizes(),
                 " after ", ups[0].scalar_type(), " ", ups[0].sizes());
   }
 }
@@ -451,7 +456,7 @@ void moe_experts_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s,
 at::Tensor dequant_blocks(const at::Tensor& w) {
   moe_blocks::Layout L;
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBits8 && w.dim() >= 2 && moe_blocks::layout_of(w.size(-1), L),
-              "dequant_blocks: expected ggml blocks [.., nb, S] (bits8, S = 34, 18, 20, 22, 24, 19, 17, 144, 176, 210, 136, 84 or 110 "
+              "dequant_blocks: expected ggml blocks [.., nb, S] (bits8, S = 34, 18, 20, 22, 24, 19, 17, 36, 144, 176, 210, 136, 84 or 110 "
               "bytes) on the CPU, got ", w.scalar_type(), " ", w.sizes(), " on ", w.device());
   at::Tensor wc = w.contiguous();
   std::vector<int64_t> shape(w.sizes().begin(), w.sizes().end() - 1);

@@ -17,7 +17,8 @@
 //          2^(s-127) per block of 32), the gpt-oss *_blocks / *_scales. A 16-entry table (vpermps) times the block's
 //          power of two gives the exact weight; x is split into even/odd elements once per call.
 //   ggml   bits8 [R, nb, S]: llama.cpp's block types (q8_0, q4_0, q4_1, q5_0, q5_1, mxfp4, q4_k, q5_k, q6_k, iq4_xs;
-//          blocks.h), the type from the block's S bytes; no separate scale. x is quantized as for int8 (llama.cpp's
+//          blocks.h) and the engine's q4_z and nvfp4, the type from the block's S bytes; no separate scale but an
+//          nvfp4 release's fp32 scale per row (its per-tensor scale, gate and up rows each their own). x is quantized as for int8 (llama.cpp's
 //          vec_dot pairs these types with 8-bit activations too; per 256 values for the k-quants and iq4_xs), plus the
 //          sum of each 16 values (the mins of q4_1 / q5_1 and the k-quants, and q6_k's offset, read them).
 // Legend: N tokens, K input features, R output rows, RB row blocks.
@@ -310,6 +311,7 @@ struct Weight {
   int64_t split;        // fp8 gate|up split (R when none)
   moe_blocks::Layout gl;  // ggml: the block type (nb = k / gl.block blocks per row)
   const int32_t* perm = nullptr;  // ggml, act-order 4-bit releases: input j of every row is x[perm[j]] (else x[j])
+  const float* rs = nullptr;      // ggml, NVFP4 releases: row r's result times rs[r] (the per-tensor fp32 scale)
 };
 
 // rows r .. r+n-1 (n <= ROWS) . prepared token i -> out[0..n): ggml blocks and (AVX2) int8 n rows per call (x loaded
@@ -320,6 +322,8 @@ __attribute__((always_inline)) inline void rows_dot(const Weight& W, int64_t r, 
   if (W.fmt == 'g') {
     moe_blocks::dot_rows(W.gl, row, W.ld, W.k / W.gl.block, t.q.data() + i * t.kp, t.qs.data() + i * (t.kp / t.qb),
                          t.bs16.data() + i * (t.kp / 16), n, out);
+    if (W.rs)
+      for (int m = 0; m < n; ++m) out[m] *= W.rs[r + m];
     return;
   }
 #if defined(MOE_AVX2) && !defined(MOE_AVX512BF16)
@@ -356,7 +360,7 @@ inline void rows_tokens(const Weight& W, int64_t begin, int64_t end, const Token
           xq[m] = t.q.data() + i * t.kp; xs[m] = t.qs.data() + i * (t.kp / t.qb); bs[m] = t.bs16.data() + i * (t.kp / 16);
         }
         moe_blocks::dot_tokens(W.gl, W.w + r * W.ld, W.k / W.gl.block, xq, xs, bs, n, v);
-        for (int m = 0; m < n; ++m) emit(p + m, r, v[m]);
+        for (int m = 0; m < n; ++m) emit(p + m, r, W.rs ? v[m] * W.rs[r] : v[m]);
       }
     return;
   }
