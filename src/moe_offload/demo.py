@@ -1,10 +1,12 @@
-"""The demo model: a small Qwen3-MoE checkpoint with RANDOM weights and a locally trained tokenizer.
+"""The demo models: the trained one shipped with the package, and a random-weight one built for tests.
 
+    data/trained-demo/             a Qwen3-MoE trained on CPython's standard library (bench/train_demo.py): what
+                                   `generate`, `serve` and `make demo` run when given no --model
     data/demo_corpus.txt --tokenizers BPE--> tokenizer.json (+ chat template)
-    Qwen3MoeConfig + seed --torch init--> model.safetensors, config.json, README.md
+    Qwen3MoeConfig + seed --torch init--> model.safetensors, config.json, README.md   (`moe-offload demo-model`)
 
-It exists so that `moe-offload generate` works with nothing downloaded: it
-speaks nonsense, deterministically. Same seed -> byte-identical files.
+The random one exists so that tests build a real checkpoint in seconds with nothing downloaded: it speaks nonsense,
+deterministically. Same seed -> byte-identical files.
 """
 
 from __future__ import annotations
@@ -79,6 +81,17 @@ The weights were drawn at random; nothing was trained. The tokenizer is a byte-l
 BPE trained locally on the text shipped in `moe_offload/data/demo_corpus.txt`.
 Use it to try the CLI and the engine, and in tests; never to judge output quality.
 """
+
+
+def trained_dir() -> Path | None:
+    """The trained demo model shipped with the package (bench/train_demo.py wrote it), None where it is absent."""
+    d = Path(str(resources.files("moe_offload").joinpath("data/trained-demo")))
+    return d if (d / "model.safetensors").is_file() and (d / "config.json").is_file() else None
+
+
+def default_model() -> Path:
+    """The model commands run when given none: the trained demo model, else the random one (built on first use)."""
+    return trained_dir() or ensure_demo_model()
 
 
 def default_dir() -> Path:

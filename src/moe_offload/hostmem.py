@@ -100,7 +100,7 @@ def runtime_reserve() -> int:
     return rss + HEADROOM if rss else RESERVE
 
 
-DEFAULT_KV_HOST = 4 << 30  # the KV budget of a CPU engine when memory allows (runtime/kv_budget.DEFAULT_KV_CPU)
+DEFAULT_KV_HOST = 4 << 30  # the KV budget of a CPU engine when memory allows
 MIN_KV_DISK = 64 << 20  # the smallest KV budget the disk tier sizes itself with (when none is asked for)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from moe_offload.engines.offload.experts.policies import check_policy
 from moe_offload.engines.offload.runtime.engine import CACHES, OffloadEngine
-from moe_offload.engines.offload.runtime.kv_budget import DEFAULT_KV_CPU, KVCacheConfig
+from moe_offload.engines.offload.runtime.kv_budget import DEFAULT_KV_HOST, KVCacheConfig
 from moe_offload.engines.offload.runtime.scheduler import SchedulerConfig
 from moe_offload.errors import ConfigError
 
@@ -80,7 +80,7 @@ def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheC
     on_cpu = torch.device(device).type == "cpu"
     floor, tokens = kv_floor(path, dtype, kv_config.max_model_len) if on_cpu else (0, 0)
     plan = plan_host(sum(i.expert_bytes * i.num_experts for i in experts), dense, host_memory=host_memory,
-                     kv_asked=kv_config.kv_cache_memory, dense_on_host=on_cpu, kv_default=DEFAULT_KV_CPU if on_cpu else 0,
+                     kv_asked=kv_config.kv_cache_memory, dense_on_host=on_cpu, kv_default=DEFAULT_KV_HOST if on_cpu else 0,
                      kv_floor=floor, reserve=runtime_reserve())
     if plan.host_cache is None and on_cpu:
         from moe_offload.engines.offload.loading.convert import existing_store
@@ -157,9 +157,9 @@ def build_offload_engine(
     from moe_offload.engines.offload.loading.loader import load_model
 
     if model_path is None:
-        from moe_offload.demo import ensure_demo_model
+        from moe_offload.demo import default_model
 
-        model_path = ensure_demo_model()
+        model_path = default_model()
     path = check_checkpoint(str(Path(model_path).expanduser()))
     plan = _host_plan(path, dtype, expert_dtype, host_memory, kv_config, device)
     if plan.kv_bytes is not None:

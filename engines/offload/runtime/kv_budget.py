@@ -16,7 +16,7 @@ import torch
 
 from moe_offload.engines.offload.runtime import kv
 from moe_offload.errors import ConfigError
-from moe_offload.hostmem import DEFAULT_KV_HOST as DEFAULT_KV_CPU  # the KV budget on a cpu device when memory allows
+from moe_offload.hostmem import DEFAULT_KV_HOST  # the KV budget on a cpu device when memory allows
 from moe_offload.log import get_logger
 
 log = get_logger("engine.offload")
@@ -74,13 +74,13 @@ def probe_kv_bytes(model, executor, device: torch.device) -> tuple[int, int] | N
 
 
 def budget_bytes(asked: int | None, device: torch.device) -> int:
-    """The pool's bytes: what was asked, else 80 % of the free CUDA memory, else ``DEFAULT_KV_CPU``."""
+    """The pool's bytes: what was asked, else 80 % of the free CUDA memory, else ``DEFAULT_KV_HOST``."""
     if asked is not None:
         return asked
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.8)
-    return DEFAULT_KV_CPU
+    return DEFAULT_KV_HOST
 
 
 def make_pool(config: KVCacheConfig, *, budget: int, bytes_per_token: int | None, max_num_seqs: int, model_len: int,

@@ -51,9 +51,9 @@ def build(cfg, log):
         log_tiers(tiers, log)
         model = cfg.model
         if not model and backend.name in ("cpu", "cuda"):
-            from moe_offload.demo import ensure_demo_model
+            from moe_offload.demo import default_model
 
-            model = str(ensure_demo_model())
+            model = str(default_model())
         placement = None if cfg.placement in (None, "", "auto") else cfg.placement
         engine = backend.build_engine(model or "mock", placement, **engine_options(cfg))
     except OffloadError as e:

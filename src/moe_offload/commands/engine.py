@@ -26,14 +26,15 @@ def _quiet() -> None:
 
 
 def _model_dir(model: str | None) -> Path:
-    """The checkpoint directory; the demo model (built on first use) when none is given."""
+    """The checkpoint directory; the demo model when none is given (the trained one shipped with the package, else
+    the random one, built on first use)."""
     if model:
         return Path(model).expanduser()
     from moe_offload import demo
 
-    if not (demo.default_dir() / "config.json").is_file():
+    if demo.trained_dir() is None and not (demo.default_dir() / "config.json").is_file():
         click.echo(f"building the demo model (random weights) in {demo.default_dir()} ...", err=True)
-    return demo.ensure_demo_model()
+    return demo.default_model()
 
 
 def _require_tokenizer(path: Path) -> None:

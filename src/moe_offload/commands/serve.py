@@ -140,10 +140,12 @@ def serve_cmd(backend, model, **kw) -> None:
     """Serve the demo model (or --model) with sensible defaults; prints the URL and a curl line."""
     backend = backend or _default_backend()
     if backend != "mock" and not model:
-        from moe_offload.demo import ensure_demo_model
+        from moe_offload import demo
 
-        click.echo("preparing the demo model (random weights: its output is nonsense) ...", err=True)
-        model = str(ensure_demo_model())
+        click.echo("the demo model: trained on Python's standard library (small: plausible code, not correct code)"
+                   if demo.trained_dir() else "preparing the demo model (random weights: its output is nonsense) ...",
+                   err=True)
+        model = str(demo.default_model())
         kw["served_model_name"] = kw.get("served_model_name") or "moe-offload-demo"
     _run_worker(backend, model, banner=True, **kw)
 

@@ -85,11 +85,20 @@ def test_generate_text_sampled_and_chat(demo_dir, capsys):
     assert cli(capsys, *args)[1] == out  # same seed, same text
 
 
-def test_generate_defaults_to_the_demo_model(demo_dir, tmp_path, monkeypatch, capsys):
+def test_generate_defaults_to_the_trained_demo_model(capsys):
+    from moe_offload import demo
+
+    rc, out, err = cli(capsys, "generate", "--prompt", "def ", "--max-tokens", "3", "--ignore-eos", "--json")
+    assert rc == 0 and "building" not in err
+    assert json.loads(out)["model"] == str(demo.trained_dir())
+
+
+def test_generate_defaults_to_the_random_demo_model_without_the_trained_one(demo_dir, tmp_path, monkeypatch, capsys):
     from moe_offload import demo
 
     target = tmp_path / "cache" / "demo-model"
     monkeypatch.setattr(demo, "DEFAULT_DIR", target)
+    monkeypatch.setattr(demo, "trained_dir", lambda: None)
     rc, out, err = cli(capsys, "generate", "--prompt", "one two", "--max-tokens", "3", "--ignore-eos", "--json")
     assert rc == 0 and "building the demo model" in err
     assert json.loads(out)["model"] == str(target)
