@@ -8,8 +8,9 @@ test suites and site-packages excluded), sorted by path; every 20th file is held
 training text. Tokenizer: the project's own byte-level BPE trainer (``moe_offload.demo.train_tokenizer``) on the
 training split. Model: Qwen3-MoE (SHAPE: 4 layers, 16 routed experts, top-4, hidden 192, tied embeddings), trained
 from seed ``--seed`` with AdamW on random 256-token windows of the training split (one generator, fixed order:
-the same seed, interpreter and torch give the same weights), fp32 on the CPU, router load-balancing loss at
-transformers' default coefficient.
+the same seed, interpreter, torch and --threads give the same weights), fp32 on the CPU, router load-balancing
+loss at transformers' default coefficient (included in the recorded training loss; the held-out loss is the
+next-token loss alone).
 
 Writes the checkpoint (bf16 safetensors, the tokenizer, README.md) and ``training.json``: the loss curve, the
 held-out perplexity at each evaluation, the corpus (files, bytes, sha256 of the file list) and, per MoE layer, the
@@ -45,6 +46,12 @@ def corpus() -> tuple[list[Path], list[Path]]:
     held = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
     train = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
     return train, held
+
+
+def listing_sha256(train: list[Path], held: list[Path]) -> str:
+    """sha256 of the corpus's file list (relative paths, training then held-out): which stdlib the model saw."""
+    root = sysconfig.get_paths()["stdlib"]
+    return hashlib.sha256("\n".join(str(f.relative_to(root)) for f in train + held).encode()).hexdigest()
 
 
 def read(files: list[Path]) -> list[str]:
@@ -109,7 +116,6 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     train_files, held_files = corpus()
     train_text, held_text = read(train_files), read(held_files)
-    listing = "\n".join(str(f.relative_to(sysconfig.get_paths()["stdlib"])) for f in train_files + held_files)
     tok = train_tokenizer(train_text, VOCAB, max_length=SHAPE["max_position_embeddings"])
     train, held = encode(tok, train_text), encode(tok, held_text)
     print(f"corpus: {len(train_files)} + {len(held_files)} files, {len(train)} + {len(held)} tokens, "
@@ -160,7 +166,7 @@ def main(argv=None) -> int:
         "parameters": sum(p.numel() for p in model.parameters()),
         "corpus": {"train_files": len(train_files), "held_out_files": len(held_files), "train_tokens": len(train),
                    "held_out_tokens": len(held), "train_bytes": sum(len(t.encode()) for t in train_text),
-                   "file_list_sha256": hashlib.sha256(listing.encode()).hexdigest()},
+                   "file_list_sha256": listing_sha256(train_files, held_files)},
         "evals": evals, "loss_curve": curve, "expert_load_held_out": [[round(v, 4) for v in row] for row in load],
         "train_seconds": round(time.perf_counter() - t1, 1),
     }

@@ -112,10 +112,10 @@ def load_model(
     register()
     stored: dict = {}
     load_dtype = compute_dtype or torch.float32
-    blocks = read_as == "stored" and (gguf_file is not None or method in checkpoint.int4.METHODS)
+    blocks = read_as == "stored" and (gguf_file is not None or method in (*checkpoint.int4.METHODS, "nvfp4"))
     if dev.type != "cpu" and (blocks or convert_to in quant.ggml.BY_NAME):
-        raise ConfigError(f"{dev}: ggml block experts (GGUF files, 4-bit releases, --expert-dtype int4) compute on the "
-                          "cpu only; give --expert-dtype bf16 to dequantize them at load")
+        raise ConfigError(f"{dev}: ggml block experts (GGUF files, 4-bit and NVFP4 releases, --expert-dtype int4) "
+                          "compute on the cpu only; give --expert-dtype bf16 to dequantize them at load")
     if gguf_file is not None:
         from moe_offload.engines.offload.loading import gguf_load
 

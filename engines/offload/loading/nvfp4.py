@@ -42,7 +42,9 @@ def is_nvfp4_weight(files, key: str) -> bool:
 
 
 def is_beside(key: str) -> bool:
-    return key.endswith(".weight" + SCALE) or key.endswith(".weight" + SCALE_2) or key.endswith(INPUT_SCALE)
+    """A scale the release stores beside a weight, or an attention's KV-cache scale (FP8 KV on GPUs; not used)."""
+    return (key.endswith(".weight" + SCALE) or key.endswith(".weight" + SCALE_2) or key.endswith(INPUT_SCALE)
+            or key.endswith(".k_scale") or key.endswith(".v_scale"))
 
 
 def read(files, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import keyword
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -54,7 +55,10 @@ def test_it_is_a_small_moe_whose_training_is_recorded(trained):
 def test_held_out_perplexity_is_below_the_bound(trained, train_demo):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _, held = train_demo.corpus()
+    train, held = train_demo.corpus()
+    recorded = json.loads((trained / "training.json").read_text())["corpus"]["file_list_sha256"]
+    if train_demo.listing_sha256(train, held) != recorded:  # another stdlib: its 20th files are not the held-out ones
+        pytest.skip("this interpreter's standard library is not the one the model was trained on")
     tok = AutoTokenizer.from_pretrained(trained)
     model = AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
     data = train_demo.encode(tok, train_demo.read(held))
@@ -73,13 +77,14 @@ def test_the_engine_decodes_it_as_transformers_does(trained):
     for policy, fraction in (("static", 0.5), ("lru", 0.25)):
         om = load_model(str(trained), placement(layers, num_experts, fraction, policy), policy=policy, dtype="float32")
         assert greedy(om.model, prompt, 24)[0] == want, policy
-    text = tok.decode(prompt + want)
-    assert any(w in text.replace("(", " ").replace(":", " ").split() for w in keyword.kwlist + ["self"]), text
+    text = tok.decode(want)  # what the model wrote, without the prompt's "def"
+    words = set(re.findall(r"[A-Za-z_]\w*", text))
+    assert words & set(keyword.kwlist + ["self"]), text  # a Python keyword (or self) among the names it wrote
 
 
 def test_the_planners_hit_rate_prediction_holds_on_held_out_text(trained, train_demo):
-    """A profile of training-split windows places 44 % of each layer's experts; the engine's measured hit rate on
-    held-out windows is within 20 % of what the planner predicted, and well above a random placement's."""
+    """A profile of training-split windows places 44 % of each layer's experts; the planner's predicted hit rate is
+    within 20 % of the engine's measured rate on held-out windows, which is well above a random placement's."""
     from transformers import AutoTokenizer
 
     from moe_offload.backends import get_backend
