@@ -74,6 +74,10 @@ def test_budget_and_plan_accept_it(name, config_dir, tmp_path, capsys):
 def test_layer_kinds_of_the_hybrids():
     nano = ModelSpec.from_hf_config(PUBLISHED["nemotron-3-nano-30b-a3b"])
     assert nano.num_layers == 52  # from the pattern: the config has no num_hidden_layers
+    # relu2 experts are up [I, H] and down [H, I]: quantized, each row carries its own scale
+    H, I = nano.hidden_size, nano.expert_intermediate_size
+    assert nano.stored_expert_bytes("int8") == (I * H + 4 * I) + (H * I + 4 * H)
+    assert nano.stored_expert_bytes("bfloat16") == 2 * I * H * 2
     assert (nano.layer_types.count("linear_attention"), nano.layer_types.count("moe"),
             nano.layer_types.count("full_attention")) == (23, 23, 6)
     # only the 6 attention layers grow a KV cache; Mamba-2 layers keep a constant state

@@ -32,10 +32,11 @@ class WeightBytes:
         H, I = self.hidden_size, self.expert_intermediate_size
         if fmt not in QUANTIZED_FORMATS:
             return self.expert_params * DTYPE_BYTES[fmt]
-        split = I if fmt == "fp8" and self.model_type != "gpt_oss" else 0
-        bias = (2 * I + H) * self.dtype_bytes if self.expert_bias else 0
+        up = 2 * I if self.mlp_gated else I  # gate|up rows, or up alone (Nemotron-H's relu2 experts)
+        split = I if fmt == "fp8" and self.model_type != "gpt_oss" and self.mlp_gated else 0
+        bias = (up + H) * self.dtype_bytes if self.expert_bias else 0
         order = 4 * (H + I) if self.act_order and fmt == self.checkpoint_expert_format else 0  # int32 input orders
-        return stored_weight_bytes(fmt, 2 * I, H, split) + stored_weight_bytes(fmt, H, I) + bias + order
+        return stored_weight_bytes(fmt, up, H, split) + stored_weight_bytes(fmt, H, I) + bias + order
 
     @property
     def layer_expert_bytes(self) -> int:
