@@ -112,7 +112,9 @@ def load_model(
     register()
     stored: dict = {}
     load_dtype = compute_dtype or torch.float32
-    blocks = read_as == "stored" and (gguf_file is not None or method in (*checkpoint.int4.METHODS, "nvfp4"))
+    # a release held as ggml blocks (4-bit -> q4_0 / q4_z, NVFP4 -> nvfp4), or a GGUF file's blocks
+    blocks = read_as == "stored" and (gguf_file is not None
+                                      or checkpoint.STORED_FORMAT.get(method) in quant.ggml.BY_NAME)
     if dev.type != "cpu" and (blocks or convert_to in quant.ggml.BY_NAME):
         raise ConfigError(f"{dev}: ggml block experts (GGUF files, 4-bit and NVFP4 releases, --expert-dtype int4) "
                           "compute on the cpu only; give --expert-dtype bf16 to dequantize them at load")

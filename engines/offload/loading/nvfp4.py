@@ -61,15 +61,10 @@ def read(files, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q, s, g.reshape(()).float()
 
 
-def codes(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [.., K/2] packed pairs -> uint8 [.., K] codes 0..15 (bit 3 the sign)."""
-    return torch.stack([q & 0x0F, q >> 4], dim=-1).flatten(-2)
-
-
 def dequantize(q: torch.Tensor, s: torch.Tensor, g: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """The weights [.., R, K] a release's codes, block scales and tensor scale mean (the formula above, fp32)."""
     lut = torch.tensor(quant.FP4_VALUES, dtype=torch.float32)
-    vals = lut[codes(q).long()]  # [.., R, K]
+    vals = lut[quant.e2m1_codes(q)]  # [.., R, K]
     scale = s.float().repeat_interleave(NVFP4_GROUP, dim=-1)
     return (vals * scale * g.float()).to(dtype)
 
@@ -79,8 +74,8 @@ def to_blocks(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     R, K = q.shape[0], 2 * q.shape[1]
     if K % BLOCK:
         raise ModelError(f"NVFP4 weight of {K} inputs: expected a multiple of {BLOCK} (the engine's nvfp4 blocks)")
-    c = codes(q).reshape(R, K // BLOCK, 2, 2, 16)  # [R, nb, half, low|high, l]
-    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(R, K // BLOCK, 32)
+    c = quant.e2m1_codes(q).reshape(R, K // BLOCK, 2, 2, 16)  # [R, nb, half, low|high, l]
+    packed = (c[..., 0, :] | (c[..., 1, :] << 4)).to(torch.uint8).reshape(R, K // BLOCK, 32)
     scales = s.view(torch.uint8).reshape(R, K // BLOCK, 4)
     return torch.cat([scales, packed], dim=-1).contiguous().view(ggml.DTYPE)
 
@@ -111,7 +106,4 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     s = (blocks.abs().amax(-1) / E2M1_MAX / g).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
     div = (s.float() * g).unsqueeze(-1)
     scaled = torch.where(div > 0, blocks / torch.where(div > 0, div, torch.ones_like(div)), torch.zeros_like(blocks))
-    mags = torch.tensor(quant.FP4_VALUES[:8], dtype=torch.float32)
-    code = (scaled.abs().unsqueeze(-1) - mags).abs().argmin(-1) | ((scaled < 0).long() << 3)
-    code = code.reshape(R, K)
-    return (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8), s, g.reshape(())
+    return quant.e2m1_pack(scaled), s, g.reshape(())

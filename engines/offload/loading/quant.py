@@ -95,13 +95,28 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, split: int = 0, dtype=t
     return (q.float() * s).to(dtype)
 
 
+# ---- e2m1 (mxfp4, nvfp4): two 4-bit codes per byte, the even element in the low nibble, bit 3 the sign --------------
+def e2m1_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [.., K/2] packed pairs -> int64 [.., K] codes 0..15 (index FP4_VALUES)."""
+    b = packed.to(torch.int64)
+    return torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)
+
+
+def e2m1_pack(scaled: torch.Tensor) -> torch.Tensor:
+    """[.., G, B] values already divided by their block's scale -> uint8 [.., G * B / 2]: each the nearest e2m1 value
+    (ties to the smaller magnitude), packed in pairs."""
+    mags = torch.tensor(FP4_VALUES[:8], dtype=torch.float32, device=scaled.device)
+    code = (scaled.abs().unsqueeze(-1) - mags).abs().argmin(dim=-1)  # nearest magnitude (first on ties)
+    code = (code | ((scaled < 0).to(torch.int64) << 3)).flatten(-2)
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+
+
 # ---- mxfp4 (gpt-oss) -------------------------------------------------------------------------------------------------
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """blocks uint8 [.., R, K/2] + scales uint8 [.., R, K/32] -> [.., R, K]: FP4_VALUES[nibble] * 2^(scale - 127),
     low nibble = even element (transformers' convert_moe_packed_tensors, without its final transpose)."""
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    b = blocks.to(torch.int64)
-    vals = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)  # [.., R, K]
+    vals = lut[e2m1_codes(blocks)]  # [.., R, K]
     exp = scales.to(torch.int32) - 127
     vals = torch.ldexp(vals.unflatten(-1, (-1, MX_BLOCK)), exp.unsqueeze(-1).float()).flatten(-2)
     return vals.to(dtype)
@@ -118,12 +133,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = wf.abs().amax(dim=-1)  # [.., R, K/32]
     exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.full_like(amax, -127.0)).clamp_(-127, 127)
     scaled = wf / torch.exp2(exp).unsqueeze(-1)
-    mags = torch.tensor(FP4_VALUES[:8], dtype=torch.float32, device=w.device)
-    code = (scaled.abs().unsqueeze(-1) - mags).abs().argmin(dim=-1)  # nearest magnitude (first on ties)
-    code = code | ((scaled < 0).to(torch.int64) << 3)
-    code = code.reshape(*lead, R, K)
-    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
-    return blocks, (exp + 127).to(torch.uint8)
+    return e2m1_pack(scaled), (exp + 127).to(torch.uint8)
 
 
 # ---- one stored projection -> float --------------------------------------------------------------------------------
