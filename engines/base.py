@@ -64,14 +64,33 @@ class GenerationStats:
     # the disk tier (experts on disk, host memory caching them): DISK_COUNTERS, this request's share; empty without one
     disk: dict[str, float] = field(default_factory=dict)
     token_ms_dropped: int = field(default=0, repr=False)  # cumulative stats: step times no longer in token_ms
+    # speculative decoding (vLLM's spec_decode counters): verify steps, tokens drafted, drafts accepted, and accepted
+    # per draft position (accepted_per_pos[i]: steps whose draft token i + 1 was kept)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
-    def record_step(self, step: int, request_start: float, step_start: float, now: float) -> None:
-        """Book one step's wall time (perf_counter seconds): step 0 ends the prefill, later steps are decode steps."""
+    def record_step(self, step: int, request_start: float, step_start: float, now: float, tokens: int = 1) -> None:
+        """Book one step's wall time (perf_counter seconds): step 0 ends the prefill, later steps are decode steps.
+        A decode step that made ``tokens`` tokens (speculative decoding) books its time evenly over them, so token_ms
+        holds one entry per token and decode_ms_per_token is per token."""
         if step == 0:
             self.prefill_ms = (now - request_start) * 1000
         else:
-            self.token_ms.append((now - step_start) * 1000)
-            self.decode_ms += (now - step_start) * 1000
+            ms = (now - step_start) * 1000
+            self.token_ms += [ms / tokens] * tokens
+            self.decode_ms += ms
+
+    def record_verify(self, drafted: int, accepted: int) -> None:
+        """One speculative verify step: ``drafted`` tokens proposed, the first ``accepted`` of them kept."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
+        per = self.spec_accepted_per_pos
+        per += [0] * (drafted - len(per))
+        for i in range(accepted):
+            per[i] += 1
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -102,6 +121,13 @@ class GenerationStats:
             self.stage_ms[k] = self.stage_ms.get(k, 0.0) + v
         for k, v in s.disk.items():
             self.disk[k] = self.disk.get(k, 0.0) + v
+        self.spec_drafts += s.spec_drafts
+        self.spec_draft_tokens += s.spec_draft_tokens
+        self.spec_accepted_tokens += s.spec_accepted_tokens
+        per = self.spec_accepted_per_pos
+        per += [0] * (len(s.spec_accepted_per_pos) - len(per))
+        for i, v in enumerate(s.spec_accepted_per_pos):
+            per[i] += v
         self.finish_reason = s.finish_reason
 
     def disk_summary(self) -> dict[str, float]:
@@ -135,7 +161,18 @@ class GenerationStats:
         }
         if self.disk:
             out["disk"] = self.disk_summary()
+        if self.spec_drafts:
+            out["speculative"] = self.spec_summary()
         return out
+
+    def spec_summary(self) -> dict[str, Any]:
+        """Speculative decoding's numbers: verify steps, drafted and accepted tokens, the acceptance rate, and the mean
+        acceptance length (tokens made per verify step: accepted drafts + the one the target adds)."""
+        d = self.spec_drafts
+        return {"drafts": d, "draft_tokens": self.spec_draft_tokens, "accepted_tokens": self.spec_accepted_tokens,
+                "accepted_per_pos": list(self.spec_accepted_per_pos),
+                "acceptance_rate": round(self.spec_accepted_tokens / self.spec_draft_tokens, 4) if self.spec_draft_tokens else 0.0,
+                "mean_acceptance_length": round(1 + self.spec_accepted_tokens / d, 4) if d else 0.0}
 
 
 class Generation(Iterator[int]):
@@ -227,6 +264,7 @@ class EngineInfo:
     policy: str = ""
     predicted_hit_rate: Mapping[str, float] = field(default_factory=dict)
     features: frozenset[str] = frozenset()  # the ENGINE_FEATURES this engine honours; requests using others are refused
+    approximate: str = ""  # an opt-in approximate mode ("tail_skip=3"): its output is not the model's; "" = exact
 
 
 class Engine(ABC):

@@ -8,6 +8,7 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -80,6 +81,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    speculative: bool = True  # False: never draft tokens for this request (an engine without speculation ignores it)
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -116,6 +118,8 @@ class SamplingParams:
             object.__setattr__(self, "structured", StructuredOutput(**self.structured))
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ConfigError(f"structured: expected a StructuredOutput or null, got {self.structured!r}")
+        if not isinstance(self.speculative, bool):
+            raise ConfigError(f"speculative: expected true or false, got {self.speculative!r}")
 
     @property
     def greedy(self) -> bool:
@@ -148,9 +152,73 @@ class SamplingParams:
             elif name == "structured":
                 value = {"kind": value.kind, "spec": value.spec}
             raw[name] = value
-        return raw
+        return raw  # ``speculative`` stays here: it steers this package's engine; a process engine never drafts
 
 
 BASE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
 ENGINE_FEATURES = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                    "logprobs", "prompt_logprobs", "structured")
+
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+DISABLE_BY_BATCH_SIZE = 2  # measured on the trained demo: from 2 streams on drafts cost more than they save
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config: ``method`` ngram | draft_model, ``num_speculative_tokens`` k drafted per step,
+    ``prompt_lookup_min/max`` the n-gram lengths tried (ngram), ``model`` the draft checkpoint (draft_model),
+    ``disable_by_batch_size``: no drafts while this many sequences or more decode together (a batched step already
+    reads each expert once for many tokens; docs/benchmarks/speculative.md measures where drafts stop paying)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # chosen from docs/benchmarks/speculative.md: most of k=6's gain, less waste
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    disable_by_batch_size: int | None = DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ConfigError(f"speculative method: expected one of {', '.join(METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens: expected an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (lo, hi)) or not 1 <= lo <= hi:
+            raise ConfigError(f"prompt_lookup_min/max: expected integers 1 <= min <= max, got {lo!r}, {hi!r}")
+        b = self.disable_by_batch_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ConfigError(f"disable_by_batch_size: expected an integer >= 1 or null, got {b!r}")
+        if (self.method == "draft_model") != bool(self.model):
+            raise ConfigError("speculative: method draft_model takes a 'model' (the draft checkpoint), ngram none")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """A config from JSON text (the CLI's --speculative-config), a mapping, or None / "" (off)."""
+        if value is None or value == "" or isinstance(value, cls):
+            return value or None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config: expected a JSON object, got {value!r} ({e.msg})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative config: expected a JSON object, got {value!r}")
+        if "model" in value and "method" not in value:
+            value = {**value, "method": "draft_model"}
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"speculative config: unknown key(s) {', '.join(sorted(unknown))}; valid: "
+                              f"{', '.join(cls.__dataclass_fields__)}")
+        return cls(**value)
+
+    def to_dict(self) -> dict:
+        d = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+             "disable_by_batch_size": self.disable_by_batch_size}
+        if self.method == "ngram":
+            d |= {"prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+        else:
+            d["model"] = self.model
+        return d

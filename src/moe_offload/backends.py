@@ -60,13 +60,15 @@ class Backend:
             raise BackendUnavailable(f"backend {self.name!r} is {a}")
 
 
-BATCHING_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len", "block_size", "host_memory")
+BATCHING_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len", "block_size", "host_memory",
+                    "speculative", "tail_skip")
 
 
 def engine_options(backend: str, *, policy=None, fraction=None, mock_ms=None, mock_hit=None, engine=None, data=None,
                    env=None, expert_dtype=None, dense_dtype=None, **batching) -> dict:
     """The build_engine options each built-in backend takes, from the CLI's or the runner's settings (None: unset).
-    ``batching``: the offload engine's scheduler and KV budget (BATCHING_OPTIONS, vLLM's names)."""
+    ``batching``: the offload engine's scheduler, KV budget and speculative decoding (BATCHING_OPTIONS, vLLM's
+    names)."""
     unknown = set(batching) - set(BATCHING_OPTIONS)
     if unknown:
         raise TypeError(f"engine_options: unknown option(s) {sorted(unknown)}")

@@ -129,3 +129,52 @@ def test_disk_tier_worker_exports_reads_and_stalls(serve, demo_model_dir, tmp_pa
     assert metrics['moe_offload_expert_bytes_moved_total{model_name="demo",tier="disk"}'] > 0
     assert metrics['moe_offload_disk_demand_reads_total{model_name="demo"}'] > 0
     assert metrics['moe_offload_disk_stall_seconds_total{model_name="demo"}'] > 0
+
+
+def test_speculative_decoding_in_the_worker_keeps_the_text_and_reports_vllm_metrics(serve):
+    """The trained demo with prompt lookup: a code prompt's greedy completion is the same with a request's speculation
+    off; vLLM's spec_decode counters count the verify steps; a bad switch is a 400."""
+    from moe_offload import demo
+    from moe_offload.backends import get_backend
+
+    path = demo.trained_dir()
+    if path is None:
+        pytest.skip("the trained demo model is not in this install")
+    backend = get_backend("cpu")
+    engine = backend.build_engine(str(path), speculative={"method": "ngram", "num_speculative_tokens": 3})
+    h = serve(create_app(engine, model_name="demo", tiers=backend.tiers()))
+    body = {"prompt": "def fibonacci(n):\n    ", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=h.url, timeout=120) as c:
+        plain = c.post("/v1/completions", json=body | {"speculative": False}).json()
+        m0 = c.get("/metrics").text
+        spec = c.post("/v1/completions", json=body).json()
+        m1 = c.get("/metrics").text
+        bad = c.post("/v1/completions", json=body | {"speculative": "sometimes"})
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert _gauge(m0, "vllm:spec_decode_num_drafts_total") == 0  # the request that turned it off drafted nothing
+    drafts, accepted = _gauge(m1, "vllm:spec_decode_num_drafts_total"), _gauge(m1, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafts > 0 and 0 < accepted <= _gauge(m1, "vllm:spec_decode_num_draft_tokens_total")
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="demo",position="0"}' in m1
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"
+
+
+def test_an_approximate_mode_is_labelled_in_every_answer_and_in_metrics(serve, demo_model_dir):
+    from moe_offload.backends import get_backend
+
+    backend = get_backend("cpu")
+    engine = backend.build_engine(str(demo_model_dir), fraction=0.25, policy="static", tail_skip=2)
+    h = serve(create_app(engine, model_name="demo", tiers=backend.tiers()))
+    with httpx.Client(base_url=h.url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0})
+        metrics = c.get("/metrics").text
+    assert r.status_code == 200 and r.headers["x-moe-offload-approximate"] == "tail_skip=2"
+    assert 'moe_offload_approximate{mode="tail_skip=2",model_name="demo"} 1.0' in metrics
+
+
+def test_an_exact_worker_says_so(real_worker):
+    h, _ = real_worker
+    with httpx.Client(base_url=h.url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        metrics = c.get("/metrics").text
+    assert "x-moe-offload-approximate" not in r.headers
+    assert 'moe_offload_approximate{mode="exact",model_name="demo"} 0.0' in metrics

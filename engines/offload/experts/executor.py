@@ -93,6 +93,10 @@ class Executor:
         self._pairs1: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # K -> (tok, perm) of a one-token layer
         # the disk tier (loader, when experts live in the expert store file): its stats, I/O threads, prefetcher
         self.disk = self.io = self.prefetcher = None
+        # approximate (opt-in): a token's routed pairs ranked tail_skip or lower (0-based, by router weight) are
+        # dropped when their expert is not in a slot (the NPU design's TAIL_SKIP); None: exact
+        self.tail_skip: int | None = None
+        self.skipped = 0  # pairs dropped so far
 
     # ---- set-up (loader) ----
     def attach(self, module: torch.nn.Module, layer: int, store: LayerStore, cache: SlotCache) -> LayerState:
@@ -143,6 +147,9 @@ class Executor:
             self._records[-1][state.layer] = [ids[i : i + K] for i in range(0, T * K, K)]
         if self.prefetcher is not None:  # start reading the next layer's likely experts while this one computes
             self.prefetcher.after_route(self, state.pos, hidden_states, ids, K)
+        if self.tail_skip is not None and K > self.tail_skip and not self.dry:
+            top_k_index, top_k_weights, ids = self.skip_tail(cache, top_k_index, top_k_weights, ids)
+            T, K = top_k_index.shape
 
         # ---- split: group routed pairs by expert, in ascending expert order (fixed) ----
         if T == 1:
@@ -230,6 +237,33 @@ class Executor:
         result = self.combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, copied)
         self.book_stages(t1, t2, t3, t4, fetch_compute_s)
         return result
+
+    def skip_tail(self, cache, top_k_index, top_k_weights, ids):
+        """Drop each token's pairs ranked ``tail_skip`` or lower whose expert is not in a slot: (index, weights, ids)
+        without them. One token: its K shrinks; several: a dropped pair becomes the token's top pair again with weight
+        0 (one more row in a group that runs anyway: its product adds nothing). Counted in ``skipped``."""
+        T, K = top_k_index.shape
+        slot_of, r = cache.slot_of, self.tail_skip
+        if T == 1:  # a decode step's layer: in Python, K values
+            ws = top_k_weights[0].tolist()
+            order = sorted(range(K), key=lambda k: -ws[k])  # stable: ties keep the router's order
+            drop = {k for k in order[r:] if slot_of[ids[k]] < 0}
+            if not drop:
+                return top_k_index, top_k_weights, ids
+            self.skipped += len(drop)
+            keep = [k for k in range(K) if k not in drop]
+            return top_k_index[:, keep], top_k_weights[:, keep], [ids[k] for k in keep]
+        order = top_k_weights.argsort(dim=1, descending=True, stable=True)  # [T, K]
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(K, device=order.device).expand(T, K))
+        cold = (torch.tensor(slot_of)[top_k_index.cpu()] < 0).to(order.device)  # [T, K]
+        drop = (rank >= r) & cold
+        n = int(drop.sum())
+        if not n:
+            return top_k_index, top_k_weights, ids
+        self.skipped += n
+        top = top_k_index.gather(1, order[:, :1]).expand(T, K)
+        top_k_index = torch.where(drop, top, top_k_index)
+        return top_k_index, top_k_weights.masked_fill(drop, 0), top_k_index.reshape(-1).tolist()
 
     def book_resident(self, states: list[LayerState], ids: torch.Tensor, experts_s: float) -> None:
         """Book a decode step that ran every layer in one call with all experts resident (runtime/decode_step.py):

@@ -7,6 +7,7 @@
       model_runner.py SchedulerOutput --input layout (ids, positions, slot mapping, key layout)--> one forward:
                       paged KV (kv.py), fused decode layers (fastpath.py), or per sequence --> logits
       output.py       logits --sampling per sequence (sampling.py), stop / length checks--> tokens; finish
+      speculative.py  drafts (prompt lookup, a draft model) carried into a step and verified by it
       accounting.py   executor counters per forward --> each request's stats (hits, bytes, ms) --> engine totals
     kv_budget.py    KVCacheConfig, bytes per token (probe), the pool's bytes --> KVPool (kv.py) + max_model_len
 """

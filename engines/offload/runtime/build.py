@@ -19,12 +19,14 @@ from moe_offload.engines.offload.experts.policies import check_policy
 from moe_offload.engines.offload.runtime.engine import CACHES, OffloadEngine
 from moe_offload.engines.offload.runtime.kv_budget import DEFAULT_KV_HOST, KVCacheConfig
 from moe_offload.engines.offload.runtime.scheduler import SchedulerConfig
+from moe_offload.engines.params import SpeculativeConfig
 from moe_offload.errors import ConfigError
 
 BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "expert_dtype", "dense_dtype", "hybrid_threshold", "cache",
                  "host_memory", "prefetch",
                  "block_size",
-                 "kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
+                 "kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "speculative",
+                 "tail_skip")
 
 
 def _placement(path: Path, placement, fraction, policy: str, backend: str, dtype: str | None = None):
@@ -128,6 +130,8 @@ def build_offload_engine(
     dense_dtype: str | None = None,
     host_memory: int | None = None,
     prefetch: bool = True,
+    speculative=None,
+    tail_skip: int | None = None,
     **unknown,
 ) -> OffloadEngine:
     """Load ``model_path`` (default: the demo model, built on first use) with the offload executor.
@@ -142,7 +146,9 @@ def build_offload_engine(
     projections and LM head; see loader.load_model). host_memory: bytes of host memory for the routed experts
     (default: what the process's memory limit leaves after the dense weights, the KV budget and a reserve); experts
     that do not fit live in an expert store file on disk, host memory caching them (hostmem.plan_host). prefetch:
-    read the next layer's predicted experts ahead (disk tier only).
+    read the next layer's predicted experts ahead (disk tier only). speculative: a SpeculativeConfig, its JSON text
+    or mapping (vLLM's --speculative-config), or None (off). tail_skip: APPROXIMATE, off by default: a token's
+    routed experts ranked tail_skip or lower (0-based by router weight) are skipped when not resident (>= 1).
     """
     if unknown:
         raise ConfigError(f"unknown engine option(s) {', '.join(sorted(unknown))}; valid: {', '.join(BUILD_OPTIONS)}")
@@ -151,6 +157,9 @@ def build_offload_engine(
         raise ConfigError(f"cache: expected one of {', '.join(CACHES)}, got {cache!r}")
     kv_config = KVCacheConfig(block_size, kv_cache_memory, max_model_len)  # validated before the model loads
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
+    speculative = SpeculativeConfig.parse(speculative)
+    if tail_skip is not None and (isinstance(tail_skip, bool) or not isinstance(tail_skip, int) or tail_skip < 1):
+        raise ConfigError(f"tail_skip: expected a rank >= 1 (a token's top expert is never skipped), got {tail_skip!r}")
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     from moe_offload.engines.offload.loading.inspection import check_checkpoint
@@ -181,8 +190,10 @@ def build_offload_engine(
             get_logger("moe_offload.build").warning(
                 "CPU kernels off: decode runs transformers' modules, several times slower",
                 reason=jit.info().get("error") or "disabled", fix="reinstall with a compiler (scripts/setup.sh)")
+    if tail_skip is not None:
+        offloaded.executor.tail_skip = tail_skip
     engine = OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache,
-                           kv_config=kv_config, scheduler=sched)
+                           kv_config=kv_config, scheduler=sched, speculative=speculative)
     engine.memory_plan = plan.split()
     return engine
 

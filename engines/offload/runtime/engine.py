@@ -8,7 +8,8 @@
     stats: the executor's counters per forward, attributed per token or shared (accounting.py); summed at finish
 
 Sequences join and leave at step boundaries; a step holds every running sequence's decode token plus
-prefill chunks up to ``max_num_batched_tokens``. KV memory is blocks from a budget (``kv_cache_memory``,
+prefill chunks up to ``max_num_batched_tokens``. With a speculative config (speculative.py) each decoding sequence carries a draft of k tokens into the step, which
+verifies them in the same forward. KV memory is blocks from a budget (``kv_cache_memory``,
 kv_budget.py), handed out as sequences grow; when they run out the youngest sequence is preempted and
 recomputed later. A model whose layers keep state other than attention KV (Mamba, linear attention) runs
 each sequence of a step in its own forward with the model's own cache (``paged`` False), under the same
@@ -34,6 +35,7 @@ from moe_offload.engines.offload.runtime.output import OutputProcessor, Request
 from moe_offload.engines.offload.runtime.sampling import SequenceState
 from moe_offload.engines.offload.runtime.scheduler import RUNNING, Scheduler, SchedulerConfig
 from moe_offload.engines.offload.runtime.scheduler import Sequence as Seq
+from moe_offload.engines.offload.runtime.speculative import SpeculativeConfig, make_proposer, speculates
 from moe_offload.engines.params import ENGINE_FEATURES, SamplingParams
 from moe_offload.errors import ConfigError, EngineError, ModelError
 from moe_offload.log import get_logger
@@ -61,7 +63,8 @@ class OffloadEngine(Engine):
     batching = True
 
     def __init__(self, offloaded, tokenizer=None, *, model_name: str = "", backend: str = "cpu", cache: str = "paged",
-                 kv_config: KVCacheConfig | None = None, scheduler: SchedulerConfig | None = None):
+                 kv_config: KVCacheConfig | None = None, scheduler: SchedulerConfig | None = None,
+                 speculative: SpeculativeConfig | None = None):
         if cache not in CACHES:
             raise ConfigError(f"cache: expected one of {', '.join(CACHES)}, got {cache!r}")
         self.offloaded = offloaded
@@ -95,6 +98,15 @@ class OffloadEngine(Engine):
         self.runner = ModelRunner(self.model, self.executor, self.pool, self.device, self.accounting, paged=self.paged,
                                   desc=self.description)
         self.output = OutputProcessor(self.scheduler, self.accounting)
+        self.speculative, self.proposer = speculative, None
+        if speculative is not None:
+            if not self.paged or self.state_bytes_per_seq:
+                raise ConfigError(f"speculative decoding: {self.model.config.model_type} keeps per-sequence state beyond "
+                                  "attention KV (linear attention or Mamba layers), which a rejected draft cannot be "
+                                  "rolled out of; run it without --speculative-config")
+            self.proposer = make_proposer(speculative, int(text_config.vocab_size))
+            self.output.released = self.proposer.release
+            log.info("speculative decoding on", **speculative.to_dict())
         placement = getattr(offloaded, "placement", None)
         self.info = EngineInfo(
             model=model_name or getattr(self.model.config, "_name_or_path", "") or "model",
@@ -105,6 +117,7 @@ class OffloadEngine(Engine):
             policy=str(getattr(offloaded, "policy", "") or ""),
             predicted_hit_rate=dict(getattr(placement, "predicted_hit_rate", {}) or {}),
             features=frozenset(ENGINE_FEATURES),
+            approximate=f"tail_skip={self.executor.tail_skip}" if getattr(self.executor, "tail_skip", None) else "",
         )
         self.memory_plan: dict[str, Any] | None = None  # the host memory split (hostmem.HostPlan.split; build.py)
         self._llg = None  # llguidance's tokenizer, built at the first structured-output request
@@ -166,6 +179,10 @@ class OffloadEngine(Engine):
         d = self.accounting.total.to_dict()
         d["preemptions"] = self.scheduler.preemptions
         d["steps"] = self._steps
+        if self.speculative is not None:
+            d["speculative"] = self.speculative.to_dict() | self.accounting.total.spec_summary()
+        if self.info.approximate:
+            d["approximate"] = {"mode": self.info.approximate, "skipped_pairs": getattr(self.executor, "skipped", 0)}
         return d
 
     def close(self) -> None:
@@ -187,6 +204,8 @@ class OffloadEngine(Engine):
         """Run one forward over the scheduled tokens of every running sequence; False when there is nothing to do."""
         if self._closed:
             return False
+        if self.proposer is not None:
+            self._draft()
         out = self.scheduler.schedule()
         if out.is_empty:
             return False
@@ -206,6 +225,18 @@ class OffloadEngine(Engine):
                     req.gen.error = EngineError(f"generation failed after {req.stats.completion_tokens} tokens: {e}")
                     self.output.finish(seq, req.stats.finish_reason)
         return True
+
+    def _draft(self) -> None:
+        """Draft tokens (speculative.py) for each decoding sequence that may have them, at most what its max_tokens
+        leaves after the token the verify step adds; none while disable_by_batch_size sequences or more decode."""
+        k, cap = self.speculative.num_speculative_tokens, self.speculative.disable_by_batch_size
+        if cap is not None and sum(s.remaining == 1 for s in self.scheduler.running) >= cap:
+            return
+        for seq in self.scheduler.running:
+            req = seq.payload
+            room = min(k, req.params.max_tokens - req.stats.completion_tokens - 1)
+            if seq.remaining == 1 and room > 0 and speculates(req.state):
+                seq.draft = self.proposer.propose(seq.sid, seq.tokens, room)[:room]
 
 
 __all__ = ["CACHES", "OffloadEngine"]

@@ -4,8 +4,8 @@
       paged:  every token of the step packed into one forward [1, N]: ids, positions, slot_mapping [N] (pool rows
               of the new KV), the key layout (layout(): decode sequences first, each padded to the longest, then
               each prefill chunk's context) --model + PagedCache (kv.py)--> logits of the kept rows [R, V]
-      fused:  a step where every sequence computes one token, on a model whose description (control/description.py)
-              the fused path computes --DecodePlan (fastpath.py) | MLADecodePlan (mla_plan.py), chosen once in
+      fused:  a step where every sequence computes one token (+ its draft: rows at consecutive positions), on a
+              model whose description (control/description.py) the fused path computes --DecodePlan (fastpath.py) | MLADecodePlan (mla_plan.py), chosen once in
               decode_plan()--> logits [B, V]
       each:   a model with state beyond attention KV: one forward per sequence on its own cache
     around each forward: the executor's counters before and after --Accounting.book--> each sequence's stats
@@ -70,19 +70,19 @@ class ModelRunner:
 
     def forward_paged(self, out: SchedulerOutput) -> torch.Tensor | None:
         sched = out.scheduled
-        if self.fast is not None and out.one_token_each and not any(
+        if self.fast is not None and out.decode_only and not any(
                 seq.payload.wants_prompt_logprobs(seq) for seq, _ in sched):
             return self.forward_fast(out)
         bs, dev = self.pool.block_size, self.device
         ids, pos, slots, keep = [], [], [], []
         for seq, n in sched:
             c = seq.computed
-            ids += seq.tokens[c : c + n]
+            ids += seq.window(n)
             pos += range(c, c + n)
             b = seq.blocks
             slots += [b[p // bs] * bs + p % bs for p in range(c, c + n)]
-            if seq.payload.wants_prompt_logprobs(seq):
-                keep += range(len(ids) - n, len(ids))  # every position: prompt logprobs
+            if seq.payload.wants_prompt_logprobs(seq) or seq.draft:
+                keep += range(len(ids) - n, len(ids))  # every position: prompt logprobs, or a draft to verify
             elif c + n == len(seq.tokens):
                 keep.append(len(ids) - 1)
         step = self.layout(out)
@@ -103,18 +103,24 @@ class ModelRunner:
         return logits  # [R, V]
 
     def forward_fast(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """A step of one token per sequence on the fused path: logits [B, V], then the rows that sample."""
+        """A decode-only step on the fused path: one row per token (a sequence's token, then its draft's, each at its
+        own position over the same block table: the kernels write every row's KV before any row attends), logits
+        [M, V], then the rows that sample."""
         sched, ex = out.scheduled, self.executor
+        ids, lens, blocks, seats, keep = [], [], [], [], []
+        for seq, n in sched:
+            seat, c = self.pool.seat(seq.sid), seq.computed
+            if seq.draft or c + 1 == len(seq.tokens):  # a one-token prefill chunk that does not end its prompt: none
+                keep += range(len(ids), len(ids) + n)
+            ids += seq.window(n)
+            lens += range(c + 1, c + n + 1)
+            blocks += [seq.blocks] * n
+            seats += [seat] * n
         ex.per_token = len(sched) > 1
         before = snapshot(ex)
-        logits = self.fast.forward([seq.tokens[seq.computed] for seq, _ in sched],
-                                   [seq.computed + 1 for seq, _ in sched], [seq.blocks for seq, _ in sched],
-                                   [self.pool.seat(seq.sid) for seq, _ in sched])
+        logits = self.fast.forward(ids, lens, blocks, seats)
         self.accounting.book(ex, sched, before, ex.token_stats)
-        # rows for the sequences that sample (as forward_paged keeps them): a one-token prefill chunk that does not
-        # end its prompt has none
-        keep = [i for i, (seq, _) in enumerate(sched) if seq.computed + 1 == len(seq.tokens)]
-        if len(keep) == len(sched):
+        if len(keep) == len(ids):
             return logits
         return logits[keep] if keep else None
 

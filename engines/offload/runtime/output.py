@@ -2,7 +2,8 @@
 
     SchedulerOutput + logits [R, V] (model_runner.py: per scheduled sequence, every chunk position when prompt
     logprobs are owed, else the last position when it samples, else none)
-      --prompt_logprobs per chunk; sample (every sampling sequence at once, sampling.py)-->
+      --prompt_logprobs per chunk; sample (every sampling sequence at once, sampling.py), or verify a sequence's
+        draft (speculative.py: the accepted drafts and one more)-->
       token: stop id -> finish "stop" | accepted -> Generation.pending (+ logprobs) -> structured end -> "stop",
       max_tokens -> "length"
     finish: the scheduler frees the blocks, the request's stats get their tier rates (accounting.py)
@@ -21,6 +22,7 @@ from moe_offload.engines.offload.runtime.accounting import Accounting
 from moe_offload.engines.offload.runtime.sampling import SequenceState, prompt_logprobs, sample
 from moe_offload.engines.offload.runtime.scheduler import FINISHED, Scheduler, SchedulerOutput
 from moe_offload.engines.offload.runtime.scheduler import Sequence as Seq
+from moe_offload.engines.offload.runtime.speculative import verify
 from moe_offload.engines.params import SamplingParams
 
 
@@ -48,15 +50,20 @@ class OutputProcessor:
 
     def __init__(self, scheduler: Scheduler, accounting: Accounting):
         self.scheduler, self.accounting = scheduler, accounting
+        self.released = None  # called with a finished sequence's id (the draft proposer frees its state)
 
     def emit(self, out: SchedulerOutput, logits) -> None:
-        """Prompt logprobs of prefill chunks, then one sampled token per sequence whose tokens are all computed.
-        ``logits`` [R, V] rows: per scheduled sequence, every chunk position (prompt logprobs owed) or the last
-        (it samples); None when no sequence has a row."""
+        """Prompt logprobs of prefill chunks, then one sampled token per sequence whose tokens are all computed, or
+        the tokens a verify step keeps (speculative.py). ``logits`` [R, V] rows: per scheduled sequence, every chunk
+        position (prompt logprobs owed, or a draft to verify) or the last (it samples); None when no sequence has a row."""
         now = time.perf_counter()
-        sampled, rows, r = [], [], 0
+        sampled, rows, verifying, r = [], [], [], 0
         for seq, n in out.scheduled:
             req = seq.payload
+            if seq.draft:
+                verifying.append((seq, r, n))
+                r += n
+                continue
             samples = seq.computed + n == len(seq.tokens)
             if req.wants_prompt_logprobs(seq):
                 c = seq.computed
@@ -72,17 +79,33 @@ class OutputProcessor:
                 sampled.append(seq)
         for seq, n in out.scheduled:
             seq.computed += n
-        if not sampled:
-            return
-        picks = sample(logits[rows] if len(rows) != logits.shape[0] else logits, [s.payload.state for s in sampled])
-        for seq, (token, entry) in zip(sampled, picks):
-            req = seq.payload
-            st = req.stats
-            st.record_step(0 if req.t_last == 0.0 else 1, req.t_start, req.t_last, now)  # first token ends the prefill
-            req.t_last = now
+        if sampled:
+            picks = sample(logits[rows] if len(rows) != logits.shape[0] else logits,
+                           [s.payload.state for s in sampled])
+            for seq, (token, entry) in zip(sampled, picks):
+                self._take(seq, [token], [entry], now)
+        for seq, r0, n in verifying:
+            draft, seq.draft = seq.draft, []
+            tokens, entries = verify(logits[r0 : r0 + n], draft, seq.payload.state)
+            seq.computed -= len(draft) - (len(tokens) - 1)  # the rejected drafts' KV rows lie beyond the sequence
+            seq.payload.stats.record_verify(len(draft), len(tokens) - 1)
+            self._take(seq, tokens, entries, now)
+
+    def _take(self, seq: Seq, tokens: list[int], entries: list, now: float) -> None:
+        """Append a step's tokens to ``seq`` in order, until one ends it (a stop id, the grammar, max_tokens)."""
+        req = seq.payload
+        st = req.stats
+        keep = len(tokens)
+        for i, t in enumerate(tokens):
+            if t in req.stops or st.completion_tokens + i + 1 >= req.params.max_tokens:
+                keep = i + 1
+                break
+        st.record_step(0 if req.t_last == 0.0 else 1, req.t_start, req.t_last, now, keep)  # 0: ends the prefill
+        req.t_last = now
+        for token, entry in zip(tokens[:keep], entries):
             if token in req.stops:
                 self.finish(seq, "stop")
-                continue
+                return
             req.state.accept(token)
             st.completion_tokens += 1
             seq.tokens.append(token)
@@ -91,8 +114,10 @@ class OutputProcessor:
             req.gen.pending.append(token)
             if req.state.finished:  # a structured output is complete: nothing but EOS could follow
                 self.finish(seq, "stop")
-            elif st.completion_tokens >= req.params.max_tokens:
+                return
+            if st.completion_tokens >= req.params.max_tokens:
                 self.finish(seq, "length")
+                return
 
     def finish(self, seq: Seq, reason: str) -> None:
         """Done (``reason``: stop | length | abort, or the one it had when a step failed): free and book it."""
@@ -100,6 +125,9 @@ class OutputProcessor:
             return
         req = seq.payload
         self.scheduler.finish(seq)
+        seq.draft = []
+        if self.released is not None:
+            self.released(seq.sid)
         req.cache = None
         req.stats.finish_reason = reason
         req.gen.done = True

@@ -56,10 +56,17 @@ class Sequence:
     state: str = WAITING
     preemptions: int = 0
     arrival: float = field(default_factory=time.perf_counter)
+    draft: list[int] = field(default_factory=list)  # speculative tokens after ``tokens``, verified by the next step
 
     @property
     def remaining(self) -> int:
         return len(self.tokens) - self.computed
+
+    def window(self, n: int) -> list[int]:
+        """The ``n`` tokens a step computes from ``computed`` on: its own, then its draft."""
+        c = self.computed
+        own = self.tokens[c : c + n]
+        return own + self.draft[: n - len(own)]
 
     @property
     def contiguous(self) -> bool:
@@ -81,7 +88,7 @@ class SchedulerOutput:
     prefill chunk later in the same call, and then is in ``scheduled`` too)."""
 
     scheduled: tuple[ScheduledSequence, ...] = ()
-    num_decode_tokens: int = 0  # one per running sequence whose prompt is cached
+    num_decode_tokens: int = 0  # one per running sequence whose prompt is cached, + its draft
     num_prefill_tokens: int = 0  # prompt (or recompute) chunks
     preempted: tuple[Sequence, ...] = ()
 
@@ -95,8 +102,14 @@ class SchedulerOutput:
 
     @property
     def one_token_each(self) -> bool:
-        """Every sequence computes one token (a decode, or a one-token prefill chunk): the fused path's shape."""
+        """Every sequence computes one token (a decode, or a one-token prefill chunk)."""
         return all(n == 1 for _, n in self.scheduled)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence computes one token of its own (a decode, or a one-token prefill chunk) and its draft, if
+        it has one: the fused decode path's shape (a draft's tokens are rows of the step, as other sequences' are)."""
+        return all(n == 1 + len(seq.draft) for seq, n in self.scheduled)
 
 
 class Scheduler:
@@ -133,12 +146,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         step: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
-        # 1. one decode token for every running sequence that has its prompt cached, oldest first; when blocks
-        #    run out the youngest running sequence is preempted (it is never one already in this step)
-        for seq in [s for s in self.running if s.remaining == 1]:
-            if seq.state == RUNNING and self._grow(seq, seq.computed + 1, preempted):
-                step.append(ScheduledSequence(seq, 1))
-                budget -= 1
+        # 1. one decode token for every running sequence that has its prompt cached, oldest first, plus its draft
+        #    (speculative decoding) while the budget leaves one token for each decode after it; when blocks run out
+        #    the youngest running sequence is preempted (it is never one already in this step)
+        decoding = [s for s in self.running if s.remaining == 1]
+        for i, seq in enumerate(decoding):
+            if seq.state != RUNNING:
+                continue
+            del seq.draft[max(budget - (len(decoding) - i), 0):]
+            n = 1 + len(seq.draft)
+            if self._grow(seq, seq.computed + n, preempted):
+                step.append(ScheduledSequence(seq, n))
+                budget -= n
         decode = len(step)
         # 2. prefill chunks of running sequences, then of newly admitted ones (FIFO, no overtaking); a prefill
         #    chunk never preempts: it waits for blocks
@@ -157,7 +176,8 @@ class Scheduler:
             self.running.append(seq)
             step.append(ScheduledSequence(seq, n))
             budget -= n
-        return SchedulerOutput(tuple(step), decode, sum(n for _, n in step[decode:]), tuple(preempted))
+        return SchedulerOutput(tuple(step), sum(n for _, n in step[:decode]), sum(n for _, n in step[decode:]),
+                               tuple(preempted))
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         if self.config.chunked_prefill:
@@ -190,6 +210,7 @@ class Scheduler:
         self.pool.free(seq.blocks)
         self.pool.release(seq.sid)
         seq.blocks, seq.computed, seq.state = [], 0, WAITING
+        seq.draft.clear()
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)

@@ -36,7 +36,8 @@ def engine_options(cfg) -> dict[str, Any]:
                    max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=cfg.max_model_len,
                    block_size=cfg.block_size, kv_cache_memory=parse_size(kv, "kv_cache_memory") if kv is not None else None,
                    expert_dtype=cfg.expert_dtype, dense_dtype=cfg.dense_dtype,
-                   host_memory=parse_size(host, "host_memory") if host is not None else None)
+                   host_memory=parse_size(host, "host_memory") if host is not None else None,
+                   speculative=cfg.speculative or None, tail_skip=cfg.tail_skip)
 
 
 def build(cfg, log):

@@ -34,6 +34,8 @@ class RunConfig:
     block_size: int | None = None  # cpu/cuda: tokens per KV block
     expert_dtype: str | None = None  # int8 | fp8 | bf16 (offload engines; None: as the checkpoint stores them)
     dense_dtype: str | None = None  # int8 | bf16 (cpu offload engine: dense linears and LM head; None: as loaded)
+    speculative: str | None = None  # cpu/cuda: vLLM's speculative config (JSON), e.g. {"num_speculative_tokens": 3}
+    tail_skip: int | None = None  # cpu/cuda, APPROXIMATE: skip non-resident experts ranked this or lower (0-based)
     engine: str | None = None  # external engine binary (rngd)
     data: str | None = None  # the external engine's input directory
     role: str = "worker"
@@ -114,6 +116,16 @@ class RunConfig:
             raise ContractError("config.expert_dtype", " | ".join(EXPERT_DTYPES), self.expert_dtype)
         if self.dense_dtype is not None and self.dense_dtype not in vocab.DENSE_DTYPES:
             raise ContractError("config.dense_dtype", "int8 | bf16", self.dense_dtype)
+        if self.tail_skip is not None and self.tail_skip < 1:
+            raise ContractError("config.tail_skip", "a rank >= 1 (the top expert is never skipped)", self.tail_skip)
+        if self.speculative is not None:
+            from moe_offload.engines.params import SpeculativeConfig
+            from moe_offload.errors import ConfigError
+
+            try:
+                SpeculativeConfig.parse(self.speculative)
+            except ConfigError as e:
+                raise ContractError("config.speculative", "vLLM's speculative config as JSON", str(e)) from None
         if self.fraction is not None and not 0 <= self.fraction <= 1:
             raise ContractError("config.fraction", "a fraction in 0..1", self.fraction)
         from moe_offload.serving.classify import CLASSES

@@ -67,6 +67,8 @@ def decode(workload: Workload, cfg) -> list[Measurement]:
     finally:
         engine.close()
     labels = {"model": model, "backend": backend.name, "policy": engine.info.policy or "none"}
+    if engine.info.approximate:  # an opt-in approximate mode: every KPI says so
+        labels["approximate"] = engine.info.approximate
     out = [
         Measurement("airm_tok_s", 1000 * len(token_ms) / decode_ms if decode_ms else 0.0, "tok/s", labels),
         Measurement("airm_tpot_p50_ms", percentile(token_ms, 0.5), "ms", labels),

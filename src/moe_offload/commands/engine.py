@@ -7,7 +7,14 @@ from pathlib import Path
 
 import click
 
-from moe_offload.commands.options import DENSE_DTYPE_CHOICE, EXPERT_DTYPE_CHOICE, POLICY_CHOICE, emit
+from moe_offload.commands.options import (
+    DENSE_DTYPE_CHOICE,
+    EXPERT_DTYPE_CHOICE,
+    POLICY_CHOICE,
+    SPECULATIVE_HELP,
+    TAIL_SKIP_HELP,
+    emit,
+)
 from moe_offload.errors import ConfigError, ModelError
 
 POLICY_HELP = "Miss policy: static (misses computed on the host), lru (misses copied into slots), hybrid (by tokens per expert)."
@@ -69,7 +76,8 @@ def _engine_options(fn):
 
 def _build(model: Path, backend: str, policy: str, fraction: float | None, placement: str | None, dtype: str | None,
            expert_dtype: str | None = None, dense_dtype: str | None = None, host_memory: str | None = None,
-           no_prefetch: bool = False, kv_cache_memory: str | None = None, max_model_len: int | None = None):
+           no_prefetch: bool = False, kv_cache_memory: str | None = None, max_model_len: int | None = None,
+           speculative: str | None = None, tail_skip: int | None = None):
     from moe_offload.backends import get_backend
 
     if fraction is not None and not 0.0 <= fraction <= 1.0:
@@ -93,6 +101,12 @@ def _build(model: Path, backend: str, policy: str, fraction: float | None, place
         options["kv_cache_memory"] = parse_size(kv_cache_memory, "--kv-cache-memory")
     if max_model_len:
         options["max_model_len"] = max_model_len
+    if speculative:
+        from moe_offload.engines.params import SpeculativeConfig
+
+        options["speculative"] = SpeculativeConfig.parse(speculative)  # checked before the model loads
+    if tail_skip is not None:
+        options["tail_skip"] = tail_skip
     return get_backend(backend).build_engine(str(model), placement, **options)
 
 
@@ -129,9 +143,12 @@ def demo_model(out: str | None, seed: int) -> None:
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--seed", type=int, help="Sampling seed (same seed, same tokens).")
 @click.option("--ignore-eos", is_flag=True, help="Keep going after an end-of-sequence token.")
+@click.option("--speculative-config", help=SPECULATIVE_HELP)
+@click.option("--tail-skip", type=int, metavar="RANK", help=TAIL_SKIP_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the token ids, text and stats as JSON.")
 def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype,
-             host_memory, no_prefetch, kv_cache_memory, max_model_len, temperature, top_p, top_k, seed, ignore_eos, as_json) -> None:
+             host_memory, no_prefetch, kv_cache_memory, max_model_len, temperature, top_p, top_k, seed, ignore_eos,
+             speculative_config, tail_skip, as_json) -> None:
     """Generate text with the offload engine; stats go to stderr (or into --json)."""
     from moe_offload.engines.params import SamplingParams
 
@@ -141,7 +158,7 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
     path = _model_dir(model)
     _require_tokenizer(path)
     engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype, host_memory, no_prefetch,
-                    kv_cache_memory, max_model_len)
+                    kv_cache_memory, max_model_len, speculative_config, tail_skip)
     try:
         ids = _encode(engine, prompt, chat)
         gen = engine.generate(ids, params)
@@ -162,17 +179,23 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
             out = {"model": engine.info.model, "backend": engine.info.backend, "policy": engine.info.policy,
                    "prompt_ids": ids, "token_ids": tokens, "text": text, "stats": s.to_dict(),
                    "token_ms": [round(t, 3) for t in s.token_ms],  # each decode step's wall ms, the first ones included
-                   "experts": _experts(engine), "memory": getattr(engine, "memory_plan", None)}
+                   "experts": _experts(engine), "memory": getattr(engine, "memory_plan", None),
+                   "approximate": engine.stats().get("approximate")}
             click.echo(json.dumps(out, indent=2))
             return
         click.echo(text[len(shown):] if text.startswith(shown) else "\n" + text)
         host = getattr(getattr(engine.offloaded, "placement", None), "host_tier", None)
         predicted = [f"{t} {r:.0%}" for t, r in engine.info.predicted_hit_rate.items() if t != host]
+        spec = s.spec_summary() if s.spec_drafts else None
         click.echo(f"[{s.completion_tokens} tokens ({s.finish_reason}), prefill {s.prefill_ms:.0f} ms, "
-                   f"decode {s.decode_ms_per_token:.1f} ms/token, hit rate {s.hit_rate:.0%}"
+                   f"decode {s.decode_ms_per_token:.1f} ms/token"
+                   + (f" (speculative: {spec['mean_acceptance_length']:.2f} tokens per step, "
+                      f"{spec['acceptance_rate']:.0%} of drafts accepted)" if spec else "")
+                   + f", hit rate {s.hit_rate:.0%}"
                    + (f" (predicted {', '.join(predicted)})" if predicted else "")
                    + f", host expert tokens {s.host_expert_tokens}, "
-                   f"copied {sum(v for k, v in s.bytes_moved.items() if k != 'disk') / 1e6:.1f} MB" + _disk_line(s) + "]",
+                   f"copied {sum(v for k, v in s.bytes_moved.items() if k != 'disk') / 1e6:.1f} MB" + _disk_line(s)
+                   + (f"; APPROXIMATE ({engine.info.approximate})" if engine.info.approximate else "") + "]",
                    err=True)
     finally:
         engine.close()

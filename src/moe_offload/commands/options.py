@@ -58,3 +58,11 @@ def prediction_rows(preds) -> list[str]:
                      + (f", host tier {p.host_tier_hit_rate:.1%} ({p.disk_bytes_per_token / 1e6:.1f} MB read/token)"
                         if p.host_tier_hit_rate is not None else ""))
     return lines
+
+
+TAIL_SKIP_HELP = ("APPROXIMATE (off by default): skip a token's routed experts ranked RANK or lower (0-based by router "
+                  "weight: 3 = the 4th and later) when they are not resident; output is labelled approximate.")
+SPECULATIVE_HELP = ("Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                    "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (prompt lookup) or {\"model\": DIR, "
+                    "\"num_speculative_tokens\": 3} (a draft model sharing the tokenizer). Exact: greedy output is "
+                    "unchanged, sampling keeps its distribution.")

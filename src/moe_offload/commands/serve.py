@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from moe_offload.commands.options import DENSE_DTYPE_CHOICE, EXPERT_DTYPE_CHOICE
+from moe_offload.commands.options import DENSE_DTYPE_CHOICE, EXPERT_DTYPE_CHOICE, SPECULATIVE_HELP, TAIL_SKIP_HELP
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -38,6 +38,9 @@ def _worker_options(fn):
                      "live on disk [default: what the process's memory limit leaves]."),
         click.option("--max-model-len", type=int, help="cpu/cuda: longest prompt + output served [default: the model's, capped to the KV budget]."),
         click.option("--block-size", type=int, help="cpu/cuda: tokens per KV block [default: 16]."),
+        click.option("--speculative-config", "speculative", help="cpu/cuda: " + SPECULATIVE_HELP
+                     + " A request turns it off with \"speculative\": false."),
+        click.option("--tail-skip", type=int, metavar="RANK", help="cpu/cuda: " + TAIL_SKIP_HELP),
         click.option("--request-timeout", default=600.0, show_default=True, type=float, help="Seconds from arrival to the last token (504 after)."),
         click.option("--max-body-bytes", default=4 * 1024 * 1024, show_default=True, type=int, help="Larger request bodies get 413."),
         click.option("--gateway", "gateway_url", help="Register with this gateway (needs --gateway-token)."),
@@ -57,7 +60,8 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                 mock_ms_per_token,
                 mock_hit_rate, engine_bin, engine_data, served_model_name, api_key, max_queue, request_timeout, max_body_bytes, gateway_url,
                 gateway_token, advertise_url, banner: bool, max_num_seqs=None, max_num_batched_tokens=None, kv_cache_memory=None, host_memory=None,
-                max_model_len=None, block_size=None, generation_config: str = "auto", tool_call_parser: str = "auto") -> None:
+                max_model_len=None, block_size=None, generation_config: str = "auto", tool_call_parser: str = "auto",
+                speculative=None, tail_skip=None) -> None:
     from moe_offload import backends
     from moe_offload.errors import ConfigError
     from moe_offload.serving import server, worker
@@ -77,7 +81,7 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                                       dense_dtype=dense_dtype, mock_ms=mock_ms_per_token,
                                       mock_hit=mock_hit_rate, engine=engine_bin, data=engine_data, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                      block_size=block_size,
+                                      block_size=block_size, speculative=_speculative(speculative), tail_skip=tail_skip,
                                       kv_cache_memory=parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None,
                                       host_memory=parse_size(host_memory, "--host-memory") if host_memory else None)
     sock = server.bind(host, port)  # before loading the model: a taken port fails fast
@@ -102,6 +106,15 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
         click.echo(f"moe-offload worker: {name} ({backend_name}) at {url}  (OpenAI API under {url}/v1, metrics at {url}/metrics)")
         click.echo(f"try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
     server.run_server(app, sock)
+
+
+def _speculative(text: str | None):
+    """--speculative-config, checked before the model loads (None: off)."""
+    if not text:
+        return None
+    from moe_offload.engines.params import SpeculativeConfig
+
+    return SpeculativeConfig.parse(text)
 
 
 def _register(register, gateway_url, token, me, name) -> None:

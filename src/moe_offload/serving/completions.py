@@ -26,7 +26,7 @@ from moe_offload.serving.classify import classify
 from moe_offload.serving.detok import TextStream
 from moe_offload.serving.errors import APIError
 from moe_offload.serving.events import DoneEvent, ErrorEvent, PromptLogprobsEvent, Run, TextEvent, TokenEvent
-from moe_offload.serving.http import AFFINITY_HEADER, CLASS_HEADER, HIT_HEADER, watch_disconnect
+from moe_offload.serving.http import AFFINITY_HEADER, APPROXIMATE_HEADER, CLASS_HEADER, HIT_HEADER, watch_disconnect
 from moe_offload.serving.logprobs import TokenText, cumulative
 from moe_offload.serving.metrics import WorkerMetrics
 from moe_offload.serving.protocol import DetokenizeRequest, TokenizeChatRequest
@@ -52,7 +52,7 @@ class Worker:
         self.metrics = WorkerMetrics(model_name, max_model_len=self.info.max_model_len, tiers=tiers,
                                      predicted=dict(self.info.predicted_hit_rate), predicted_by_class=predicted_by_class,
                                      state=lambda: {"running": runner.running, "waiting": runner.waiting, "kv": runner.kv_usage},
-                                     cache_info=runner.cache_info())
+                                     cache_info=runner.cache_info(), approximate=self.info.approximate)
 
     def check_model(self, model: str | None) -> None:
         if model not in (None, "", self.model_name):
@@ -64,6 +64,8 @@ class Worker:
 
     def headers(self, cls: str) -> dict:
         h = {CLASS_HEADER: cls}
+        if self.info.approximate:
+            h[APPROXIMATE_HEADER] = self.info.approximate
         a = self.metrics.affinity_of(cls)
         if a is not None:
             h[AFFINITY_HEADER] = f"{a:.6f}"

@@ -17,6 +17,7 @@ DEFAULT_MAX_BODY = 4 * 1024 * 1024  # bytes
 API_KEY_ENV = "MOE_OFFLOAD_API_KEY"
 HIT_HEADER = "x-moe-offload-hit-rate"  # this request's measured hit rate (fraction 0..1)
 CLASS_HEADER = "x-moe-offload-request-class"
+APPROXIMATE_HEADER = "x-moe-offload-approximate"  # the worker's opt-in approximate mode (absent: exact output)
 AFFINITY_HEADER = "x-moe-offload-class-affinity"  # the class's measured hit rate so far (fraction 0..1)
 
 

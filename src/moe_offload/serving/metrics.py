@@ -33,7 +33,7 @@ def predicted_overall(predicted: Mapping[str, float], host_tiers: Iterable[str] 
 class WorkerMetrics:
     def __init__(self, model_name: str, *, max_model_len: int, tiers=(), predicted: Mapping[str, float] | None = None,
                  predicted_by_class: Mapping[str, float] | None = None, state: Callable[[], dict] | None = None,
-                 cache_info: Mapping | None = None):
+                 cache_info: Mapping | None = None, approximate: str = ""):
         self.model = model_name
         r = self.registry = CollectorRegistry(auto_describe=True)
         m = {"model_name": model_name}
@@ -81,6 +81,16 @@ class WorkerMetrics:
             ("prefetch_hits", "Prefetched experts a layer then asked for."),
             ("host_hits", "Experts a layer asked for that were in host memory (disk tier on)."),
             ("stall_seconds", "Time the forward waited for expert reads."))}
+        Gauge("moe_offload_approximate", "1: an opt-in approximate mode is on (mode: which; the output is not the "
+              "model's exact output); 0: exact.", ["model_name", "mode"], registry=r).labels(
+            model_name=model_name, mode=approximate or "exact").set(1 if approximate else 0)
+        # speculative decoding: vLLM's spec_decode counters (zero without --speculative-config)
+        self.spec = {k: Counter(f"vllm:spec_decode_{k}", h, ["model_name"], registry=r).labels(**m) for k, h in (
+            ("num_drafts", "Number of spec decoding drafts (verify steps)."),
+            ("num_draft_tokens", "Number of draft tokens."),
+            ("num_accepted_tokens", "Number of accepted tokens."))}
+        self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                                    ["model_name", "position"], registry=r)
         self.host_tokens = Counter("moe_offload_host_expert_tokens", "Token-expert pairs computed on the host CPU.",
                                    ["model_name"], registry=r).labels(**m)
         cap = Gauge("moe_offload_memory_tier_capacity_bytes", "Capacity of each memory tier, bytes.", ["tier", "kind", "accelerator"], registry=r)
@@ -155,6 +165,12 @@ class WorkerMetrics:
         for tier, b in stats.bytes_moved.items():
             self.bytes_moved.labels(model_name=m, tier=tier).inc(b)
         self.host_tokens.inc(stats.host_expert_tokens)
+        if getattr(stats, "spec_drafts", 0):
+            self.spec["num_drafts"].inc(stats.spec_drafts)
+            self.spec["num_draft_tokens"].inc(stats.spec_draft_tokens)
+            self.spec["num_accepted_tokens"].inc(stats.spec_accepted_tokens)
+            for pos, v in enumerate(stats.spec_accepted_per_pos):
+                self.spec_per_pos.labels(model_name=m, position=str(pos)).inc(v)
         d = getattr(stats, "disk", None) or {}
         for k, c in self.disk.items():
             v = d.get("stall_ms", 0.0) / 1000 if k == "stall_seconds" else d.get(k, 0)

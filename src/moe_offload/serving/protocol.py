@@ -78,6 +78,7 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    speculative: bool = True  # ours: false turns the worker's speculative decoding off for this request
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None

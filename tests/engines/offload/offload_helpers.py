@@ -176,3 +176,33 @@ def routed_pairs(T: int, K: int, E: int, seed: int = 0):
     uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     starts = [0, *torch.cumsum(counts, 0)[:-1].tolist()]
     return top, perm // K, perm, uniq.tolist(), starts, counts.tolist()
+
+
+def staggered(engine, prompts, lengths, join_after=2):
+    """Start the first two, step twice, start the third; step until all are done. Returns each one's tokens."""
+    from moe_offload.engines.params import SamplingParams
+
+    gens = [engine.start(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts[:2], lengths[:2])]
+    for _ in range(join_after):
+        engine.step()
+    gens += [engine.start(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts[2:], lengths[2:])]
+    out = [[] for _ in gens]
+    while engine.step():
+        for o, g in zip(out, gens):
+            o += g.drain()
+    for o, g in zip(out, gens):
+        o += g.drain()
+        assert g.finished
+    return out, gens
+
+
+_REFERENCES: dict = {}
+
+
+def references(path: str, prompts, lengths) -> list[list[int]]:
+    """transformers' greedy tokens of each prompt (lengths[i] of them) on the checkpoint at ``path``, once per session."""
+    key = (path, tuple(map(tuple, prompts)), tuple(lengths))
+    if key not in _REFERENCES:
+        model = stock(path)
+        _REFERENCES[key] = [greedy(model, p, n)[0] for p, n in zip(prompts, lengths)]
+    return _REFERENCES[key]

@@ -9,7 +9,8 @@ be re-prefilled from prompt + output exactly.
 from __future__ import annotations
 
 import pytest
-from offload_helpers import FAMILIES, greedy, stock
+from offload_helpers import FAMILIES, greedy, staggered, stock
+from offload_helpers import references as shared_references
 
 from moe_offload.engines.offload.runtime.build import build_offload_engine
 from moe_offload.engines.params import SamplingParams
@@ -17,30 +18,14 @@ from moe_offload.errors import ConfigError
 
 PROMPTS = ([3, 17, 42, 9, 88, 5, 61, 23], [7, 7, 100, 2], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70])
 LENGTHS = (20, 6, 14)  # the second finishes early; the third joins after two steps and runs past the first
-_refs: dict = {}
 
 
 def references(checkpoints, family):
-    if family not in _refs:
-        model = stock(checkpoints(family))
-        _refs[family] = [greedy(model, p, n)[0] for p, n in zip(PROMPTS, LENGTHS)]
-    return _refs[family]
+    return shared_references(checkpoints(family), PROMPTS, LENGTHS)
 
 
 def run_staggered(engine, prompts=PROMPTS, lengths=LENGTHS, join_after=2):
-    """Start the first two, step twice, start the third; step until all are done. Returns each one's tokens."""
-    gens = [engine.start(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts[:2], lengths[:2])]
-    for _ in range(join_after):
-        engine.step()
-    gens += [engine.start(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts[2:], lengths[2:])]
-    out = [[] for _ in gens]
-    while engine.step():
-        for o, g in zip(out, gens):
-            o += g.drain()
-    for o, g in zip(out, gens):
-        o += g.drain()
-        assert g.finished
-    return out, gens
+    return staggered(engine, prompts, lengths, join_after)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

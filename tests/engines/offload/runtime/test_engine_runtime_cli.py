@@ -85,6 +85,24 @@ def test_generate_text_sampled_and_chat(demo_dir, capsys):
     assert cli(capsys, *args)[1] == out  # same seed, same text
 
 
+def test_generate_speculative_keeps_the_tokens_and_reports_acceptance(capsys):
+    """On the trained demo (code drafts well from its own context): the same greedy tokens with prompt lookup, the
+    acceptance in --json and on the summary line; a bad config is one line before anything loads."""
+    base = ("generate", "--prompt", "def fibonacci(n):\n    ", "--max-tokens", "48", "--ignore-eos")
+    rc, out, _ = cli(capsys, *base, "--json")
+    plain = json.loads(out)
+    rc2, out2, _ = cli(capsys, *base, "--json", "--speculative-config", '{"num_speculative_tokens": 3}')
+    spec = json.loads(out2)
+    assert rc == rc2 == 0 and spec["token_ids"] == plain["token_ids"]
+    s = spec["stats"]["speculative"]
+    assert s["drafts"] > 0 and s["accepted_tokens"] > 0 and s["mean_acceptance_length"] > 1
+    assert len(spec["token_ms"]) == 47  # one entry per token after the first, a verify step's time split over its tokens
+    rc, _, err = cli(capsys, *base, "--speculative-config", '{"num_speculative_tokens": 3}')
+    assert rc == 0 and "tokens per step" in err
+    rc, _, err = cli(capsys, *base, "--speculative-config", '{"method": "medusa"}')
+    assert rc != 0 and err.startswith("error: speculative method") and err.count("\n") == 1
+
+
 def test_generate_defaults_to_the_trained_demo_model(capsys):
     from moe_offload import demo
 
