@@ -8,8 +8,8 @@ profiled on windows of the training split; static policy, so a cold expert is co
 held-out windows (files never trained on), teacher-forced: top-1 agreement (the argmax at each position equals the
 exact run's) and perplexity, from the engine's prompt logprobs. Speed: greedy decode of held-out prompts, single
 stream, bf16, 2 threads, decode ms per token as the engine measures it. Modes: tail skip at ranks 3 (the NPU design:
-the 4th and later of top-4), 2 and 1; int8 experts (every expert, so an upper bound on what int8 cold experts cost);
-int8 with tail skip 3 (the NPU design's pair).
+the 4th and later of top-4), 2 and 1; int8 and int4 copies of the cold experts (`--cold-dtype`); int8 cold experts with
+tail skip 3 (the NPU design's pair); int8 for every expert (`--expert-dtype int8`) beside them.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 MODES = (("exact", {}), ("tail skip 3", {"tail_skip": 3}), ("tail skip 2", {"tail_skip": 2}),
-         ("tail skip 1", {"tail_skip": 1}), ("int8 experts (all)", {"expert_dtype": "int8"}),
-         ("int8 + tail skip 3", {"expert_dtype": "int8", "tail_skip": 3}))
+         ("tail skip 1", {"tail_skip": 1}), ("int8 cold experts", {"cold_dtype": "int8"}),
+         ("int4 cold experts", {"cold_dtype": "int4"}), ("int8 cold + tail skip 3", {"cold_dtype": "int8", "tail_skip": 3}),
+         ("int8 experts (all)", {"expert_dtype": "int8"}))
 
 
 def main(argv=None) -> int:

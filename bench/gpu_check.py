@@ -7,7 +7,8 @@ Exactness: the tiny-model policy x fraction runs, the family tests of tests/engi
 the quantized releases of tests/engines/test_quantized.py (MXFP4, FP8 against transformers' dequantized load;
 pytest -k cuda). Speed: a Qwen3-MoE-shaped random bf16 model (64 experts, hidden 1024, I 512, top-8; 16 layers
 by default) decoded greedily by stock transformers and by the executor at several fractions and policies.
-Exit status 1 if any check failed.
+With two GPUs (or the CPU dry run): --devices over both, exact against one device, hits on each. Exit status 1 if
+any check failed.
 """
 
 from __future__ import annotations
@@ -53,6 +54,36 @@ def check_family_tests(device: str) -> str:
     tail = (r.stdout.strip().splitlines() or ["no output"])[-1]
     assert r.returncode == 0, tail + "\n" + r.stdout[-3000:]
     return tail
+
+
+def check_two_devices(device: str) -> str:
+    """--devices over two GPUs (cpu,cpu in a dry run): greedy tokens equal the one-device run's for static, lru and
+    hybrid at fraction 0.5, and both devices serve hits."""
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+    from moe_offload.engines.offload.tools.selfcheck import tiny_checkpoint
+    from moe_offload.engines.params import SamplingParams
+
+    if device.startswith("cuda"):
+        assert torch.cuda.device_count() >= 2, f"{torch.cuda.device_count()} GPU(s): this check needs two"
+        pair = "cuda:0,cuda:1"
+    else:
+        pair = "cpu,cpu"
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tiny_checkpoint(tmp)
+        for policy in ("static", "lru", "hybrid"):
+            runs = {}
+            for devices in (None, pair):
+                e = build_offload_engine(path, device=device.split(",")[0], devices=devices, policy=policy,
+                                         fraction=0.5, dtype="float32")
+                g = e.generate(list(range(3, 19)), SamplingParams(max_tokens=16, ignore_eos=True))
+                runs[devices] = (list(g), dict(g.stats.tier_hits))
+                e.close()
+            assert runs[None][0] == runs[pair][0], f"{policy}: tokens differ with {pair}"
+            per = runs[pair][1]
+            assert len(per) == 2 and all(v > 0 for v in per.values()) or policy == "lru", f"{policy}: hits {per}"
+            out.append(f"{policy} {per}")
+    return f"{pair} = one device; hits per device: " + "; ".join(out)
 
 
 def bench_checkpoint(root: str, layers: int) -> str:
@@ -130,6 +161,8 @@ def main() -> int:
     checks = [("device", check_device), ("exactness tiny x policies", check_tiny_exactness)]
     if not args.skip_family_tests:
         checks.append(("exactness families (pytest)", check_family_tests))
+    if not args.device.startswith("cuda") or torch.cuda.device_count() >= 2:
+        checks.append(("two devices (--devices)", check_two_devices))
     for name, fn in checks:
         try:
             line("PASS", name, fn(args.device))

@@ -58,6 +58,7 @@ class GenerationStats:
     hits: int = 0
     misses: int = 0
     hit_rate_by_tier: dict[str, float] = field(default_factory=dict)
+    tier_hits: dict[str, int] = field(default_factory=dict)  # several accelerators: hit pairs per accelerator tier
     bytes_moved: dict[str, int] = field(default_factory=dict)
     host_expert_tokens: int = 0
     stage_ms: dict[str, float] = field(default_factory=dict)
@@ -115,6 +116,8 @@ class GenerationStats:
         self.hits += s.hits
         self.misses += s.misses
         self.host_expert_tokens += s.host_expert_tokens
+        for k, v in s.tier_hits.items():
+            self.tier_hits[k] = self.tier_hits.get(k, 0) + v
         for k, v in s.bytes_moved.items():
             self.bytes_moved[k] = self.bytes_moved.get(k, 0) + v
         for k, v in s.stage_ms.items():
@@ -159,6 +162,8 @@ class GenerationStats:
             "host_expert_tokens": self.host_expert_tokens,
             "stage_ms": {k: round(v, 3) for k, v in self.stage_ms.items()},
         }
+        if self.tier_hits:
+            out["hits_by_tier"] = dict(self.tier_hits)
         if self.disk:
             out["disk"] = self.disk_summary()
         if self.spec_drafts:

@@ -1,6 +1,7 @@
 """Serve any in-process engine over the JSON-lines engine protocol (docs/engine-protocol.md).
 
     python -m moe_offload.engines.stdio --backend mock [--model PATH] [--option key=value ...]
+                                        [--devices cpu,cpu] [--placement FILE]
 
 This is the reference engine process: the conformance check runs against it,
 and it runs an in-process engine isolated from the worker.
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="mock")
     ap.add_argument("--model", default=None)
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="engine option (JSON value or string)")
+    ap.add_argument("--devices", help="several accelerators, e.g. cpu,cpu (each a tier of its own)")
+    ap.add_argument("--placement", help="an rm_core Placement JSON file")
     args = ap.parse_args(argv)
     from moe_offload.backends import get_backend
 
@@ -137,14 +140,21 @@ def main(argv: list[str] | None = None) -> int:
             options[key] = json.loads(value)
         except ValueError:
             options[key] = value
+    if args.devices:
+        options["devices"] = args.devices
     try:
         backend = get_backend(args.backend)
-        engine = backend.build_engine(args.model, None, **options)
+        engine = backend.build_engine(args.model, args.placement, **options)
+        tiers = backend.tiers()
+        if args.devices:
+            from moe_offload.control.devices import device_tiers, parse
+
+            tiers = device_tiers(parse(args.devices), tiers)
     except (OffloadError, ContractError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        Server(engine, backend.tiers()).serve()
+        Server(engine, tiers).serve()
     finally:
         engine.close()
     return 0

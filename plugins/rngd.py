@@ -76,7 +76,31 @@ class RngdBackend(Backend):
         from moe_offload.engines.process import EngineProcess
 
         argv = [engine] + (["--model", model] if model else []) + (["--data", str(options["data"])] if options.get("data") else [])
+        argv += engine_placement_args(placement, options.get("devices"))
         return EngineProcess(argv, model=model or "", backend=self.name, env=options.get("env"))
+
+
+def engine_placement_args(placement, devices) -> list[str]:
+    """The engine binary's ``--devices rngd:0,rngd:1`` (one engine process drives every card: the NPU design passes
+    activations between its cards every layer, which one process schedules without the host in between) and
+    ``--placement FILE`` (an rm_core Placement as JSON: which experts each card holds)."""
+    from moe_offload.control.devices import parse
+
+    args = []
+    names = parse(devices)
+    if names is not None:
+        if any(not n.startswith("rngd:") for n in names):
+            raise ConfigError(f"devices: the rngd backend drives rngd:N cards, got {', '.join(names)}")
+        args += ["--devices", ",".join(names)]
+    if placement is not None:
+        if hasattr(placement, "to_json"):
+            import tempfile
+
+            with tempfile.NamedTemporaryFile("w", suffix=".placement.json", delete=False) as f:
+                f.write(placement.to_json())
+            placement = f.name
+        args += ["--placement", str(placement)]
+    return args
 
 
 @hookimpl

@@ -61,7 +61,7 @@ class Backend:
 
 
 BATCHING_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len", "block_size", "host_memory",
-                    "speculative", "tail_skip")
+                    "speculative", "tail_skip", "cold_dtype", "devices", "tensor_parallel")
 
 
 def engine_options(backend: str, *, policy=None, fraction=None, mock_ms=None, mock_hit=None, engine=None, data=None,
@@ -75,7 +75,8 @@ def engine_options(backend: str, *, policy=None, fraction=None, mock_ms=None, mo
     if backend == "mock":
         return {k: v for k, v in (("ms_per_token", mock_ms), ("hit_rate", mock_hit)) if v is not None}
     if backend == "rngd":
-        return {k: v for k, v in (("engine", engine), ("data", data), ("env", env)) if v}
+        return {k: v for k, v in (("engine", engine), ("data", data), ("env", env), ("devices", batching.get("devices")))
+                if v}
     opts = {k: v for k, v in (("policy", policy), ("fraction", fraction), ("expert_dtype", expert_dtype),
                               ("dense_dtype", dense_dtype))
             if v is not None and v != ""}

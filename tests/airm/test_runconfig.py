@@ -58,3 +58,22 @@ def test_host_memory_reaches_the_engine_options():
 
     cfg = RunConfig.parse({"backend": "cpu", "host_memory": "6GiB"})
     assert engine_options(cfg)["host_memory"] == 6 * 2**30
+
+
+def test_devices_and_ranks_reach_the_engine_and_the_tiers():
+    from moe_offload.airm.build import build, engine_options
+    from moe_offload.log import get_logger
+
+    cfg = RunConfig.parse({"backend": "cpu", "devices": "cpu,cpu", "tensor_parallel": 1, "fraction": 0.5})
+    opts = engine_options(cfg)
+    assert opts["devices"] == "cpu,cpu" and opts["tensor_parallel"] == 1
+    _, engine, tiers, _ = build(cfg, get_logger("test"))
+    try:
+        assert [t.name for t in tiers if t.accelerator] == ["cpu:0", "cpu:1"]
+        assert engine.executor.device_tiers == ("cpu:0", "cpu:1")
+    finally:
+        engine.close()
+    for bad, field in (({"devices": "cpu,tpu"}, "config.devices"), ({"tensor_parallel": 0}, "config.tensor_parallel")):
+        with pytest.raises(ContractError) as err:
+            RunConfig.parse(bad)
+        assert err.value.field == field

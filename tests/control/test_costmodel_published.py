@@ -63,6 +63,25 @@ def test_npu_hybrid_28_7_ms(capsys, hit):
     assert p["ms_per_token"] == pytest.approx(28.7, rel=WITHIN), p
 
 
+def test_npu_two_cards_split_per_layer(capsys):
+    # The NPU design's per-layer split on two cards: card A (attention, the shared expert) ~175 us, then card B's hot
+    # experts ~240 us and the CPU's cold experts ~237 us concurrently. Predicted at the 89 % end of its hit range:
+    # A 175 us (the dense weights on the card), B 187 us, CPU 231 us, and B overlaps the CPU (the layer costs
+    # A + max(B, CPU)), which gives the 28.7 ms total above.
+    p = _predict_cli(capsys, "--model", MOE_100B, "--hardware", "rngd-2x-xeon4410y", "--fraction", "0.44",
+                     "--policy", "static", "--hit-rate", 0.89)
+    layers = ModelSpec.from_hf_config(MOE_100B).num_layers
+    a, b, cpu = (p[k] * 1000 / layers for k in ("dense_ms", "device_experts_ms", "host_experts_ms"))
+    assert a == pytest.approx(175, rel=WITHIN) and b == pytest.approx(240, rel=WITHIN), p
+    assert cpu == pytest.approx(237, rel=WITHIN), p
+    assert -p["overlap_ms"] == pytest.approx(min(b, cpu) * layers / 1000, rel=1e-6)
+    # plan puts the hot experts on both cards: fewer slots on the card that also holds the dense weights
+    assert main(["plan", "--model", str(MOE_100B), "--hardware", "rngd-2x-xeon4410y", "--json"]) == 0
+    lp = json.loads(capsys.readouterr().out)["placement"]["layers"][0]
+    assert 0 < lp["slots"]["rngd:0"] < lp["slots"]["rngd:1"]
+    assert lp["home"].count("rngd:0") == lp["slots"]["rngd:0"] and lp["home"].count("rngd:1") == lp["slots"]["rngd:1"]
+
+
 def test_npu_all_host_435_ms_is_not_explained(capsys):
     # NOT EXPLAINED. With every expert on the host the model predicts ~117 ms/token, not 435. The published pair
     # cannot both come from one host whose expert time is bytes / a sustained bandwidth (the cost model's

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_offload.engines.offload.experts import fused, policies
+from moe_offload.engines.offload.experts import approximate, devices, fused, policies
 from moe_offload.engines.offload.experts.slots import SlotCache
 from moe_offload.engines.offload.experts.stats import ExecutorStats
 from moe_offload.engines.offload.experts.store import LayerStore
@@ -42,6 +42,12 @@ class LayerState:
     expert_bytes: int
     events: dict = field(default_factory=dict)  # CUDA: slot -> event after its last use
     fused: dict = field(default_factory=dict)  # (x dtype, x dims, kernels on, grad) -> which fused kernel applies
+    cold: LayerStore | None = None  # APPROXIMATE (cold_dtype): the experts in lower precision, computed from on a miss
+
+    @property
+    def host_store(self) -> LayerStore:
+        """What a miss computed on the host reads: the cold copy when there is one, else the store."""
+        return self.cold if self.cold is not None else self.store
 
 
 def offload_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -75,6 +81,7 @@ class Executor:
         self.device = device
         self.policy = policies.check_policy(policy)
         self.tier_names = tier_names
+        self.device_tiers: tuple[str, ...] = (tier_names[0],)  # one tier per accelerator (--devices): slot order
         self.layers: list[LayerState] = []
         self.hybrid_threshold = hybrid_threshold  # None until layers are known (default from the cost estimate)
         self.stats = ExecutorStats([], *tier_names)
@@ -96,7 +103,12 @@ class Executor:
         # approximate (opt-in): a token's routed pairs ranked tail_skip or lower (0-based, by router weight) are
         # dropped when their expert is not in a slot (the NPU design's TAIL_SKIP); None: exact
         self.tail_skip: int | None = None
+        self.cold_dtype: str | None = None  # the format of the layers' cold copies (LayerState.cold), when they have one
         self.skipped = 0  # pairs dropped so far
+        # expert parallel (runtime/parallel.py): (rank, world); this rank computes experts e with e % world == rank,
+        # every layer's rows are summed over the ranks (all_reduce: the others' rows are zero here)
+        self.ep: tuple[int, int] | None = None
+        self._routed: int | None = None  # expert parallel: this layer's pairs routed to this rank's experts
 
     # ---- set-up (loader) ----
     def attach(self, module: torch.nn.Module, layer: int, store: LayerStore, cache: SlotCache) -> LayerState:
@@ -106,7 +118,12 @@ class Executor:
         return state
 
     def finish_setup(self) -> None:
-        self.stats = ExecutorStats([s.layer for s in self.layers], *self.tier_names, disk=self.disk)
+        self.stats = ExecutorStats([s.layer for s in self.layers], *self.tier_names, disk=self.disk,
+                                   devices=self.device_tiers)
+        if len(self.device_tiers) > 1:
+            self.stats.copied_fn = lambda: {d: sum(s.cache.fills[i] * s.expert_bytes for s in self.layers)
+                                            for i, d in enumerate(self.device_tiers)}
+            self.stats.reset()
         if self.hybrid_threshold is None and self.layers:
             s = self.layers[0]
             self.hybrid_threshold = policies.default_hybrid_threshold(s.expert_bytes, s.store.expert_params, self.device.type)
@@ -114,6 +131,11 @@ class Executor:
             from moe_offload.engines.offload.experts.cuda import CudaCopier
 
             self._copier = CudaCopier(self.device)
+            self._copiers = {self.device: self._copier}
+            for st in self.layers:
+                for d in st.cache.devices:
+                    if d not in self._copiers:
+                        self._copiers[d] = CudaCopier(d)
 
     # ---- route capture ----
     def capture(self, enabled: bool) -> None:
@@ -148,7 +170,7 @@ class Executor:
         if self.prefetcher is not None:  # start reading the next layer's likely experts while this one computes
             self.prefetcher.after_route(self, state.pos, hidden_states, ids, K)
         if self.tail_skip is not None and K > self.tail_skip and not self.dry:
-            top_k_index, top_k_weights, ids = self.skip_tail(cache, top_k_index, top_k_weights, ids)
+            top_k_index, top_k_weights, ids = approximate.skip_tail(self, cache, top_k_index, top_k_weights, ids)
             T, K = top_k_index.shape
 
         # ---- split: group routed pairs by expert, in ascending expert order (fixed) ----
@@ -164,6 +186,10 @@ class Executor:
                 start += c
         slot_of = cache.slot_of
         hits, fetch, host = [], [], []
+        if self.ep is not None:  # only this rank's experts; the rows of the others' stay zero
+            rank, world = self.ep
+            groups = [g for g in groups if g[0] % world == rank]
+            self._routed = sum(g[2] for g in groups)
         for g in groups:
             s = slot_of[g[0]]
             if s >= 0:
@@ -179,14 +205,15 @@ class Executor:
             state.store.settle([g[0] for g, _ in hits])
 
         kind = None if self._cuda else fused.kind(state, module, hidden_states)
-        if kind is not None and T == 1 and not fetch and not host:  # one token, every expert resident: one call
+        if kind is not None and T == 1 and not fetch and not host and self.ep is None:  # one token, all resident
             return fused.one_token(self, state, module, kind, hidden_states, top_k_index, top_k_weights, hits)
         if kind is not None:
             return fused.forward(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host,
                                  quantized=kind == "q")
         rows = _Rows(hidden_states, perm, K, T)
         out: list = [None] * K if T == 1 else None  # T == 1: outputs by k
-        proj = None if T == 1 else torch.empty(T * K, hidden_states.shape[-1], dtype=state.store.compute_dtype, device=hidden_states.device)
+        proj = None if T == 1 else (torch.empty if self.ep is None else torch.zeros)(
+            T * K, hidden_states.shape[-1], dtype=state.store.compute_dtype, device=hidden_states.device)
         host_x = rows.to_host_async() if host and self._cuda else None
 
         # ---- hits on the accelerator (one token on the CPU: one call for all of them where the kernel applies,
@@ -218,7 +245,7 @@ class Executor:
             hrows = rows if not self._cuda else _Rows(host_x(), rows.perm_host(), K, T)
             host_out = [] if self._cuda else None
             for g in host:
-                y = expert_forward(module, hrows.select(g), *state.store.expert(g[0]), post_norm=not self._cuda)
+                y = expert_forward(module, hrows.select(g), *state.host_store.expert(g[0]), post_norm=not self._cuda)
                 if self._cuda:
                     host_out.append((g, y))
                 else:
@@ -233,45 +260,30 @@ class Executor:
 
         # ---- combine: as transformers does, sum over k of w * y in (token, k) order ----
         if T == 1:
+            if self.ep is not None:  # the other ranks' pairs: zero rows here
+                dt = next((o.dtype for o in out if o is not None), state.store.compute_dtype or hidden_states.dtype)
+                zero = hidden_states.new_zeros(1, hidden_states.shape[-1], dtype=dt)
+                out = [o if o is not None else zero for o in out]
             proj = torch.cat(out)  # [K, H]
         result = self.combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, copied)
         self.book_stages(t1, t2, t3, t4, fetch_compute_s)
         return result
 
-    def skip_tail(self, cache, top_k_index, top_k_weights, ids):
-        """Drop each token's pairs ranked ``tail_skip`` or lower whose expert is not in a slot: (index, weights, ids)
-        without them. One token: its K shrinks; several: a dropped pair becomes the token's top pair again with weight
-        0 (one more row in a group that runs anyway: its product adds nothing). Counted in ``skipped``."""
-        T, K = top_k_index.shape
-        slot_of, r = cache.slot_of, self.tail_skip
-        if T == 1:  # a decode step's layer: in Python, K values
-            ws = top_k_weights[0].tolist()
-            order = sorted(range(K), key=lambda k: -ws[k])  # stable: ties keep the router's order
-            drop = {k for k in order[r:] if slot_of[ids[k]] < 0}
-            if not drop:
-                return top_k_index, top_k_weights, ids
-            self.skipped += len(drop)
-            keep = [k for k in range(K) if k not in drop]
-            return top_k_index[:, keep], top_k_weights[:, keep], [ids[k] for k in keep]
-        order = top_k_weights.argsort(dim=1, descending=True, stable=True)  # [T, K]
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(K, device=order.device).expand(T, K))
-        cold = (torch.tensor(slot_of)[top_k_index.cpu()] < 0).to(order.device)  # [T, K]
-        drop = (rank >= r) & cold
-        n = int(drop.sum())
-        if not n:
-            return top_k_index, top_k_weights, ids
-        self.skipped += n
-        top = top_k_index.gather(1, order[:, :1]).expand(T, K)
-        top_k_index = torch.where(drop, top, top_k_index)
-        return top_k_index, top_k_weights.masked_fill(drop, 0), top_k_index.reshape(-1).tolist()
-
     def book_resident(self, states: list[LayerState], ids: torch.Tensor, experts_s: float) -> None:
         """Book a decode step that ran every layer in one call with all experts resident (runtime/decode_step.py):
         ids [L, T, K] the routes of ``states``' layers; each pair a slot hit, as ``forward`` books it."""
         L, T, K = ids.shape
-        for st in states:
-            self.stats.add(st.pos, T * K, 0, 0, 0, 0)
-        if self.per_token and T > 1:
+        multi = len(self.device_tiers) > 1
+        if multi:
+            self.token_stats = None
+            for st, routes in zip(states, ids):
+                self.stats.add(st.pos, T * K, 0, 0, 0, 0, devices.pairs_by_device(st.cache, routes))
+                if self.per_token and T > 1:
+                    devices.count_tokens(self, st.cache, routes, None, [])
+        else:
+            for st in states:
+                self.stats.add(st.pos, T * K, 0, 0, 0, 0)
+        if self.per_token and T > 1 and not multi:
             self.token_stats = torch.zeros(T, 2, dtype=torch.int64)
             self.token_stats[:, 0] = L * K
         if self._capturing:
@@ -300,13 +312,17 @@ class Executor:
     def combine(self, state, proj, hidden_states, top_k_index, top_k_weights, hits, host, fetched):
         """sum_k w[t,k] * y[t,k] over proj [S, H] in (token, k) order (as transformers does), and the layer's counts."""
         T, K = top_k_index.shape
+        if self.ep is not None:  # every rank's rows: each one computed on exactly one rank (x + 0 = x)
+            proj = devices.all_ranks(proj)
         weighted = proj * top_k_weights.reshape(-1, 1)  # [S, H]
         result = weighted.view(T, K, -1).sum(dim=1).to(hidden_states.dtype)  # [T, H]
         hit_pairs = sum(g[2] for g, _ in hits)
         if self.per_token and T > 1:
-            self._count_tokens(top_k_index, [g[0] for g, _ in hits], [g[0] for g in host])
-        self.stats.add(state.pos, hit_pairs, T * K - hit_pairs, sum(g[2] for g in host), fetched,
-                       fetched * state.expert_bytes)
+            devices.count_tokens(self, state.cache, top_k_index, hits, [g[0] for g in host])
+        routed = self._routed if self.ep is not None else T * K
+        self.stats.add(state.pos, hit_pairs, routed - hit_pairs, sum(g[2] for g in host), fetched,
+                       fetched * state.expert_bytes,
+                       state.cache.device_pairs(hits) if len(self.device_tiers) > 1 else None)
         return result
 
     def one_token_pairs(self, K):
@@ -315,25 +331,16 @@ class Executor:
             self._pairs1[K] = (torch.zeros(K, dtype=torch.long), torch.arange(K))
         return self._pairs1[K]
 
-    def _count_tokens(self, top_k_index, hit_experts, host_experts):
-        """Add this layer's hit / host pairs per token to token_stats [T, 2]."""
-        T = top_k_index.shape[0]
-        if self.token_stats is None or self.token_stats.shape[0] != T:
-            self.token_stats = torch.zeros(T, 2, dtype=torch.int64)
-        code = torch.zeros(int(top_k_index.max()) + 1, dtype=torch.int8)  # per expert: 1 hit, 2 host, 0 fetched
-        if hit_experts:
-            code[hit_experts] = 1
-        if host_experts:
-            code[host_experts] = 2
-        c = code[top_k_index.cpu()]  # [T, K]
-        self.token_stats[:, 0] += (c == 1).sum(dim=1)
-        self.token_stats[:, 1] += (c == 2).sum(dim=1)
-
     def _compute(self, state, module, rows, g, weights, out, proj, slot):
-        y = expert_forward(module, rows.select(g), *weights)
+        x = rows.select(g)
+        home = weights[0].device
+        if home != x.device:  # a slot on another accelerator: the rows go there, the outputs come back
+            y = expert_forward(module, x.to(home, non_blocking=True), *weights).to(x.device, non_blocking=True)
+        else:
+            y = expert_forward(module, x, *weights)
         self._place(rows, g, y, out, proj)
         if self._cuda and slot >= 0:
-            state.events[slot] = self._copier.record()
+            state.events[slot] = self._copiers[home].record()
 
     @staticmethod
     def _place(rows, g, y, out, proj):
@@ -344,7 +351,7 @@ class Executor:
 
     def _copy_fn(self, state):
         if self._cuda:
-            return lambda slot, dst, src: self._copier.copy(dst, src, state.events.get(slot))
+            return lambda slot, dst, src: self._copiers[dst[0].device].copy(dst, src, state.events.get(slot))
         return fused.copy_sync
 
 

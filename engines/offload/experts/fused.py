@@ -82,10 +82,10 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
         tok, perm = ex.one_token_pairs(K)
     else:
         tok = perm // K  # [S] token of each expert-sorted pair
-    proj = torch.empty(T * K, x.shape[1], dtype=x.dtype)  # [S, H] by (token, k)
+    proj = (torch.empty if ex.ep is None else torch.zeros)(T * K, x.shape[1], dtype=x.dtype)  # [S, H] by (token, k)
     ops = torch.ops.moe_offload
 
-    def run(groups, weights):
+    def run(groups, weights, quantized=quantized):
         if not groups:
             return
         if quantized and T == 1:  # one token: group g = (expert, k, 1) goes to row k
@@ -122,12 +122,27 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
     t3 = time.perf_counter()
     if hasattr(state.store, "request"):  # host slots over the disk tier: misses read while the rest computes
         tiering.run_host(state.store, host, run)
+    elif state.cold is not None:  # APPROXIMATE: misses from the lower-precision copy, through the quantized kernels
+        if _cold_q(state, module, x):
+            run(host, [state.cold.expert(g[0]) for g in host], quantized=True)
+        else:
+            for g in host:
+                y = expert_forward(module, x.index_select(0, tok[g[1] : g[1] + g[2]]), *state.cold.expert(g[0]))
+                proj.index_copy_(0, perm[g[1] : g[1] + g[2]], y.to(proj.dtype))
     else:
         run(host, [state.store.expert(g[0]) for g in host])
     t4 = time.perf_counter()
     result = ex.combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, len(fetch))
     ex.book_stages(t1, t2, t3, t4, fetch_s)
     return result
+
+
+def _cold_q(state, module, x) -> bool:
+    """The layer's cold copy goes through the quantized one-call kernels (checked once per input kind)."""
+    key = ("cold", x.dtype, x.dim())
+    if key not in state.fused:
+        state.fused[key] = dispatch.fused_experts_q_ok(module, state.cold.tensors[0], x)
+    return state.fused[key]
 
 
 def copy_sync(slot, dst, src):

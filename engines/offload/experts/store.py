@@ -121,6 +121,17 @@ def finalize(store: LayerStore, module: torch.nn.Module, pin: bool, was_float: b
     return store, False
 
 
+def cold_copy(store: LayerStore, module: torch.nn.Module, fmt: str) -> LayerStore:
+    """The layer's experts in ``fmt`` ("int8"), computed from when they miss (an APPROXIMATE mode: cold experts in lower
+    precision, resident ones as stored). A second copy of the layer in host memory, quantized one expert at a time."""
+    from moe_offload.engines.offload.kernels.dispatch import gate_up_split
+
+    if quant.format_of(store.tensors[0]) is not None:
+        raise ValueError(f"experts already stored as {store.format}")
+    rows = store.tensors[0].shape[2 if module.is_transposed else 1]
+    return convert(store, fmt, transposed=module.is_transposed, split=gate_up_split(module, rows))
+
+
 def module_tensor_names(module: torch.nn.Module) -> tuple[str | None, ...]:
     """Attribute names of (up, down, up_bias, down_bias) on a transformers experts module."""
     up = "gate_up_proj" if module.has_gate else "up_proj"

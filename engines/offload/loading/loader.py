@@ -26,9 +26,10 @@ from moe_offload.engines.offload.experts import policies, tiering
 from moe_offload.engines.offload.experts.executor import IMPLEMENTATION, RESIDENT, Executor, register
 from moe_offload.engines.offload.experts.prefetch import Prefetcher
 from moe_offload.engines.offload.experts.slots import SlotCache
-from moe_offload.engines.offload.experts.store import take_from_module
+from moe_offload.engines.offload.experts.store import cold_copy, take_from_module
 from moe_offload.engines.offload.kernels import dispatch
 from moe_offload.engines.offload.loading import architecture, checkpoint, hugepages, quant
+from moe_offload.engines.offload.loading import devices as devices_
 from moe_offload.engines.offload.loading.inspection import (
     DTYPES,
     ExpertsInfo,
@@ -40,6 +41,7 @@ from moe_offload.errors import ConfigError, ModelError, PlacementError
 from rm_core import Placement
 
 EXPERT_DTYPES = tuple(vocab.EXPERT_DTYPES)  # --expert-dtype: quantize a float checkpoint's experts at load, or dequantize
+COLD_DTYPES = ("int8", "int4")  # cold_dtype: the approximate copy misses are computed from
 
 
 @dataclass
@@ -66,6 +68,8 @@ def load_model(
     dense_dtype: str | None = None,
     host_cache: int | None = None,
     prefetch: bool = True,
+    cold_dtype: str | None = None,
+    devices=None,
 ) -> OffloadedModel:
     """Load checkpoint ``path`` with ``placement`` (None: every expert resident) under miss ``policy``.
 
@@ -80,6 +84,10 @@ def load_model(
     ``host_cache``: bytes of host memory for routed experts when they are to live on disk (the expert store file,
     written once, convert.py): each MoE layer gets an equal share of host slots over its records, an LRU cache;
     None keeps every expert in host memory. ``prefetch``: read the next layer's predicted experts ahead (disk tier).
+    ``cold_dtype``: APPROXIMATE, "int8" | "int4": a second copy of the float experts in that format, which misses
+    computed on the host read (resident experts stay as stored); not with the disk tier.
+    ``devices``: several accelerators ("cuda:0,cuda:1", "cpu,cpu"; loading/devices.py), each a tier holding its share
+    of each layer's experts as the placement says; the first runs the rest of the model (``device`` is ignored).
     Raises ModelError (bad checkpoint, dense model), PlacementError (placement for another model, slots that do
     not fit), ConfigError (bad option) before any large allocation.
     """
@@ -90,9 +98,19 @@ def load_model(
         raise ConfigError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
         raise ConfigError(f"expert_dtype: expected one of {', '.join(EXPERT_DTYPES)}, got {expert_dtype!r}")
+    if cold_dtype is not None and (cold_dtype not in COLD_DTYPES or host_cache is not None):
+        raise ConfigError(f"cold_dtype: expected one of {', '.join(COLD_DTYPES)} with every expert in host memory "
+                          f"(not the disk tier), got {cold_dtype!r}" + (" with the disk tier" if host_cache else ""))
     if dense_dtype is not None and dense_dtype not in vocab.DENSE_DTYPES:
         raise ConfigError(f"dense_dtype: expected one of {', '.join(vocab.DENSE_DTYPES)}, got {dense_dtype!r}")
-    dev = resolve_device(device)
+    names = devices_.parse(devices)
+    if names is not None and len(names) > 1:
+        dev = resolve_device(str(devices_.torch_device(names[0])))
+        for n in names[1:]:
+            resolve_device(str(devices_.torch_device(n)))
+    else:
+        names = None
+        dev = resolve_device(device)
     root = check_checkpoint(path)
 
     config, experts, dense_bytes = inspect_checkpoint(root, dtype, expert_dtype)
@@ -105,9 +123,17 @@ def load_model(
     if dense_dtype == "int8" and (dev.type != "cpu" or compute_dtype not in (None, torch.bfloat16)):
         raise ConfigError(f"dense_dtype int8: needs bf16 compute on the cpu, got {compute_dtype} on {dev} "
                           "(give --dtype bfloat16, or leave the dense weights as they are)")
-    acc_tier, host_tier, layout = plan_layers(experts, placement, dev)
-    if dev.type == "cuda":
-        _check_cuda_fit(dev, experts, layout, dense_bytes)
+    if names is None:
+        acc_tier, host_tier, layout = plan_layers(experts, placement, dev)
+        parts = {layer: [lay] for layer, lay in layout.items()}
+        names = [acc_tier]
+    else:
+        host_tier, parts = devices_.plan_devices(experts, placement, names)
+        layout = {layer: ([e for p, _ in ps for e in p], sum(n for _, n in ps)) for layer, ps in parts.items()}
+    for i, n in enumerate(names):
+        d = devices_.torch_device(n) if len(names) > 1 else dev
+        if d.type == "cuda":
+            _check_cuda_fit(d, experts, {layer: ps[i] for layer, ps in parts.items()}, dense_bytes if i == 0 else 0)
 
     register()
     stored: dict = {}
@@ -169,7 +195,8 @@ def load_model(
             model = architecture.text_path(architecture.model_class(config).from_pretrained(root, **kwargs))
     model.eval()
 
-    executor = Executor(dev, policy, (acc_tier, host_tier), hybrid_threshold)
+    executor = Executor(dev, policy, (names[0], host_tier), hybrid_threshold)
+    executor.device_tiers = tuple(names)
     modules = dict(model.named_modules())
     _, others = architecture.experts_modules(model)
     for name in others:  # experts the text path never routes to: resident, transformers' own forward
@@ -192,9 +219,16 @@ def load_model(
     if dev.type != "cpu":
         model.to(dev)  # non-expert weights only: the experts were detached above
     for info, module, store in stores:
-        pinned, dynamic = layout[info.layer]
-        cache = SlotCache(store, pinned, dynamic, dev, alias_pinned=dev.type == "cpu")
-        executor.attach(module, info.layer, store, cache)
+        (pinned, dynamic), *more = parts[info.layer]
+        cache = SlotCache(store, pinned, dynamic, dev, alias_pinned=dev.type == "cpu",
+                          more=[(devices_.torch_device(n), p, d) for n, (p, d) in zip(names[1:], more)])
+        state = executor.attach(module, info.layer, store, cache)
+        if cold_dtype is not None:
+            try:
+                state.cold = cold_copy(store, module, vocab.EXPERT_DTYPES[cold_dtype])
+            except ValueError as e:
+                raise ConfigError(f"cold_dtype {cold_dtype}: {e}; it lowers float experts only") from None
+    executor.cold_dtype = cold_dtype
     executor.finish_setup()
     family = families.family_of(getattr(model.config, "model_type", ""))
     for _, module, _ in stores:  # the experts' gate as the registry names it (dispatch.py fuses clamped_swiglu)

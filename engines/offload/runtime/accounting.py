@@ -1,8 +1,9 @@
 """Statistics: the executor's counters, attributed to the sequences of each forward, summed per request and engine.
 
     snapshot(executor) before a forward, again after --Accounting.book(scheduled, before, token_stats)-->
-      each sequence's GenerationStats: hits and host pairs per token (token_stats [T, 2] when the forward held
-      several sequences), misses by routed pairs, copied bytes and stage times shared equally
+      each sequence's GenerationStats: hits and host pairs per token (token_stats [T, D + 1] when the forward held
+      several sequences: hits on each of D accelerators, then host pairs), misses by routed pairs, copied bytes and
+      stage times shared equally
     finished request --Accounting.finalise--> its hit rate per tier, then summed into ``total`` (the engine's)
 
 T tokens of the forward; every token routes the same number of (token, expert) pairs.
@@ -12,15 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from moe_offload.engines.base import GenerationStats
 
 
 def snapshot(executor) -> tuple:
-    """(hits, misses, host pairs, bytes copied, stage seconds, disk tier counters) so far: cheap enough to take every
-    step. The disk counters ({} without a disk tier) carry stall_ms."""
+    """(hits, misses, host pairs, bytes copied, stage seconds, disk tier counters, hits per accelerator) so far:
+    cheap enough to take every step. The disk counters ({} without a disk tier) carry stall_ms; hits per accelerator
+    is {} with one."""
     st = getattr(executor, "stats", None)
     if st is None:
-        return (0, 0, 0, 0, {}, {})
+        return (0, 0, 0, 0, {}, {}, {}, {})
     t = st.totals()
     stage = dict(st.stage_s)
     stage["other"] = st.forward_s - sum(stage.values())
@@ -28,7 +32,22 @@ def snapshot(executor) -> tuple:
     if getattr(st, "disk", None) is not None:
         disk = dict(st.disk.counts)
         disk["stall_ms"] = st.disk.stall_s * 1000
-    return (t["hits"], t["misses"], t["host_tokens"], t["bytes_copied"], stage, disk)
+    per = st.hits_by_device() if hasattr(st, "hits_by_device") else {}
+    copied = st.copied_by_device() if per else {}
+    return (t["hits"], t["misses"], t["host_tokens"], t["bytes_copied"], stage, disk, per, copied)
+
+
+def _all_ranks(hits, misses, host, copied, token_stats, n_tok: int, n_seq: int):
+    """One forward's counters summed over the ranks of expert parallel (every rank books the same forwards)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([hits, misses, host, copied], dtype=torch.int64)
+    dist.all_reduce(t)
+    if n_seq > 1:
+        token_stats = token_stats if token_stats is not None else torch.zeros(n_tok, 2, dtype=torch.int64)
+        token_stats = token_stats.clone()
+        dist.all_reduce(token_stats)
+    return (*(int(v) for v in t.tolist()), token_stats)
 
 
 class Accounting:
@@ -49,22 +68,30 @@ class Accounting:
         hits, misses, host, copied = (after[i] - before[i] for i in range(4))
         stage = {k: v - before[4].get(k, 0.0) for k, v in after[4].items()}
         disk = {k: v - before[5].get(k, 0) for k, v in after[5].items()}
+        per = {k: v - before[6].get(k, 0) for k, v in after[6].items()}  # several accelerators: hits on each
+        per_copied = {k: v - before[7].get(k, 0) for k, v in after[7].items()}  # and bytes copied into each
         acc = executor.tier_names[0]
         n_seq, n_tok = len(scheduled), sum(n for _, n in scheduled)
+        if getattr(executor, "ep", None) is not None:  # expert parallel: every rank's pairs (parallel.py)
+            hits, misses, host, copied, token_stats = _all_ranks(hits, misses, host, copied, token_stats, n_tok, n_seq)
         q = 0
         for i, (seq, n) in enumerate(scheduled):
             st = seq.payload.stats
             if n_seq == 1:
-                h, m, ho = hits, misses, host
-            else:
-                rows = token_stats[q : q + n].sum(dim=0).tolist() if token_stats is not None else (0, 0)  # [2]
-                h, ho = int(rows[0]), int(rows[1])
+                h, m, ho, mine = hits, misses, host, per
+            else:  # [D + 1]: hits on each accelerator, host pairs
+                rows = token_stats[q : q + n].sum(dim=0).tolist() if token_stats is not None else [0] * (len(per) + 2)
+                h, ho = int(sum(rows[:-1])), int(rows[-1])
+                mine = dict(zip(per, rows)) if per else {}
                 m = (hits + misses) * n // n_tok - h  # every token routes the same number of pairs
             q += n
             st.hits += h
             st.misses += m
             st.host_expert_tokens += ho
-            st.bytes_moved[acc] = st.bytes_moved.get(acc, 0) + copied // n_seq + (copied % n_seq if i == 0 else 0)
+            for k, v in mine.items():
+                st.tier_hits[k] = st.tier_hits.get(k, 0) + int(v)
+            for tier, b in (per_copied or {acc: copied}).items():  # copies serve the whole step: shared equally
+                st.bytes_moved[tier] = st.bytes_moved.get(tier, 0) + b // n_seq + (b % n_seq if i == 0 else 0)
             for k, v in stage.items():
                 st.stage_ms[k] = st.stage_ms.get(k, 0.0) + v * 1000 / n_seq
             for k, v in disk.items():  # reads serve the whole step: shared equally
@@ -86,3 +113,6 @@ class Accounting:
             acc, host = self.tier_names
             routed = s.hits + s.misses
             s.hit_rate_by_tier = {acc: s.hits / routed if routed else 0.0, host: s.misses / routed if routed else 0.0}
+            if s.tier_hits:  # several accelerators: each one's share
+                s.hit_rate_by_tier = {**{k: v / routed if routed else 0.0 for k, v in s.tier_hits.items()},
+                                      host: s.hit_rate_by_tier[host]}

@@ -26,10 +26,10 @@ BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "expert_dty
                  "host_memory", "prefetch",
                  "block_size",
                  "kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "speculative",
-                 "tail_skip")
+                 "tail_skip", "cold_dtype", "devices", "tensor_parallel")
 
 
-def _placement(path: Path, placement, fraction, policy: str, backend: str, dtype: str | None = None):
+def _placement(path: Path, placement, fraction, policy: str, backend: str, dtype: str | None = None, devices=None):
     """control.resolve with what it needs from this checkpoint and backend (read only when a fraction decides)."""
     from moe_offload.control.resolve import resolve_placement
 
@@ -44,13 +44,31 @@ def _placement(path: Path, placement, fraction, policy: str, backend: str, dtype
 
     def tiers():
         from moe_offload.backends import get_backend
+        from moe_offload.engines.offload.loading.devices import device_tiers
 
-        return get_backend(backend).tiers()
+        found = get_backend(backend).tiers()
+        return device_tiers(devices, found) if devices else found
 
-    return resolve_placement(placement, fraction, policy, spec=spec, tiers=tiers)
+    return resolve_placement(placement, fraction, policy, spec=spec, tiers=tiers, devices=devices)
 
 
 FLOOR_CONTEXT = 4096  # tokens of the smallest KV budget when max_model_len is not given (capped by the model's)
+
+
+def _check_parallel(tensor_parallel, device: str, devices, tail_skip) -> int:
+    """The number of ranks (1: one process); ConfigError for what expert parallel does not combine with."""
+    if tensor_parallel is None or tensor_parallel == 1:
+        return 1
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ConfigError(f"tensor_parallel: expected a number of ranks >= 1, got {tensor_parallel!r}")
+    if torch.device(device).type != "cpu":
+        raise ConfigError("tensor_parallel on CUDA (NCCL ranks, one GPU each) is not built yet; "
+                          "--devices cuda:0,cuda:1 spreads experts over GPUs in one process")
+    if devices is not None:
+        raise ConfigError("tensor_parallel with --devices: give one or the other")
+    if tail_skip is not None:
+        raise ConfigError("tail_skip with tensor_parallel: a rank does not know which experts the others hold")
+    return tensor_parallel
 
 
 def kv_floor(path: Path, dtype: str | None, max_model_len: int | None) -> tuple[int, int]:
@@ -70,9 +88,10 @@ def kv_floor(path: Path, dtype: str | None, max_model_len: int | None) -> tuple[
     return size, tokens
 
 
-def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheConfig, device: str):
+def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheConfig, device: str, cold_dtype=None):
     """hostmem.plan_host for this checkpoint, weights first: its experts' and dense weights' bytes as the engine will
-    hold them, the KV budget bounded below by one full-context sequence (kv_floor)."""
+    hold them (with ``cold_dtype``, their lower-precision copy too), the KV budget bounded below by one full-context
+    sequence (kv_floor)."""
     from moe_offload.engines.offload.loading.inspection import inspect_checkpoint
     from moe_offload.hostmem import plan_host, runtime_reserve
 
@@ -81,10 +100,17 @@ def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheC
     _, experts, dense = inspect_checkpoint(path, dtype, expert_dtype)
     on_cpu = torch.device(device).type == "cpu"
     floor, tokens = kv_floor(path, dtype, kv_config.max_model_len) if on_cpu else (0, 0)
-    plan = plan_host(sum(i.expert_bytes * i.num_experts for i in experts), dense, host_memory=host_memory,
+    expert_bytes = sum(i.expert_bytes * i.num_experts for i in experts)
+    if cold_dtype is not None:  # the cold copy lives beside the experts in host memory
+        try:
+            cold = inspect_checkpoint(path, dtype, cold_dtype)[1]
+        except ConfigError as e:  # e.g. MXFP4 experts: quantized already
+            raise ConfigError(f"cold_dtype {cold_dtype}: {e}; it lowers float experts only") from None
+        expert_bytes += sum(i.expert_bytes * i.num_experts for i in cold)
+    plan = plan_host(expert_bytes, dense, host_memory=host_memory,
                      kv_asked=kv_config.kv_cache_memory, dense_on_host=on_cpu, kv_default=DEFAULT_KV_HOST if on_cpu else 0,
                      kv_floor=floor, reserve=runtime_reserve())
-    if plan.host_cache is None and on_cpu:
+    if plan.host_cache is None and on_cpu and cold_dtype is None:  # (a cold copy is made from experts in memory)
         from moe_offload.engines.offload.loading.convert import existing_store
 
         if existing_store(str(path), dtype, expert_dtype) is not None:
@@ -132,6 +158,10 @@ def build_offload_engine(
     prefetch: bool = True,
     speculative=None,
     tail_skip: int | None = None,
+    cold_dtype: str | None = None,
+    devices=None,
+    tensor_parallel: int | None = None,
+    expert_parallel: tuple[int, int] | None = None,
     **unknown,
 ) -> OffloadEngine:
     """Load ``model_path`` (default: the demo model, built on first use) with the offload executor.
@@ -149,6 +179,12 @@ def build_offload_engine(
     read the next layer's predicted experts ahead (disk tier only). speculative: a SpeculativeConfig, its JSON text
     or mapping (vLLM's --speculative-config), or None (off). tail_skip: APPROXIMATE, off by default: a token's
     routed experts ranked tail_skip or lower (0-based by router weight) are skipped when not resident (>= 1).
+    cold_dtype: APPROXIMATE, off by default: "int8" | "int4", misses computed on the host from a copy in that format.
+    devices: several accelerators ("cuda:0,cuda:1", "cpu,cpu" to exercise it on the CPU), each a tier of its own:
+    a fraction's slots are split over them (loading/devices.py); the first runs the dense layers (``device`` then
+    follows it). tensor_parallel: N > 1 ranks on torch.distributed (gloo on the CPU), each computing every layer's
+    experts e with e mod N == its rank (runtime/parallel.py); this process is rank 0 and drives the others.
+    expert_parallel: (rank, world) of one rank (set by parallel.py, not by users).
     """
     if unknown:
         raise ConfigError(f"unknown engine option(s) {', '.join(sorted(unknown))}; valid: {', '.join(BUILD_OPTIONS)}")
@@ -158,10 +194,20 @@ def build_offload_engine(
     kv_config = KVCacheConfig(block_size, kv_cache_memory, max_model_len)  # validated before the model loads
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
     speculative = SpeculativeConfig.parse(speculative)
+    if cold_dtype is not None and cold_dtype not in ("int8", "int4"):
+        raise ConfigError(f"cold_dtype: expected int8 or int4, got {cold_dtype!r}")
     if tail_skip is not None and (isinstance(tail_skip, bool) or not isinstance(tail_skip, int) or tail_skip < 1):
         raise ConfigError(f"tail_skip: expected a rank >= 1 (a token's top expert is never skipped), got {tail_skip!r}")
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
+    from moe_offload.engines.offload.loading.devices import parse, torch_device
+
+    devices = parse(devices)
+    if devices is not None and len(devices) > 1:
+        device = str(torch_device(devices[0]))
+    else:
+        devices = None
+    world = _check_parallel(tensor_parallel, device, devices, tail_skip)
     from moe_offload.engines.offload.loading.inspection import check_checkpoint
     from moe_offload.engines.offload.loading.loader import load_model
 
@@ -170,16 +216,31 @@ def build_offload_engine(
 
         model_path = default_model()
     path = check_checkpoint(str(Path(model_path).expanduser()))
-    plan = _host_plan(path, dtype, expert_dtype, host_memory, kv_config, device)
+    plan = _host_plan(path, dtype, expert_dtype, host_memory, kv_config, device, cold_dtype)
+    if world > 1 and expert_parallel is None:  # rank 0: start the others, each with this process's KV budget
+        from moe_offload.engines.offload.runtime import parallel
+
+        return parallel.launch(world, build_offload_engine, str(path), placement, dict(
+            device=device, backend=backend, policy=policy, fraction=fraction, dtype=dtype,
+            hybrid_threshold=hybrid_threshold, cache=cache, block_size=block_size,
+            kv_cache_memory=plan.kv_bytes if plan.kv_bytes is not None else kv_cache_memory,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            expert_dtype=expert_dtype, dense_dtype=dense_dtype, host_memory=host_memory, prefetch=prefetch,
+            speculative=speculative, cold_dtype=cold_dtype))
     if plan.kv_bytes is not None:
         kv_config = dataclasses.replace(kv_config, kv_cache_memory=plan.kv_bytes)
     if (plan.host_cache is not None and plan.host_cache < sys.maxsize and fraction is None and placement is None
             and torch.device(device).type == "cpu"):
         fraction = 0.0  # a CPU accelerator's pinned experts would hold host slots for good: the cache decides
-    resolved = _placement(path, placement, fraction, policy, backend, dtype)
+    resolved = _placement(path, placement, fraction, policy, backend, dtype, devices)
+    if expert_parallel is not None:
+        from moe_offload.engines.offload.runtime.parallel import share
+
+        resolved = share(resolved, *expert_parallel)
     offloaded = load_model(
         str(path), resolved, policy=policy, device=device, dtype=dtype, hybrid_threshold=hybrid_threshold,
         expert_dtype=expert_dtype, dense_dtype=dense_dtype, host_cache=plan.host_cache, prefetch=prefetch,
+        cold_dtype=cold_dtype, devices=devices,
     )
     if torch.device(device).type == "cpu":
         from moe_offload.engines.offload.kernels import jit
@@ -192,6 +253,8 @@ def build_offload_engine(
                 reason=jit.info().get("error") or "disabled", fix="reinstall with a compiler (scripts/setup.sh)")
     if tail_skip is not None:
         offloaded.executor.tail_skip = tail_skip
+    if expert_parallel is not None:
+        offloaded.executor.ep = tuple(expert_parallel)
     engine = OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache,
                            kv_config=kv_config, scheduler=sched, speculative=speculative)
     engine.memory_plan = plan.split()

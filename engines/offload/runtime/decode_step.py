@@ -189,6 +189,8 @@ def _refuse(executor, items) -> str:
     is the kernels' (a shared expert they take, the router fused or DeepSeek-V3's), a dense layer's mlp_rows args)."""
     if executor.device.type != "cpu":
         return "not a CPU executor"
+    if getattr(executor, "ep", None) is not None:
+        return "expert parallel: every layer's rows are summed over the ranks"
     for idx, state, glue_ok, dense in items:
         if state is None:
             if dense is None:

@@ -18,7 +18,9 @@ scheduler. Building from a checkpoint: build.py.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +54,21 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
             if isinstance(v, int) and v >= 0 and v not in found:
                 found.append(v)
     return tuple(found)
+
+
+def seeded(params):
+    """``params`` with a seed when it samples without one (every rank must draw the same tokens)."""
+    if params.temperature and params.temperature > 0 and params.seed is None:
+        return dataclasses.replace(params, seed=random.getrandbits(63))
+    return params
+
+
+def approximate_label(executor) -> str:
+    """The engine's opt-in approximate modes as one label ("cold_dtype=int8,tail_skip=3"), "" when exact."""
+    parts = [f"cold_dtype={executor.cold_dtype}"] if getattr(executor, "cold_dtype", None) else []
+    if getattr(executor, "tail_skip", None):
+        parts.append(f"tail_skip={executor.tail_skip}")
+    return ",".join(parts)
 
 
 class OffloadEngine(Engine):
@@ -117,19 +134,29 @@ class OffloadEngine(Engine):
             policy=str(getattr(offloaded, "policy", "") or ""),
             predicted_hit_rate=dict(getattr(placement, "predicted_hit_rate", {}) or {}),
             features=frozenset(ENGINE_FEATURES),
-            approximate=f"tail_skip={self.executor.tail_skip}" if getattr(self.executor, "tail_skip", None) else "",
+            approximate=approximate_label(self.executor),
         )
         self.memory_plan: dict[str, Any] | None = None  # the host memory split (hostmem.HostPlan.split; build.py)
         self._llg = None  # llguidance's tokenizer, built at the first structured-output request
-        self._next_sid = 0
+        self.next_sid = 0  # the next sequence's id (the ranks of expert parallel number theirs alike)
         self._steps = 0
         self._closed = False
+        self.ranks = None  # expert parallel's rank 0 (parallel.Leader): each call is replayed on the other ranks
 
     # -- the contract ---------------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         return self.start(prompt_ids, params)
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        if self.ranks is None:
+            return self._start(prompt_ids, params)
+        with self.ranks.lock:  # added here and on every rank in the same order
+            params = seeded(params)
+            gen = self._start(prompt_ids, params)
+            self.ranks.send(("start", list(prompt_ids), params))
+            return gen
+
+    def _start(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         if self._closed:
             raise ConfigError("engine is closed")
         prompt = list(prompt_ids)
@@ -138,14 +165,21 @@ class OffloadEngine(Engine):
                               eos_ids=self.info.eos_token_ids, matcher=self._matcher(params))
         stops = frozenset(state.stop_ids)  # stop_token_ids, and EOS unless ignore_eos
         stats = GenerationStats(prompt_tokens=len(prompt))
-        seq = Seq(self._next_sid, prompt, len(prompt), len(prompt) + params.max_tokens)
-        self._next_sid += 1
+        seq = Seq(self.next_sid, prompt, len(prompt), len(prompt) + params.max_tokens)
+        self.next_sid += 1
         gen = Generation(None, stats, [] if params.logprobs is not None else None,
                          [] if params.prompt_logprobs is not None else None,
-                         drive=self._drive, on_close=lambda: self.output.finish(seq, "abort"))
+                         drive=self._drive, on_close=lambda: self._abort(seq))
         seq.payload = Request(params, gen, stats, stops, state)
         self.scheduler.add(seq)
         return gen
+
+    def _abort(self, seq) -> None:
+        if self.ranks is None:
+            return self.output.finish(seq, "abort")
+        with self.ranks.lock:  # the ranks abort it before their next step
+            self.output.finish(seq, "abort")
+            self.ranks.aborted.append(seq.sid)
 
     def _matcher(self, params: SamplingParams):
         if params.structured is None:
@@ -183,12 +217,16 @@ class OffloadEngine(Engine):
             d["speculative"] = self.speculative.to_dict() | self.accounting.total.spec_summary()
         if self.info.approximate:
             d["approximate"] = {"mode": self.info.approximate, "skipped_pairs": getattr(self.executor, "skipped", 0)}
+        if self.ranks is not None and not self._closed:  # expert parallel: each rank's own experts' numbers
+            d["ranks"] = self.ranks.rank_stats(self.executor.stats.snapshot())
         return d
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.ranks is not None:
+            self.ranks.close()
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             seq.payload.gen.done = True
             self.scheduler.finish(seq)
@@ -204,6 +242,14 @@ class OffloadEngine(Engine):
         """Run one forward over the scheduled tokens of every running sequence; False when there is nothing to do."""
         if self._closed:
             return False
+        if self.ranks is not None:
+            with self.ranks.lock:  # every rank runs this step, after the aborts since the last
+                self.ranks.send(("step", self.ranks.aborted[:]))
+                self.ranks.aborted.clear()
+                return self._step()
+        return self._step()
+
+    def _step(self) -> bool:
         if self.proposer is not None:
             self._draft()
         out = self.scheduler.schedule()

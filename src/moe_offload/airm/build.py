@@ -37,7 +37,8 @@ def engine_options(cfg) -> dict[str, Any]:
                    block_size=cfg.block_size, kv_cache_memory=parse_size(kv, "kv_cache_memory") if kv is not None else None,
                    expert_dtype=cfg.expert_dtype, dense_dtype=cfg.dense_dtype,
                    host_memory=parse_size(host, "host_memory") if host is not None else None,
-                   speculative=cfg.speculative or None, tail_skip=cfg.tail_skip)
+                   speculative=cfg.speculative or None, tail_skip=cfg.tail_skip, cold_dtype=cfg.cold_dtype,
+                   devices=cfg.devices, tensor_parallel=cfg.tensor_parallel)
 
 
 def build(cfg, log):
@@ -49,6 +50,10 @@ def build(cfg, log):
         backend = backends.get_backend(cfg.backend_name) if cfg.backend_name else backends.best_available()
         backend.require()
         tiers = backend.tiers()
+        if cfg.devices:  # several accelerators: one tier each
+            from moe_offload.control.devices import device_tiers, parse
+
+            tiers = device_tiers(parse(cfg.devices), tiers)
         log_tiers(tiers, log)
         model = cfg.model
         if not model and backend.name in ("cpu", "cuda"):

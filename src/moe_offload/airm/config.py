@@ -36,6 +36,9 @@ class RunConfig:
     dense_dtype: str | None = None  # int8 | bf16 (cpu offload engine: dense linears and LM head; None: as loaded)
     speculative: str | None = None  # cpu/cuda: vLLM's speculative config (JSON), e.g. {"num_speculative_tokens": 3}
     tail_skip: int | None = None  # cpu/cuda, APPROXIMATE: skip non-resident experts ranked this or lower (0-based)
+    cold_dtype: str | None = None  # cpu/cuda, APPROXIMATE: int8 | int4 copy that misses are computed from
+    devices: str | None = None  # cpu/cuda: several accelerators, e.g. "cuda:0,cuda:1" (each a tier of its own)
+    tensor_parallel: int | None = None  # cpu: ranks on torch.distributed, each with its share of the experts
     engine: str | None = None  # external engine binary (rngd)
     data: str | None = None  # the external engine's input directory
     role: str = "worker"
@@ -118,6 +121,19 @@ class RunConfig:
             raise ContractError("config.dense_dtype", "int8 | bf16", self.dense_dtype)
         if self.tail_skip is not None and self.tail_skip < 1:
             raise ContractError("config.tail_skip", "a rank >= 1 (the top expert is never skipped)", self.tail_skip)
+        if self.cold_dtype is not None and self.cold_dtype not in ("int8", "int4"):
+            raise ContractError("config.cold_dtype", "int8 | int4", self.cold_dtype)
+        if self.tensor_parallel is not None and (isinstance(self.tensor_parallel, bool)
+                                                 or not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1):
+            raise ContractError("config.tensor_parallel", "a number of ranks >= 1", self.tensor_parallel)
+        if self.devices is not None:
+            from moe_offload.control.devices import parse
+            from moe_offload.errors import ConfigError
+
+            try:
+                parse(self.devices)
+            except ConfigError as e:
+                raise ContractError("config.devices", "a list such as cuda:0,cuda:1", self.devices) from e
         if self.speculative is not None:
             from moe_offload.engines.params import SpeculativeConfig
             from moe_offload.errors import ConfigError

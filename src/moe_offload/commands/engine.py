@@ -8,11 +8,15 @@ from pathlib import Path
 import click
 
 from moe_offload.commands.options import (
+    COLD_DTYPE_CHOICE,
+    COLD_DTYPE_HELP,
     DENSE_DTYPE_CHOICE,
+    DEVICES_HELP,
     EXPERT_DTYPE_CHOICE,
     POLICY_CHOICE,
     SPECULATIVE_HELP,
     TAIL_SKIP_HELP,
+    TENSOR_PARALLEL_HELP,
     emit,
 )
 from moe_offload.errors import ConfigError, ModelError
@@ -77,7 +81,8 @@ def _engine_options(fn):
 def _build(model: Path, backend: str, policy: str, fraction: float | None, placement: str | None, dtype: str | None,
            expert_dtype: str | None = None, dense_dtype: str | None = None, host_memory: str | None = None,
            no_prefetch: bool = False, kv_cache_memory: str | None = None, max_model_len: int | None = None,
-           speculative: str | None = None, tail_skip: int | None = None):
+           speculative: str | None = None, tail_skip: int | None = None, cold_dtype: str | None = None,
+           devices: str | None = None, tensor_parallel: int | None = None):
     from moe_offload.backends import get_backend
 
     if fraction is not None and not 0.0 <= fraction <= 1.0:
@@ -107,6 +112,14 @@ def _build(model: Path, backend: str, policy: str, fraction: float | None, place
         options["speculative"] = SpeculativeConfig.parse(speculative)  # checked before the model loads
     if tail_skip is not None:
         options["tail_skip"] = tail_skip
+    if cold_dtype:
+        options["cold_dtype"] = cold_dtype
+    if devices:
+        from moe_offload.control.devices import parse
+
+        options["devices"] = parse(devices)  # checked before the model loads
+    if tensor_parallel is not None:
+        options["tensor_parallel"] = tensor_parallel
     return get_backend(backend).build_engine(str(model), placement, **options)
 
 
@@ -145,10 +158,13 @@ def demo_model(out: str | None, seed: int) -> None:
 @click.option("--ignore-eos", is_flag=True, help="Keep going after an end-of-sequence token.")
 @click.option("--speculative-config", help=SPECULATIVE_HELP)
 @click.option("--tail-skip", type=int, metavar="RANK", help=TAIL_SKIP_HELP)
+@click.option("--cold-dtype", type=COLD_DTYPE_CHOICE, help=COLD_DTYPE_HELP)
+@click.option("--devices", help=DEVICES_HELP)
+@click.option("--tensor-parallel", type=click.IntRange(min=1), metavar="N", help=TENSOR_PARALLEL_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the token ids, text and stats as JSON.")
 def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype,
              host_memory, no_prefetch, kv_cache_memory, max_model_len, temperature, top_p, top_k, seed, ignore_eos,
-             speculative_config, tail_skip, as_json) -> None:
+             speculative_config, tail_skip, cold_dtype, devices, tensor_parallel, as_json) -> None:
     """Generate text with the offload engine; stats go to stderr (or into --json)."""
     from moe_offload.engines.params import SamplingParams
 
@@ -158,7 +174,7 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
     path = _model_dir(model)
     _require_tokenizer(path)
     engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype, host_memory, no_prefetch,
-                    kv_cache_memory, max_model_len, speculative_config, tail_skip)
+                    kv_cache_memory, max_model_len, speculative_config, tail_skip, cold_dtype, devices, tensor_parallel)
     try:
         ids = _encode(engine, prompt, chat)
         gen = engine.generate(ids, params)
@@ -181,6 +197,8 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
                    "token_ms": [round(t, 3) for t in s.token_ms],  # each decode step's wall ms, the first ones included
                    "experts": _experts(engine), "memory": getattr(engine, "memory_plan", None),
                    "approximate": engine.stats().get("approximate")}
+            if getattr(engine, "ranks", None) is not None:  # --tensor-parallel: each rank's own experts' numbers
+                out["ranks"] = engine.stats()["ranks"]
             click.echo(json.dumps(out, indent=2))
             return
         click.echo(text[len(shown):] if text.startswith(shown) else "\n" + text)
@@ -192,6 +210,8 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
                    + (f" (speculative: {spec['mean_acceptance_length']:.2f} tokens per step, "
                       f"{spec['acceptance_rate']:.0%} of drafts accepted)" if spec else "")
                    + f", hit rate {s.hit_rate:.0%}"
+                   + (" (" + ", ".join(f"{t} {s.hit_rate_by_tier.get(t, 0):.0%}" for t in s.tier_hits) + ")"
+                      if s.tier_hits else "")
                    + (f" (predicted {', '.join(predicted)})" if predicted else "")
                    + f", host expert tokens {s.host_expert_tokens}, "
                    f"copied {sum(v for k, v in s.bytes_moved.items() if k != 'disk') / 1e6:.1f} MB" + _disk_line(s)

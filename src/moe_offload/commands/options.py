@@ -62,6 +62,15 @@ def prediction_rows(preds) -> list[str]:
 
 TAIL_SKIP_HELP = ("APPROXIMATE (off by default): skip a token's routed experts ranked RANK or lower (0-based by router "
                   "weight: 3 = the 4th and later) when they are not resident; output is labelled approximate.")
+COLD_DTYPE_HELP = ("APPROXIMATE (off by default): experts that miss are computed on the host from an int8 or int4 "
+                   "copy (resident ones stay as stored; the copy costs host memory); output is labelled approximate.")
+COLD_DTYPE_CHOICE = click.Choice(["int8", "int4"])
+DEVICES_HELP = ("Several accelerators, each a tier of its own: cuda:0,cuda:1 (cpu,cpu exercises it on the CPU). The "
+                "fraction's expert slots are split over them, the hottest experts balanced by predicted load; the "
+                "first runs the dense layers. Stats report hits per device.")
+TENSOR_PARALLEL_HELP = ("N ranks on torch.distributed (gloo on the CPU), each computing its share of every layer's experts "
+                        "(expert e on rank e mod N) with 1/N of the cores; this process is rank 0. Output is the "
+                        "one-process output; --json reports each rank's stats.")
 SPECULATIVE_HELP = ("Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
                     "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (prompt lookup) or {\"model\": DIR, "
                     "\"num_speculative_tokens\": 3} (a draft model sharing the tokenizer). Exact: greedy output is "

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import click
 
-from moe_offload.commands.options import DENSE_DTYPE_CHOICE, EXPERT_DTYPE_CHOICE, SPECULATIVE_HELP, TAIL_SKIP_HELP
+from moe_offload.commands.options import (
+    COLD_DTYPE_CHOICE,
+    COLD_DTYPE_HELP,
+    DENSE_DTYPE_CHOICE,
+    DEVICES_HELP,
+    EXPERT_DTYPE_CHOICE,
+    SPECULATIVE_HELP,
+    TAIL_SKIP_HELP,
+    TENSOR_PARALLEL_HELP,
+)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -41,6 +50,9 @@ def _worker_options(fn):
         click.option("--speculative-config", "speculative", help="cpu/cuda: " + SPECULATIVE_HELP
                      + " A request turns it off with \"speculative\": false."),
         click.option("--tail-skip", type=int, metavar="RANK", help="cpu/cuda: " + TAIL_SKIP_HELP),
+        click.option("--cold-dtype", type=COLD_DTYPE_CHOICE, help="cpu/cuda: " + COLD_DTYPE_HELP),
+        click.option("--devices", help="cpu/cuda: " + DEVICES_HELP),
+        click.option("--tensor-parallel", type=click.IntRange(min=1), metavar="N", help="cpu: " + TENSOR_PARALLEL_HELP),
         click.option("--request-timeout", default=600.0, show_default=True, type=float, help="Seconds from arrival to the last token (504 after)."),
         click.option("--max-body-bytes", default=4 * 1024 * 1024, show_default=True, type=int, help="Larger request bodies get 413."),
         click.option("--gateway", "gateway_url", help="Register with this gateway (needs --gateway-token)."),
@@ -61,7 +73,7 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                 mock_hit_rate, engine_bin, engine_data, served_model_name, api_key, max_queue, request_timeout, max_body_bytes, gateway_url,
                 gateway_token, advertise_url, banner: bool, max_num_seqs=None, max_num_batched_tokens=None, kv_cache_memory=None, host_memory=None,
                 max_model_len=None, block_size=None, generation_config: str = "auto", tool_call_parser: str = "auto",
-                speculative=None, tail_skip=None) -> None:
+                speculative=None, tail_skip=None, cold_dtype=None, devices=None, tensor_parallel=None) -> None:
     from moe_offload import backends
     from moe_offload.errors import ConfigError
     from moe_offload.serving import server, worker
@@ -82,6 +94,7 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                                       mock_hit=mock_hit_rate, engine=engine_bin, data=engine_data, max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                       block_size=block_size, speculative=_speculative(speculative), tail_skip=tail_skip,
+                                      cold_dtype=cold_dtype, devices=devices or None, tensor_parallel=tensor_parallel,
                                       kv_cache_memory=parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None,
                                       host_memory=parse_size(host_memory, "--host-memory") if host_memory else None)
     sock = server.bind(host, port)  # before loading the model: a taken port fails fast

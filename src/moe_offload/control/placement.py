@@ -143,9 +143,12 @@ def plan(spec, tiers: Sequence[MemoryTier], slots: Mapping[str, Any], policy: st
     """Placement of ``spec``'s experts on ``tiers``.
 
     ``slots``: per accelerator tier, expert slots per MoE layer (an int, or one int per
-    MoE layer). Accelerator tiers are filled in order, hottest experts first. Without a
-    profile, ``top``/``global``/``mix`` use expert-id order (``Placement.profile`` is None
-    and no hit rate is predicted).
+    MoE layer). One accelerator: its slots take the hottest experts. Several: the hottest
+    experts (as many as they pin together) are dealt out balanced by predicted load, each
+    to the device with the fewest predicted routed pairs so far that has a pin left
+    (longest-processing-time first), so the devices of a layer finish together. Without a
+    profile, ``top``/``global``/``mix`` use expert-id order with equal loads (``Placement.profile``
+    is None and no hit rate is predicted).
 
     ``host_slots``: host DRAM holds this many of each layer's remaining experts and a disk tier
     (the expert store) the rest: three tiers. With a profile the hottest of them are pinned in
@@ -167,13 +170,13 @@ def plan(spec, tiers: Sequence[MemoryTier], slots: Mapping[str, Any], policy: st
     layers = []
     for li, layer in enumerate(spec.moe_layers):
         home = [host] * spec.num_experts
-        nxt = 0  # next expert (by order) not yet pinned
-        for ti, t in enumerate(acc):
+        pins = []
+        for ti in range(len(acc)):
             n = int(table[ti, li])
-            pin = 0 if kind == "lru" else min(pinned_per_tier, n) if kind == "mix" else n
-            for e in order[li, nxt:nxt + pin]:
-                home[int(e)] = t.name
-            nxt += pin
+            pins.append(0 if kind == "lru" else min(pinned_per_tier, n) if kind == "mix" else n)
+        nxt = sum(pins)  # experts (by order) pinned on some accelerator
+        for e, ti in zip(order[li, :nxt].tolist(), _deal(pins, order[li, :nxt], profile and profile.counts[li])):
+            home[e] = acc[ti].name
         lslots = {t.name: int(table[ti, li]) for ti, t in enumerate(acc)}
         rest = [int(e) for e in order[li, nxt:] if home[int(e)] == host]  # hottest first
         if disk is not None and host_slots < len(rest):
@@ -188,6 +191,18 @@ def plan(spec, tiers: Sequence[MemoryTier], slots: Mapping[str, Any], policy: st
         return placement
     return Placement(model=placement.model, tiers=placement.tiers, layers=placement.layers, policy=policy,
                      predicted_hit_rate=hit_rates(profile, placement), profile=profile.source)
+
+
+def _deal(pins: list[int], experts, load) -> list[int]:
+    """The accelerator of each of ``experts`` (hottest first): the one with the least predicted ``load`` (routed
+    pairs; None: one each) so far among those with a pin left, the lower index on a tie."""
+    left, acc_load, out = list(pins), [0.0] * len(pins), []
+    for e in experts:
+        ti = min((t for t in range(len(pins)) if left[t]), key=lambda t: (acc_load[t], t))
+        left[ti] -= 1
+        acc_load[ti] += float(load[int(e)]) if load is not None else 1.0
+        out.append(ti)
+    return out
 
 
 def _with_disk(spec, tiers: list[MemoryTier], host_slots) -> tuple[list[MemoryTier], str]:
@@ -212,9 +227,7 @@ def fraction_slots(spec, fraction: float) -> int:
     """GPU-style sizing: ``fraction`` of each layer's experts, at least top-k (0 stays 0, 1.0 is all)."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
         raise ConfigError(f"fraction: expected a number in 0..1, got {fraction!r}")
-    if fraction == 0:
-        return 0
-    return min(spec.num_experts, max(spec.top_k, round(fraction * spec.num_experts)))
+    return 0 if fraction == 0 else min(spec.num_experts, max(spec.top_k, round(fraction * spec.num_experts)))
 
 
 def for_miss_policy(miss_policy: str, slots: int, num_experts: int) -> str:
@@ -227,11 +240,17 @@ def for_miss_policy(miss_policy: str, slots: int, num_experts: int) -> str:
 
 
 def from_fraction(spec, tiers: Sequence[MemoryTier], fraction: float, policy: str = "top", profile=None,
-                  seed: int = 0) -> Placement:
-    """Placement with ``fraction`` of every layer's experts on the first accelerator tier."""
+                  seed: int = 0, devices: Sequence[str] | None = None) -> Placement:
+    """Placement with ``fraction`` of every layer's experts on the accelerator tiers: the first one's, or with
+    ``devices`` (tier names) split over those, evenly (the first ones take the remainder)."""
     full, _ = _with_host(spec, tiers)
-    first = accelerator_tiers(full)[0]
-    return plan(spec, full, {first.name: fraction_slots(spec, fraction)}, policy=policy, profile=profile, seed=seed)
+    if not devices:
+        first = accelerator_tiers(full)[0]
+        return plan(spec, full, {first.name: fraction_slots(spec, fraction)}, policy=policy, profile=profile, seed=seed)
+    total, n = fraction_slots(spec, fraction), len(devices)
+    slots = {d: total // n + (i < total % n) for i, d in enumerate(devices)}
+    policy = f"mix:{parse_policy(policy)[1] // n}" if policy.startswith("mix") else policy  # H in all: H // n each
+    return plan(spec, full, slots, policy=policy, profile=profile, seed=seed)
 
 
 # ---- predicted and replayed hit rates ---------------------------------------------------------------

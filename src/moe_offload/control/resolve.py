@@ -4,7 +4,8 @@
                path of a placement JSON --Placement.from_json-----------------------> it
     None + fraction 0..1 (default 1.0) + miss policy (static | lru | hybrid)
       --spec() (the checkpoint's MoE layers), tiers() (the backend's)-->
-      placement.from_fraction: fraction of each layer's experts in slots of the first accelerator tier, pinned
+      placement.from_fraction: fraction of each layer's experts in slots of the first accelerator tier (or split
+      over ``devices``, several accelerators), pinned
       or dynamic as the miss policy needs (placement.for_miss_policy)
 
 ``spec`` and ``tiers`` are called only when a fraction decides: reading a checkpoint or a device costs, and a
@@ -24,9 +25,10 @@ from rm_core import MemoryTier, Placement
 
 
 def resolve_placement(placement, fraction, policy: str, *, spec: Callable[[], ModelSpec],
-                      tiers: Callable[[], Sequence[MemoryTier]]) -> Placement:
+                      tiers: Callable[[], Sequence[MemoryTier]], devices: Sequence[str] | None = None) -> Placement:
     """The placement to load. ``placement``: an rm_core.Placement, a JSON file path, or None (then ``fraction``,
-    0..1 of each layer's experts resident, default 1.0); not both. ``policy``: the engine's miss policy."""
+    0..1 of each layer's experts resident, default 1.0); not both. ``policy``: the engine's miss policy.
+    ``devices``: accelerator tier names (several accelerators) the fraction's slots are split over."""
     if placement is not None and fraction is not None:
         raise ConfigError("give either a placement or a fraction, not both")
     if isinstance(placement, Placement):
@@ -46,7 +48,8 @@ def resolve_placement(placement, fraction, policy: str, *, spec: Callable[[], Mo
         raise ConfigError(f"fraction: expected a number in 0..1, got {fraction!r}")
     model = spec()
     slots = plan.fraction_slots(model, float(fraction))
-    return plan.from_fraction(model, tiers(), float(fraction), plan.for_miss_policy(policy, slots, model.num_experts))
+    return plan.from_fraction(model, tiers(), float(fraction), plan.for_miss_policy(policy, slots, model.num_experts),
+                              devices=devices)
 
 
 __all__ = ["resolve_placement"]

@@ -1,0 +1,130 @@
+"""Expert parallel on this machine (issue 33): `--tensor-parallel 2` (two ranks, one thread each, gloo) against one
+process with two threads, decode ms/token on the benchmark model.
+
+    python bench/bench_parallel.py --model-dir /tmp/benchmodel             # 3 interleaved rounds, 64 tokens
+    python bench/bench_parallel.py --model-dir /tmp/benchmodel --quick     # 1 round, 16 tokens
+
+Each configuration runs in a fresh Python process (start-up, rank launch and the first tokens included in its wall
+time; decode ms/token as the engine measures it, the mean over the decode steps), all experts resident, bf16, greedy
+from a 32-token prompt. The benchmark model is bench_engine.py's (built there when --model-dir is empty).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RUN = r"""
+import json, sys, time, torch
+t0 = time.perf_counter()
+from moe_offload.engines.offload.runtime.build import build_offload_engine
+from moe_offload.engines.params import SamplingParams
+opts = json.loads(sys.argv[2])
+threads = opts.pop("threads")
+torch.set_num_threads(threads)
+if opts.get("tensor_parallel"):
+    from moe_offload.engines.offload.runtime import parallel
+    parallel.THREADS = threads
+e = build_offload_engine(sys.argv[1], dtype="bfloat16", fraction=1.0, **opts)
+t1 = time.perf_counter()
+g = e.generate(list(range(100, 132)), SamplingParams(max_tokens=int(sys.argv[3]), ignore_eos=True))
+toks = list(g)
+t2 = time.perf_counter()
+s = g.stats
+print(json.dumps({"load_s": t1 - t0, "generate_s": t2 - t1, "decode_ms": s.decode_ms_per_token,
+                  "prefill_ms": s.prefill_ms, "tokens": toks}))
+e.close()
+"""
+
+LATENCY = r"""
+import sys, time, torch, torch.distributed as dist
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+out = {}
+for name, x in (("all_reduce fp32 [8, 1024] (a decode layer's rows)", torch.randn(8, 1024)),
+                ("all_reduce int64 [4] (a step's counters)", torch.zeros(4, dtype=torch.int64))):
+    for _ in range(50):
+        dist.all_reduce(x)
+    t = time.perf_counter()
+    for _ in range(500):
+        dist.all_reduce(x)
+    out[name] = (time.perf_counter() - t) / 500 * 1e6
+t = time.perf_counter()
+for _ in range(200):
+    dist.broadcast_object_list([("step", [])] if rank == 0 else [None], src=0)
+out["broadcast_object_list (a step command)"] = (time.perf_counter() - t) / 200 * 1e6
+if rank == 0:
+    print(out)
+dist.destroy_process_group()
+"""
+
+
+def gloo_latency() -> dict:
+    """Mean microseconds of the collectives a decode step makes, two ranks on this machine, one thread each."""
+    import ast
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", LATENCY, str(r), str(port)], stdout=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outs = [p.communicate()[0] for p in procs]
+    return ast.literal_eval(outs[0].strip().splitlines()[-1])
+
+
+CONFIGS = (("one process, 2 threads", {"threads": 2}),
+           ("--tensor-parallel 2, 1 thread per rank", {"threads": 1, "tensor_parallel": 2}),
+           ("--tensor-parallel 2, 2 threads per rank (oversubscribed)", {"threads": 2, "tensor_parallel": 2}))
+
+
+def run(model: Path, opts: dict, tokens: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", RUN, str(model), json.dumps(opts), str(tokens)], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).parent))
+    if not (a.model_dir / "config.json").exists():
+        import bench_engine
+
+        bench_engine.build_model(a.model_dir)
+    from bench_engine import read_bandwidth
+
+    rounds, tokens = (1, 16) if a.quick else (3, 64)
+    bw = read_bandwidth()
+    results = {name: [] for name, _ in CONFIGS}
+    for _ in range(rounds):  # interleaved: both see the same machine
+        for name, opts in CONFIGS:
+            results[name].append(run(a.model_dir, dict(opts), tokens))
+    ref = results[CONFIGS[0][0]]
+    same = all(r["tokens"] == ref[0]["tokens"] for rs in results.values() for r in rs)
+    base = statistics.median(r["decode_ms"] for r in ref)
+    print(f"# Expert parallel on this machine\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"{bw / 1e9:.1f} GB/s memory read bandwidth, {rounds} interleaved rounds, {tokens} tokens after a 32-token "
+          f"prompt, bf16, all experts resident; greedy tokens identical across configurations: {same}\n")
+    print("| configuration | decode ms/token (median) | vs one process | prefill ms | load s | generate s |")
+    print("|---|---|---|---|---|---|")
+    for name, rs in results.items():
+        d = statistics.median(r["decode_ms"] for r in rs)
+        print(f"| {name} | {d:.1f} | {d / base:.2f}x | {statistics.median(r['prefill_ms'] for r in rs):.0f} | "
+              f"{statistics.median(r['load_s'] for r in rs):.1f} | {statistics.median(r['generate_s'] for r in rs):.2f} |")
+    print("\n| gloo collective, 2 ranks on this machine | mean us |\n|---|---|")
+    for name, us in gloo_latency().items():
+        print(f"| {name} | {us:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

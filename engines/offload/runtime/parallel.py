@@ -1,0 +1,203 @@
+"""Expert parallel on torch.distributed (``--tensor-parallel N``): N ranks, each computing its share of every layer's
+experts, in lockstep with rank 0.
+
+    worker / generate process = rank 0: the API, the scheduler, sampling
+        --("start", prompt, params) | ("step", aborted sids) | ("stats",) | ("close",)  (broadcast_object_list)-->
+    ranks 1..N-1 (python -m moe_offload.engines.offload.runtime.rank): the same engine calls in the same order
+    every MoE layer, on every rank: its own experts' rows of [S, H] (the others zero)
+        --all_reduce(sum)--> the full rows on every rank --> the same combine as one process
+    every forward: the step's hit / miss counters --all_reduce--> rank 0's per-request statistics cover every rank
+
+Why it is exact: each (token, expert) row is computed on exactly one rank, by the kernel one process uses, and x + 0
+is x, so every rank holds the one-process rows bit for bit; the dense layers are replicated (every rank computes
+them from the same weights), so logits, sampling and therefore scheduling are identical on every rank. Rank 0 draws
+a seed for a request that samples without one, so the ranks draw the same tokens. Expert e lives on rank e mod N
+(its slots and its host share); transformers' modules are not split, so attention heads and dense MLPs are computed
+on every rank (tensor parallel of the dense layers is not built).
+
+The process group is torch.distributed's: gloo on the CPU (this file's ranks, one thread each by default), NCCL for
+CUDA ranks (the same calls; not run here: no GPU). Rank 0 holds a lock around every collective sequence, so a
+``/metrics`` scrape (stats) never interleaves with a step's all-reduces.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT = datetime.timedelta(seconds=600)  # a rank that does not answer a collective for this long is gone
+THREADS: int | None = None  # torch threads per rank; None: the machine's cores / ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _jsonable(options: dict[str, Any]) -> dict[str, Any]:
+    out = dict(options)
+    spec = out.get("speculative")
+    if spec is not None and hasattr(spec, "to_dict"):
+        out["speculative"] = spec.to_dict()
+    return out
+
+
+class Leader:
+    """Rank 0's side: sends the engine calls, gathers per-rank statistics, shuts the ranks down."""
+
+    def __init__(self, world: int, procs: list[subprocess.Popen]):
+        self.world, self.procs = world, procs
+        self.lock = threading.RLock()  # every collective sequence of rank 0 runs under it
+        self.aborted: list[int] = []  # sequences aborted since the last step (the ranks abort them too)
+
+    def send(self, cmd: tuple) -> None:
+        dist.broadcast_object_list([cmd], src=0)
+
+    def rank_stats(self, local: dict) -> list[dict]:
+        """Each rank's executor snapshot (rank 0's is ``local``)."""
+        with self.lock:
+            self.send(("stats",))
+            out: list = [None] * self.world
+            dist.gather_object(local, out, dst=0)
+            return out
+
+    def close(self) -> None:
+        with self.lock:
+            try:
+                self.send(("close",))
+            except RuntimeError:  # a rank already gone
+                pass
+            for p in self.procs:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            dist.destroy_process_group()
+
+
+def launch(world: int, build, model_path: str, placement, options: dict[str, Any], threads: int | None = None):
+    """Start ranks 1..world-1, join them as rank 0 and build rank 0's engine with ``build(model_path, placement,
+    expert_parallel=(0, world), **options)``; the engine drives the ranks (engine.ranks). ConfigError when a rank
+    fails to build (its message), with every rank stopped."""
+    from moe_offload.errors import ConfigError
+
+    if dist.is_initialized():
+        raise ConfigError("tensor parallel: this process already belongs to a torch.distributed group")
+    threads = threads or THREADS or max(1, (os.cpu_count() or world) // world)
+    port = _free_port()
+    spec = json.dumps({"model": str(model_path), "options": _jsonable(options),
+                       "placement": placement.to_json() if hasattr(placement, "to_json") else None,
+                       "placement_file": str(placement) if placement is not None and not hasattr(placement, "to_json")
+                       else None})
+    cmd = [sys.executable, "-m", "moe_offload.engines.offload.runtime.rank", "--world", str(world), "--port", str(port), "--threads", str(threads)]
+    procs = []
+    for r in range(1, world):
+        p = subprocess.Popen([*cmd, "--rank", str(r)], stdin=subprocess.PIPE, text=True)
+        p.stdin.write(spec)
+        p.stdin.close()
+        procs.append(p)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
+                                timeout=TIMEOUT)
+    except Exception:
+        for p in procs:
+            p.kill()
+        raise
+    torch.set_num_threads(threads)
+    engine, err = None, None
+    try:
+        engine = build(model_path, placement, expert_parallel=(0, world), **options)
+    except Exception as e:  # reported to every rank, then raised
+        err = str(e) or type(e).__name__
+    errors: list = [None] * world
+    dist.all_gather_object(errors, err)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed:
+        if engine is not None:
+            engine.close()
+        for p in procs:
+            p.wait(timeout=60)
+        dist.destroy_process_group()
+        raise ConfigError("tensor parallel: " + "; ".join(failed))
+    engine.ranks = Leader(world, procs)
+    return engine
+
+
+def share(placement, rank: int, world: int):
+    """Rank ``rank``'s part of ``placement``: its experts (e mod world == rank) keep their tiers, the others' are
+    not its to hold (homed on the host, never computed here); each accelerator keeps its pinned experts of this rank
+    and a world-th of its dynamic slots (rounded up). Host slots over the disk tier stay as they are."""
+    from rm_core import LayerPlacement, Placement
+
+    host = placement.host_tier or "host"
+    below = {t.name for t in placement.tiers if t.accelerator is None}
+    layers = []
+    for lp in placement.layers:
+        home = tuple(h if e % world == rank or h in below else host for e, h in enumerate(lp.home))
+        slots = {}
+        for t, n in lp.slots.items():
+            dynamic = n - len(lp.pinned(t))
+            slots[t] = n if t in below else sum(h == t for h in home) + -(-dynamic // world)
+        layers.append(LayerPlacement(lp.layer, home, slots))
+    return Placement(model=placement.model, tiers=placement.tiers, layers=tuple(layers), policy=placement.policy,
+                     profile=placement.profile)
+
+
+def follow(build, rank: int, world: int, port: int, threads: int, spec: dict[str, Any]) -> int:
+    """A rank's life (rank.py starts it): build its engine with ``build`` (build_offload_engine), then replay rank 0's
+    calls until it says close."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=TIMEOUT)
+    torch.set_num_threads(threads)
+    from rm_core import Placement
+
+    engine, err = None, None
+    try:
+        placement = Placement.from_json(spec["placement"]) if spec["placement"] else spec["placement_file"]
+        engine = build(spec["model"], placement, expert_parallel=(rank, world), **spec["options"])
+    except Exception as e:
+        err = str(e) or type(e).__name__
+    errors: list = [None] * world
+    dist.all_gather_object(errors, err)
+    if any(errors):
+        if engine is not None:
+            engine.close()
+        dist.destroy_process_group()
+        return 1
+    gens: dict[int, Any] = {}
+    try:
+        while True:
+            box: list = [None]
+            dist.broadcast_object_list(box, src=0)
+            op, *args = box[0]
+            if op == "start":
+                prompt, params = args
+                sid = engine.next_sid  # (before start: it takes this id)
+                gens[sid] = engine.start(prompt, params)
+            elif op == "step":
+                for sid in args[0]:
+                    if sid in gens:
+                        gens[sid].close()
+                engine.step()
+                for sid, g in list(gens.items()):  # rank 0 serves the tokens; here they are only let go
+                    g.drain()
+                    if g.done:
+                        del gens[sid]
+            elif op == "stats":
+                dist.gather_object(engine.executor.stats.snapshot(), None, dst=0)
+            elif op == "close":
+                break
+    finally:
+        engine.close()
+        dist.destroy_process_group()
+    return 0

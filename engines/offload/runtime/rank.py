@@ -1,0 +1,28 @@
+"""One rank of --tensor-parallel, started by rank 0 (parallel.launch) as torchrun would start it.
+
+    python -m moe_offload.engines.offload.runtime.rank --rank R --world N --port P --threads T  < spec JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moe_offload.engines.offload.runtime.build import build_offload_engine
+from moe_offload.engines.offload.runtime.parallel import follow
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moe_offload.engines.offload.runtime.rank",
+                                 description="one rank of --tensor-parallel (started by rank 0)")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    return follow(build_offload_engine, a.rank, a.world, a.port, a.threads, json.loads(sys.stdin.read()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

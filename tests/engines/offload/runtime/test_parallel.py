@@ -1,0 +1,93 @@
+"""Expert parallel on torch.distributed (--tensor-parallel 2, gloo): two processes, each with half of every layer's
+experts, give transformers' greedy tokens for every family, solo and batched.
+
+Why these could fail: a rank's rows of another rank's experts must be exactly zero before the all-reduce (an
+uninitialised buffer adds garbage); the ranks must run the same forwards in the same order (a request started,
+aborted or sampled differently on one rank desynchronises every collective after it); the statistics are summed
+over the ranks once per forward, so a rank that skips a forward hangs or miscounts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from offload_helpers import FAMILIES, staggered
+from offload_helpers import references as shared_references
+
+from moe_offload.engines.offload.runtime.build import build_offload_engine
+from moe_offload.engines.offload.runtime.parallel import share
+from moe_offload.engines.params import SamplingParams
+from moe_offload.errors import ConfigError
+
+PROMPTS = ([3, 17, 42, 9, 88, 5, 61, 23], [7, 7, 100, 2], [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61])
+LENGTHS = (10, 6, 8)
+
+
+def _params(n, **kw):
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("policy", ["static", "lru", "hybrid"])
+def test_two_ranks_give_transformers_tokens_solo_and_batched(checkpoints, family, policy):
+    path = checkpoints(family)
+    expected = shared_references(path, PROMPTS, LENGTHS)
+    engine = build_offload_engine(path, policy=policy, fraction=0.5, tensor_parallel=2, max_num_batched_tokens=16)
+    try:
+        assert engine.executor.ep == (0, 2)
+        solo = [list(engine.generate(p, _params(n))) for p, n in zip(PROMPTS, LENGTHS)]
+        assert solo == expected
+        batched, gens = staggered(engine, PROMPTS, LENGTHS)
+        assert batched == expected
+        for g, n in zip(gens, LENGTHS):  # every rank's pairs: each token routes top-k pairs in every MoE layer
+            s = g.stats
+            assert s.hits + s.misses == (s.prompt_tokens + n - 1) * _pairs_per_token(engine)
+        ranks = engine.stats()["ranks"]
+        assert len(ranks) == 2 and all(r["hits"] + r["misses"] > 0 for r in ranks)
+        assert engine.stats()["hits"] == sum(r["hits"] for r in ranks)
+    finally:
+        engine.close()
+
+
+def _pairs_per_token(engine) -> int:
+    cfg = engine.model.config.get_text_config()
+    k = getattr(cfg, "num_experts_per_tok", None) or cfg.num_experts_per_token
+    return k * len(engine.executor.layers)
+
+
+def test_aborts_and_unseeded_sampling_keep_the_ranks_in_step(checkpoints):
+    path = checkpoints("qwen3_moe")
+    expected = shared_references(path, PROMPTS, LENGTHS)
+    engine = build_offload_engine(path, fraction=0.5, tensor_parallel=2)
+    try:
+        gone = engine.start(PROMPTS[0], _params(30))
+        engine.step()
+        engine.step()
+        gone.close()  # aborted on rank 0 between steps: the other rank must drop it before its next step
+        sampled = list(engine.generate(PROMPTS[1], _params(8, temperature=1.0)))  # no seed: rank 0 picks one
+        assert len(sampled) == 8
+        assert [list(engine.generate(p, _params(n))) for p, n in zip(PROMPTS, LENGTHS)] == expected
+    finally:
+        engine.close()
+
+
+def test_share_gives_each_rank_its_experts():
+    from rm_core import LayerPlacement, MemoryTier, Placement
+
+    tiers = (MemoryTier("cpu:0", "host-dram", 1, accelerator="n/cpu:0"), MemoryTier("host", "host-dram", 1))
+    home = ("cpu:0", "cpu:0", "cpu:0", "host", "host", "host")
+    p = Placement(model="m", tiers=tiers, layers=(LayerPlacement(0, home, {"cpu:0": 5}),), policy="mix:3")
+    r0, r1 = share(p, 0, 2).layers[0], share(p, 1, 2).layers[0]
+    assert r0.pinned("cpu:0") == [0, 2] and r1.pinned("cpu:0") == [1]
+    assert r0.slots == {"cpu:0": 3} and r1.slots == {"cpu:0": 2}  # pinned of its own + half the 2 dynamic
+
+
+def test_what_tensor_parallel_refuses(checkpoints):
+    path = checkpoints("qwen3_moe")
+    for bad, match in (({"tensor_parallel": 0}, "tensor_parallel"), ({"tensor_parallel": 2, "tail_skip": 1}, "tail_skip"),
+                       ({"tensor_parallel": 2, "devices": "cpu,cpu"}, "devices")):
+        with pytest.raises(ConfigError, match=match):
+            build_offload_engine(path, **bad)
+    with pytest.raises(ConfigError, match="rank 0: .*rank 1: "):  # every rank's failure, and no rank left running
+        build_offload_engine(path, tensor_parallel=2, placement=str(Path(path) / "config.json"))
