@@ -32,12 +32,18 @@ if opts.get("tensor_parallel"):
     parallel.THREADS = threads
 e = build_offload_engine(sys.argv[1], dtype="bfloat16", fraction=1.0, **opts)
 t1 = time.perf_counter()
+def rss(pid):
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+import os
+rss = [rss(p) for p in [os.getpid()] + [p.pid for p in (e.ranks.procs if e.ranks is not None else [])]]
 g = e.generate(list(range(100, 132)), SamplingParams(max_tokens=int(sys.argv[3]), ignore_eos=True))
 toks = list(g)
 t2 = time.perf_counter()
 s = g.stats
 print(json.dumps({"load_s": t1 - t0, "generate_s": t2 - t1, "decode_ms": s.decode_ms_per_token,
-                  "prefill_ms": s.prefill_ms, "tokens": toks}))
+                  "prefill_ms": s.prefill_ms, "tokens": toks, "rss": rss}))
 e.close()
 """
 
@@ -114,12 +120,14 @@ def main(argv=None) -> int:
     print(f"# Expert parallel on this machine\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{bw / 1e9:.1f} GB/s memory read bandwidth, {rounds} interleaved rounds, {tokens} tokens after a 32-token "
           f"prompt, bf16, all experts resident; greedy tokens identical across configurations: {same}\n")
-    print("| configuration | decode ms/token (median) | vs one process | prefill ms | load s | generate s |")
-    print("|---|---|---|---|---|---|")
+    print("| configuration | decode ms/token (median) | vs one process | prefill ms | load s | generate s | "
+          "resident GiB per process |")
+    print("|---|---|---|---|---|---|---|")
     for name, rs in results.items():
         d = statistics.median(r["decode_ms"] for r in rs)
         print(f"| {name} | {d:.1f} | {d / base:.2f}x | {statistics.median(r['prefill_ms'] for r in rs):.0f} | "
-              f"{statistics.median(r['load_s'] for r in rs):.1f} | {statistics.median(r['generate_s'] for r in rs):.2f} |")
+              f"{statistics.median(r['load_s'] for r in rs):.1f} | {statistics.median(r['generate_s'] for r in rs):.2f} | "
+              + " + ".join(f"{b / 2**30:.2f}" for b in rs[-1]["rss"]) + " |")
     print("\n| gloo collective, 2 ranks on this machine | mean us |\n|---|---|")
     for name, us in gloo_latency().items():
         print(f"| {name} | {us:.0f} |")

@@ -86,10 +86,12 @@ class Offsets:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def read_float_layer(offsets: Offsets, src, module, num_experts: int, dtype: torch.dtype, pool=None):
+def read_float_layer(offsets: Offsets, src, module, num_experts: int, dtype: torch.dtype, pool=None, only=None):
     """(up [E, R, K], down [E, H, I]) of one layer of a float checkpoint in ``dtype``, or None when this layout is not
     one this reader covers (the caller loads through from_pretrained). ``pool``: a thread pool the reads run on
-    (several in flight keep the disk's queue full), else one after another."""
+    (several in flight keep the disk's queue full), else one after another. ``only``: (rank, world) of expert
+    parallel: where the checkpoint stores each expert apart, only experts e with e mod world == rank are read (the
+    others' rows are never touched, so their memory is never committed)."""
     if module.is_transposed:
         return None
     out, jobs = [], []
@@ -105,6 +107,8 @@ def read_float_layer(offsets: Offsets, src, module, num_experts: int, dtype: tor
         cols = offsets.shape(parts[0])[1]
         t = hugepages.empty((num_experts, sum(rows), cols), dtype)
         for e in range(num_experts):
+            if only is not None and e % only[1] != only[0]:
+                continue
             r0 = 0
             for i in range(proj.nparts):
                 jobs.append((proj.parts[e][i], t[e, r0: r0 + rows[i]]))

@@ -70,6 +70,7 @@ def load_model(
     prefetch: bool = True,
     cold_dtype: str | None = None,
     devices=None,
+    expert_parallel: tuple[int, int] | None = None,
 ) -> OffloadedModel:
     """Load checkpoint ``path`` with ``placement`` (None: every expert resident) under miss ``policy``.
 
@@ -88,6 +89,7 @@ def load_model(
     computed on the host read (resident experts stay as stored); not with the disk tier.
     ``devices``: several accelerators ("cuda:0,cuda:1", "cpu,cpu"; loading/devices.py), each a tier holding its share
     of each layer's experts as the placement says; the first runs the rest of the model (``device`` is ignored).
+    ``expert_parallel``: (rank, world): a float checkpoint's experts of other ranks are not read (parallel.py).
     Raises ModelError (bad checkpoint, dense model), PlacementError (placement for another model, slots that do
     not fit), ConfigError (bad option) before any large allocation.
     """
@@ -175,10 +177,10 @@ def load_model(
         # from_pretrained's stacking; None: a layout direct.py does not cover
         loaded = None
         if method is not None:
-            loaded = load_split(root, config, experts, method, read_as, load_dtype)
+            loaded = load_split(root, config, experts, method, read_as, load_dtype, only=expert_parallel)
         elif _direct(config):
             try:
-                loaded = load_split(root, config, experts, method, read_as, load_dtype)
+                loaded = load_split(root, config, experts, method, read_as, load_dtype, only=expert_parallel)
             except (AttributeError, TypeError, ValueError, KeyError, ModelError) as e:  # a wrapper config or a
                 # conversion it does not reproduce: the slower from_pretrained path loads it instead
                 from moe_offload.log import get_logger

@@ -27,9 +27,10 @@ from moe_offload.errors import ModelError
 
 
 def load_split(root: Path, config, experts: list, method: str | None, read_as: str, dtype: torch.dtype,
-               read_experts: bool = True):
+               read_experts: bool = True, only=None):
     """(model with placeholder experts, {experts module: (up, down, up_scale, down_scale)} when ``read_experts``), or
-    None for a float checkpoint whose experts direct.read_float_layer does not cover (transposed)."""
+    None for a float checkpoint whose experts direct.read_float_layer does not cover (transposed). ``only``: expert
+    parallel's (rank, world): a float checkpoint's experts of other ranks are not read (read_float_layer)."""
     meta = meta_model(config, dtype)
     modules = dict(meta.named_modules())
     if read_experts and method is None and any(modules[i.name].is_transposed for i in experts):
@@ -50,7 +51,7 @@ def load_split(root: Path, config, experts: list, method: str | None, read_as: s
                 with ThreadPoolExecutor(8, thread_name_prefix="moe-offload-load") as pool:
                     for i in experts:
                         up, down = read_float_layer(offsets, sources[i.name], modules[i.name], i.num_experts, dtype,
-                                                    pool)
+                                                    pool, only)
                         stored[i.name] = (up, down, None, None)
             finally:
                 offsets.close()

@@ -240,7 +240,7 @@ def build_offload_engine(
     offloaded = load_model(
         str(path), resolved, policy=policy, device=device, dtype=dtype, hybrid_threshold=hybrid_threshold,
         expert_dtype=expert_dtype, dense_dtype=dense_dtype, host_cache=plan.host_cache, prefetch=prefetch,
-        cold_dtype=cold_dtype, devices=devices,
+        cold_dtype=cold_dtype, devices=devices, expert_parallel=expert_parallel,
     )
     if torch.device(device).type == "cpu":
         from moe_offload.engines.offload.kernels import jit
