@@ -7,7 +7,8 @@ Exactness: the tiny-model policy x fraction runs, the family tests of tests/engi
 the quantized releases of tests/engines/test_quantized.py (MXFP4, FP8 against transformers' dequantized load;
 pytest -k cuda). Speed: a Qwen3-MoE-shaped random bf16 model (64 experts, hidden 1024, I 512, top-8; 16 layers
 by default) decoded greedily by stock transformers and by the executor at several fractions and policies.
-With two GPUs (or the CPU dry run): --devices over both, exact against one device, hits on each. Exit status 1 if
+With two GPUs (or the CPU dry run): --devices over both and --tensor-parallel 2 (NCCL ranks), each exact against
+one device, hits on each device and rank. Exit status 1 if
 any check failed.
 """
 
@@ -83,7 +84,13 @@ def check_two_devices(device: str) -> str:
             per = runs[pair][1]
             assert len(per) == 2 and all(v > 0 for v in per.values()) or policy == "lru", f"{policy}: hits {per}"
             out.append(f"{policy} {per}")
-    return f"{pair} = one device; hits per device: " + "; ".join(out)
+        # --tensor-parallel 2: NCCL ranks on two GPUs (gloo ranks in the dry run), the one-process tokens
+        e = build_offload_engine(path, device=device.split(",")[0], tensor_parallel=2, fraction=0.5, dtype="float32")
+        tp = list(e.generate(list(range(3, 19)), SamplingParams(max_tokens=16, ignore_eos=True)))
+        ranks = [r["hits"] + r["misses"] for r in e.stats()["ranks"]]
+        e.close()
+        assert tp == runs[None][0], "--tensor-parallel 2: tokens differ from one process"
+    return f"{pair} = one device; hits per device: " + "; ".join(out) + f"; --tensor-parallel 2 = one process, pairs per rank {ranks}"
 
 
 def bench_checkpoint(root: str, layers: int) -> str:

@@ -37,17 +37,26 @@ def snapshot(executor) -> tuple:
     return (t["hits"], t["misses"], t["host_tokens"], t["bytes_copied"], stage, disk, per, copied)
 
 
-def _all_ranks(hits, misses, host, copied, token_stats, n_tok: int, n_seq: int):
-    """One forward's counters summed over the ranks of expert parallel (every rank books the same forwards)."""
+def _all_ranks(hits, misses, host, copied, disk: dict, token_stats, n_tok: int, n_seq: int):
+    """One forward's counters summed over the ranks of expert parallel (every rank books the same forwards), in one
+    all-reduce: hits, misses, host pairs, copied bytes, and the disk tier's counters (each rank reads its own
+    experts; a rank without a disk tier adds zeros). Its stall time stays this rank's (the ranks wait together)."""
     import torch.distributed as dist
 
-    t = torch.tensor([hits, misses, host, copied], dtype=torch.int64)
-    dist.all_reduce(t)
+    from moe_offload.engines.offload.experts.hostcache import COUNTERS
+    from moe_offload.engines.offload.runtime.parallel import cpu_group
+
+    t = torch.tensor([hits, misses, host, copied, 1 if disk else 0] + [disk.get(k, 0) for k in COUNTERS],
+                     dtype=torch.float64)
+    dist.all_reduce(t, group=cpu_group())
+    v = [int(x) for x in t.tolist()]
+    if v[4]:
+        disk = {**dict(zip(COUNTERS, v[5:])), "stall_ms": disk.get("stall_ms", 0.0)}
     if n_seq > 1:
         token_stats = token_stats if token_stats is not None else torch.zeros(n_tok, 2, dtype=torch.int64)
         token_stats = token_stats.clone()
-        dist.all_reduce(token_stats)
-    return (*(int(v) for v in t.tolist()), token_stats)
+        dist.all_reduce(token_stats, group=cpu_group())
+    return (*v[:4], disk, token_stats)
 
 
 class Accounting:
@@ -73,7 +82,8 @@ class Accounting:
         acc = executor.tier_names[0]
         n_seq, n_tok = len(scheduled), sum(n for _, n in scheduled)
         if getattr(executor, "ep", None) is not None:  # expert parallel: every rank's pairs (parallel.py)
-            hits, misses, host, copied, token_stats = _all_ranks(hits, misses, host, copied, token_stats, n_tok, n_seq)
+            hits, misses, host, copied, disk, token_stats = _all_ranks(hits, misses, host, copied, disk, token_stats,
+                                                                       n_tok, n_seq)
         q = 0
         for i, (seq, n) in enumerate(scheduled):
             st = seq.payload.stats

@@ -61,13 +61,14 @@ def _check_parallel(tensor_parallel, device: str, devices, tail_skip) -> int:
         return 1
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ConfigError(f"tensor_parallel: expected a number of ranks >= 1, got {tensor_parallel!r}")
-    if torch.device(device).type != "cpu":
-        raise ConfigError("tensor_parallel on CUDA (NCCL ranks, one GPU each) is not built yet; "
-                          "--devices cuda:0,cuda:1 spreads experts over GPUs in one process")
     if devices is not None:
         raise ConfigError("tensor_parallel with --devices: give one or the other")
     if tail_skip is not None:
         raise ConfigError("tail_skip with tensor_parallel: a rank does not know which experts the others hold")
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.device_count() < (dev.index or 0) + tensor_parallel:
+        raise ConfigError(f"tensor_parallel {tensor_parallel} from {dev}: one GPU per rank, GPUs {dev.index or 0}.."
+                          f"{(dev.index or 0) + tensor_parallel - 1}, but {torch.cuda.device_count()} visible")
     return tensor_parallel
 
 

@@ -56,6 +56,16 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(found)
 
 
+def _smallest_over_ranks(n: int) -> int:
+    import torch.distributed as dist
+
+    from moe_offload.engines.offload.runtime.parallel import cpu_group
+
+    t = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group())
+    return int(t)
+
+
 def seeded(params):
     """``params`` with a seed when it samples without one (every rank must draw the same tokens)."""
     if params.temperature and params.temperature > 0 and params.seed is None:
@@ -105,6 +115,8 @@ class OffloadEngine(Engine):
             log.info("model keeps per-layer state beyond attention KV: each sequence runs in its own forward",
                      model_type=self.model.config.model_type)
         self.kv_cache_memory = kv_budget.budget_bytes(kv_config.kv_cache_memory, self.device)
+        if getattr(self.executor, "ep", None) is not None:  # expert parallel: one pool size on every rank (lockstep)
+            self.kv_cache_memory = _smallest_over_ranks(self.kv_cache_memory)
         self.pool, max_len = kv_budget.make_pool(kv_config, budget=self.kv_cache_memory,
                                                  bytes_per_token=self.kv_bytes_per_token,
                                                  max_num_seqs=sched.max_num_seqs, model_len=model_len,

@@ -15,8 +15,9 @@ a seed for a request that samples without one, so the ranks draw the same tokens
 (its slots and its host share); transformers' modules are not split, so attention heads and dense MLPs are computed
 on every rank (tensor parallel of the dense layers is not built).
 
-The process group is torch.distributed's: gloo on the CPU (this file's ranks, one thread each by default), NCCL for
-CUDA ranks (the same calls; not run here: no GPU). Rank 0 holds a lock around every collective sequence, so a
+The process group is torch.distributed's: gloo on the CPU (this file's ranks, one thread each by default); CUDA ranks
+(rank r on GPU r) sum the rows over NCCL and keep a gloo side group for the commands and counters, which live on the
+CPU (written, not run here: no GPU). Rank 0 holds a lock around every collective sequence, so a
 ``/metrics`` scrape (stats) never interleaves with a step's all-reduces.
 """
 
@@ -36,6 +37,30 @@ import torch.distributed as dist
 
 TIMEOUT = datetime.timedelta(seconds=600)  # a rank that does not answer a collective for this long is gone
 THREADS: int | None = None  # torch threads per rank; None: the machine's cores / ranks
+_CPU_GROUP = None  # CUDA ranks: a gloo group for what travels on the CPU (commands, counters); gloo ranks: the default
+
+
+def cpu_group():
+    """The group for CPU tensors and objects: a gloo side group when the rows go over NCCL, else None (the default)."""
+    return _CPU_GROUP
+
+
+def _join(rank: int, world: int, port: int, cuda_base: int | None) -> None:
+    """Join the ranks: gloo on the CPU; NCCL for the rows of CUDA ranks (rank r on GPU cuda_base + r) plus a gloo
+    side group for the commands and counters, which stay on the CPU."""
+    global _CPU_GROUP
+    backend = "gloo" if cuda_base is None else "nccl"
+    if cuda_base is not None:
+        torch.cuda.set_device(cuda_base + rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=TIMEOUT)
+    _CPU_GROUP = dist.new_group(backend="gloo") if cuda_base is not None else None
+
+
+def _leave() -> None:
+    global _CPU_GROUP
+    _CPU_GROUP = None
+    dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -61,14 +86,14 @@ class Leader:
         self.aborted: list[int] = []  # sequences aborted since the last step (the ranks abort them too)
 
     def send(self, cmd: tuple) -> None:
-        dist.broadcast_object_list([cmd], src=0)
+        dist.broadcast_object_list([cmd], src=0, group=_CPU_GROUP)
 
     def rank_stats(self, local: dict) -> list[dict]:
         """Each rank's executor snapshot (rank 0's is ``local``)."""
         with self.lock:
             self.send(("stats",))
             out: list = [None] * self.world
-            dist.gather_object(local, out, dst=0)
+            dist.gather_object(local, out, dst=0, group=_CPU_GROUP)
             return out
 
     def close(self) -> None:
@@ -82,7 +107,7 @@ class Leader:
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     p.kill()
-            dist.destroy_process_group()
+            _leave()
 
 
 def launch(world: int, build, model_path: str, placement, options: dict[str, Any], threads: int | None = None):
@@ -95,7 +120,9 @@ def launch(world: int, build, model_path: str, placement, options: dict[str, Any
         raise ConfigError("tensor parallel: this process already belongs to a torch.distributed group")
     threads = threads or THREADS or max(1, (os.cpu_count() or world) // world)
     port = _free_port()
-    spec = json.dumps({"model": str(model_path), "options": _jsonable(options),
+    device = torch.device(options.get("device") or "cpu")
+    cuda_base = (device.index or 0) if device.type == "cuda" else None
+    spec = json.dumps({"model": str(model_path), "options": _jsonable(options), "cuda_base": cuda_base,
                        "placement": placement.to_json() if hasattr(placement, "to_json") else None,
                        "placement_file": str(placement) if placement is not None and not hasattr(placement, "to_json")
                        else None})
@@ -107,8 +134,7 @@ def launch(world: int, build, model_path: str, placement, options: dict[str, Any
         p.stdin.close()
         procs.append(p)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
-                                timeout=TIMEOUT)
+        _join(0, world, port, cuda_base)
     except Exception:
         for p in procs:
             p.kill()
@@ -120,14 +146,14 @@ def launch(world: int, build, model_path: str, placement, options: dict[str, Any
     except Exception as e:  # reported to every rank, then raised
         err = str(e) or type(e).__name__
     errors: list = [None] * world
-    dist.all_gather_object(errors, err)
+    dist.all_gather_object(errors, err, group=_CPU_GROUP)
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
     if failed:
         if engine is not None:
             engine.close()
         for p in procs:
             p.wait(timeout=60)
-        dist.destroy_process_group()
+        _leave()
         raise ConfigError("tensor parallel: " + "; ".join(failed))
     engine.ranks = Leader(world, procs)
     return engine
@@ -156,29 +182,32 @@ def share(placement, rank: int, world: int):
 def follow(build, rank: int, world: int, port: int, threads: int, spec: dict[str, Any]) -> int:
     """A rank's life (rank.py starts it): build its engine with ``build`` (build_offload_engine), then replay rank 0's
     calls until it says close."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=TIMEOUT)
+    cuda_base = spec.get("cuda_base")
+    _join(rank, world, port, cuda_base)
     torch.set_num_threads(threads)
     from rm_core import Placement
 
+    options = dict(spec["options"])
+    if cuda_base is not None:  # each rank its own GPU
+        options["device"] = f"cuda:{cuda_base + rank}"
     engine, err = None, None
     try:
         placement = Placement.from_json(spec["placement"]) if spec["placement"] else spec["placement_file"]
-        engine = build(spec["model"], placement, expert_parallel=(rank, world), **spec["options"])
+        engine = build(spec["model"], placement, expert_parallel=(rank, world), **options)
     except Exception as e:
         err = str(e) or type(e).__name__
     errors: list = [None] * world
-    dist.all_gather_object(errors, err)
+    dist.all_gather_object(errors, err, group=_CPU_GROUP)
     if any(errors):
         if engine is not None:
             engine.close()
-        dist.destroy_process_group()
+        _leave()
         return 1
     gens: dict[int, Any] = {}
     try:
         while True:
             box: list = [None]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=_CPU_GROUP)
             op, *args = box[0]
             if op == "start":
                 prompt, params = args
@@ -194,10 +223,10 @@ def follow(build, rank: int, world: int, port: int, threads: int, spec: dict[str
                     if g.done:
                         del gens[sid]
             elif op == "stats":
-                dist.gather_object(engine.executor.stats.snapshot(), None, dst=0)
+                dist.gather_object(engine.executor.stats.snapshot(), None, dst=0, group=_CPU_GROUP)
             elif op == "close":
                 break
     finally:
         engine.close()
-        dist.destroy_process_group()
+        _leave()
     return 0

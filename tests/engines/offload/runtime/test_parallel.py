@@ -86,8 +86,45 @@ def test_share_gives_each_rank_its_experts():
 def test_what_tensor_parallel_refuses(checkpoints):
     path = checkpoints("qwen3_moe")
     for bad, match in (({"tensor_parallel": 0}, "tensor_parallel"), ({"tensor_parallel": 2, "tail_skip": 1}, "tail_skip"),
-                       ({"tensor_parallel": 2, "devices": "cpu,cpu"}, "devices")):
+                       ({"tensor_parallel": 2, "devices": "cpu,cpu"}, "devices"),
+                       ({"tensor_parallel": 2, "device": "cuda:0"}, "one GPU per rank")):
         with pytest.raises(ConfigError, match=match):
             build_offload_engine(path, **bad)
     with pytest.raises(ConfigError, match="rank 0: .*rank 1: "):  # every rank's failure, and no rank left running
         build_offload_engine(path, tensor_parallel=2, placement=str(Path(path) / "config.json"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_two_ranks_over_the_disk_tier(checkpoints, family, tmp_path, monkeypatch):
+    # host memory for a few experts: each rank caches its own experts over the checkpoint read in place
+    monkeypatch.setenv("MOE_OFFLOAD_STORE_DIR", str(tmp_path / "stores"))
+    path = checkpoints(family)
+    expected = shared_references(path, PROMPTS, LENGTHS)
+    engine = build_offload_engine(path, fraction=0.0, host_memory=60_000, tensor_parallel=2)
+    try:
+        assert engine.memory_plan["experts_tier"] == "disk"
+        gens = [engine.generate(p, _params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+        assert [list(g) for g in gens] == expected
+        ranks = engine.stats()["ranks"]
+        per_rank = [r["disk"]["disk_bytes"] for r in ranks]
+        assert all(b > 0 for b in per_rank)  # both ranks read their experts from disk ...
+        assert sum(g.stats.disk["disk_bytes"] for g in gens) == sum(per_rank)  # ... and the requests count both
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("case", ["gpt_oss_mxfp4", "deepseek_v3_fp8", "int8", "fp8"])
+def test_two_ranks_in_every_expert_format(checkpoints, quantized_checkpoints, case):
+    # experts as shipped (MXFP4, FP8 blocks) or quantized at load: the ranks give the one-process tokens
+    if case in ("int8", "fp8"):
+        path, opts = checkpoints("qwen3_moe"), {"expert_dtype": case, "dtype": "bfloat16"}
+    else:
+        path, opts = quantized_checkpoints(case), {}
+    outs = []
+    for tp in (None, 2):
+        engine = build_offload_engine(path, fraction=0.5, tensor_parallel=tp, **opts)
+        try:
+            outs.append([list(engine.generate(p, _params(n))) for p, n in zip(PROMPTS, LENGTHS)])
+        finally:
+            engine.close()
+    assert outs[0] == outs[1]
