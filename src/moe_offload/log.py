@@ -10,6 +10,7 @@ import structlog
 from moe_offload import settings
 
 _configured = False
+_chosen: dict[str, str] = {}
 
 
 class _Stderr:
@@ -24,11 +25,12 @@ class _Stderr:
 
 def configure(level: str | None = None, json: bool | None = None) -> None:
     """Configure once per process. ``MOE_OFFLOAD_LOG`` sets the level, ``MOE_OFFLOAD_LOG_JSON=1|0`` forces the format."""
-    global _configured
+    global _configured, _chosen
     level = (level or settings.get("MOE_OFFLOAD_LOG")).upper()
     if json is None:
         env = settings.get("MOE_OFFLOAD_LOG_JSON")
         json = env == "1" if env else not sys.stderr.isatty()
+    _chosen = {"MOE_OFFLOAD_LOG": level.lower(), "MOE_OFFLOAD_LOG_JSON": "1" if json else "0"}
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[
@@ -42,6 +44,12 @@ def configure(level: str | None = None, json: bool | None = None) -> None:
         cache_logger_on_first_use=False,
     )
     _configured = True
+
+
+def chosen() -> dict[str, str]:
+    """This process's logging as the environment variables that give a child process the same (ranks of
+    --tensor-parallel log like the process that started them); {} before configure."""
+    return dict(_chosen)
 
 
 def get_logger(name: str):

@@ -127,9 +127,12 @@ def launch(world: int, build, model_path: str, placement, options: dict[str, Any
                        "placement_file": str(placement) if placement is not None and not hasattr(placement, "to_json")
                        else None})
     cmd = [sys.executable, "-m", "moe_offload.engines.offload.runtime.rank", "--world", str(world), "--port", str(port), "--threads", str(threads)]
+    from moe_offload.log import chosen
+
+    env = {**os.environ, **chosen()}  # the ranks log as this process does (quiet for generate, JSON for a worker)
     procs = []
     for r in range(1, world):
-        p = subprocess.Popen([*cmd, "--rank", str(r)], stdin=subprocess.PIPE, text=True)
+        p = subprocess.Popen([*cmd, "--rank", str(r)], stdin=subprocess.PIPE, text=True, env=env)
         p.stdin.write(spec)
         p.stdin.close()
         procs.append(p)

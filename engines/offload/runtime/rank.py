@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # rank 0 shows the load
     return follow(build_offload_engine, a.rank, a.world, a.port, a.threads, json.loads(sys.stdin.read()))
 
 
