@@ -88,7 +88,7 @@ class Executor:
         self.timing = True
         self._capturing = False
         self._records: list[dict[int, list[list[int]]]] = []
-        self._copier = None
+        self._copiers: dict = {}  # CUDA: one copier (side stream) per device holding slots
         self._cuda = device.type == "cuda"
         # per-token attribution of a batched step (the engine sets per_token when a step holds several sequences):
         # token_stats [T, 2] = routed pairs of each token served from a slot hit / computed on the host
@@ -108,7 +108,6 @@ class Executor:
         # expert parallel (runtime/parallel.py): (rank, world); this rank computes experts e with e % world == rank,
         # every layer's rows are summed over the ranks (all_reduce: the others' rows are zero here)
         self.ep: tuple[int, int] | None = None
-        self._routed: int | None = None  # expert parallel: this layer's pairs routed to this rank's experts
 
     # ---- set-up (loader) ----
     def attach(self, module: torch.nn.Module, layer: int, store: LayerStore, cache: SlotCache) -> LayerState:
@@ -130,8 +129,7 @@ class Executor:
         if self._cuda:
             from moe_offload.engines.offload.experts.cuda import CudaCopier
 
-            self._copier = CudaCopier(self.device)
-            self._copiers = {self.device: self._copier}
+            self._copiers = {self.device: CudaCopier(self.device)}
             for st in self.layers:
                 for d in st.cache.devices:
                     if d not in self._copiers:
@@ -189,7 +187,6 @@ class Executor:
         if self.ep is not None:  # only this rank's experts; the rows of the others' stay zero
             rank, world = self.ep
             groups = [g for g in groups if g[0] % world == rank]
-            self._routed = sum(g[2] for g in groups)
         for g in groups:
             s = slot_of[g[0]]
             if s >= 0:
@@ -319,7 +316,7 @@ class Executor:
         hit_pairs = sum(g[2] for g, _ in hits)
         if self.per_token and T > 1:
             devices.count_tokens(self, state.cache, top_k_index, hits, [g[0] for g in host])
-        routed = self._routed if self.ep is not None else T * K
+        routed = T * K if self.ep is None else int((top_k_index % self.ep[1] == self.ep[0]).sum())  # this rank's
         self.stats.add(state.pos, hit_pairs, routed - hit_pairs, sum(g[2] for g in host), fetched,
                        fetched * state.expert_bytes,
                        state.cache.device_pairs(hits) if len(self.device_tiers) > 1 else None)

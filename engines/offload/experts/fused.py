@@ -85,6 +85,11 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
     proj = (torch.empty if ex.ep is None else torch.zeros)(T * K, x.shape[1], dtype=x.dtype)  # [S, H] by (token, k)
     ops = torch.ops.moe_offload
 
+    def each(groups, weights):  # one expert at a time through expert_forward (torch's GEMM)
+        for (_, start, n), w in zip(groups, weights):
+            y = expert_forward(module, x.index_select(0, tok[start : start + n]), *w)
+            proj.index_copy_(0, perm[start : start + n], y.to(proj.dtype))
+
     def run(groups, weights, quantized=quantized):
         if not groups:
             return
@@ -103,10 +108,8 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
             ws = [weights[i] for i in small]
             ops.moe_experts_bf16(x, [w[0] for w in ws], [w[1] for w in ws], tok, perm, [groups[i][1] for i in small],
                                  [groups[i][2] for i in small], proj, *gate_args(module, ws))
-        for (_, start, n), w in zip(groups, weights):
-            if n > dispatch.KERNEL_MAX_GROUP:
-                y = expert_forward(module, x.index_select(0, tok[start : start + n]), *w)
-                proj.index_copy_(0, perm[start : start + n], y)
+        big = [i for i, g in enumerate(groups) if g[2] > dispatch.KERNEL_MAX_GROUP]
+        each([groups[i] for i in big], [weights[i] for i in big])
 
     t1 = time.perf_counter()
     run([g for g, _ in hits], [cache.weights[s] for _, s in hits])
@@ -123,12 +126,11 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
     if hasattr(state.store, "request"):  # host slots over the disk tier: misses read while the rest computes
         tiering.run_host(state.store, host, run)
     elif state.cold is not None:  # APPROXIMATE: misses from the lower-precision copy, through the quantized kernels
+        cold = [state.cold.expert(g[0]) for g in host]
         if _cold_q(state, module, x):
-            run(host, [state.cold.expert(g[0]) for g in host], quantized=True)
+            run(host, cold, quantized=True)
         else:
-            for g in host:
-                y = expert_forward(module, x.index_select(0, tok[g[1] : g[1] + g[2]]), *state.cold.expert(g[0]))
-                proj.index_copy_(0, perm[g[1] : g[1] + g[2]], y.to(proj.dtype))
+            each(host, cold)
     else:
         run(host, [state.store.expert(g[0]) for g in host])
     t4 = time.perf_counter()

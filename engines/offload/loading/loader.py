@@ -306,13 +306,7 @@ def plan_layers(experts: list[ExpertsInfo], placement: Placement | None, dev: to
     device_name = f"{dev.type}:{dev.index or 0}"
     if placement is None:
         return device_name, "host", {i.layer: (list(range(i.num_experts)), 0) for i in experts}
-    layers = {i.layer: i for i in experts}
-    placed = {lp.layer for lp in placement.layers}
-    if placed != set(layers):
-        raise PlacementError(
-            f"placement for model {placement.model!r} covers MoE layers {sorted(placed)}, "
-            f"expected this model's MoE layers {sorted(layers)}"
-        )
+    devices_.check_layers(experts, placement)
     below = {t.name for t in placement.tiers if t.accelerator is None}  # host memory and disk: no executor tier
     used = {t for lp in placement.layers for t in lp.slots if lp.slots[t] > 0 and t not in below}
     candidates = [t.name for t in placement.tiers if t.accelerator is not None]
@@ -320,16 +314,7 @@ def plan_layers(experts: list[ExpertsInfo], placement: Placement | None, dev: to
         raise PlacementError(f"placement uses slots on {len(used)} accelerator tiers {sorted(used)}, expected one per executor")
     acc = next(iter(used)) if used else (candidates[0] if candidates else device_name)
     host = placement.host_tier or "host"
-    layout = {}
-    for lp in placement.layers:
-        info = layers[lp.layer]
-        if lp.num_experts != info.num_experts:
-            raise PlacementError(
-                f"placement layer {lp.layer}: {lp.num_experts} experts, expected this model's {info.num_experts}"
-            )
-        pinned = lp.pinned(acc)
-        slots = lp.slots.get(acc, len(pinned))
-        layout[lp.layer] = (pinned, slots - len(pinned))
+    layout = {layer: parts[0] for layer, parts in devices_.layer_parts(experts, placement, [acc]).items()}
     return acc, host, layout
 
 
