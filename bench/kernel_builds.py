@@ -80,16 +80,22 @@ def outputs(lib: str, dest: str) -> None:
         qn = v(D) if case % 4 in (0, 1) else v(Hq * D)
         kn = v(D) if case % 4 in (0, 1) else v(Hkv * D)
         cos = v(M * 16).reshape(M, 16); sin = v(M * 16).reshape(M, 16)
-        args = (v(M * H).reshape(M, H), v(M * H).reshape(M, H) if case % 3 else None, v(H), 1e-6, wq, wk, wv,
-                v(Hq * D) if bias else None, v(Hkv * D) if bias else None, v(Hkv * D) if bias else None, qn, kn,
-                cos, sin, pool_k, pool_v, blocks, lens, bs, 0.25, 8 if case % 2 else 0, wo, v(H) if bias else None, v(H),
-                w(E, H), k, case % 2 == 0, case % 3 != 0, v(Hq) if case in (2, 6) else None, v(E) if case in (3, 7) else None,
-                case % 2, (case // 2) % 2, *scales)
-        res = ops.decode_layer_bf16(*args)
+        h, add = v(M * H).reshape(M, H), v(M * H).reshape(M, H) if case % 3 else None
+        lay = torch.classes.moe_offload.Layer()
+        lay.norms(v(H), v(H), 1e-6, 1e-6, ("rms", "rms_fp32_scale")[case % 2])
+        lay.attention(wq, wk, wv, 0.25, 8 if case % 2 else 0, "rotate_half", False)
+        lay.extras(v(Hq * D) if bias else None, v(Hkv * D) if bias else None, v(Hkv * D) if bias else None, qn, kn,
+                   v(Hq) if case in (2, 6) else None)
+        lay.pools(pool_k, pool_v, bs)
+        lay.output(wo, v(H) if bias else None, scales[3])
+        lay.scales(*scales[:3])
+        lay.router(w(E, H), v(E) if case in (3, 7) else None, k, case % 2 == 0,
+                   ("score_then_topk", "topk_then_score")[(case // 2) % 2], case % 3 != 0)
+        res = lay.decode(h, add, cos, sin, blocks, lens)
         for i, t in enumerate(res):
             out[f"dec{case},{i}"] = t
         out[f"deckp{case}"] = pool_k; out[f"decvp{case}"] = pool_v
-        out[f"norm{case}"] = ops.rmsnorm_bf16(args[0], args[1], args[2], 1e-5, case % 2)
+        out[f"norm{case}"] = ops.rmsnorm_bf16(h, add, v(H), 1e-5, ("rms", "rms_fp32_scale")[case % 2])
     torch.save(out, dest)
     print(len(out), "outputs")
 

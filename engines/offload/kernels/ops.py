@@ -38,27 +38,9 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
                 counts [J], out [R, H] (mutated, x's dtype), gate_up_biases J x?, down_biases J x?, gate, alpha, limit)
       moe_experts_bf16's contract for int8|fp8|mxfp4|ggml experts: each weight row read once for its expert's pairs,
       every pair's row bit-identical to experts_mlp_q of its token alone
-  decode_layer_bf16(h [M, H], add [M, H]?, ln1 [H], eps, wq [Hq*D, H], wk [Hkv*D, H], wv [Hkv*D, H], bq?, bk?, bv?,
-                    qn?, kn?, cos [M, RD], sin [M, RD] (RD <= D: partial), kpool [R, Hkv, D] (mutated),
-                    vpool [R, Hkv, D] (mutated), blocks [M, NB] int64, lens [M] int64, bs, scaling, window,
-                    wo [H, Hq*D], bo [H]?, ln2 [H], wr [E, H]?, top_k, norm_topk, w_bf16, sinks [Hq]?, rb [E]?,
-                    norm_mode, router_mode, sq?, sk?, sv?, so?, rope_mode, gated) -> [h2 [M, H], x2 [M, H], ids [M, K],
-                    w [M, K]]
-      a decoder layer's attention half and router in one call (the data flow: decode.cpp)              decode.cpp
-      qn / kn: per-head norms ([D], Qwen3) or over the whole projection ([Hq*D] / [Hkv*D], OLMoE).
-      window: 0 or a sliding window (keys at positions > pos - window). wr None: no router (a dense layer),
-      ids and w are then empty. w is bf16 (w_bf16) or fp32, as the family's router leaves it.
-      sinks: one attention-sink logit per query head (gpt-oss; attention then rounds as the eager bf16 path does).
-      rope_mode 0: rotate_half over RD dims, bf16 cos/sin, products and sum rounded to bf16; 1: interleaved pairs
-      (2j, 2j + 1) over all D in fp32, fp32 cos/sin [M, D/2], one rounding (Ernie 4.5's full-precision rotary).
-      rb: the router's bias. norm_mode 0: bf16(w * bf16(x / rms)), 1: bf16(w * (x / rms)) (gpt-oss), 2: bf16((x /
-      rms) * (1 + w)) (zero-centred weights, Qwen3-Next; the q/k norms too).
-      gated: wq [Hq*2D, H] holds per head q then its output gate; the attention output is scaled by bf16(sigmoid(gate))
-      before o_proj (Qwen3-Next's gated attention).
-      router_mode 0: softmax over all experts, top-k (renormalised if norm_topk); 1: top-k logits, softmax over them.
-      sq/sk/sv/so: fp32 per-row scales of int8 wq/wk/wv/wo (``--dense-dtype int8``; quant.QuantLinear): the
-      projections then run as gemv_q does (activations quantized per token in blocks of 32), bit for bit.
-  rmsnorm_bf16(h [M, H], add [M, H]?, w [H], eps, norm_mode=0) -> [M, H]   the model's final norm        decode.cpp
+  rmsnorm_bf16(h [M, H], add [M, H]?, w [H], eps, norm="rms") -> [M, H]   bf16(h + add) normalised: the model's final
+      norm. norm "rms": bf16(w * bf16(x / rms)); "rms_fp32_scale": bf16(w * (x / rms)) (gpt-oss); "rms_one_plus":
+      bf16((x / rms) * (1 + w)) (zero-centred weights: Qwen3-Next, the q/k norms too)                     decode.cpp
   mla_decode_bf16(q [B, Hq, N + P], lat [B * L, R], rope [B * L, P], lens [B] int64, wkv_b [Hq * (N + V), R], nope N,
                   scaling) -> [B, Hq, V]
       MLA decode attention over the latent cache with kv_b_proj absorbed into q and o (runtime/mla.py)     mla.cpp
@@ -75,28 +57,31 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       conv update, the gated delta rule on the recurrent state, the gated RMSNorm (runtime/deltanet.py); slots: the
       states are pools of seats [S, ...], row b's in seat slots[b] (the paged engine's); plain: Qwen3.5's
       separate projections, qkvz = [q | k | v | z], ba = [b | a] (else Qwen3-Next's per-key-head groups)   deltanet.cpp
-  deltanet_layer_bf16(h [M, H], add [M, H]?, ln1 [H], eps, w_in [N_i, H] x P, s_in P x or [], n_qkvz, conv_state,
-                      conv_w, conv_b?, state, A_log, dt_bias, norm_w, norm_eps, Hk, Hv, Dk, Dv, slots [M]?, plain,
-                      wo [H, Hv*Dv], so?, ln2 [H], wr [E, H]?, top_k, norm_topk, w_bf16, norm_mode)
-                      -> [h2 [M, H], x2 [M, H], ids [M, K], w [M, K]]
-      a gated-DeltaNet decoder layer in one call, as decode_layer_bf16 is an attention layer: residual, norm, the
-      input projections w_in stacked (their first n_qkvz outputs are gated_delta_decode_bf16's qkvz, the rest its
-      ba), that step on the states, out_proj, residual, norm, the softmax router. s_in: the projections' scales by
-      position (int8 rows / ggml blocks; so likewise for wo), or empty for bf16                          deltanet.cpp
   grouped_topk(scores [M, E] fp32, bias [E] fp32?, n_group, topk_group, top_k, norm_topk, scale) -> [ids [M, K] int64,
                w [M, K] fp32]   DeepSeek-V3's grouped selection from sigmoid scores (runtime/moe_blocks.py)  router.cpp
-Class moe_offload.DecodeStep(bs, w_bf16, norm_mode, router_mode, rope_mode, gated) (torch.classes; the family's
-  constants)                                                                                                step.cpp
-  .add_layer(decode_layer_bf16's weights of one layer, kpool, vpool, top_k, norm_topk, ..., the layer's E experts by
-             id: gate_ups, gate_up_scales ([] for bf16), downs, down_scales, quantized, and a Qwen2-MoE shared
-             expert's shared_expert_bf16 tensors or None x 5)
-  .add_linear_layer(deltanet_layer_bf16's weights of a gated-DeltaNet layer, ln2, router, top_k, norm_topk, experts
-                    and a shared expert as add_layer's)
-  .step(h [M, H], cos, sin, blocks, lens, norm [H], eps) -> (x [M, H], ids [L, M, K], experts seconds)
-      a whole decode step: per layer decode_layer_bf16, the routed pairs through moe_experts_q | moe_experts_bf16,
-      the combine as the executor computes it; then the final norm (runtime/decode_step.py)
-  .step_hybrid(h, cos, sin, blocks, lens, norm, eps, seats [M] int64, states) -> step()'s
-      the same with gated-DeltaNet layers: states their (conv, state) pools in layer order, updated in place
+Class moe_offload.Layer (torch.classes; layer.h lists its setters): one decoder layer as the kernels read it, its
+  parts set by name (norms, attention, extras, pools, output, scales | linear | mla, router | grouped_router, experts,
+  expert_gate, shared | mlp), its kinds by the model description's names (norm kind, rotary kind, router order)
+  .decode(h [M, H], add [M, H]?, cos [M, RD], sin [M, RD], blocks [M, NB] int64, lens [M] int64)
+      -> [h2 [M, H], x2 [M, H], ids [M, K], w [M, K]]                                                     decode.cpp
+      a softmax-attention layer's attention half and router in one call: residual, norm, q/k/v (q | output gate per
+      head when gated: Qwen3-Next), q/k norms (per head [D], Qwen3, or over the projection, OLMoE), rotary (RD <= D:
+      partial; "interleaved_fp32": pairs (2j, 2j + 1) over all D in fp32 with fp32 cos/sin [M, D/2], Ernie 4.5),
+      the new k/v rows into the paged pools, attention (sliding window; sinks: gpt-oss, rounded as the eager bf16
+      path), o_proj, residual, norm, the fused router (score_then_topk: softmax over all experts, top-k, renormalised
+      if norm_topk; topk_then_score: softmax over the top-k logits). No router: ids and w empty. w bf16 or fp32 as the
+      family's router leaves it. int8 / ggml-block q/k/v/o (.scales, .output's so): as gemv_q computes them.
+  .decode_linear(h, add?, conv [S, C, K] (mutated), state [S, Hv, Dk, Dv] (mutated), slots [M]?) -> decode()'s
+      a gated-DeltaNet layer likewise: the input projections stacked (their first n_qkvz outputs are
+      gated_delta_decode_bf16's qkvz, the rest its ba), that step on the seats' states, out_proj          deltanet.cpp
+Class moe_offload.DecodeStep() (torch.classes)                                                              step.cpp
+  .add(layer)   a Layer with its experts by id (.experts: gate_ups, scales, downs, scales, quantized), in order
+  .step(h [M, H], cos [], sin [], blocks, lens, norm [H], eps, seats [M]?, states []) -> (x [M, H], ids [L, M, K],
+        experts seconds)
+      a whole decode step: per layer decode() (cos[i], sin[i]: the i-th rotary table, .rotary_table) or
+      decode_linear() (states: the linear layers' (conv, state) pools in layer order), the routed pairs through
+      moe_experts_q | moe_experts_bf16, the combine as the executor computes it; then the final norm
+  .step_mla(h, cos, sin, slots [M], rows [M * lmax], lens, norm, eps) -> step()'s, for MLA layers (mla_plan.py)
 Legend (MLA): N/P/V the nope/rope/value head dims, R kv_lora_rank, L key rows per sequence (padded).
 Legend: H hidden (input features), N output rows (gemv) or tokens (gemv_q), M / T tokens, I expert intermediate,
 K experts of a token (top-k) or input features (gemv_q), J experts of a layer, S routed pairs, R output rows or pool
@@ -104,8 +89,6 @@ rows, Hq/Hkv query/KV heads, D head dim, RD rotary dims, NB blocks per sequence,
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -164,22 +147,7 @@ def _dequant_blocks(w):
     return w.new_empty((*w.shape[:-2], w.shape[-2] * block), dtype=torch.float32)
 
 
-def _decode_layer(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kpool, vpool, blocks, lens, bs, scaling,
-                  window, wo, bo, ln2, wr, top_k, norm_topk, w_bf16, sinks=None, rb=None, norm_mode=0, router_mode=0,
-                  sq=None, sk=None, sv=None, so=None, rope_mode=0, gated=False):
-    m = h.shape[0] if wr is not None else 0
-    return [h.new_empty(h.shape), h.new_empty(h.shape), h.new_empty((m, top_k), dtype=torch.long),
-            h.new_empty((m, top_k), dtype=h.dtype if w_bf16 else torch.float32)]
-
-
-def _deltanet_layer(h, add, ln1, eps, w_in, s_in, n_qkvz, conv_state, conv_w, conv_b, state, a_log, dt_bias, norm_w,
-                    norm_eps, Hk, Hv, Dk, Dv, slots, plain, wo, so, ln2, wr, top_k, norm_topk, w_bf16, norm_mode):
-    m = h.shape[0] if wr is not None else 0
-    return [h.new_empty(h.shape), h.new_empty(h.shape), h.new_empty((m, top_k), dtype=torch.long),
-            h.new_empty((m, top_k), dtype=h.dtype if w_bf16 else torch.float32)]
-
-
-def _rmsnorm(h, add, w, eps, norm_mode=0):
+def _rmsnorm(h, add, w, eps, norm="rms"):
     return h.new_empty(h.shape)
 
 
@@ -213,13 +181,11 @@ FAKES = {
     "experts_mlp_q": _experts_q,
     "moe_experts_q": _moe_experts_q,
     "dequant_blocks": _dequant_blocks,
-    "decode_layer_bf16": _decode_layer,
     "rmsnorm_bf16": _rmsnorm,
     "mla_decode_bf16": _mla,
     "grouped_topk": _grouped_topk,
     "mla_prologue_bf16": _mla_prologue,
     "gated_delta_decode_bf16": _delta,
-    "deltanet_layer_bf16": _deltanet_layer,
 }
 
 
@@ -232,37 +198,3 @@ def register_fakes() -> None:
             register_fake(f"moe_offload::{op}", fn)
         except RuntimeError:  # already registered in this process (a second build variant)
             pass
-
-
-# -- the model description's names as the layer kernels' codes (the only place the codes are spelled) ----------
-NORM_CODES = {"rms": 0, "rms_fp32_scale": 1, "rms_one_plus": 2}  # decode_layer_bf16 / rmsnorm_bf16's norm_mode
-ROUTER_ORDER_CODES = {"score_then_topk": 0, "topk_then_score": 1}  # router_mode
-ROPE_CODES = {"rotate_half": 0, "halves": 0, "partial": 0, "interleaved_fp32": 1}  # rope_mode (halves: cos/sin doubled)
-
-
-@dataclass(frozen=True)
-class LayerCodes:
-    """What decode_layer_bf16, deltanet_layer_bf16, rmsnorm_bf16 and the DecodeStep class take as codes, for one
-    model (control/description.py: one norm kind, one router kind and one rotary kind per model)."""
-
-    norm_mode: int
-    router_mode: int
-    rope_mode: int
-    w_bf16: bool  # the router's top-k weights rounded to bf16 (else fp32)
-    gated: bool  # attention with an output gate in q_proj
-
-
-def layer_codes(desc) -> LayerCodes:
-    """The codes of a fused-path ModelDescription. ValueError where its layers disagree (one call takes one set)."""
-    from moe_offload.control.description import Attention, MoEBlock
-
-    attn = {lay.mixer for lay in desc.layers if isinstance(lay.mixer, Attention)}
-    routers = {lay.ffn.router for lay in desc.layers if isinstance(lay.ffn, MoEBlock)}
-    kinds = {(r.order, r.weights_dtype) for r in routers}
-    rotary = {a.rotary.kind for a in attn if a.rotary is not None}
-    gated = {a.output_gate for a in attn}
-    if len(kinds) > 1 or len(rotary) > 1 or len(gated) > 1:
-        raise ValueError("layers with different router, rotary or gate kinds")
-    order, weights = next(iter(kinds), ("score_then_topk", "model"))
-    return LayerCodes(NORM_CODES[desc.norm.kind], ROUTER_ORDER_CODES[order], ROPE_CODES[next(iter(rotary), "rotate_half")],
-                      weights == "model", bool(next(iter(gated), False)))

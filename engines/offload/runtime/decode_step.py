@@ -1,10 +1,10 @@
 """The fused decode paths' whole-step call: every layer of a decode step in one C++ call when every expert is resident.
 
-    DecodePlan.forward --(eligible step)--> StepCall.run(h, cos, sin, table, lens)
-                       (gated-DeltaNet layers: run_hybrid(..., seats, their (conv, state) pools))
+    DecodePlan.forward --(eligible step)--> StepCall.run(h, cos[], sin[], table, lens, .., seats, states)
+                       (gated-DeltaNet layers: seats and their (conv, state) pools)
     MLADecodePlan.forward --(eligible step)--> StepCall.run_mla(h, cos, sin, slots, rows, lens)
-      --> moe_offload::DecodeStep.step | step_hybrid | step_mla (kernels/csrc/cpu/step.cpp: per layer the attention
-          half (decode_layer_bf16, deltanet_layer_bf16, or MLA's calls as mla_plan.py makes them), the router (fused, or a MoE block's selection
+      --> moe_offload::DecodeStep.step | step_mla (kernels/csrc/cpu/step.cpp: per layer (a moe_offload.Layer) the
+          attention half (Layer.decode, decode_linear, or MLA's calls as mla_plan.py makes them), the router (fused, or a MoE block's selection
           as moe_blocks.py makes it), the routed experts through moe_experts_q | moe_experts_bf16, the combine, a shared
           expert or a dense layer's MLP; then the final norm)
       --> (x [M, H], routes [L, M, K], experts seconds) --> Executor.book_resident (hits, stage time, captured routes)
@@ -74,30 +74,17 @@ class StepCall:
         if why:
             log.debug("whole-step decode off", reason=why)
             return None
-        c, hd = plan.codes, plan.head_dim
-        obj = torch.classes.moe_offload.DecodeStep(plan.bs, c.w_bf16, c.norm_mode, c.router_mode, c.rope_mode, c.gated)
+        obj = torch.classes.moe_offload.DecodeStep()
         probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
         for lay in plan.layers:
-            experts = _experts_args(lay.state, lay.experts, probe)
-            if experts is None:
-                log.debug("whole-step decode off", reason=f"layer {lay.idx}: experts the one-call kernels do not take")
+            if not _add_experts(lay.kernel, lay.state, lay.experts, probe, lay.idx):
                 return None
-            top_k = lay.block.args[2] if lay.block is not None else lay.top_k
-            shared = lay.shared_args or (None,) * 5
-            if lay.linear is not None:  # a gated-DeltaNet layer: its states come with each step (run_hybrid)
-                (ln1, eps), (ln2,) = lay.args
-                w_in, s_in, n_qkvz, *rest, wo, so = lay.linear.args
-                obj.add_linear_layer(ln1, eps, w_in, s_in, n_qkvz, *rest, wo, so, ln2, lay.router, top_k, lay.norm_topk,
-                                     *experts, *shared)
-            else:
-                (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
-                kp, vp = plan.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
-                obj.add_layer(ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, kp, vp, scaling, window, wo, bo, ln2, lay.router,
-                              top_k, lay.norm_topk, lay.sinks, lay.router_bias, *lay.scales, *experts, *shared)
-                if not plan.uniform_rotary:  # a table per layer type, or the identity (NoPE): run_tables passes each
-                    obj.rotary_table(plan.rotaries.index(lay.rotary))
-            _add_gate(obj, lay.state, lay.experts, probe)
-            _add_mlp(obj, lay.block, lay.dense)
+            if lay.shared_args is not None:
+                lay.kernel.shared(*lay.shared_args)
+            if lay.linear is None:  # the index of its table in the step's list (plan.rotaries)
+                lay.kernel.rotary_table(plan.rotaries.index(lay.rotary))
+            _add_mlp(lay.kernel, lay.block, lay.dense)
+            obj.add(lay.kernel)
         log.info("whole-step decode on", layers=len(plan.layers))
         return cls(obj, plan.executor, [lay.state for lay in plan.layers if lay.state is not None])
 
@@ -116,30 +103,31 @@ class StepCall:
         if why:
             log.debug("whole-step decode off", reason=why)
             return None
-        obj = torch.classes.moe_offload.DecodeStep(plan.pool.block_size, True, 0, 0, 0, False)
+        obj = torch.classes.moe_offload.DecodeStep()
         probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
         for layer, block, dense, qkv_a in zip(plan.layers, plan.blocks, plan.dense, plan.qkv_a):
             a = layer.self_attn
-            experts = _experts_args(getattr(block, "state", None), getattr(block, "experts", None), probe)
-            if experts is None:
-                log.debug("whole-step decode off", reason=f"layer {a.layer_idx}: experts the one-call kernels do not take")
+            k = torch.classes.moe_offload.Layer()
+            if not _add_experts(k, getattr(block, "state", None), getattr(block, "experts", None), probe, a.layer_idx):
                 return None
-            kp, vp = plan.pool.layer_of(a.layer_idx, 1, a.kv_lora_rank, 1, a.qk_rope_head_dim, torch.bfloat16)
+            n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+            k.norms(n1.weight, n2.weight, n1.variance_epsilon, n2.variance_epsilon, "rms")
+            k.pools(*plan.pool.layer_of(a.layer_idx, 1, a.kv_lora_rank, 1, a.qk_rope_head_dim, torch.bfloat16),
+                    plan.pool.block_size)
             lora = a.q_lora_rank is not None
             wq = a.q_b_proj if lora else a.q_proj
             kv_a = None if lora else a.kv_a_proj_with_mqa
             (wq_w, wq_s), (wo_w, wo_s) = weight_and_scale(wq), weight_and_scale(a.o_proj)
             kv_a_w, kv_a_s = weight_and_scale(kv_a) if kv_a is not None else (None, None)
             qkv_a_w, qkv_a_s = qkv_a if qkv_a is not None else (None, None)
-            obj.add_mla_layer(
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv_a_w, a.q_lora_rank or 0,
-                a.q_a_layernorm.weight if lora else None, a.q_a_layernorm.variance_epsilon if lora else 0.0,
-                wq_w, wq.bias, kv_a_w, kv_a.bias if kv_a is not None else None,
-                a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon, kp, vp, a.kv_b_proj.weight, a.num_heads,
-                a.qk_nope_head_dim, float(a.scaling), plan.interleave, wo_w, a.o_proj.bias,
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon, wq_s, wo_s,
-                block.args[2] if block is not None else 0, *experts, qkv_a_s, kv_a_s)
-            _add_mlp(obj, block, dense)
+            k.mla(qkv_a_w, a.q_lora_rank or 0, a.q_a_layernorm.weight if lora else None,
+                  a.q_a_layernorm.variance_epsilon if lora else 0.0, wq_w, wq.bias, kv_a_w,
+                  kv_a.bias if kv_a is not None else None, a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon,
+                  a.kv_b_proj.weight, a.num_heads, a.qk_nope_head_dim, float(a.scaling), plan.interleave)
+            k.mla_scales(wq_s, qkv_a_s, kv_a_s)
+            k.output(wo_w, a.o_proj.bias, wo_s)
+            _add_mlp(k, block, dense)
+            obj.add(k)
         log.info("whole-step decode on", layers=len(plan.layers), attention="mla")
         return cls(obj, plan.executor, [b.state for b in plan.blocks if b is not None])
 
@@ -162,17 +150,11 @@ class StepCall:
                     raise
         return True
 
-    def run(self, h, cos, sin, table, lens, norm, eps) -> torch.Tensor:
-        """One decode step through every layer; returns the final norm's output [M, H] and books the routes."""
-        return self._book(*self.obj.step(h, cos, sin, table, lens, norm, eps))
-
-    def run_tables(self, h, cos: list, sin: list, table, lens, norm, eps, seats=None, states=()) -> torch.Tensor:
-        """run_hybrid() for layers rotating by different tables: cos[i], sin[i] the i-th of plan.rotaries."""
-        return self._book(*self.obj.step_tables(h, cos, sin, table, lens, norm, eps, seats, list(states)))
-
-    def run_hybrid(self, h, cos, sin, table, lens, norm, eps, seats, states) -> torch.Tensor:
-        """run() for a model with gated-DeltaNet layers: seats [M] int64, states their (conv, state) pools in order."""
-        return self._book(*self.obj.step_hybrid(h, cos, sin, table, lens, norm, eps, seats, states))
+    def run(self, h, cos: list, sin: list, table, lens, norm, eps, seats=None, states=()) -> torch.Tensor:
+        """One decode step through every layer (cos[i], sin[i]: the i-th of plan.rotaries; gated-DeltaNet layers:
+        seats [M] int64 and their (conv, state) pools in layer order); returns the final norm's output [M, H] and
+        books the routes."""
+        return self._book(*self.obj.step(h, cos, sin, table, lens, norm, eps, seats, list(states)))
 
     def run_mla(self, h, cos, sin, slots, rows, lens, norm, eps) -> torch.Tensor:
         """run() for an MLA model: slots [M] the tokens' pool rows, rows [M * lmax] each sequence's (mla_plan.py)."""
@@ -206,40 +188,32 @@ def _refuse(executor, items) -> str:
     return ""
 
 
-def _experts_args(state, experts, probe) -> tuple | None:
-    """add_layer's expert arguments (gate_ups, their scales, downs, their scales, quantized), by expert id; empty for a
-    dense layer; None where the one-call kernels do not take the experts."""
+def _add_experts(k, state, experts, probe, idx: int) -> bool:
+    """Give the kernel layer ``k`` its experts by id (none for a dense layer), their biases and gate (gpt-oss's); False
+    (logged) where the one-call kernels do not take them."""
     if state is None:
-        return [], [], [], [], False
+        return True
     kind = fused.kind(state, experts, probe)
     if kind is None:
-        return None
-    ups, up_s, downs, down_s = fused.q_args(_by_id(state))
-    q = kind == "q"
-    return (ups, up_s, downs, down_s, True) if q else (ups, [], downs, [], False)
-
-
-def _by_id(state) -> list:
+        log.debug("whole-step decode off", reason=f"layer {idx}: experts the one-call kernels do not take")
+        return False
     cache = state.cache
-    return [cache.weights[cache.slot_of[e]] for e in range(cache.num_experts)]
-
-
-def _add_gate(obj, state, experts, probe) -> None:
-    """The last layer's experts' biases and gate (gpt-oss's), where they have them."""
-    if state is None or fused.kind(state, experts, probe) is None:
-        return
-    ub, db, gate, alpha, limit = fused.gate_args(experts, _by_id(state))
+    weights = [cache.weights[cache.slot_of[e]] for e in range(cache.num_experts)]
+    ups, up_s, downs, down_s = fused.q_args(weights)
+    k.experts(ups, up_s if kind == "q" else [], downs, down_s if kind == "q" else [], kind == "q")
+    ub, db, gate, alpha, limit = fused.gate_args(experts, weights)
     if ub is not None or gate:
-        obj.expert_gate(ub or [], db or [], gate, alpha, limit)
+        k.expert_gate(ub or [], db or [], "clamped_swiglu" if gate else "silu", alpha, limit)
+    return True
 
 
-def _add_mlp(obj, block, dense) -> None:
-    """The last layer's DeepSeek-V3 router and shared experts (block), or its dense MLP."""
+def _add_mlp(k, block, dense) -> None:
+    """The kernel layer's DeepSeek-V3 router and shared experts (block), or its dense MLP."""
     if block is not None:
-        obj.grouped_router(*block.router_args())
+        k.grouped_router(*block.router_args())
     mlp = dense if block is None else block.shared_args
     if mlp is not None:
-        obj.mlp(*mlp)
+        k.mlp(*mlp)
 
 
 def _mla_linears_ok(a) -> bool:

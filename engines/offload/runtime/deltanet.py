@@ -12,7 +12,7 @@
       tensors for a cached bf16 one-token step, else the module's forward
     probe (kv_budget.probe_kv_bytes): the layer reports the bytes of its per-sequence state and runs without a cache
     the fused decode path (fastpath.py): LinearLayer.step, the whole decoder layer (norms, projections, this step,
-      out_proj, the router) in one moe_offload::deltanet_layer_bf16 call on the pool's seats
+      out_proj, the router) in one moe_offload.Layer.decode_linear call on the pool's seats
 
 The states live in kv.KVPool.states_of: per layer a conv window [seats, C, K] (the model's dtype) and a recurrent
 state [seats, Hv, Dk, Dv] (fp32, as the module's rule keeps it); a sequence's seat is taken at its first chunk and
@@ -140,14 +140,14 @@ def _paged(layer, module_forward, hidden_states, cache: kv.PagedCache) -> torch.
 
 
 class LinearLayer:
-    """A covered gated-DeltaNet layer as the fused decode path calls it: deltanet_layer_bf16's weight arguments."""
+    """A covered gated-DeltaNet layer as the fused decode path calls it (a kernel layer's .linear and .output)."""
 
-    def __init__(self, m: torch.nn.Module, args: tuple):
-        self.m, self.args = m, args  # args: (w_in, s_in, n_qkvz) and (conv_w, conv_b, A_log, dt_bias, norm_w, eps, ...)
+    def __init__(self, m: torch.nn.Module, args: tuple, out: tuple):
+        self.m, self.args, self.out = m, args, out  # Layer.linear's arguments; Layer.output's (wo, None, so)
 
     @classmethod
     def of(cls, m: torch.nn.Module) -> "LinearLayer | None":
-        """The layer ``m`` (installed by ``install``) as deltanet_layer_bf16 takes it, or None: projections with a bias,
+        """The layer ``m`` (installed by ``install``) as Layer.decode_linear takes it, or None: projections with a bias,
         bf16 beside int8 / ggml blocks, a conv or norm of other dtypes."""
         from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 
@@ -170,8 +170,13 @@ class LinearLayer:
         n_qkvz = sum(p.out_features for p in projs[: len(projs) // 2])
         a_log, dt_bias, conv_b = m._moe_offload_fp32
         return cls(m, (w_in, s_in, n_qkvz, m.conv1d.weight.squeeze(1), conv_b, a_log, dt_bias, m.norm.weight,
-                       float(m.norm.variance_epsilon), m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
-                       plain, wo, so))
+                       float(m.norm.variance_epsilon), [m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim],
+                       plain), (wo, None, so))
+
+    def bind(self, k) -> None:
+        """Set the kernel layer ``k`` (moe_offload.Layer) to this mixer."""
+        k.linear(*self.args)
+        k.output(*self.out)
 
     def states(self, pool: kv.KVPool, seats: list[int], fresh: list[int], dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's (conv window, recurrent state) pools for sequences in ``seats``; the seats of ``fresh`` rows
@@ -181,16 +186,6 @@ class LinearLayer:
             conv[seats[t]].zero_()
             state[seats[t]].zero_()
         return conv, state
-
-    def step(self, states: tuple, h, add, ln1, eps, ln2, router, top_k, norm_topk, w_bf16, norm_mode,
-             seats: torch.Tensor) -> list[torch.Tensor]:
-        """One decode token per row of h [M, H] (+ add), row t's states (``states()``) in seat seats[t]. Returns
-        [h2, x2, ids, weights]."""
-        (w_in, s_in, n_qkvz, conv_w, conv_b, a_log, dt_bias, norm_w, norm_eps, hk, hv, dk, dv, plain, wo, so) = self.args
-        conv, state = states
-        return torch.ops.moe_offload.deltanet_layer_bf16(
-            h, add, ln1, eps, w_in, s_in, n_qkvz, conv, conv_w, conv_b, state, a_log, dt_bias, norm_w, norm_eps,
-            hk, hv, dk, dv, seats, plain, wo, so, ln2, router, top_k, norm_topk, w_bf16, norm_mode)
 
 
 class SeatCache:

@@ -1,10 +1,10 @@
 """The fused decode path: a decode step (every scheduled sequence decoding one token) without transformers' modules.
 
     ids [M] -> embedding -> rotary cos/sin (the model's own rotary module: every rope scaling it knows)
-      -> per layer: moe_offload::decode_layer_bf16 (norm, q/k/v, q/k norms, rotary, paged KV write, attention,
-         o_proj, residual, norm, router top-k; kernels/csrc/cpu/decode.cpp)
-         or, a gated-DeltaNet layer, moe_offload::deltanet_layer_bf16 (norm, projections, the conv and delta rule on
-         the sequence's seat in the pool, gated norm, out_proj, residual, norm, router; deltanet.LinearLayer)
+      -> per layer: its kernel layer's decode (moe_offload.Layer: norm, q/k/v, q/k norms, rotary, paged KV write,
+         attention, o_proj, residual, norm, router top-k; kernels/csrc/cpu/decode.cpp)
+         or, a gated-DeltaNet layer, its decode_linear (norm, projections, the conv and delta rule on the sequence's
+         seat in the pool, gated norm, out_proj, residual, norm, router; deltanet.LinearLayer)
          -> the offload executor with those top-k ids and weights (tiers, fetches, statistics: unchanged)
          (+ Qwen2-MoE's gated shared expert in one call, moe_offload::shared_expert_bf16; a dense layer's silu MLP in
           one call, moe_blocks.mlp_rows; any other shared expert or MLP through its own modules)
@@ -30,7 +30,6 @@ import time
 import torch
 
 from moe_offload.control.description import ModelDescription
-from moe_offload.engines.offload.kernels import ops
 from moe_offload.engines.offload.runtime import fused_bind
 from moe_offload.engines.offload.runtime.decode_step import StepCall
 from moe_offload.engines.offload.runtime.moe_blocks import mlp_rows
@@ -44,17 +43,16 @@ class DecodePlan:
 
     def __init__(self, model, executor, desc: ModelDescription, layers: list, eps: float, bs: int, pool):
         self.model, self.executor, self.desc = model, executor, desc
-        self.codes = ops.layer_codes(desc)
         self.layers, self.eps, self.bs, self.pool = layers, eps, bs, pool
         inner = model.model
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         self.lm_head = model.lm_head
         self.head_dim = fused_bind.head_dim(inner)
         self.linear = [lay for lay in layers if lay.linear is not None]  # gated-DeltaNet layers, in order
-        # one cos/sin per step serves every layer (the whole-step call takes one); else per rotary (a table per layer
-        # type, or none: NoPE layers rotate by the identity, cos 1 and sin 0, which leaves q and k bit for bit)
+        # the step's rotary tables: one serves every layer, or one per rotary (a table per layer type, or none: NoPE
+        # layers rotate by the identity, cos 1 and sin 0, which leaves q and k bit for bit)
         self.uniform_rotary = desc.uniform_rotary
-        self.rotaries = list(dict.fromkeys(lay.rotary for lay in layers if lay.linear is None))  # the step's tables
+        self.rotaries = list(dict.fromkeys(lay.rotary for lay in layers if lay.linear is None))
         self.steps = 0
         self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: not built yet
 
@@ -65,7 +63,7 @@ class DecodePlan:
         module layout that does not hold what the description says means the module path."""
         try:
             why = fused_bind.refuse(model, executor, desc)
-            bound = None if why else fused_bind.bind(model, desc)
+            bound = None if why else fused_bind.bind(model, desc, pool)
         except (AttributeError, TypeError, ValueError, RuntimeError) as e:
             why, bound = f"{type(e).__name__}: {e}", None
         if isinstance(bound, str):
@@ -96,7 +94,6 @@ class DecodePlan:
         if any(lay.rotary is None and lay.linear is None for lay in self.layers):  # NoPE: the identity rotation
             d = max((c.shape[-1] for c, _ in rot.values()), default=self.head_dim)
             rot[None] = (h.new_ones(M, d), h.new_zeros(M, d))
-        cos, sin = next(iter(rot.values())) if rot else (None, None)  # the one table when uniform_rotary
         ex = self.executor
         t0 = time.perf_counter()
         ex.begin_forward()
@@ -108,34 +105,17 @@ class DecodePlan:
             states = {lay.idx: lay.linear.states(self.pool, seats, fresh, h.dtype) for lay in self.linear}
             seats_t = torch.tensor(seats, dtype=torch.long)
         if self.step_call is not None and self.step_call.takes(M):  # every layer in one call
-            if not self.uniform_rotary:
-                x = self.step_call.run_tables(h, [rot[r][0] for r in self.rotaries], [rot[r][1] for r in self.rotaries],
-                                              table, lens_t, self.norm.weight, self.eps,
-                                              seats_t if self.linear else None,
-                                              [t for lay in self.linear for t in states[lay.idx]])
-            elif self.linear:
-                x = self.step_call.run_hybrid(h, cos, sin, table, lens_t, self.norm.weight, self.eps, seats_t,
-                                              [t for lay in self.linear for t in states[lay.idx]])
-            else:
-                x = self.step_call.run(h, cos, sin, table, lens_t, self.norm.weight, self.eps)
+            tables = [rot[r] for r in self.rotaries]
+            x = self.step_call.run(h, [c for c, _ in tables], [s for _, s in tables], table, lens_t, self.norm.weight,
+                                   self.eps, seats_t if self.linear else None,
+                                   [t for lay in self.linear for t in states[lay.idx]])
             return self._logits(x, t0)
-        op = torch.ops.moe_offload.decode_layer_bf16
         add = None
-        c = self.codes
         for lay in self.layers:
             if lay.linear is not None:
-                (ln1, eps), (ln2,) = lay.args
-                h, x2, idx, w = lay.linear.step(states[lay.idx], h, add, ln1, eps, ln2, lay.router, lay.top_k,
-                                                lay.norm_topk, c.w_bf16, c.norm_mode, seats_t)
+                h, x2, idx, w = lay.kernel.decode_linear(h, add, *states[lay.idx], seats_t)
             else:
-                (ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn), (scaling, window, wo, bo, ln2) = lay.args
-                hd = self.head_dim
-                kp, vp = self.pool.layer_of(lay.idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
-                cos, sin = rot[lay.rotary]
-                h, x2, idx, w = op(h, add, ln1, eps, wq, wk, wv, bq, bk, bv, qn, kn, cos, sin, kp, vp, table, lens_t,
-                                   self.bs, scaling, window, wo, bo, ln2, lay.router, lay.top_k, lay.norm_topk,
-                                   c.w_bf16, lay.sinks, lay.router_bias, c.norm_mode, c.router_mode, *lay.scales,
-                                   c.rope_mode, c.gated)
+                h, x2, idx, w = lay.kernel.decode(h, add, *rot[lay.rotary], table, lens_t)
             if lay.moe is not None:
                 out = ex.forward(lay.state, lay.experts, x2, idx, w)
                 if lay.shared_args is not None:  # one kernel call, rounded as the module's ops round
@@ -151,7 +131,8 @@ class DecodePlan:
                 out = lay.mlp(x2.unsqueeze(0))
                 out = (out[0] if isinstance(out, tuple) else out)[0]
             add = out.contiguous()
-        return self._logits(torch.ops.moe_offload.rmsnorm_bf16(h, add, self.norm.weight, self.eps, c.norm_mode), t0)
+        return self._logits(torch.ops.moe_offload.rmsnorm_bf16(h, add, self.norm.weight, self.eps, self.desc.norm.kind),
+                            t0)
 
     def _logits(self, x: torch.Tensor, t0: float) -> torch.Tensor:
         logits = self.lm_head(x)  # [M, V]

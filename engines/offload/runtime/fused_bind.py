@@ -2,11 +2,11 @@
 
     refuse(model, executor, desc) -> "" | why not (the description's path, the module layout, dtypes, devices, rotary
         tables, kernels)
-    bind(model, desc) -> ([Layer], eps) | why not: per layer the layer call's weight arguments (attention: norms,
-        q/k/v/o and their biases, q/k norms, window; a gated-DeltaNet layer's LinearLayer), its router's weights when
-        the router runs in the layer call, else the MoE block the description names (moe_blocks.block_for), a
-        Qwen2-MoE shared expert's or a dense MLP's rows (weights.py)
-    cos_sin(rotary module, h, pos, Rotary) -> cos, sin as decode_layer_bf16 reads them
+    bind(model, desc, pool) -> ([Layer], eps) | why not: per layer a kernel layer (moe_offload.Layer, kernels/ops.py)
+        holding its norms, attention (q/k/v/o, biases, q/k norms, window, rotary kind, KV pools) or gated-DeltaNet
+        mixer (deltanet.LinearLayer), and its router when the router runs in the layer call; else the MoE block the
+        description names (moe_blocks.block_for); a Qwen2-MoE shared expert's or a dense MLP's rows (weights.py)
+    cos_sin(rotary module, h, pos, Rotary) -> cos, sin as Layer.decode reads them
 
 What each layer computes is the description's word (control/description.py); this file only finds the tensors.
 """
@@ -44,17 +44,22 @@ def _eps(norm) -> float:
     return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
 
 
-def _attention_args(layer, attn, eps: float, window: int | None) -> tuple:
-    """decode_layer_bf16's weight arguments of a softmax-attention layer: (ln1, eps, q, k, v, their biases, q/k norms),
-    (scaling, window, o, its bias, ln2); int8 rows or ggml blocks where the projections hold them."""
+def _attention(k, layer, attn, mixer: Attention, pool, idx: int, hd: int) -> None:
+    """Set the kernel layer ``k``'s softmax attention: q/k/v/o (int8 rows or ggml blocks where the projections hold
+    them, with their scales), biases, q/k norms, sinks, window, rotary kind, output gate, and its paged KV pools."""
     q8 = isinstance(attn.q_proj, (QuantLinear, BlockLinear))
     w_of = (lambda m: m.weight_q) if q8 else (lambda m: m.weight)
+    wq, wk, wv = (w_of(getattr(attn, a)) for a in ("q_proj", "k_proj", "v_proj"))
+    rotary = mixer.rotary.kind if mixer.rotary is not None else "rotate_half"  # NoPE: the identity table's layout
+    k.attention(wq, wk, wv, float(attn.scaling), int(mixer.window or 0), rotary, bool(mixer.output_gate))
     qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    return ((layer.input_layernorm.weight, eps, w_of(attn.q_proj), w_of(attn.k_proj), w_of(attn.v_proj),
-             attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias,
-             qn.weight if qn is not None else None, kn.weight if kn is not None else None),
-            (float(attn.scaling), int(window or 0), w_of(attn.o_proj), attn.o_proj.bias,
-             layer.post_attention_layernorm.weight))
+    k.extras(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, qn.weight if qn is not None else None,
+             kn.weight if kn is not None else None, getattr(attn, "sinks", None))
+    if q8:  # --dense-dtype int8, a GGUF file's blocks
+        k.scales(*(getattr(attn, a).weight_scale for a in ("q_proj", "k_proj", "v_proj")))
+    k.output(w_of(attn.o_proj), attn.o_proj.bias, attn.o_proj.weight_scale if q8 else None)
+    kp, vp = pool.layer_of(idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
+    k.pools(kp, vp, pool.block_size)
 
 
 def head_dim(inner) -> int | None:
@@ -65,29 +70,24 @@ def head_dim(inner) -> int | None:
 @dataclass
 class Layer:
     idx: int
-    args: tuple  # decode_layer_bf16's weight arguments, in order (see DecodePlan.forward)
+    kernel: object  # torch.classes.moe_offload.Layer: the layer's weights and kinds as the kernels read them
     moe: object | None  # the MoE block (router inside the fused call) or None
     experts: object | None
     state: object | None  # the experts module's executor state
     mlp: object | None  # a dense layer's MLP module
     shared: object | None  # (shared_expert, shared_expert_gate) of a Qwen2-MoE block
-    top_k: int = 0
-    norm_topk: bool = False
-    router: object | None = None  # [E, H]
-    router_bias: object | None = None  # [E]
-    sinks: object | None = None  # [Hq]
-    scales: tuple = (None, None, None, None)  # int8 q/k/v/o: fp32 row scales
     block: object | None = None  # a MoE block run without its module (moe_blocks.py), else None
     shared_args: tuple | None = None  # (gate_up [2I, H], down [H, I], gate [1, H], scales x 2) for shared_expert_bf16
     dense: tuple | None = None  # a dense layer's silu MLP as mlp_args gives it (gate_up, down, scales x 2), else None
-    linear: object | None = None  # a gated-DeltaNet layer (deltanet.LinearLayer): args then holds (ln1, eps), (ln2,)
+    linear: object | None = None  # a gated-DeltaNet layer (deltanet.LinearLayer)
     rotary: Rotary | None = None  # an attention layer's rotary (None: NoPE)
 
 
-def bind(model, desc: ModelDescription) -> tuple[list[Layer], float] | str:
-    """Each layer's weights as the layer call takes them, per the description: (layers, eps), or why not (the module
-    layout does not hold what the description says)."""
+def bind(model, desc: ModelDescription, pool) -> tuple[list[Layer], float] | str:
+    """Each layer's weights as the kernels read them, per the description: (layers, eps), or why not (the module
+    layout does not hold what the description says). Attention layers' KV pools come from ``pool``."""
     eps = _eps(model.model.norm)
+    hd = head_dim(model.model)
     layers = []
     for i, (layer, d) in enumerate(zip(model.model.layers, desc.layers)):
         attn = getattr(layer, "self_attn", None)
@@ -113,19 +113,17 @@ def bind(model, desc: ModelDescription) -> tuple[list[Layer], float] | str:
         elif moe is not None and (d.ffn.shared_experts
                                   or any(hasattr(mlp, n) for n in ("shared_expert", "shared_experts"))):
             return f"layer {i}: shared experts without a gate beside a router in the layer call"
-        if isinstance(d.mixer, LinearMixer):  # a gated-DeltaNet layer: one deltanet_layer_bf16 call
-            lay = Layer(i, ((layer.input_layernorm.weight, eps), (layer.post_attention_layernorm.weight,)), moe,
-                         experts, state, None if moe is not None else mlp, shared)
+        k = torch.classes.moe_offload.Layer()
+        k.norms(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, eps, eps, desc.norm.kind)
+        lay = Layer(i, k, moe, experts, state, None if moe is not None else mlp, shared)
+        if isinstance(d.mixer, LinearMixer):  # a gated-DeltaNet layer: one decode_linear call
             lay.linear = deltanet.LinearLayer.of(layer.linear_attn)
             if lay.linear is None:
                 return f"layer {i}: linear attention the layer call does not take"
+            lay.linear.bind(k)
         else:
-            lay = Layer(i, _attention_args(layer, attn, eps, d.mixer.window), moe, experts, state,
-                         None if moe is not None else mlp, shared)
+            _attention(k, layer, attn, d.mixer, pool, i, hd)
             lay.rotary = d.mixer.rotary
-            lay.sinks = getattr(attn, "sinks", None)
-            if isinstance(attn.q_proj, (QuantLinear, BlockLinear)):  # --dense-dtype int8, a GGUF file's blocks
-                lay.scales = tuple(getattr(attn, a).weight_scale for a in ("q_proj", "k_proj", "v_proj", "o_proj"))
         if moe is None and experts is not None:  # the block's selection by kind, or its module (runs_as_module)
             lay.block = block_for(mlp, d.ffn)
         if shared is not None:
@@ -133,14 +131,13 @@ def bind(model, desc: ModelDescription) -> tuple[list[Layer], float] | str:
         if experts is None:
             lay.dense = mlp_args(mlp)
         if moe is not None:
-            if any(t is not None and t.dtype != torch.bfloat16 for t in (router.weight, getattr(router, "bias", None))):
+            bias = getattr(router, "bias", None)
+            if any(t is not None and t.dtype != torch.bfloat16 for t in (router.weight, bias)):
                 return f"layer {i}: router not bf16"
-            lay.router = router.weight
-            lay.router_bias = getattr(router, "bias", None)
-            lay.top_k = d.ffn.router.top_k
-            lay.norm_topk = d.ffn.router.renormalise
-        if lay.linear is not None and lay.router_bias is not None:
-            return f"layer {i}: a router bias beside linear attention"
+            if lay.linear is not None and bias is not None:
+                return f"layer {i}: a router bias beside linear attention"
+            r = d.ffn.router
+            k.router(router.weight, bias, r.top_k, r.renormalise, r.order, r.weights_dtype == "model")
         layers.append(lay)
     return layers, eps
 
@@ -208,7 +205,7 @@ def refuse(model, executor, desc: ModelDescription) -> str:
 
 
 def _router_in_layer_call(block: MoEBlock) -> bool:
-    """decode_layer_bf16 computes this block's router itself: softmax scores (over every expert, or over the top-k
+    """Layer.decode computes this block's router itself: softmax scores (over every expert, or over the top-k
     logits) without a correction bias; other routers are a MoE block's selection (moe_blocks.block_for)."""
     r = block.router
     return not block.runs_as_module and r.scoring == "softmax" and not r.correction_bias and r.groups is None
@@ -225,7 +222,7 @@ def _router_module(mlp):
 
 def cos_sin(module, h: torch.Tensor, pos: torch.Tensor, rotary: Rotary, raw: bool = False):
     """cos, sin [M, RD] of ``rotary`` at positions pos [1, M] from the model's own rotary module (every rope scaling it
-    knows; a table per layer type where the family keeps one), laid out as decode_layer_bf16 reads them. ``raw``: as
+    knows; a table per layer type where the family keeps one), laid out as Layer.decode reads them. ``raw``: as
     the module returns them ([1, M, D'])."""
     cos, sin = module(h, pos, rotary.table) if rotary.table else module(h, pos)  # [1, M, D']
     if raw:

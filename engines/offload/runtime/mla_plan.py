@@ -140,7 +140,7 @@ class MLADecodePlan:
             return self._logits(x, t0)
         for layer, block, dense, qkv_a in zip(self.layers, self.blocks, self.dense, self.qkv_a):
             a = layer.self_attn
-            x = ops.rmsnorm_bf16(h, None, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, 0)
+            x = ops.rmsnorm_bf16(h, None, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
             if a.q_lora_rank is None:
                 q = a.q_proj(x)
                 ckv = a.kv_a_proj_with_mqa(x)  # [M, R + P]
@@ -152,7 +152,7 @@ class MLADecodePlan:
                     qa, ckv = both[:, : a.q_lora_rank].contiguous(), both[:, a.q_lora_rank :]
                 else:
                     qa, ckv = a.q_a_proj(x), a.kv_a_proj_with_mqa(x)
-                q = a.q_b_proj(ops.rmsnorm_bf16(qa, None, a.q_a_layernorm.weight, a.q_a_layernorm.variance_epsilon, 0))
+                q = a.q_b_proj(ops.rmsnorm_bf16(qa, None, a.q_a_layernorm.weight, a.q_a_layernorm.variance_epsilon))
             q = q.view(M, a.num_heads, a.qk_head_dim)  # [M, Hh, N + P]
             kp, vp = self.pool.layer_of(a.layer_idx, 1, a.kv_lora_rank, 1, a.qk_rope_head_dim, torch.bfloat16)
             # latents normalised into the pool, k_rot and q's rope slice rotated (the model's rotary, its roundings)
@@ -162,7 +162,7 @@ class MLADecodePlan:
                                     rows_t)  # [M, Hh, V], each position's latent read from its pool row
             h = h + a.o_proj(o.view(M, -1))  # the patched linears: kernels/dispatch.py
             n2 = layer.post_attention_layernorm
-            x2 = ops.rmsnorm_bf16(h, None, n2.weight, n2.variance_epsilon, 0)
+            x2 = ops.rmsnorm_bf16(h, None, n2.weight, n2.variance_epsilon)
             if block is not None:
                 h = h + block(ex, x2)
             elif dense is not None:
@@ -170,7 +170,7 @@ class MLADecodePlan:
             else:
                 out = layer.mlp(x2.unsqueeze(0))
                 h = h + (out[0] if isinstance(out, tuple) else out)[0]
-        return self._logits(ops.rmsnorm_bf16(h, None, self.norm.weight, self.norm.variance_epsilon, 0), t0)
+        return self._logits(ops.rmsnorm_bf16(h, None, self.norm.weight, self.norm.variance_epsilon), t0)
 
     def _logits(self, x: torch.Tensor, t0: float) -> torch.Tensor:
         logits = self.lm_head(x)  # [M, V]

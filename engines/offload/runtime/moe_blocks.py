@@ -70,9 +70,9 @@ class DeepseekBlock:
 
     def router_args(self) -> tuple:
         """grouped_router's arguments for the whole-step call: fp32 weights, bias, groups, top-k, norm, scale, scores
-        (0: sigmoid), weights rounded to bf16 (no)."""
+        (sigmoid), weights rounded to bf16 (no)."""
         g = self.gate
-        return (g.weight.detach().float().contiguous(), g.e_score_correction_bias.detach().float(), *self.args, 0, False)
+        return (g.weight.detach().float().contiguous(), g.e_score_correction_bias.detach().float(), *self.args, "sigmoid", False)
 
     def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
         g = self.gate
@@ -96,7 +96,7 @@ class SigmoidTopkBlock:
 
     def router_args(self) -> tuple:
         """grouped_router's arguments: the router weights as stored (logits in their dtype), bias, selection."""
-        return (self.gate.weight.detach(), self.bias.detach().float(), *self.args, 0, False)
+        return (self.gate.weight.detach(), self.bias.detach().float(), *self.args, "sigmoid", False)
 
     def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
         w = self.gate.weight
@@ -119,7 +119,7 @@ class SoftmaxBiasBlock:
 
     def router_args(self) -> tuple:
         g = self.gate
-        return (g.weight.detach().float().contiguous(), self.bias.detach().float().reshape(-1), *self.args, 1, True)
+        return (g.weight.detach().float().contiguous(), self.bias.detach().float().reshape(-1), *self.args, "softmax", True)
 
     def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
         g = self.gate

@@ -72,7 +72,7 @@ def test_one_token_steps_match_the_module(family_checkpoints, monkeypatch, batch
 def test_engine_tokens_with_and_without_the_kernel(family_checkpoints, monkeypatch, family):
     # bf16 greedy decoding of three sequences batched through the paged engine's module path: the kernel's decode rows
     # (states in the pool's seats) and the module's give the same tokens; the switch keeps the kernel out. The fused
-    # decode path (Qwen3-Next: deltanet_layer_bf16 per layer, the same step inside) gives them too.
+    # decode path (Qwen3-Next: Layer.decode_linear per layer, the same step inside) gives them too.
     from moe_offload.control.families import FAMILIES as REGISTRY
     from moe_offload.engines.offload.runtime.build import build_offload_engine
 

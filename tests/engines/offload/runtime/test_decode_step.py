@@ -234,25 +234,32 @@ def test_whole_step_is_taken_only_where_every_expert_is_resident(checkpoints, mo
 
 
 def test_decode_step_rejects_bad_layers():
-    step = torch.classes.moe_offload.DecodeStep(4, True, 0, 0, 0, False)
+    step = torch.classes.moe_offload.DecodeStep()
     h = torch.zeros(1, 8, dtype=torch.bfloat16)
+    one = (torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), h[0], 1e-6)
     with pytest.raises(RuntimeError, match="no layers"):
-        step.step(h, h, h, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), h[0], 1e-6)
+        step.step(h, [h], [h], *one, None, [])
     with pytest.raises(RuntimeError, match="of 0 linear layers"):  # states for linear layers it does not have
-        step.step_hybrid(h, h, h, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), h[0], 1e-6,
-                         torch.zeros(1, dtype=torch.long), [h, h])
+        step.step(h, [h], [h], *one, torch.zeros(1, dtype=torch.long), [h, h])
     w = torch.zeros(4, 8, dtype=torch.bfloat16)
+
+    def layer(top_k, experts=4):  # a router of four experts (add checks the routing tables, not the attention)
+        k = torch.classes.moe_offload.Layer()
+        k.norms(h[0], h[0], 1e-6, 1e-6, "rms")
+        k.attention(w, w, w, 1.0, 0, "rotate_half", False)
+        k.pools(w, w, 4)
+        k.output(w, None, None)
+        k.router(w, None, top_k, True, "score_then_topk", True)
+        k.experts([w] * experts, [], [w] * experts, [], False)
+        step.add(k)
+
     with pytest.raises(RuntimeError, match="by expert id"):
-        step.add_layer(h[0], 1e-6, w, w, w, None, None, None, None, None, w, w, 1.0, 0, w, None, h[0], w, 2, True,
-                       None, None, None, None, None, None, [w], [], [w], [], False, None, None, None, None, None)
-
-    def layer(top_k):  # four experts by id (add_layer checks the routing tables, not the attention weights)
-        step.add_layer(h[0], 1e-6, w, w, w, None, None, None, None, None, w, w, 1.0, 0, w, None, h[0], w, top_k, True,
-                       None, None, None, None, None, None, [w] * 4, [], [w] * 4, [], False, None, None, None, None, None)
-
+        layer(2, experts=1)
     layer(2)
     with pytest.raises(RuntimeError, match="one top-k"):
         layer(3)
+    with pytest.raises(RuntimeError, match="router order"):
+        torch.classes.moe_offload.Layer().router(w, None, 2, True, "sorted", True)
 
 
 def test_a_layer_the_call_refuses_leaves_the_loop(checkpoints):
@@ -263,10 +270,10 @@ def test_a_layer_the_call_refuses_leaves_the_loop(checkpoints):
     engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16", fraction=1.0)
     try:
         plan = engine.runner.fast
-        router = plan.layers[0].router
-        plan.layers[0].router = router[:3]
+        router, r = engine.model.model.layers[0].mlp.gate.weight, engine.runner.desc.layers[0].ffn.router
+        plan.layers[0].kernel.router(router[:3], None, r.top_k, r.renormalise, r.order, True)
         assert StepCall.build(plan) is None
-        plan.layers[0].router = router
+        plan.layers[0].kernel.router(router, None, r.top_k, r.renormalise, r.order, True)
         assert StepCall.build(plan) is not None
     finally:
         engine.close()

@@ -118,7 +118,7 @@ def test_fused_families_built_from_their_own_configs(tmp_path, family):
     def expect(engine):
         fam = FAMILIES[family]
         in_layer = fam.router in ("softmax_topk", "topk_softmax")
-        assert all((lay.router is not None) == in_layer for lay in engine.runner.fast.layers if lay.experts is not None)
+        assert all((lay.kernel.wr is not None) == in_layer for lay in engine.runner.fast.layers if lay.experts is not None)
         # DeepSeek-V3's MoE block (GLM-4.5+, dots.llm1, Solar Open, EXAONE), MiniMax-M2's and Ernie 4.5's run with the
         # fused selection (moe_blocks.py); hy_v3's as its module
         blocks = [lay.block is not None for lay in engine.runner.fast.layers if lay.experts is not None]
@@ -137,8 +137,8 @@ def test_fused_families_built_from_their_own_configs(tmp_path, family):
 
 @pytest.mark.parametrize("dense", ["bf16", "int8"])
 def test_hybrid_linear_attention_layers_decode_on_the_fused_path(tmp_path, dense):
-    # Qwen3-Next: each gated-DeltaNet layer in one deltanet_layer_bf16 call on the pool's seats, the full-attention
-    # layer in decode_layer_bf16 with its output gate and (1 + w) norms; the module path (its own norms, the gated
+    # Qwen3-Next: each gated-DeltaNet layer in one Layer.decode_linear call on the pool's seats, the full-attention
+    # layer in Layer.decode with its output gate and (1 + w) norms; the module path (its own norms, the gated
     # attention's torch ops) computes the same step from the same states. Sequences start on either path: a fresh
     # sequence's first decode-only step zeroes its seat as the module starts from no state.
     def expect(engine):
@@ -195,17 +195,28 @@ def test_fp32_keeps_the_module_path(checkpoints):
         engine.close()
 
 
+def _kernel_layer(w, H, D, Hkv, pool, bs, wr=None, top_k=0):
+    """A moe_offload.Layer of softmax attention (4 query heads, no biases or q/k norms) and, with wr, a fused router."""
+    bf = dict(dtype=torch.bfloat16)
+    k = torch.classes.moe_offload.Layer()
+    k.norms(torch.ones(H, **bf), torch.ones(H, **bf), 1e-6, 1e-6, "rms")
+    k.attention(w(4 * D, H), w(Hkv * D, H), w(Hkv * D, H), 0.35, 0, "rotate_half", False)
+    k.pools(pool, pool.clone(), bs)
+    k.output(w(H, 4 * D), None, None)
+    if wr is not None:
+        k.router(wr, None, top_k, True, "score_then_topk", True)
+    return k
+
+
 def test_decode_layer_rejects_a_context_beyond_its_blocks():
     H, D, Hkv = 32, 8, 2
     bf = dict(dtype=torch.bfloat16)
-    w = lambda r, c: torch.zeros(r, c, **bf)  # noqa: E731
+    lay = _kernel_layer(lambda r, c: torch.zeros(r, c, **bf), H, D, Hkv, torch.zeros(8, Hkv, D, **bf), 4)
     h = torch.zeros(1, H, **bf)
-    pool = torch.zeros(8, Hkv, D, **bf)
-    args = (h, None, torch.ones(H, **bf), 1e-6, w(4 * D, H), w(Hkv * D, H), w(Hkv * D, H), None, None, None, None, None,
-            torch.ones(1, D, **bf), torch.zeros(1, D, **bf), pool, pool.clone(), torch.tensor([[0]]), torch.tensor([9]),
-            4, 0.35, 0, w(H, 4 * D), None, torch.ones(H, **bf), None, 2, True, True)
     with pytest.raises(RuntimeError, match="lens"):
-        torch.ops.moe_offload.decode_layer_bf16(*args)
+        lay.decode(h, None, torch.ones(1, D, **bf), torch.zeros(1, D, **bf), torch.tensor([[0]]), torch.tensor([9]))
+    with pytest.raises(RuntimeError, match="norm: expected rms"):  # kinds by name, checked
+        lay.norms(h[0], h[0], 1e-6, 1e-6, "layer_norm")
 
 
 def test_one_token_prefill_chunks_in_a_fused_step(checkpoints):
@@ -244,7 +255,7 @@ def test_sliding_window_and_grouped_heads(tmp_path):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
 
     def expect(engine):
-        assert engine.runner.fast.layers[0].args[1][1] == 8  # the window reaches the kernel
+        assert engine.runner.fast.layers[0].kernel.window == 8  # the window reaches the kernel
 
     _run_both_paths(str(tmp_path / "m"), expect=expect)
 
@@ -280,11 +291,9 @@ def test_router_ties_are_broken_as_torch_topk_breaks_them():
         wr[1:6] = wr[0]  # experts 0-5 tie
         wr[E - 3 :] = -wr[0]  # and the last three
         h = w(5, H)
-        args = (h, None, torch.ones(H, **bf), 1e-6, w(4 * D, H), w(Hkv * D, H), w(Hkv * D, H), None, None, None, None,
-                None, torch.ones(5, D, **bf), torch.zeros(5, D, **bf), pool.clone(), pool.clone(),
-                torch.tensor([[0]] * 5), torch.tensor([1] * 5), 8, 0.25, 0, w(H, 4 * D), None, torch.ones(H, **bf),
-                wr, k, True, True)
-        _, x2, ids, _ = torch.ops.moe_offload.decode_layer_bf16(*args)
+        lay = _kernel_layer(w, H, D, Hkv, pool, 8, wr, k)
+        _, x2, ids, _ = lay.decode(h, None, torch.ones(5, D, **bf), torch.zeros(5, D, **bf), torch.tensor([[0]] * 5),
+                                   torch.tensor([1] * 5))
         probs = torch.softmax(torch.ops.moe_offload.gemm_bf16(x2, wr).float(), dim=-1)
         assert torch.equal(ids, torch.topk(probs, k, dim=-1).indices), (E, k)
 
@@ -367,7 +376,7 @@ def test_dense_int8_on_both_paths_and_its_error_against_bf16(checkpoints):
     def expect(engine):
         assert isinstance(engine.model.lm_head, QuantLinear)
         assert isinstance(engine.model.model.layers[0].self_attn.q_proj, QuantLinear)
-        assert engine.runner.fast.layers[0].scales[0] is not None
+        assert engine.runner.fast.layers[0].kernel.sq is not None
 
     _run_both_paths(path, expect=expect, dense_dtype="int8")
 

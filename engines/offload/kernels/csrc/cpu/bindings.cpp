@@ -24,23 +24,13 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   m.def("moe_experts_q(Tensor x, Tensor[] gate_ups, Tensor[] gate_up_scales, Tensor[] downs, Tensor[] down_scales, "
         "Tensor tok, Tensor perm, int[] starts, int[] counts, Tensor(a!) out, Tensor[]? gate_up_biases=None, "
         "Tensor[]? down_biases=None, int gate=0, float alpha=0., float limit=0.) -> ()");
-  // decode.cpp
-  m.def("decode_layer_bf16(Tensor h, Tensor? add, Tensor ln1, float eps, Tensor wq, Tensor wk, Tensor wv, Tensor? bq, "
-        "Tensor? bk, Tensor? bv, Tensor? qn, Tensor? kn, Tensor cos, Tensor sin, Tensor(a!) kpool, Tensor(b!) vpool, "
-        "Tensor blocks, Tensor lens, int bs, float scaling, int window, Tensor wo, Tensor? bo, Tensor ln2, Tensor? wr, "
-        "int top_k, bool norm_topk, bool w_bf16, Tensor? sinks=None, Tensor? rb=None, int norm_mode=0, "
-        "int router_mode=0, Tensor? sq=None, Tensor? sk=None, Tensor? sv=None, Tensor? so=None, int rope_mode=0, "
-        "bool gated=False) -> Tensor[]");
-  m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps, int norm_mode=0) -> Tensor");
+  // decode.cpp (the layer kernels: the class moe_offload.Layer, layer.h / step.cpp)
+  m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps, str norm=\"rms\") -> Tensor");
   // mla.cpp
   // router.cpp
   m.def("gated_delta_decode_bf16(Tensor qkvz, Tensor ba, Tensor(a!) conv_state, Tensor conv_w, Tensor? conv_b, "
         "Tensor(b!) state, Tensor a_log, Tensor dt_bias, Tensor norm_w, float eps, int Hk, int Hv, int Dk, int Dv, "
         "Tensor? slots=None, bool plain=False) -> Tensor");
-  m.def("deltanet_layer_bf16(Tensor h, Tensor? add, Tensor ln1, float eps, Tensor[] w_in, Tensor[] s_in, int n_qkvz, "
-        "Tensor(a!) conv_state, Tensor conv_w, Tensor? conv_b, Tensor(b!) state, Tensor a_log, Tensor dt_bias, "
-        "Tensor norm_w, float norm_eps, int Hk, int Hv, int Dk, int Dv, Tensor? slots, bool plain, Tensor wo, Tensor? so, "
-        "Tensor ln2, Tensor? wr, int top_k, bool norm_topk, bool w_bf16, int norm_mode) -> Tensor[]");
   m.def("grouped_topk(Tensor scores, Tensor? bias, int n_group, int topk_group, int top_k, bool norm_topk, float scale) -> Tensor[]");
   m.def("mla_decode_bf16(Tensor q, Tensor lat, Tensor rope, Tensor lens, Tensor wkv_b, int nope, float scaling, "
         "Tensor? rows=None) -> Tensor");
@@ -61,11 +51,9 @@ TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
   m.impl("experts_mlp_q", &moe_quant::experts_mlp_q);
   m.impl("moe_experts_q", &moe_quant::moe_experts_q);
   m.impl("dequant_blocks", &moe_quant::dequant_blocks);
-  m.impl("decode_layer_bf16", &moe_cpu::decode_layer_bf16);
   m.impl("rmsnorm_bf16", &moe_cpu::rmsnorm_bf16);
   m.impl("mla_decode_bf16", &moe_cpu::mla_decode_bf16);
   m.impl("mla_prologue_bf16", &moe_cpu::mla_prologue_bf16);
   m.impl("gated_delta_decode_bf16", &moe_cpu::gated_delta_decode_bf16);
-  m.impl("deltanet_layer_bf16", &moe_cpu::deltanet_layer_bf16);
   m.impl("grouped_topk", &moe_cpu::grouped_topk);
 }

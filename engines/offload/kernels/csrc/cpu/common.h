@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "vec.h"
@@ -117,21 +118,9 @@ void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList do
                       std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases, int64_t gate,
                       double alpha, double limit);
 
-// decode.cpp
-std::vector<at::Tensor> decode_layer_bf16(
-    const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln1, double eps,
-    const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& wv,
-    const std::optional<at::Tensor>& bq, const std::optional<at::Tensor>& bk, const std::optional<at::Tensor>& bv,
-    const std::optional<at::Tensor>& qn, const std::optional<at::Tensor>& kn,
-    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kpool, const at::Tensor& vpool,
-    const at::Tensor& blocks, const at::Tensor& lens, int64_t bs, double scaling, int64_t window,
-    const at::Tensor& wo, const std::optional<at::Tensor>& bo, const at::Tensor& ln2,
-    const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rb, int64_t norm_mode, int64_t router_mode,
-    const std::optional<at::Tensor>& sq, const std::optional<at::Tensor>& sk, const std::optional<at::Tensor>& sv,
-    const std::optional<at::Tensor>& so, int64_t rope_mode, bool gated);
+// decode.cpp (Layer.decode: layer.h)
 at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
-                        int64_t norm_mode);
+                        const std::string& norm);
 
 // mla.cpp
 at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& lat, const at::Tensor& rope, const at::Tensor& lens,
@@ -146,15 +135,6 @@ at::Tensor gated_delta_decode_bf16(const at::Tensor& qkvz, const at::Tensor& ba,
                                    const at::Tensor& state, const at::Tensor& a_log, const at::Tensor& dt_bias,
                                    const at::Tensor& norm_w, double eps, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
                                    const std::optional<at::Tensor>& slots, bool plain);
-std::vector<at::Tensor> deltanet_layer_bf16(
-    const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln1, double eps, at::TensorList w_in,
-    at::TensorList s_in, int64_t n_qkvz, const at::Tensor& conv_state, const at::Tensor& conv_w,
-    const std::optional<at::Tensor>& conv_b, const at::Tensor& state, const at::Tensor& a_log, const at::Tensor& dt_bias,
-    const at::Tensor& norm_w, double norm_eps, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
-    const std::optional<at::Tensor>& slots, bool plain, const at::Tensor& wo, const std::optional<at::Tensor>& so,
-    const at::Tensor& ln2, const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16,
-    int64_t norm_mode);
-
 // router.cpp
 std::vector<at::Tensor> grouped_topk(const at::Tensor& scores, const std::optional<at::Tensor>& bias, int64_t n_group,
                                      int64_t topk_group, int64_t top_k, bool norm_topk, double scale);

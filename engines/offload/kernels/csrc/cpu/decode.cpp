@@ -1,4 +1,5 @@
-// Fused decode kernels: a decoder layer's attention half and router in one call, for bf16 models on the CPU.
+// Fused decode kernels: a decoder layer's attention half and router in one call (Layer.decode, layer.h), for bf16 models
+// on the CPU.
 //
 //   h [M, H] (+ add [M, H], the previous layer's MLP output)
 //     -> RMSNorm -> q/k/v projections (one parallel pass over the rows of all three) -> q/k norms -> rotary
@@ -253,19 +254,31 @@ std::vector<at::Tensor> layer_tail(const at::Tensor& h_in, const uint16_t* o, co
   return {h2, x2, ids, wts};
 }
 
-std::vector<at::Tensor> decode_layer_bf16(
-    const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln1, double eps,
-    const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& wv,
-    const std::optional<at::Tensor>& bq, const std::optional<at::Tensor>& bk, const std::optional<at::Tensor>& bv,
-    const std::optional<at::Tensor>& qn, const std::optional<at::Tensor>& kn,
-    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kpool, const at::Tensor& vpool,
-    const at::Tensor& blocks, const at::Tensor& lens, int64_t bs, double scaling, int64_t window,
-    const at::Tensor& wo, const std::optional<at::Tensor>& bo, const at::Tensor& ln2,
-    const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& rb, int64_t norm_mode, int64_t router_mode,
-    const std::optional<at::Tensor>& sq, const std::optional<at::Tensor>& sk, const std::optional<at::Tensor>& sv,
-    const std::optional<at::Tensor>& so, int64_t rope_mode, bool gated) {
-  TORCH_CHECK(h.dim() == 2, "decode_layer_bf16 h: expected [M, H], got ", h.sizes());
+int64_t norm_code(const std::string& kind) {
+  if (kind == "rms") return 0;
+  if (kind == "rms_fp32_scale") return 1;
+  TORCH_CHECK(kind == "rms_one_plus", "norm: expected rms, rms_fp32_scale or rms_one_plus, got ", kind);
+  return 2;
+}
+
+int64_t router_code(const std::string& order) {
+  TORCH_CHECK(order == "score_then_topk" || order == "topk_then_score",
+              "router order: expected score_then_topk or topk_then_score, got ", order);
+  return order == "topk_then_score";
+}
+
+int64_t rope_code(const std::string& kind) {  // halves and partial: rotate_half over cos / sin as the caller lays them
+  if (kind == "rotate_half" || kind == "halves" || kind == "partial") return 0;
+  TORCH_CHECK(kind == "interleaved_fp32", "rotary: expected rotate_half, halves, partial or interleaved_fp32, got ", kind);
+  return 1;
+}
+
+std::vector<at::Tensor> Layer::decode(const T& h, const OT& add, const T& cos, const T& sin, const T& blocks,
+                                      const T& lens) {
+  TORCH_CHECK(wq.defined() && kpool.defined() && wo.defined() && ln1.defined(),
+              "Layer.decode: expected .norms, .attention, .pools and .output first");
+  const int64_t top_k = wr.has_value() ? this->top_k : 0;
+  TORCH_CHECK(h.dim() == 2, "Layer.decode h: expected [M, H], got ", h.sizes());
   const int64_t M = h.size(0), H = h.size(1);
   check_bf16(ln2, H, "ln2");
   TORCH_CHECK(kpool.dim() == 3 && vpool.dim() == 3, "kpool/vpool: expected [R, Hkv, D]");
@@ -295,18 +308,17 @@ std::vector<at::Tensor> decode_layer_bf16(
   const int64_t qnw = qn.has_value() ? qn->numel() : 0, knw = kn.has_value() ? kn->numel() : 0;
   TORCH_CHECK(qnw == 0 || qnw == D || qnw == Nq, "qn: expected ", D, " or ", Nq, " elements, got ", qnw);
   TORCH_CHECK(knw == 0 || knw == D || knw == Nk, "kn: expected ", D, " or ", Nk, " elements, got ", knw);
-  // rotary over the first R dims of each head (R = D, or partial rotary), rotate_half within them; rope_mode 1: over
+  // rotary over the first R dims of each head (R = D, or partial rotary), rotate_half within them; interleaved_fp32: over
   // interleaved pairs (2j, 2j + 1) of all D dims in fp32, cos/sin fp32 [M, D / 2] (pair j's angle)
-  TORCH_CHECK(rope_mode == 0 || rope_mode == 1, "decode_layer_bf16: rope_mode: expected 0 or 1, got ", rope_mode);
   const int64_t RD = cos.dim() != 2 ? -1 : rope_mode == 1 ? 2 * cos.size(1) : cos.size(1);
   TORCH_CHECK(RD > 0 && RD <= D && RD % 2 == 0 && cos.size(0) == M && (rope_mode == 0 || RD == D), "cos: expected [M, R] ",
-              "with R even and <= ", D, " (rope_mode 1: [M, ", D / 2, "]), got ", cos.sizes());
+              "with R even and <= ", D, " (interleaved_fp32: [M, ", D / 2, "]), got ", cos.sizes());
   if (rope_mode == 0) {
     check_bf16(cos, M * RD, "cos");
     check_bf16(sin, M * RD, "sin");
   } else {
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                sin.is_contiguous() && sin.numel() == M * RD / 2, "rope_mode 1: expected contiguous fp32 cos and sin [M, ",
+                sin.is_contiguous() && sin.numel() == M * RD / 2, "interleaved_fp32: expected contiguous fp32 cos and sin [M, ",
                 RD / 2, "]");
   }
   TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() == 2 && blocks.size(0) == M && blocks.is_contiguous(),
@@ -355,7 +367,7 @@ std::vector<at::Tensor> decode_layer_bf16(
     }
     std::memcpy(v, tmp.data(), RD * sizeof(uint16_t));
   };
-  // token t's rotary of one head: bf16 cos/sin rows of RD, or (rope_mode 1) fp32 rows of RD / 2
+  // token t's rotary of one head: bf16 cos/sin rows of RD, or (interleaved_fp32) fp32 rows of RD / 2
   auto rope = [&](uint16_t* v, int64_t t) {
     if (rope_mode == 1)
       rope_pairs_fp32(v, cos.data_ptr<float>() + t * half, sin.data_ptr<float>() + t * half, half);
@@ -452,13 +464,18 @@ std::vector<at::Tensor> decode_layer_bf16(
   return layer_tail(h_in, o.data(), ln2, eps, norm_mode, wr, rb, top_k, norm_topk, w_bf16, router_mode);
 }
 
-at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
-                        int64_t norm_mode) {
+at::Tensor norm_rows(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
+                     int64_t norm_mode) {
   std::vector<uint16_t> x;
   residual_norm(h, add, w, eps, norm_mode, x);  // the layer's head without its residual
   at::Tensor y = at::empty({h.size(0), h.size(1)}, h.options());
   std::memcpy(y.data_ptr(), x.data(), x.size() * sizeof(uint16_t));
   return y;
+}
+
+at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
+                        const std::string& norm) {
+  return norm_rows(h, add, w, eps, norm_code(norm));
 }
 
 }  // namespace moe_cpu

@@ -194,34 +194,32 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor gated_delta_decode_bf16(
 }
 
 // A gated-DeltaNet decoder layer's decode step in one call (Qwen3-Next's linear-attention layers in the fused decode
-// path, runtime/fastpath.py), as decode_layer_bf16 is a softmax-attention layer's:
+// path, runtime/fastpath.py), as Layer.decode is a softmax-attention layer's:
 //   h (+ add) -> residual, norm -> the input projections w_in stacked (Qwen3-Next: in_proj_qkvz, in_proj_ba; plain:
 //   in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; their first n_qkvz columns are qkvz, the rest ba) -> the step above
 //   -> out_proj -> residual, norm, the fused router -> {h2, x2, ids, weights}
 // s_in: the projections' scales (int8 rows / ggml blocks), by position, or empty (bf16).
-std::vector<at::Tensor> deltanet_layer_bf16(
-    const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln1, double eps, at::TensorList w_in,
-    at::TensorList s_in, int64_t n_qkvz, const at::Tensor& conv_state, const at::Tensor& conv_w,
-    const std::optional<at::Tensor>& conv_b, const at::Tensor& state, const at::Tensor& a_log, const at::Tensor& dt_bias,
-    const at::Tensor& norm_w, double norm_eps, int64_t Hk, int64_t Hv, int64_t Dk, int64_t Dv,
-    const std::optional<at::Tensor>& slots, bool plain, const at::Tensor& wo, const std::optional<at::Tensor>& so,
-    const at::Tensor& ln2, const std::optional<at::Tensor>& wr, int64_t top_k, bool norm_topk, bool w_bf16,
-    int64_t norm_mode) {
-  TORCH_CHECK(h.dim() == 2, "deltanet_layer_bf16 h: expected [M, H], got ", h.sizes());
-  const int64_t M = h.size(0), H = h.size(1);
-  TORCH_CHECK(!w_in.empty() && (s_in.empty() || s_in.size() == w_in.size()),
-              "deltanet_layer_bf16: expected the input projections and, for int8 / ggml blocks, their scales by position");
-  TORCH_CHECK(ln2.numel() == H, "deltanet_layer_bf16 ln2: expected ", H, " elements");
+std::vector<at::Tensor> Layer::decode_linear(const T& h, const OT& add, const T& conv_state, const T& state,
+                                             const OT& slots) {
+  TORCH_CHECK(delta.has_value() && ln1.defined() && wo.defined(), "Layer.decode_linear: expected .norms, .linear and "
+              ".output first");
+  TORCH_CHECK(h.dim() == 2, "Layer.decode_linear h: expected [M, H], got ", h.sizes());
+  const Delta& d = *delta;
+  const int64_t M = h.size(0), H = h.size(1), top_k = wr.has_value() ? this->top_k : 0;
+  const int64_t Hv = d.dims[1], Dv = d.dims[3];
+  TORCH_CHECK(!d.w_in.empty() && (d.s_in.empty() || d.s_in.size() == d.w_in.size()),
+              "Layer.linear: expected the input projections and, for int8 / ggml blocks, their scales by position");
+  TORCH_CHECK(ln2.numel() == H, "Layer.decode_linear ln2: expected ", H, " elements");
   check_router(wr, H, top_k);
   std::vector<Proj> ps;
   std::vector<int64_t> cut;
-  for (size_t m = 0; m < w_in.size(); ++m) {
-    const int64_t rows = w_in[m].size(0);  // ggml blocks: [rows, blocks, bytes]
-    ps.push_back(proj_of(w_in[m], s_in.empty() ? std::nullopt : std::optional<at::Tensor>(s_in[m]), rows, H, "w_in"));
+  for (size_t m = 0; m < d.w_in.size(); ++m) {
+    const int64_t rows = d.w_in[m].size(0);  // ggml blocks: [rows, blocks, bytes]
+    ps.push_back(proj_of(d.w_in[m], d.s_in.empty() ? std::nullopt : std::optional<at::Tensor>(d.s_in[m]), rows, H, "w_in"));
     cut.push_back((cut.empty() ? 0 : cut.back()) + rows);
   }
-  const int64_t N = cut.back();
-  TORCH_CHECK(n_qkvz > 0 && n_qkvz < N, "deltanet_layer_bf16 n_qkvz: expected in (0, ", N, "), got ", n_qkvz);
+  const int64_t N = cut.back(), n_qkvz = d.n_qkvz;
+  TORCH_CHECK(n_qkvz > 0 && n_qkvz < N, "Layer.linear n_qkvz: expected in (0, ", N, "), got ", n_qkvz);
   Proj po = proj_of(wo, so, H, Hv * Dv, "wo");
 
   std::vector<uint16_t> x;
@@ -234,8 +232,8 @@ std::vector<at::Tensor> deltanet_layer_bf16(
     std::memcpy(reinterpret_cast<uint16_t*>(ba.data_ptr()) + t * (N - n_qkvz), all.data() + t * N + n_qkvz,
                 (N - n_qkvz) * sizeof(uint16_t));
   }
-  at::Tensor core = gated_delta_decode_bf16(qkvz, ba, conv_state, conv_w, conv_b, state, a_log, dt_bias, norm_w,
-                                            norm_eps, Hk, Hv, Dk, Dv, slots, plain);
+  at::Tensor core = gated_delta_decode_bf16(qkvz, ba, conv_state, d.conv_w, d.conv_b, state, d.a_log, d.dt_bias,
+                                            d.norm_w, d.norm_eps, d.dims[0], Hv, d.dims[2], Dv, slots, d.plain);
   std::vector<uint16_t> o(M * H);
   project_all({po}, {H}, ptr(core), M, Hv * Dv, o.data());
   return layer_tail(h_in, o.data(), ln2, eps, norm_mode, wr, std::nullopt, top_k, norm_topk, w_bf16, 0);

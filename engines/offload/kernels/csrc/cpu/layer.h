@@ -5,8 +5,36 @@
 //                  each P bf16 rows (gemm_range's dots) or int8 rows / ggml blocks (moe_quant's, as gemv_q computes)
 //   layer_tail:    h2 = bf16(h_in + o), x2 = the second norm of h2, the fused router's top-k    (the layer's tail)
 //
-// Numbers: those of decode_layer_bf16 (decode.cpp), whose parts these are.
+// and the layer itself, as Python builds it once per model (runtime/fused_bind.py, decode_step.py):
+//
+//   torch.classes.moe_offload.Layer: one setter per part, kinds by the model description's names (no codes)
+//     .norms(ln1, ln2, eps, eps2, "rms" | "rms_fp32_scale" | "rms_one_plus")
+//     .attention(wq, wk, wv, scaling, window, "rotate_half" | "interleaved_fp32", gated)  softmax attention
+//     .extras(bq?, bk?, bv?, qn?, kn?, sinks?)          its biases, q/k norms, attention sinks
+//     .pools(kpool, vpool, bs)                          its paged KV pools (MLA: the latent and rope pools)
+//     .output(wo, bo?, so?)                             o_proj (out_proj), its bias, its scales (int8 rows / blocks)
+//     .scales(sq?, sk?, sv?)                            q/k/v's scales (int8 rows / ggml blocks, with .output's so)
+//     .linear(w_in, s_in, n_qkvz, conv_w, conv_b?, a_log, dt_bias, norm_w, norm_eps, [Hk, Hv, Dk, Dv], plain)
+//                                                       a gated-DeltaNet mixer instead (deltanet.cpp)
+//     .mla(qkv_a?, q_rank, qan?, qeps, wq, bq?, kv_a?, kv_a_bias?, kvn, kveps, kv_b, heads, nope, scaling, interleave)
+//     .mla_scales(sq?, qkv_a_scale?, kv_a_scale?)       DeepSeek-V3's MLA instead (step.cpp's step_mla)
+//     .router(wr, rb?, top_k, norm_topk, "score_then_topk" | "topk_then_score", weights_bf16)   the fused router
+//     .grouped_router(w, bias?, n_group, topk_group, top_k, norm_topk, scale, "sigmoid" | "softmax", weights_bf16)
+//     .experts(gate_ups, gate_up_scales, downs, down_scales, quantized)   by expert id (the whole-step call)
+//     .expert_gate(gate_up_biases, down_biases, "silu" | "clamped_swiglu", alpha, limit)
+//     .shared(gate_up, down, gate, gate_up_scale?, down_scale?)   Qwen2-MoE's gated shared expert
+//     .mlp(gate_up, down, gate_up_scale?, down_scale?)             an un-gated shared expert, or a dense MLP
+//     .rotary_table(t)                                  which of step_tables' cos / sin the layer rotates by
+//     .decode(h, add?, cos, sin, blocks, lens) -> [h2, x2, ids, w]    the attention half and router (decode.cpp)
+//     .decode_linear(h, add?, conv, state, slots?) -> [h2, x2, ids, w]  the same for a gated-DeltaNet layer
+//
+// Numbers: those of Layer.decode (decode.cpp), whose parts these are. Arguments and shapes: kernels/ops.py.
 #pragma once
+
+#include <torch/custom_class.h>
+
+#include <array>
+#include <string>
 
 #include "common.h"
 #include "quant.h"
@@ -29,9 +57,18 @@ Proj proj_of(const at::Tensor& w, const std::optional<at::Tensor>& scale, int64_
 void project_all(const std::vector<Proj>& ps, const std::vector<int64_t>& cut, const uint16_t* x, int64_t M, int64_t n,
                  uint16_t* out);
 
+// the kinds by their names, as the row loops' codes: norms (rmsnorm_row's), the fused router's order, the rotary
+int64_t norm_code(const std::string& kind);
+int64_t router_code(const std::string& order);
+int64_t rope_code(const std::string& kind);
+
 // h [M, H] (+ add): returns h_in [M, H]; x (resized to M * H) its norm with ln (norm_mode: rmsnorm_row's)
 at::Tensor residual_norm(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln, double eps,
                          int64_t norm_mode, std::vector<uint16_t>& x);
+
+// rmsnorm_bf16 with the norm's code: the final norm
+at::Tensor norm_rows(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
+                     int64_t norm_mode);
 
 // the fused router's weights: [E, H] bf16 rows, 1 <= top_k <= E
 void check_router(const std::optional<at::Tensor>& wr, int64_t H, int64_t top_k);
@@ -41,5 +78,141 @@ std::vector<at::Tensor> layer_tail(const at::Tensor& h_in, const uint16_t* o, co
                                    int64_t norm_mode, const std::optional<at::Tensor>& wr,
                                    const std::optional<at::Tensor>& rb, int64_t top_k, bool norm_topk, bool w_bf16,
                                    int64_t router_mode);
+
+struct Mla {  // .mla's
+  std::optional<at::Tensor> qkv_a;
+  int64_t q_rank;
+  std::optional<at::Tensor> qan;
+  double qeps;
+  at::Tensor wq;
+  std::optional<at::Tensor> bq, kv_a, kv_a_bias;
+  at::Tensor kvn;
+  double kveps;
+  at::Tensor kv_b;
+  int64_t heads, nope;
+  bool interleave;
+  std::optional<at::Tensor> qkv_a_scale, kv_a_scale;  // int8 rows' scales (gemv_q), else none
+};
+
+struct Delta {  // .linear's
+  std::vector<at::Tensor> w_in, s_in;
+  int64_t n_qkvz;
+  at::Tensor conv_w;
+  std::optional<at::Tensor> conv_b;
+  at::Tensor a_log, dt_bias, norm_w;
+  double norm_eps;
+  std::array<int64_t, 4> dims;  // Hk, Hv, Dk, Dv
+  bool plain;
+};
+
+class Layer : public torch::CustomClassHolder {
+ public:
+  using T = at::Tensor;
+  using OT = std::optional<at::Tensor>;
+  using Ts = std::vector<at::Tensor>;
+
+  void norms(T ln1_, T ln2_, double eps_, double eps2_, const std::string& kind) {
+    ln1 = ln1_; ln2 = ln2_; eps = eps_; eps2 = eps2_; norm_mode = norm_code(kind);
+  }
+  void attention(T wq_, T wk_, T wv_, double scaling_, int64_t window_, const std::string& rope, bool gated_) {
+    wq = wq_; wk = wk_; wv = wv_; scaling = scaling_; window = window_; rope_mode = rope_code(rope); gated = gated_;
+  }
+  void extras(OT bq_, OT bk_, OT bv_, OT qn_, OT kn_, OT sinks_) {
+    bq = bq_; bk = bk_; bv = bv_; qn = qn_; kn = kn_; sinks = sinks_;
+  }
+  void pools(T kpool_, T vpool_, int64_t bs_) {
+    TORCH_CHECK(bs_ >= 1, "Layer.pools: expected a block size >= 1, got ", bs_);
+    kpool = kpool_; vpool = vpool_; bs = bs_;
+  }
+  void output(T wo_, OT bo_, OT so_) { wo = wo_; bo = bo_; so = so_; }
+  void scales(OT sq_, OT sk_, OT sv_) { sq = sq_; sk = sk_; sv = sv_; }
+  void linear(Ts w_in, Ts s_in, int64_t n_qkvz, T conv_w, OT conv_b, T a_log, T dt_bias, T norm_w, double norm_eps,
+              std::vector<int64_t> dims, bool plain) {
+    TORCH_CHECK(dims.size() == 4, "Layer.linear: expected dims [Hk, Hv, Dk, Dv]");
+    delta = Delta{std::move(w_in), std::move(s_in), n_qkvz, conv_w, conv_b, a_log, dt_bias, norm_w, norm_eps,
+                  {dims[0], dims[1], dims[2], dims[3]}, plain};
+  }
+  void mla_attention(OT qkv_a, int64_t q_rank, OT qan, double qeps, T wq_, OT bq_, OT kv_a, OT kv_a_bias, T kvn,
+                     double kveps, T kv_b, int64_t heads, int64_t nope, double scaling_, bool interleave) {
+    TORCH_CHECK(q_rank > 0 ? (qkv_a.has_value() && qan.has_value()) : kv_a.has_value(),
+                "Layer.mla: expected q_a|kv_a fused rows and q_a_layernorm, or kv_a_proj_with_mqa");
+    TORCH_CHECK(heads >= 1 && wq_.size(0) % heads == 0 && wq_.size(0) / heads > nope, "Layer.mla: ", wq_.size(0),
+                " q rows for ", heads, " heads of more than ", nope, " nope dims");
+    mla = Mla{qkv_a, q_rank, qan, qeps, wq_, bq_, kv_a, kv_a_bias, kvn, kveps, kv_b, heads, nope, interleave, {}, {}};
+    scaling = scaling_;
+  }
+  void mla_scales(OT sq_, OT qkv_a_scale, OT kv_a_scale) {
+    TORCH_CHECK(mla.has_value(), "Layer.mla_scales: .mla first");
+    sq = sq_; mla->qkv_a_scale = qkv_a_scale; mla->kv_a_scale = kv_a_scale;
+  }
+  void router(T wr_, OT rb_, int64_t top_k_, bool norm_topk_, const std::string& order, bool weights_bf16) {
+    wr = wr_; rb = rb_; top_k = top_k_; norm_topk = norm_topk_; router_mode = router_code(order); w_bf16 = weights_bf16;
+  }
+  // DeepSeek-V3's selection (moe_blocks.DeepseekBlock): sigmoid (softmax: Ernie 4.5's) of the fp32 logits x . w (bf16
+  // w: bf16 logits, MiniMax-M2's), grouped_topk with the correction bias, weights rounded to bf16 where the module does
+  void grouped_router(T w, OT bias, int64_t n_group, int64_t topk_group, int64_t top_k_, bool norm_topk_, double scale,
+                      const std::string& score, bool weights_bf16) {
+    TORCH_CHECK(score == "sigmoid" || score == "softmax", "Layer.grouped_router: score: expected sigmoid or softmax, got ",
+                score);
+    TORCH_CHECK((w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && w.dim() == 2,
+                "Layer.grouped_router: expected fp32 or bf16 [E, H] router weights, got ", w.scalar_type(), " ", w.sizes());
+    gw = w.contiguous(); gbias = bias; groups = {n_group, topk_group}; top_k = top_k_; norm_topk = norm_topk_;
+    gscale = scale; gsoftmax = score == "softmax"; gw_bf16 = weights_bf16;
+  }
+  void experts(Ts ups_, Ts up_s_, Ts dns_, Ts dn_s_, bool quantized_) {
+    ups = std::move(ups_); up_s = std::move(up_s_); dns = std::move(dns_); dn_s = std::move(dn_s_);
+    quantized = quantized_;
+  }
+  void expert_gate(Ts up_b_, Ts dn_b_, const std::string& kind, double alpha_, double limit_) {
+    TORCH_CHECK(kind == "silu" || kind == "clamped_swiglu", "Layer.expert_gate: expected silu or clamped_swiglu, got ", kind);
+    TORCH_CHECK(up_b_.size() == dn_b_.size(), "Layer.expert_gate: expected every expert's two biases by id, or none");
+    up_b = std::move(up_b_); dn_b = std::move(dn_b_); gate = kind == "clamped_swiglu"; alpha = alpha_; limit = limit_;
+  }
+  void shared(T gate_up, T down, T gate_, OT gate_up_scale, OT down_scale) {
+    sgu = gate_up; sdn = down; sg = gate_; sgus = gate_up_scale; sdns = down_scale;
+  }
+  void mlp(T gate_up, T down, OT gate_up_scale, OT down_scale) {
+    mgu = gate_up; mdn = down; mgus = gate_up_scale; mdns = down_scale;
+  }
+  void rotary_table(int64_t t) {
+    TORCH_CHECK(t >= 0, "Layer.rotary_table: expected t >= 0");
+    rot = t;
+  }
+  // decode.cpp: the attention half and the fused router for M tokens, one per sequence
+  std::vector<at::Tensor> decode(const T& h, const OT& add, const T& cos, const T& sin, const T& blocks, const T& lens);
+  // deltanet.cpp: the same for a gated-DeltaNet layer over its (conv, state) pools' seats
+  std::vector<at::Tensor> decode_linear(const T& h, const OT& add, const T& conv, const T& state, const OT& slots);
+
+  T ln1, ln2;
+  double eps = 1e-6, eps2 = 1e-6;
+  int64_t norm_mode = 0, rope_mode = 0, router_mode = 0;
+  T wq, wk, wv;
+  OT bq, bk, bv, qn, kn, sinks, sq, sk, sv;
+  double scaling = 1.0;
+  int64_t window = 0;
+  bool gated = false;  // attention with an output gate in wq (Qwen3-Next)
+  T kpool, vpool;
+  int64_t bs = 0;
+  T wo;
+  OT bo, so;
+  OT wr, rb;  // the fused softmax router, else none
+  int64_t top_k = 0;
+  bool norm_topk = false, w_bf16 = true;
+  T gw;  // grouped_router: [E, H] (undefined: none)
+  OT gbias;
+  std::array<int64_t, 2> groups{1, 1};
+  double gscale = 1.0;
+  bool gsoftmax = false, gw_bf16 = false;
+  Ts ups, up_s, dns, dn_s;  // by expert id
+  bool quantized = false;
+  Ts up_b, dn_b;   // the experts' biases by id, else empty
+  int64_t gate = 0;  // 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU (interleaved rows)
+  double alpha = 0.0, limit = 0.0;
+  OT sgu, sdn, sg, sgus, sdns;  // a gated shared expert: gate|up, down, gate; scales
+  OT mgu, mdn, mgus, mdns;      // .mlp
+  std::optional<Mla> mla;
+  std::optional<Delta> delta;
+  int64_t rot = 0;
+};
 
 }  // namespace moe_cpu
