@@ -5,28 +5,9 @@
 //                  each P bf16 rows (gemm_range's dots) or int8 rows / ggml blocks (moe_quant's, as gemv_q computes)
 //   layer_tail:    h2 = bf16(h_in + o), x2 = the second norm of h2, the fused router's top-k    (the layer's tail)
 //
-// and the layer itself, as Python builds it once per model (runtime/fused_bind.py, decode_step.py):
-//
-//   torch.classes.moe_offload.Layer: one setter per part, kinds by the model description's names (no codes)
-//     .norms(ln1, ln2, eps, eps2, "rms" | "rms_fp32_scale" | "rms_one_plus")
-//     .attention(wq, wk, wv, scaling, window, "rotate_half" | "interleaved_fp32", gated)  softmax attention
-//     .extras(bq?, bk?, bv?, qn?, kn?, sinks?)          its biases, q/k norms, attention sinks
-//     .pools(kpool, vpool, bs)                          its paged KV pools (MLA: the latent and rope pools)
-//     .output(wo, bo?, so?)                             o_proj (out_proj), its bias, its scales (int8 rows / blocks)
-//     .scales(sq?, sk?, sv?)                            q/k/v's scales (int8 rows / ggml blocks, with .output's so)
-//     .linear(w_in, s_in, n_qkvz, conv_w, conv_b?, a_log, dt_bias, norm_w, norm_eps, [Hk, Hv, Dk, Dv], plain)
-//                                                       a gated-DeltaNet mixer instead (deltanet.cpp)
-//     .mla(qkv_a?, q_rank, qan?, qeps, wq, bq?, kv_a?, kv_a_bias?, kvn, kveps, kv_b, heads, nope, scaling, interleave)
-//     .mla_scales(sq?, qkv_a_scale?, kv_a_scale?)       DeepSeek-V3's MLA instead (step.cpp's step_mla)
-//     .router(wr, rb?, top_k, norm_topk, "score_then_topk" | "topk_then_score", weights_bf16)   the fused router
-//     .grouped_router(w, bias?, n_group, topk_group, top_k, norm_topk, scale, "sigmoid" | "softmax", weights_bf16)
-//     .experts(gate_ups, gate_up_scales, downs, down_scales, quantized)   by expert id (the whole-step call)
-//     .expert_gate(gate_up_biases, down_biases, "silu" | "clamped_swiglu", alpha, limit)
-//     .shared(gate_up, down, gate, gate_up_scale?, down_scale?)   Qwen2-MoE's gated shared expert
-//     .mlp(gate_up, down, gate_up_scale?, down_scale?)             an un-gated shared expert, or a dense MLP
-//     .rotary_table(t)                                  which of step_tables' cos / sin the layer rotates by
-//     .decode(h, add?, cos, sin, blocks, lens) -> [h2, x2, ids, w]    the attention half and router (decode.cpp)
-//     .decode_linear(h, add?, conv, state, slots?) -> [h2, x2, ids, w]  the same for a gated-DeltaNet layer
+// and the layer itself (class Layer, torch.classes.moe_offload.Layer), built once per model from Python
+// (runtime/fused_bind.py, decode_step.py) with one setter per part, kinds by the model description's names; its
+// decode / decode_linear run the per-layer path, DecodeStep.add(layer) the whole step (step.cpp).
 //
 // Numbers: those of Layer.decode (decode.cpp), whose parts these are. Arguments and shapes: kernels/ops.py.
 #pragma once
@@ -111,27 +92,34 @@ class Layer : public torch::CustomClassHolder {
   using OT = std::optional<at::Tensor>;
   using Ts = std::vector<at::Tensor>;
 
+  // kind: rms | rms_fp32_scale | rms_one_plus; eps2: the second norm's (MLA layers), else eps
   void norms(T ln1_, T ln2_, double eps_, double eps2_, const std::string& kind) {
     ln1 = ln1_; ln2 = ln2_; eps = eps_; eps2 = eps2_; norm_mode = norm_code(kind);
   }
+  // softmax attention; rope: rotate_half | halves | partial | interleaved_fp32; gated: q | gate rows per head
   void attention(T wq_, T wk_, T wv_, double scaling_, int64_t window_, const std::string& rope, bool gated_) {
     wq = wq_; wk = wk_; wv = wv_; scaling = scaling_; window = window_; rope_mode = rope_code(rope); gated = gated_;
   }
+  // its q/k/v biases, q/k norms ([D] per head or the whole projection), attention sinks
   void extras(OT bq_, OT bk_, OT bv_, OT qn_, OT kn_, OT sinks_) {
     bq = bq_; bk = bk_; bv = bv_; qn = qn_; kn = kn_; sinks = sinks_;
   }
+  // its paged KV pools [R, Hkv, D] (MLA: the latent and rope pools) and their block size
   void pools(T kpool_, T vpool_, int64_t bs_) {
     TORCH_CHECK(bs_ >= 1, "Layer.pools: expected a block size >= 1, got ", bs_);
     kpool = kpool_; vpool = vpool_; bs = bs_;
   }
+  // o_proj (out_proj), its bias and scales; q/k/v's scales (int8 rows with per-row scales, or ggml blocks: empty)
   void output(T wo_, OT bo_, OT so_) { wo = wo_; bo = bo_; so = so_; }
   void scales(OT sq_, OT sk_, OT sv_) { sq = sq_; sk = sk_; sv = sv_; }
+  // a gated-DeltaNet mixer instead of attention (deltanet.cpp); dims [Hk, Hv, Dk, Dv]
   void linear(Ts w_in, Ts s_in, int64_t n_qkvz, T conv_w, OT conv_b, T a_log, T dt_bias, T norm_w, double norm_eps,
               std::vector<int64_t> dims, bool plain) {
     TORCH_CHECK(dims.size() == 4, "Layer.linear: expected dims [Hk, Hv, Dk, Dv]");
     delta = Delta{std::move(w_in), std::move(s_in), n_qkvz, conv_w, conv_b, a_log, dt_bias, norm_w, norm_eps,
                   {dims[0], dims[1], dims[2], dims[3]}, plain};
   }
+  // DeepSeek-V3's MLA instead (step.cpp's step_mla), registered as .mla; its int8 rows' scales: .mla_scales
   void mla_attention(OT qkv_a, int64_t q_rank, OT qan, double qeps, T wq_, OT bq_, OT kv_a, OT kv_a_bias, T kvn,
                      double kveps, T kv_b, int64_t heads, int64_t nope, double scaling_, bool interleave) {
     TORCH_CHECK(q_rank > 0 ? (qkv_a.has_value() && qan.has_value()) : kv_a.has_value(),
@@ -145,6 +133,7 @@ class Layer : public torch::CustomClassHolder {
     TORCH_CHECK(mla.has_value(), "Layer.mla_scales: .mla first");
     sq = sq_; mla->qkv_a_scale = qkv_a_scale; mla->kv_a_scale = kv_a_scale;
   }
+  // the fused router; order: score_then_topk | topk_then_score; weights_bf16: the top-k weights rounded to bf16
   void router(T wr_, OT rb_, int64_t top_k_, bool norm_topk_, const std::string& order, bool weights_bf16) {
     wr = wr_; rb = rb_; top_k = top_k_; norm_topk = norm_topk_; router_mode = router_code(order); w_bf16 = weights_bf16;
   }
@@ -159,6 +148,7 @@ class Layer : public torch::CustomClassHolder {
     gw = w.contiguous(); gbias = bias; groups = {n_group, topk_group}; top_k = top_k_; norm_topk = norm_topk_;
     gscale = scale; gsoftmax = score == "softmax"; gw_bf16 = weights_bf16;
   }
+  // the whole-step call's experts by id (scales empty for bf16), their biases and gate, a shared expert or dense MLP
   void experts(Ts ups_, Ts up_s_, Ts dns_, Ts dn_s_, bool quantized_) {
     ups = std::move(ups_); up_s = std::move(up_s_); dns = std::move(dns_); dn_s = std::move(dn_s_);
     quantized = quantized_;

@@ -1,4 +1,4 @@
-// A whole decode step in one call: every layer's attention half and router (decode_layer_bf16), its routed experts
+// A whole decode step in one call: every layer's attention half and router (Layer.decode), its routed experts
 // (moe_experts_q | moe_experts_bf16) and the combine, then the final norm, for a model whose experts are all resident
 // in host memory (runtime/fastpath.py decides when; the Python loop over layers is the fallback).
 //
