@@ -70,6 +70,13 @@ class SlotCache(TierSlots):
         self.fills[self.device_of[slot]] += 1
         return slot
 
+    def pinned_weights(self) -> list[tuple] | None:
+        """Every expert's slot views by expert id when every expert is pinned (the whole-step call holds them), else
+        None."""
+        if len(self.pinned) != self.num_experts:
+            return None
+        return [self.weights[self.slot_of[e]] for e in range(self.num_experts)]
+
     def device_pairs(self, hits) -> list[int]:
         """Routed pairs of ``hits`` [((expert, start, n), slot)] per device, in ``devices`` order."""
         out = [0] * len(self.devices)

@@ -180,8 +180,7 @@ def _refuse(executor, items) -> str:
             continue
         if not glue_ok:
             return f"layer {idx}: a MoE block (or its shared expert) run as its module"
-        cache = state.cache
-        if len(cache.pinned) != cache.num_experts:
+        if state.cache.pinned_weights() is None:
             return f"layer {idx}: not every expert pinned"
         if isinstance(state.store, TierSlots) and state.store.dynamic:
             return f"layer {idx}: host slots over the store file that evict"
@@ -197,8 +196,7 @@ def _add_experts(k, state, experts, probe, idx: int) -> bool:
     if kind is None:
         log.debug("whole-step decode off", reason=f"layer {idx}: experts the one-call kernels do not take")
         return False
-    cache = state.cache
-    weights = [cache.weights[cache.slot_of[e]] for e in range(cache.num_experts)]
+    weights = state.cache.pinned_weights()
     ups, up_s, downs, down_s = fused.q_args(weights)
     k.experts(ups, up_s if kind == "q" else [], downs, down_s if kind == "q" else [], kind == "q")
     ub, db, gate, alpha, limit = fused.gate_args(experts, weights)
