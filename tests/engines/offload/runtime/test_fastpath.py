@@ -217,6 +217,10 @@ def test_decode_layer_rejects_a_context_beyond_its_blocks():
         lay.decode(h, None, torch.ones(1, D, **bf), torch.zeros(1, D, **bf), torch.tensor([[0]]), torch.tensor([9]))
     with pytest.raises(RuntimeError, match="norm: expected rms"):  # kinds by name, checked
         lay.norms(h[0], h[0], 1e-6, 1e-6, "layer_norm")
+    with pytest.raises(RuntimeError, match="rotary: expected"):
+        lay.attention(h, h, h, 1.0, 0, "yarn", False)
+    with pytest.raises(RuntimeError, match="first"):  # a layer whose parts were never set
+        torch.classes.moe_offload.Layer().decode(h, None, h, h, torch.tensor([[0]]), torch.tensor([1]))
 
 
 def test_one_token_prefill_chunks_in_a_fused_step(checkpoints):
