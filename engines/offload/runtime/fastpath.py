@@ -54,7 +54,7 @@ class DecodePlan:
         self.uniform_rotary = desc.uniform_rotary
         self.rotaries = list(dict.fromkeys(lay.rotary for lay in layers if lay.linear is None))
         self.steps = 0
-        self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: not built yet
+        self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: (re)build at the next step
 
     # -- binding the description to the model's weights ------------------------------------------------------------
     @classmethod
@@ -76,7 +76,9 @@ class DecodePlan:
         layers, eps = bound
         log.info("fused decode path on", model_type=desc.model_type, layers=len(layers),
                  router="fused" if any(lay.moe is not None for lay in layers) else "module")
-        return cls(model, executor, desc, layers, eps, pool.block_size, pool)
+        plan = cls(model, executor, desc, layers, eps, pool.block_size, pool)
+        plan.step_call = StepCall.build(plan)  # now, not in the user's first decode step (1-3 ms)
+        return plan
 
     # -- one step -----------------------------------------------------------------------------------------------
     def forward(self, ids: list[int], lens: list[int], blocks: list[list[int]], seats: list[int] | None = None

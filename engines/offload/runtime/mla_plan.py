@@ -61,7 +61,7 @@ class MLADecodePlan:
         self.dense = [mlp_args(layer.mlp) if block is None and not hasattr(layer.mlp, "experts") else None
                       for layer, block in zip(self.layers, self.blocks)]
         self.steps = 0
-        self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: not built yet
+        self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: (re)build at the next step
 
     @classmethod
     def build(cls, model, executor, pool, desc: ModelDescription) -> "MLADecodePlan | None":
@@ -74,6 +74,7 @@ class MLADecodePlan:
                         model_type=getattr(model.config, "model_type", ""))
             return None
         plan = cls(model, executor, pool, desc)
+        plan.step_call = StepCall.build_mla(plan)  # now, not in the user's first decode step
         log.info("fused decode path on", model_type=model.config.model_type, layers=len(plan.layers),
                  attention="mla (absorbed)", router="fused" if any(plan.blocks) else "module")
         return plan
