@@ -41,9 +41,9 @@ log = get_logger("moe_offload.fastpath")
 class DecodePlan:
     """Built once per engine by ``build`` from the model's description; ``forward`` runs one decode-only step."""
 
-    def __init__(self, model, executor, desc: ModelDescription, layers: list, eps: float, bs: int, pool):
+    def __init__(self, model, executor, desc: ModelDescription, layers: list, eps: float, pool):
         self.model, self.executor, self.desc = model, executor, desc
-        self.layers, self.eps, self.bs, self.pool = layers, eps, bs, pool
+        self.layers, self.eps, self.pool = layers, eps, pool
         inner = model.model
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         self.lm_head = model.lm_head
@@ -76,7 +76,7 @@ class DecodePlan:
         layers, eps = bound
         log.info("fused decode path on", model_type=desc.model_type, layers=len(layers),
                  router="fused" if any(lay.moe is not None for lay in layers) else "module")
-        plan = cls(model, executor, desc, layers, eps, pool.block_size, pool)
+        plan = cls(model, executor, desc, layers, eps, pool)
         plan.step_call = StepCall.build(plan)  # now, not in the user's first decode step (1-3 ms)
         return plan
 

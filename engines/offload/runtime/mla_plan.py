@@ -74,9 +74,9 @@ class MLADecodePlan:
                         model_type=getattr(model.config, "model_type", ""))
             return None
         plan = cls(model, executor, pool, desc)
-        plan.step_call = StepCall.build_mla(plan)  # now, not in the user's first decode step
         log.info("fused decode path on", model_type=model.config.model_type, layers=len(plan.layers),
                  attention="mla (absorbed)", router="fused" if any(plan.blocks) else "module")
+        plan.step_call = StepCall.build_mla(plan)  # now, not in the user's first decode step
         return plan
 
     @staticmethod
