@@ -3,8 +3,8 @@
     python bench/gpu_check.py                 # on a machine with a CUDA GPU
     python bench/gpu_check.py --device cpu --layers 2 --tokens 8   # dry run of the same script on the CPU
 
-Exactness: the tiny-model policy x fraction runs, the family tests of tests/engines/test_exactness.py and
-the quantized releases of tests/engines/test_quantized.py (MXFP4, FP8 against transformers' dequantized load;
+Exactness: the tiny-model policy x fraction runs, the family tests of tests/engines/offload/test_exactness.py and
+the quantized releases of tests/engines/offload/loading/test_quantized.py (MXFP4, FP8 against transformers' dequantized load;
 pytest -k cuda). Speed: a Qwen3-MoE-shaped random bf16 model (64 experts, hidden 1024, I 512, top-8; 16 layers
 by default) decoded greedily by stock transformers and by the executor at several fractions and policies.
 With two GPUs (or the CPU dry run): --devices over both and --tensor-parallel 2 (NCCL ranks), each exact against
@@ -49,8 +49,8 @@ def check_tiny_exactness(device: str) -> str:
 
 def check_family_tests(device: str) -> str:
     select = "cuda" if device.startswith("cuda") else "cpu"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-k", select, os.path.join(ROOT, "tests/engines/test_exactness.py"),
-           os.path.join(ROOT, "tests/engines/test_quantized.py")]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-k", select, os.path.join(ROOT, "tests/engines/offload/test_exactness.py"),
+           os.path.join(ROOT, "tests/engines/offload/loading/test_quantized.py")]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     tail = (r.stdout.strip().splitlines() or ["no output"])[-1]
     assert r.returncode == 0, tail + "\n" + r.stdout[-3000:]
@@ -122,23 +122,53 @@ def decode_ms(model, device: str, tokens: int) -> float:
     return times[len(times) // 2] * 1000
 
 
-def speed_checks(device: str, layers: int, tokens: int, failures: list) -> None:
+@torch.no_grad()
+def print_profile(model, device: str, steps: int = 8) -> None:
+    """torch.profiler over ``steps`` decode steps: the busiest ops by host time and the device's busy time against the
+    wall time (a launch-bound step shows a device far less busy than the wall)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    x = model(torch.arange(1, 33, device=device).unsqueeze(0), past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            x = model(x, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+            int(x)
+    wall = (time.perf_counter() - t) / steps * 1000
+    ev = prof.key_averages()
+    dev = sum(e.self_device_time_total for e in ev) / steps / 1000 if device.startswith("cuda") else 0.0
+    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")) / steps
+    print(f"profile: {wall:.2f} ms/token with the profiler on, device busy {dev:.2f} ms/token, "
+          f"{launches:.0f} kernel launches/token", flush=True)
+    print(ev.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40), flush=True)
+
+
+def speed_checks(device: str, layers: int, tokens: int, failures: list, model_dir: str | None = None,
+                 profile: bool = False) -> None:
     from transformers import AutoModelForCausalLM
 
     from moe_offload.engines.offload.loading.loader import load_model
     from moe_offload.engines.offload.tools.selfcheck import fraction_placement
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = bench_checkpoint(tmp, layers)
+        path = model_dir or bench_checkpoint(tmp, layers)
         stock = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
         stock_ms = decode_ms(stock, device, tokens)
         line("PASS", "speed stock transformers", f"{stock_ms:.2f} ms/token ({layers} layers, bf16)")
         del stock
-        for policy, fraction in (("static", 1.0), ("static", 0.5), ("lru", 0.5), ("hybrid", 0.5), ("static", 0.0)):
-            name = f"speed {policy} fraction={fraction}"
+        runs = [("static", 1.0, True), ("static", 1.0, False), ("static", 0.5, True), ("lru", 0.5, True),
+                ("hybrid", 0.5, True), ("static", 0.0, True)]
+        for policy, fraction, gather in runs:
+            name = f"speed {policy} fraction={fraction}" + ("" if gather else " per-expert loop")
             try:
                 om = load_model(path, fraction_placement(path, fraction, policy), policy=policy, device=device)
+                om.executor.gather_hits = gather and device.startswith("cuda")  # experts/cuda.py gathered_hits
                 ms = decode_ms(om.model, device, tokens)
+                if profile and gather and fraction == 1.0:
+                    print_profile(om.model, device)
                 s = om.executor.stats.snapshot()
                 detail = (f"{ms:.2f} ms/token, x{stock_ms / ms:.2f} of stock, hit rate {s['hit_rate']:.2f}, "
                           f"host tokens {s['host_expert_tokens']}, copied {s['bytes_copied'] / 2**20:.0f} MiB")
@@ -160,6 +190,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--skip-family-tests", action="store_true")
+    ap.add_argument("--model-dir", help="the speed checks' checkpoint (default: the benchmark model, built)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table of the all-resident decode")
     args = ap.parse_args()
     from transformers.utils import logging as hf_logging
 
@@ -179,7 +211,7 @@ def main() -> int:
             traceback.print_exc(limit=3, file=sys.stderr)
             if name == "device":
                 return 1
-    speed_checks(args.device, args.layers, args.tokens, failures)
+    speed_checks(args.device, args.layers, args.tokens, failures, args.model_dir, args.profile)
     print(f"{'FAILED' if failures else 'OK'}: {len(failures)} failed" + (f" ({', '.join(failures)})" if failures else ""))
     return 1 if failures else 0
 

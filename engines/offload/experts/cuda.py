@@ -1,6 +1,7 @@
 """CUDA-only pieces of the executor: side-stream fetches with events, async device->host copies, free memory.
 
-Not run on the development machine (no GPU); bench/gpu_check.py exercises them.
+CI has no GPU: bench/gpu_run.sh exercises them on a lent one (docs/benchmarks/gpu.md); gathered_hits also runs on the
+CPU in tests/engines/offload/experts/test_gathered.py.
 
 Fetch ordering on CUDA (all asynchronous to the host thread):
     compute stream:  ... kernels reading slot s ... [event used[s]]        [wait copied] kernels on slot s
@@ -69,3 +70,41 @@ def check_device(device: torch.device) -> None:
     index = device.index or 0
     if index >= torch.cuda.device_count():
         raise BackendUnavailable(f"device {device}: expected an index < {torch.cuda.device_count()} GPUs, got {index}")
+
+
+# A step's hit pairs go through the gathered path while their weights' copy stays under this (a prefill chunk's
+# thousands of pairs keep the per-expert GEMMs, which read each expert once for all its tokens).
+GATHER_MAX_BYTES = 256 << 20
+
+
+def gathered_hits(executor, state, module, x: torch.Tensor, ids: list[int], K: int, hits, out, proj) -> bool:
+    """Compute a layer's slot hits in one gathered call (dispatch.experts_gathered) when its slots are one device's
+    float buffers: each hit pair's weights are gathered by slot, its token's row by pair. Places the rows as the
+    per-expert loop does (``out`` by k for one token, else ``proj`` by pair) and returns True; False when the layer
+    does not qualify (several devices, quantized or aliased slots, too many pairs), leaving the loop to run."""
+    from moe_offload.engines.offload.kernels.dispatch import experts_gathered
+    from moe_offload.engines.offload.loading import quant
+
+    cache = state.cache
+    stacked = cache.stacked
+    if stacked is None or stacked[0].dtype in quant.FORMAT_OF_DTYPE or stacked[0].device != x.device:
+        return False
+    slot_of = cache.slot_of
+    pairs = [i for i, e in enumerate(ids) if slot_of[e] >= 0]
+    if len(pairs) * state.expert_bytes > GATHER_MAX_BYTES:
+        return False
+    slots = [slot_of[ids[i]] for i in pairs]
+    index = torch.tensor([slots, [i // K for i in pairs], pairs], dtype=torch.long).to(x.device, non_blocking=True)
+    sl = index[0]
+    up, down, up_bias, down_bias = (t.index_select(0, sl) if t is not None else None for t in stacked[:4])
+    y = experts_gathered(module, x.index_select(0, index[1]), up, down, up_bias, down_bias)  # [P, H]
+    if proj is None:  # one token: rows by k
+        for j, k in enumerate(pairs):
+            out[k] = y[j : j + 1]
+    else:
+        proj.index_copy_(0, index[2], y.to(proj.dtype))
+    if executor._cuda:  # the slots' last use, before a fetch may overwrite one
+        ev = executor._copiers[x.device].record()
+        for s in slots:
+            state.events[s] = ev
+    return True

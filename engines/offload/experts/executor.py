@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_offload.engines.offload.experts import approximate, devices, fused, policies
+from moe_offload.engines.offload.experts import approximate, cuda, devices, fused, policies
 from moe_offload.engines.offload.experts.slots import SlotCache
 from moe_offload.engines.offload.experts.stats import ExecutorStats
 from moe_offload.engines.offload.experts.store import LayerStore
@@ -90,6 +90,7 @@ class Executor:
         self._records: list[dict[int, list[list[int]]]] = []
         self._copiers: dict = {}  # CUDA: one copier (side stream) per device holding slots
         self._cuda = device.type == "cuda"
+        self.gather_hits = self._cuda  # a layer's slot hits in one gathered call (experts/cuda.py: launch-bound GPUs)
         # per-token attribution of a batched step (the engine sets per_token when a step holds several sequences):
         # token_stats [T, 2] = routed pairs of each token served from a slot hit / computed on the host
         self.per_token = False
@@ -127,13 +128,11 @@ class Executor:
             s = self.layers[0]
             self.hybrid_threshold = policies.default_hybrid_threshold(s.expert_bytes, s.store.expert_params, self.device.type)
         if self._cuda:
-            from moe_offload.engines.offload.experts.cuda import CudaCopier
-
-            self._copiers = {self.device: CudaCopier(self.device)}
+            self._copiers = {self.device: cuda.CudaCopier(self.device)}
             for st in self.layers:
                 for d in st.cache.devices:
                     if d not in self._copiers:
-                        self._copiers[d] = CudaCopier(d)
+                        self._copiers[d] = cuda.CudaCopier(d)
 
     # ---- route capture ----
     def capture(self, enabled: bool) -> None:
@@ -221,7 +220,8 @@ class Executor:
         if grouped is not None:
             for i, (g, _) in enumerate(hits):
                 out[g[1]] = grouped[i : i + 1]
-        else:
+        elif not (hits and self.gather_hits and self.ep is None
+                  and cuda.gathered_hits(self, state, module, hidden_states, ids, K, hits, out, proj)):
             for g, s in hits:
                 self._compute(state, module, rows, g, cache.weights[s], out, proj, slot=s)
         t2 = time.perf_counter()

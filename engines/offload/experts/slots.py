@@ -44,6 +44,9 @@ class SlotCache(TierSlots):
         self.device_of = [i for i, (_, p, _) in enumerate(parts) for _ in p] + [i for i, (_, _, n) in enumerate(parts)
                                                                                 for _ in range(n)]
         pinned_w, dynamic_w = [], []
+        # one device whose slots are real buffers: those buffers, [slots, ...] each, slot s at index s (a decode step
+        # gathers its experts' weights from them in one call: dispatch.experts_gathered); else None
+        self.stacked: tuple[torch.Tensor | None, ...] | None = None
         self.buffer_bytes = 0  # what the slots allocated on the devices
         for d, p, n in parts:
             alias = alias_pinned and d.type == "cpu"
@@ -54,6 +57,8 @@ class SlotCache(TierSlots):
                 dynamic_w += [_slot_views(buffers, s) for s in range(n)]
             else:
                 buffers = _alloc(store, len(p) + n, d)
+                if len(parts) == 1:
+                    self.stacked = buffers
                 for s, e in enumerate(p):
                     for dst, src in zip(_slot_views(buffers, s), store.expert(e)):
                         if dst is not None:
