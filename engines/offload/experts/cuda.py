@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from moe_offload.engines.offload.kernels.dispatch import experts_gathered
+from moe_offload.engines.offload.loading import quant
+
 
 class CudaCopier:
     """Copies experts from the pinned host store into device slots on a side stream."""
@@ -77,14 +80,11 @@ def check_device(device: torch.device) -> None:
 GATHER_MAX_BYTES = 256 << 20
 
 
-def gathered_hits(executor, state, module, x: torch.Tensor, ids: list[int], K: int, hits, out, proj) -> bool:
+def gathered_hits(executor, state, module, x: torch.Tensor, ids: list[int], K: int, out, proj) -> bool:
     """Compute a layer's slot hits in one gathered call (dispatch.experts_gathered) when its slots are one device's
     float buffers: each hit pair's weights are gathered by slot, its token's row by pair. Places the rows as the
     per-expert loop does (``out`` by k for one token, else ``proj`` by pair) and returns True; False when the layer
     does not qualify (several devices, quantized or aliased slots, too many pairs), leaving the loop to run."""
-    from moe_offload.engines.offload.kernels.dispatch import experts_gathered
-    from moe_offload.engines.offload.loading import quant
-
     cache = state.cache
     stacked = cache.stacked
     if stacked is None or stacked[0].dtype in quant.FORMAT_OF_DTYPE or stacked[0].device != x.device:

@@ -221,7 +221,7 @@ class Executor:
             for i, (g, _) in enumerate(hits):
                 out[g[1]] = grouped[i : i + 1]
         elif not (hits and self.gather_hits and self.ep is None
-                  and cuda.gathered_hits(self, state, module, hidden_states, ids, K, hits, out, proj)):
+                  and cuda.gathered_hits(self, state, module, hidden_states, ids, K, out, proj)):
             for g, s in hits:
                 self._compute(state, module, rows, g, cache.weights[s], out, proj, slot=s)
         t2 = time.perf_counter()

@@ -82,25 +82,21 @@ def expert_forward(
     return y
 
 
-
 def experts_gathered(module, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, up_bias: torch.Tensor | None = None,
                      down_bias: torch.Tensor | None = None) -> torch.Tensor:
     """P routed pairs at once, each through its own expert: x [P, H], the pairs' float weights gathered from the slot
     buffers (up [P, 2I, H], down [P, H, I]; [P, H, 2I] and [P, I, H] when transposed; biases [P, 2I], [P, H]) ->
     [P, H] unweighted. A handful of batched kernels for a decode step's pairs instead of a few per expert: what the
     accelerator's launch rate, not its bandwidth, bounds. The same products as expert_forward's GEMMs, row by row."""
-    x = x.to(up.dtype)
-    if module.is_transposed:
-        h = torch.bmm(x.unsqueeze(1), up).squeeze(1)  # [P, 2I]
-    else:
-        h = torch.bmm(up, x.unsqueeze(2)).squeeze(2)
+
+    def rows(w, v):  # each pair's vector v [P, n] through its own matrix w: [P, m]
+        return torch.bmm(v.unsqueeze(1), w).squeeze(1) if module.is_transposed else torch.bmm(w, v.unsqueeze(2)).squeeze(2)
+
+    h = rows(up, x.to(up.dtype))  # [P, 2I]
     if up_bias is not None:
         h = h + up_bias
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [P, I]
-    if module.is_transposed:
-        y = torch.bmm(h.unsqueeze(1), down).squeeze(1)  # [P, H]
-    else:
-        y = torch.bmm(down, h.unsqueeze(2)).squeeze(2)
+    y = rows(down, h)  # [P, H]
     if down_bias is not None:
         y = y + down_bias
     if module.has_post_expert_norm:

@@ -155,8 +155,6 @@ def refuse(model, executor, desc: ModelDescription) -> str:
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
         return "unexpected module layout"
-    if executor.device.type != "cpu":
-        return f"the fused kernels are CPU kernels; on {executor.device.type} the experts run gathered (experts/cuda.py)"
     if len(inner.layers) != len(desc.layers):
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
     if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, QuantLinear, BlockLinear)):

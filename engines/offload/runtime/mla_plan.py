@@ -87,8 +87,6 @@ class MLADecodePlan:
         if executor is None or inner is None or not all(
                 hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
             return "unexpected module layout"
-        if executor.device.type != "cpu":
-            return f"the fused kernels are CPU kernels; on {executor.device.type} the experts run gathered (experts/cuda.py)"
         if len(inner.layers) != len(desc.layers):
             return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
         for layer in inner.layers:

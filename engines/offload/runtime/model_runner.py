@@ -44,6 +44,11 @@ def decode_plan(model, executor, pool, desc: ModelDescription):
     if desc.path != "fused":
         log.info("decode steps run transformers' modules", model_type=desc.model_type, reason=desc.why)
         return None
+    if executor is not None and executor.device.type != "cpu":  # the fused kernels are CPU kernels
+        log.warning("fused decode path off: decode steps run transformers' modules (slower)", model_type=desc.model_type,
+                    reason=f"the fused kernels are CPU kernels; on {executor.device.type} a layer's slot hits run "
+                           "gathered (experts/cuda.py)")
+        return None
     if desc.attention == "mla":
         return mla_plan.MLADecodePlan.build(model, executor, pool, desc)
     return fastpath.DecodePlan.build(model, executor, pool, desc)
