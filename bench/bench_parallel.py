@@ -61,6 +61,14 @@ for name, x in (("all_reduce fp32 [8, 1024] (a decode layer's rows)", torch.rand
     for _ in range(500):
         dist.all_reduce(x)
     out[name] = (time.perf_counter() - t) / 500 * 1e6
+from moe_offload.engines.offload.runtime.parallel import over_ranks
+x = torch.randn(8, 1024).to(torch.bfloat16)
+for _ in range(50):
+    over_ranks(x)
+t = time.perf_counter()
+for _ in range(500):
+    over_ranks(x)
+out["send/recv exchange bf16 [8, 1024] (over_ranks: what a decode layer's rows take now)"] = (time.perf_counter() - t) / 500 * 1e6
 t = time.perf_counter()
 for _ in range(200):
     dist.broadcast_object_list([("step", [])] if rank == 0 else [None], src=0)
@@ -86,6 +94,7 @@ def gloo_latency() -> dict:
 
 
 CONFIGS = (("one process, 2 threads", {"threads": 2}),
+           ("one process, 1 thread", {"threads": 1}),
            ("--tensor-parallel 2, 1 thread per rank", {"threads": 1, "tensor_parallel": 2}),
            ("--tensor-parallel 2, 2 threads per rank (oversubscribed)", {"threads": 2, "tensor_parallel": 2}))
 

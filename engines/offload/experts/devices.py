@@ -42,12 +42,7 @@ def count_tokens(ex, cache, top_k_index: torch.Tensor, hits, host_experts: list[
 
 def all_ranks(proj: torch.Tensor) -> torch.Tensor:
     """``proj`` [S, H] summed over the ranks of expert parallel (each row is non-zero on one rank only, so the sum is
-    that rank's row, bit for bit). 16-bit rows travel as fp32 (exact for them), which gloo reduces faster."""
-    import torch.distributed as dist
+    that rank's row, bit for bit)."""
+    from moe_offload.engines.offload.runtime.parallel import over_ranks
 
-    if proj.dtype in (torch.bfloat16, torch.float16):
-        wide = proj.float()
-        dist.all_reduce(wide)
-        return wide.to(proj.dtype)
-    dist.all_reduce(proj)
-    return proj
+    return over_ranks(proj)

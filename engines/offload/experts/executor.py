@@ -271,6 +271,8 @@ class Executor:
         ids [L, T, K] the routes of ``states``' layers; each pair a slot hit, as ``forward`` books it."""
         L, T, K = ids.shape
         multi = len(self.device_tiers) > 1
+        # expert parallel: this rank's pairs (the ranks' counts are summed when the forward is booked)
+        mine = None if self.ep is None else ids % self.ep[1] == self.ep[0]  # [L, T, K]
         if multi:
             self.token_stats = None
             for st, routes in zip(states, ids):
@@ -278,11 +280,11 @@ class Executor:
                 if self.per_token and T > 1:
                     devices.count_tokens(self, st.cache, routes, None, [])
         else:
-            for st in states:
-                self.stats.add(st.pos, T * K, 0, 0, 0, 0)
+            for i, st in enumerate(states):
+                self.stats.add(st.pos, T * K if mine is None else int(mine[i].sum()), 0, 0, 0, 0)
         if self.per_token and T > 1 and not multi:
             self.token_stats = torch.zeros(T, 2, dtype=torch.int64)
-            self.token_stats[:, 0] = L * K
+            self.token_stats[:, 0] = L * K if mine is None else mine.sum(dim=(0, 2))
         if self._capturing:
             if not self._records:
                 self._records.append({})

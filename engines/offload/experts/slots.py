@@ -75,12 +75,16 @@ class SlotCache(TierSlots):
         self.fills[self.device_of[slot]] += 1
         return slot
 
-    def pinned_weights(self) -> list[tuple] | None:
+    def pinned_weights(self, ep: tuple[int, int] | None = None) -> list[tuple] | None:
         """Every expert's slot views by expert id when every expert is pinned (the whole-step call holds them), else
-        None."""
-        if len(self.pinned) != self.num_experts:
+        None. ``ep`` (rank, world) of expert parallel: every expert of this rank (e % world == rank) pinned; the
+        others' entries are one of this rank's views, never read (the call skips their pairs)."""
+        rank, world = ep or (0, 1)
+        mine = [e for e in range(self.num_experts) if e % world == rank]
+        if not mine or not set(mine) <= set(self.pinned):
             return None
-        return [self.weights[self.slot_of[e]] for e in range(self.num_experts)]
+        stand_in = self.weights[self.slot_of[mine[0]]]
+        return [self.weights[self.slot_of[e]] if e % world == rank else stand_in for e in range(self.num_experts)]
 
     def device_pairs(self, hits) -> list[int]:
         """Routed pairs of ``hits`` [((expert, start, n), slot)] per device, in ``devices`` order."""

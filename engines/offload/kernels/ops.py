@@ -82,6 +82,8 @@ Class moe_offload.DecodeStep() (torch.classes)                                  
       decode_linear() (states: the linear layers' (conv, state) pools in layer order), the routed pairs through
       moe_experts_q | moe_experts_bf16, the combine as the executor computes it; then the final norm
   .step_mla(h, cos, sin, slots [M], rows [M * lmax], lens, norm, eps) -> step()'s, for MLA layers (mla_plan.py)
+  .ranks(group, rank, world)   expert parallel: the rank's pairs only (e % world == rank), each MoE layer's rows
+      [S, H] summed over the group's ranks (c10d send/recv) before the combine (runtime/parallel.py)
 Legend (MLA): N/P/V the nope/rope/value head dims, R kv_lora_rank, L key rows per sequence (padded).
 Legend: H hidden (input features), N output rows (gemv) or tokens (gemv_q), M / T tokens, I expert intermediate,
 K experts of a token (top-k) or input features (gemv_q), J experts of a layer, S routed pairs, R output rows or pool

@@ -39,23 +39,20 @@ def snapshot(executor) -> tuple:
 
 def _all_ranks(hits, misses, host, copied, disk: dict, token_stats, n_tok: int, n_seq: int):
     """One forward's counters summed over the ranks of expert parallel (every rank books the same forwards), in one
-    all-reduce: hits, misses, host pairs, copied bytes, and the disk tier's counters (each rank reads its own
+    sum (parallel.over_ranks): hits, misses, host pairs, copied bytes, and the disk tier's counters (each rank reads its own
     experts; a rank without a disk tier adds zeros). Its stall time stays this rank's (the ranks wait together)."""
-    import torch.distributed as dist
-
     from moe_offload.engines.offload.experts.hostcache import COUNTERS
-    from moe_offload.engines.offload.runtime.parallel import cpu_group
+    from moe_offload.engines.offload.runtime.parallel import cpu_group, over_ranks
 
     t = torch.tensor([hits, misses, host, copied, 1 if disk else 0] + [disk.get(k, 0) for k in COUNTERS],
                      dtype=torch.float64)
-    dist.all_reduce(t, group=cpu_group())
+    t = over_ranks(t, cpu_group())
     v = [int(x) for x in t.tolist()]
     if v[4]:
         disk = {**dict(zip(COUNTERS, v[5:])), "stall_ms": disk.get("stall_ms", 0.0)}
     if n_seq > 1:
         token_stats = token_stats if token_stats is not None else torch.zeros(n_tok, 2, dtype=torch.int64)
-        token_stats = token_stats.clone()
-        dist.all_reduce(token_stats, group=cpu_group())
+        token_stats = over_ranks(token_stats, cpu_group())
     return (*v[:4], disk, token_stats)
 
 

@@ -21,7 +21,8 @@ attention DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash; MiniMax-M2's; Ernie 4.5's), it
 placement pinning all) and, over the expert store file, held in a host slot that is never evicted and already read
 in (until the background reads land, the loop runs and waits for what it routes to); experts the one-call kernels
 take (experts/fused.kind: "bf16" or "q"); top-k <= 16, at most KERNEL_MAX_GROUP tokens, not the load-time probe
-(dry).
+(dry). Expert parallel (runtime/parallel.py): each rank's call computes its experts' pairs and sums the rows over
+the ranks itself (DecodeStep.ranks), so a rank needs only its own experts pinned.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class StepCall:
     """A built moe_offload::DecodeStep and the executor states it books for."""
 
     def __init__(self, obj, executor, states):
+        if executor.ep is not None:  # expert parallel: this rank's pairs, the rows summed over the ranks in the call
+            from moe_offload.engines.offload.runtime.parallel import step_group
+
+            obj.ranks(step_group(), *executor.ep)
         self.obj, self.executor, self.states = obj, executor, states
         self.reading = [st.store for st in states if hasattr(st.store, "pending")]  # host slots over the store file
         self.broken = False  # a background read failed: its slot no longer holds the expert
@@ -171,8 +176,6 @@ def _refuse(executor, items) -> str:
     is the kernels' (a shared expert they take, the router fused or DeepSeek-V3's), a dense layer's mlp_rows args)."""
     if executor.device.type != "cpu":
         return "not a CPU executor"
-    if getattr(executor, "ep", None) is not None:
-        return "expert parallel: every layer's rows are summed over the ranks"
     for idx, state, glue_ok, dense in items:
         if state is None:
             if dense is None:
@@ -180,7 +183,7 @@ def _refuse(executor, items) -> str:
             continue
         if not glue_ok:
             return f"layer {idx}: a MoE block (or its shared expert) run as its module"
-        if state.cache.pinned_weights() is None:
+        if state.cache.pinned_weights(getattr(executor, "ep", None)) is None:
             return f"layer {idx}: not every expert pinned"
         if isinstance(state.store, TierSlots) and state.store.dynamic:
             return f"layer {idx}: host slots over the store file that evict"
@@ -196,7 +199,7 @@ def _add_experts(k, state, experts, probe, idx: int) -> bool:
     if kind is None:
         log.debug("whole-step decode off", reason=f"layer {idx}: experts the one-call kernels do not take")
         return False
-    weights = state.cache.pinned_weights()
+    weights = state.cache.pinned_weights(state.executor.ep)
     ups, up_s, downs, down_s = fused.q_args(weights)
     k.experts(ups, up_s if kind == "q" else [], downs, down_s if kind == "q" else [], kind == "q")
     ub, db, gate, alpha, limit = fused.gate_args(experts, weights)

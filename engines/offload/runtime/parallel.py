@@ -5,8 +5,9 @@ experts, in lockstep with rank 0.
         --("start", prompt, params) | ("step", aborted sids) | ("stats",) | ("close",)  (broadcast_object_list)-->
     ranks 1..N-1 (python -m moe_offload.engines.offload.runtime.rank): the same engine calls in the same order
     every MoE layer, on every rank: its own experts' rows of [S, H] (the others zero)
-        --all_reduce(sum)--> the full rows on every rank --> the same combine as one process
-    every forward: the step's hit / miss counters --all_reduce--> rank 0's per-request statistics cover every rank
+        --sum over the ranks (over_ranks: send/recv on gloo, all_reduce on NCCL)--> the full rows on every rank
+        --> the same combine as one process (the whole-step call does it in C++: DecodeStep.ranks)
+    every forward: the step's hit / miss counters --over_ranks--> rank 0's per-request statistics cover every rank
 
 Why it is exact: each (token, expert) row is computed on exactly one rank, by the kernel one process uses, and x + 0
 is x, so every rank holds the one-process rows bit for bit; the dense layers are replicated (every rank computes
@@ -43,6 +44,31 @@ _CPU_GROUP = None  # CUDA ranks: a gloo group for what travels on the CPU (comma
 def cpu_group():
     """The group for CPU tensors and objects: a gloo side group when the rows go over NCCL, else None (the default)."""
     return _CPU_GROUP
+
+
+def over_ranks(t: torch.Tensor, group=None) -> torch.Tensor:
+    """``t`` summed over the ranks, for sums that do not depend on the order (rows each non-zero on one rank, integer
+    counts). CPU tensors: sent to every other rank and theirs added (gloo's send/recv take a fraction of its
+    all-reduce's time between processes of one host: docs/benchmarks/parallel.md); CUDA tensors: all_reduce (NCCL).
+    The whole-step call does the same in C++ (DecodeStep.over_ranks)."""
+    if t.device.type != "cpu":
+        dist.all_reduce(t, group=group)
+        return t
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    t = t.contiguous()
+    got = [torch.empty_like(t) for _ in range(world - 1)]
+    ops = [op for i in range(1, world) for op in (dist.P2POp(dist.isend, t, (rank + i) % world, group),
+                                                 dist.P2POp(dist.irecv, got[i - 1], (rank - i) % world, group))]
+    for w in dist.batch_isend_irecv(ops) if ops else ():
+        w.wait()
+    for g in got:
+        t = t + g
+    return t
+
+
+def step_group():
+    """The process group the whole-step call sums its rows over (its C++ object): the default one."""
+    return dist.group.WORLD.boxed()
 
 
 def _join(rank: int, world: int, port: int, cuda_base: int | None) -> None:

@@ -1,8 +1,8 @@
 """Expert parallel on torch.distributed (--tensor-parallel 2, gloo): two processes, each with half of every layer's
 experts, give transformers' greedy tokens for every family, solo and batched.
 
-Why these could fail: a rank's rows of another rank's experts must be exactly zero before the all-reduce (an
-uninitialised buffer adds garbage); the ranks must run the same forwards in the same order (a request started,
+Why these could fail: a rank's rows of another rank's experts must be exactly zero before the rows are summed (an
+uninitialised buffer adds garbage), in the per-layer loop and in the whole-step call alike; the ranks must run the same forwards in the same order (a request started,
 aborted or sampled differently on one rank desynchronises every collective after it); the statistics are summed
 over the ranks once per forward, so a rank that skips a forward hangs or miscounts.
 """
@@ -125,6 +125,30 @@ def test_two_ranks_in_every_expert_format(checkpoints, quantized_checkpoints, ca
         engine = build_offload_engine(path, fraction=0.5, tensor_parallel=tp, **opts)
         try:
             outs.append([list(engine.generate(p, _params(n))) for p, n in zip(PROMPTS, LENGTHS)])
+        finally:
+            engine.close()
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3"])
+def test_two_ranks_take_the_whole_step_call_bit_for_bit(checkpoints, family):
+    # bf16, every expert resident: each rank's decode steps run in one C++ call that computes its experts' pairs and
+    # sums the rows over the ranks itself; the logprobs of every token must be the one-process ones bit for bit
+    # (x + 0 = x: a rank's rows of another rank's experts must be exact zeros, the pairs grouped as one process does)
+    path = checkpoints(family)
+    outs = []
+    for tp in (None, 2):
+        engine = build_offload_engine(path, dtype="bfloat16", fraction=1.0, tensor_parallel=tp)
+        try:
+            gens, toks = [], []
+            for p, n in zip(PROMPTS, LENGTHS):
+                before = engine.runner.fast.step_call.calls
+                gens.append(engine.generate(p, _params(n, logprobs=1)))
+                toks.append(list(gens[-1]))
+                assert engine.runner.fast.step_call.calls - before == n - 1  # every decode step in the one call
+            outs.append((toks, [[(e.token, e.logprob) for e in g.logprobs] for g in gens]))
+            for g, n in zip(gens, LENGTHS):  # every rank's pairs, each a slot hit
+                assert (g.stats.hits, g.stats.misses) == ((g.stats.prompt_tokens + n - 1) * _pairs_per_token(engine), 0)
         finally:
             engine.close()
     assert outs[0] == outs[1]

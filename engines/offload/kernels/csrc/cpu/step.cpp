@@ -9,6 +9,10 @@
 //        layer i rotates by cos[rot_i], sin[rot_i] (.rotary_table: a table per layer type, the identity for NoPE);
 //        gated-DeltaNet layers take each token's seat and their (conv, state) pools, in layer order, from states
 //     .step_mla(h, cos, sin, slots [M], rows [M * lmax], lens, norm, eps)   the same for MLA layers (mla_plan.py)
+//     .ranks(group, rank, world)   expert parallel (runtime/parallel.py): this rank computes the pairs of experts e with
+//        e % world == rank, the others' rows stay zero, and every MoE layer's rows [S, H] are summed over the ranks
+//        (torch.distributed's send/recv on the group, CPU tensors: gloo) before the combine, so every rank combines the
+//        one-process rows bit for bit (x + 0 = x); routes, dense layers and the rest are computed on every rank
 //
 // Why: a layer's Python glue (the executor's split and bookkeeping, three torch ops of combine, two op calls with
 // ~40 arguments) costs ~0.2-0.3 ms against ~1 ms of weight reads on a 2-core host, and the second core idles through
@@ -26,6 +30,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/softmax.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/custom_class.h>
 
 #include <array>
@@ -88,6 +93,15 @@ class DecodeStep : public torch::CustomClassHolder {
     TORCH_CHECK(!(y->sgu.has_value() && y->mgu.has_value()), "DecodeStep.add: a gated shared expert and an MLP");
     linear_layers_ += y->delta.has_value();
     layers_.push_back(std::move(y));
+  }
+
+  void ranks(c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t rank, int64_t world) {
+    TORCH_CHECK(world >= 1 && rank >= 0 && rank < world && group->getSize() == world && group->getRank() == rank,
+                "DecodeStep.ranks: expected this rank of the group, got rank ", rank, " of ", world, " for rank ",
+                group->getRank(), " of ", group->getSize());
+    group_ = world > 1 ? group : nullptr;
+    rank_ = rank;
+    world_ = world;
   }
 
   std::tuple<at::Tensor, at::Tensor, double> step(at::Tensor h, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
@@ -204,12 +218,14 @@ class DecodeStep : public torch::CustomClassHolder {
     int64_t* pp = perm.data_ptr<int64_t>();
     std::vector<int64_t> starts, counts;
     std::vector<at::Tensor> ups, up_s, dns, dn_s, ub, db;
+    int64_t n = 0;  // this rank's pairs (every pair without expert parallel)
     for (int64_t i = 0; i < S; ++i) {
       const int64_t s = order[i], e = ip[s];
-      tp[i] = s / K;
-      pp[i] = s;
-      if (i == 0 || ip[order[i - 1]] != e) {
-        starts.push_back(i);
+      if (e % world_ != rank_) continue;
+      tp[n] = s / K;
+      pp[n] = s;
+      if (n++ == 0 || ip[order[i - 1]] != e) {
+        starts.push_back(n - 1);
         counts.push_back(0);
         ups.push_back(y.ups[e]);
         dns.push_back(y.dns[e]);
@@ -218,14 +234,19 @@ class DecodeStep : public torch::CustomClassHolder {
       }
       ++counts.back();
     }
-    at::Tensor proj = at::empty({S, H}, x2.options());
+    at::Tensor proj = group_ ? at::zeros({S, H}, x2.options()) : at::empty({S, H}, x2.options());
     const auto ubl = y.up_b.empty() ? std::nullopt : std::optional<at::TensorList>(ub);
     const auto dbl = y.dn_b.empty() ? std::nullopt : std::optional<at::TensorList>(db);
-    if (y.quantized)
+    tok = tok.narrow(0, 0, n);
+    perm = perm.narrow(0, 0, n);
+    if (n == 0) {
+    } else if (y.quantized) {
       moe_quant::moe_experts_q(x2, ups, up_s, dns, dn_s, tok, perm, starts, counts, proj, ubl, dbl, y.gate, y.alpha,
                                y.limit);
-    else
+    } else {
       moe_experts_bf16(x2, ups, dns, tok, perm, starts, counts, proj, ubl, dbl, y.gate, y.alpha, y.limit);
+    }
+    if (group_) proj = over_ranks(proj);
     at::Tensor out = at::empty({M, H}, x2.options());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     combine(ptr(proj), w, M, K, H, op);
@@ -238,6 +259,26 @@ class DecodeStep : public torch::CustomClassHolder {
     return out;
   }
 
+  // rows [S, H] summed over the ranks: each rank sends its rows to every other and adds theirs (x + 0 = x: each row is
+  // non-zero on one rank, so the order does not matter); gloo's send/recv are a few times quicker than its all-reduce
+  at::Tensor over_ranks(const at::Tensor& rows) {
+    std::vector<at::Tensor> got;
+    std::vector<c10::intrusive_ptr<c10d::Work>> work;
+    for (int64_t i = 1; i < world_; ++i) {
+      std::vector<at::Tensor> out{rows};
+      work.push_back(group_->send(out, (int)((rank_ + i) % world_), 0));
+      got.push_back(at::empty_like(rows));
+      std::vector<at::Tensor> in{got.back()};
+      work.push_back(group_->recv(in, (int)((rank_ - i + world_) % world_), 0));
+    }
+    for (auto& w : work) w->wait();
+    at::Tensor sum = rows;
+    for (const auto& g : got) sum = at::add(sum, g);
+    return sum;
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;  // expert parallel's ranks (.ranks), else none
+  int64_t rank_ = 0, world_ = 1;
   int64_t linear_layers_ = 0;  // gated-DeltaNet layers added
   int64_t top_k_ = 0;  // every MoE layer's
   std::vector<c10::intrusive_ptr<Layer>> layers_;
@@ -274,5 +315,6 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
       .def(torch::init<>())
       .def("add", &moe_cpu::DecodeStep::add)
       .def("step", &moe_cpu::DecodeStep::step)
-      .def("step_mla", &moe_cpu::DecodeStep::step_mla);
+      .def("step_mla", &moe_cpu::DecodeStep::step_mla)
+      .def("ranks", &moe_cpu::DecodeStep::ranks);
 }
