@@ -2,9 +2,10 @@
 experts, give transformers' greedy tokens for every family, solo and batched.
 
 Why these could fail: a rank's rows of another rank's experts must be exactly zero before the rows are summed (an
-uninitialised buffer adds garbage), in the per-layer loop and in the whole-step call alike; the ranks must run the same forwards in the same order (a request started,
-aborted or sampled differently on one rank desynchronises every collective after it); the statistics are summed
-over the ranks once per forward, so a rank that skips a forward hangs or miscounts.
+uninitialised buffer adds garbage), in the per-layer loop and in the whole-step call alike; the ranks must run the
+same forwards in the same order (a request started, aborted or sampled differently on one rank desynchronises every
+collective after it); the statistics are summed over the ranks once per forward, so a rank that skips a forward
+hangs or miscounts.
 """
 
 from __future__ import annotations
