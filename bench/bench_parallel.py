@@ -3,6 +3,7 @@ process with two threads, decode ms/token on the benchmark model.
 
     python bench/bench_parallel.py --model-dir /tmp/benchmodel             # 3 interleaved rounds, 64 tokens
     python bench/bench_parallel.py --model-dir /tmp/benchmodel --quick     # 1 round, 16 tokens
+    python bench/bench_parallel.py --model-dir /tmp/bmtok --as-user        # fresh CLI processes (needs a tokenizer)
 
 Each configuration runs in a fresh Python process (start-up, rank launch and the first tokens included in its wall
 time; decode ms/token as the engine measures it, the mean over the decode steps), all experts resident, bf16, greedy
@@ -93,24 +94,71 @@ def gloo_latency() -> dict:
     return ast.literal_eval(outs[0].strip().splitlines()[-1])
 
 
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 CONFIGS = (("one process, 2 threads", {"threads": 2}),
            ("one process, 1 thread", {"threads": 1}),
-           ("--tensor-parallel 2, 1 thread per rank", {"threads": 1, "tensor_parallel": 2}),
-           ("--tensor-parallel 2, 2 threads per rank (oversubscribed)", {"threads": 2, "tensor_parallel": 2}))
+           ("--tensor-parallel 2, 1 thread per rank (the default without PASSIVE)", {"threads": 1, "tensor_parallel": 2}),
+           ("--tensor-parallel 2, 2 threads per rank, OMP_WAIT_POLICY=PASSIVE (the CLI's default)",
+            {"threads": 2, "tensor_parallel": 2, "env": PASSIVE}),
+           ("--tensor-parallel 2, 2 threads per rank, spinning waits (oversubscribed)", {"threads": 2, "tensor_parallel": 2}))
 
 
 def run(model: Path, opts: dict, tokens: int) -> dict:
+    import os
+
+    env = {**os.environ, **opts.pop("env", {})}
     out = subprocess.run([sys.executable, "-c", RUN, str(model), json.dumps(opts), str(tokens)], capture_output=True,
-                         text=True, check=True)
+                         text=True, check=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+AS_USER = (("one process", 1, {}), ("--tensor-parallel 2 (the CLI's default: PASSIVE, every core per rank)", 2, {}),
+           ("--tensor-parallel 2, OMP_WAIT_POLICY=ACTIVE (1 thread per rank)", 2, {"OMP_WAIT_POLICY": "ACTIVE"}))
+
+
+def as_user(model: Path, rounds: int) -> int:
+    """Fresh `moe-offload generate` processes, as a user runs them (the model directory needs a tokenizer)."""
+    import os
+    import shutil
+
+    from bench_engine import read_bandwidth
+
+    cli = shutil.which("moe-offload") or str(Path(sys.executable).with_name("moe-offload"))
+    bw = read_bandwidth()
+    results = {name: [] for name, _, _ in AS_USER}
+    for _ in range(rounds):
+        for name, tp, env in AS_USER:
+            t = time.perf_counter()
+            out = subprocess.run([cli, "generate", "--model", str(model), "--prompt", "The quick brown fox jumps over "
+                                  "the lazy dog and then", "--max-tokens", "64", "--ignore-eos", "--json",
+                                  "--tensor-parallel", str(tp)], capture_output=True, text=True, check=True,
+                                 env={**{k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}, **env})
+            d = json.loads(out.stdout)
+            results[name].append((d["stats"]["decode_ms_per_token"], time.perf_counter() - t, d["token_ids"]))
+    first = results[AS_USER[0][0]][0][2]
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {bw / 1e9:.1f} GB/s memory read bandwidth, "
+          f"{rounds} interleaved rounds of fresh `moe-offload "
+          f"generate --max-tokens 64 --ignore-eos --json` processes; identical tokens: "
+          f"{all(r[2] == first for rs in results.values() for r in rs)}\n")
+    print("| configuration | decode ms/token (each round) | median | vs one process | process wall s (median) |")
+    print("|---|---|---|---|---|")
+    base = statistics.median(r[0] for r in results[AS_USER[0][0]])
+    for name, rs in results.items():
+        d = statistics.median(r[0] for r in rs)
+        print(f"| {name} | {', '.join(f'{r[0]:.1f}' for r in rs)} | {d:.1f} | {d / base:.2f}x | "
+              f"{statistics.median(r[1] for r in rs):.1f} |")
+    return 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--as-user", action="store_true", help="fresh `moe-offload generate` processes instead")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))
+    if a.as_user:
+        return as_user(a.model_dir, 1 if a.quick else 3)
     if not (a.model_dir / "config.json").exists():
         import bench_engine
 

@@ -75,6 +75,9 @@ DECLARED: tuple[Setting, ...] = (
     Setting("NODE_NAME", "str", None, "Kubernetes' node name (downward API): the accelerator ids' node.",
             external=True),
     Setting("LLMD_GATEWAY_URL", "str", "", "ai-rm: the llm-d gateway a worker registers with.", external=True),
+    Setting("OMP_WAIT_POLICY", "str", None,
+            "OpenMP's, read when torch loads it: PASSIVE (threads sleep when idle) lets `--tensor-parallel` ranks each "
+            "use every core; the CLI sets it for N > 1 unless it is set.", external=True),
     Setting("TORCH_EXTENSIONS_DIR", "path", _cache("kernels"),
             "Where JIT-built kernels are kept (torch's own variable; developers' JIT builds only).", external=True),
 )

@@ -16,7 +16,7 @@ a seed for a request that samples without one, so the ranks draw the same tokens
 (its slots and its host share); transformers' modules are not split, so attention heads and dense MLPs are computed
 on every rank (tensor parallel of the dense layers is not built).
 
-The process group is torch.distributed's: gloo on the CPU (this file's ranks, one thread each by default); CUDA ranks
+The process group is torch.distributed's: gloo on the CPU (this file's ranks: threads_per_rank); CUDA ranks
 (rank r on GPU r) sum the rows over NCCL and keep a gloo side group for the commands and counters, which live on the
 CPU (written, not run here: no GPU). Rank 0 holds a lock around every collective sequence, so a
 ``/metrics`` scrape (stats) never interleaves with a step's all-reduces.
@@ -36,8 +36,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe_offload import settings
+
 TIMEOUT = datetime.timedelta(seconds=600)  # a rank that does not answer a collective for this long is gone
-THREADS: int | None = None  # torch threads per rank; None: the machine's cores / ranks
+THREADS: int | None = None  # torch threads per rank; None: threads_per_rank's choice
+# OpenMP read its wait policy when torch loaded it (this module imports torch): PASSIVE, its threads sleep when idle
+PASSIVE = (settings.get("OMP_WAIT_POLICY") or "").upper() == "PASSIVE"
+
+
+def threads_per_rank(world: int) -> int:
+    """Every core for each rank when OpenMP's threads sleep when idle (OMP_WAIT_POLICY=PASSIVE, which the CLI sets
+    for --tensor-parallel): a rank waiting for the others' rows leaves its cores to them. Else the cores / ranks:
+    spinning threads of ranks sharing cores take the cores from the rank that works (docs/benchmarks/parallel.md)."""
+    cores = os.cpu_count() or world
+    return cores if PASSIVE else max(1, cores // world)
 _CPU_GROUP = None  # CUDA ranks: a gloo group for what travels on the CPU (commands, counters); gloo ranks: the default
 
 
@@ -144,7 +156,7 @@ def launch(world: int, build, model_path: str, placement, options: dict[str, Any
 
     if dist.is_initialized():
         raise ConfigError("tensor parallel: this process already belongs to a torch.distributed group")
-    threads = threads or THREADS or max(1, (os.cpu_count() or world) // world)
+    threads = threads or THREADS or threads_per_rank(world)
     port = _free_port()
     device = torch.device(options.get("device") or "cpu")
     cuda_base = (device.index or 0) if device.type == "cuda" else None
@@ -156,6 +168,8 @@ def launch(world: int, build, model_path: str, placement, options: dict[str, Any
     from moe_offload.log import chosen
 
     env = {**os.environ, **chosen()}  # the ranks log as this process does (quiet for generate, JSON for a worker)
+    if PASSIVE:  # and wait as it does
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     procs = []
     for r in range(1, world):
         p = subprocess.Popen([*cmd, "--rank", str(r)], stdin=subprocess.PIPE, text=True, env=env)

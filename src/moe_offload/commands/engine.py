@@ -18,6 +18,7 @@ from moe_offload.commands.options import (
     TAIL_SKIP_HELP,
     TENSOR_PARALLEL_HELP,
     emit,
+    ranks_share_cores,
 )
 from moe_offload.errors import ConfigError, ModelError
 
@@ -166,6 +167,7 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
              host_memory, no_prefetch, kv_cache_memory, max_model_len, temperature, top_p, top_k, seed, ignore_eos,
              speculative_config, tail_skip, cold_dtype, devices, tensor_parallel, as_json) -> None:
     """Generate text with the offload engine; stats go to stderr (or into --json)."""
+    ranks_share_cores(tensor_parallel)  # before anything imports torch
     from moe_offload.engines.params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

@@ -7,6 +7,8 @@ Commands import from here, never from cli.py or from each other (no import circl
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import click
 
@@ -69,8 +71,21 @@ DEVICES_HELP = ("Several accelerators, each a tier of its own: cuda:0,cuda:1 (cp
                 "fraction's expert slots are split over them, the hottest experts balanced by predicted load; the "
                 "first runs the dense layers. Stats report hits per device.")
 TENSOR_PARALLEL_HELP = ("N ranks on torch.distributed (gloo on the CPU), each computing its share of every layer's experts "
-                        "(expert e on rank e mod N) with 1/N of the cores; this process is rank 0. Output is the "
+                        "(expert e on rank e mod N); OpenMP threads that sleep when idle (OMP_WAIT_POLICY=PASSIVE, "
+                        "unless set) let every rank use every core; this process is rank 0. Output is the "
                         "one-process output; --json reports each rank's stats.")
+
+
+def ranks_share_cores(tensor_parallel: int | None) -> None:
+    """--tensor-parallel N > 1: OpenMP threads that sleep when idle (OMP_WAIT_POLICY=PASSIVE, unless the user set a
+    policy), so a rank that waits for the others' rows leaves its cores to them and every rank can use every core
+    (runtime/parallel.py); spinning ranks sharing cores run ~2x slower (docs/benchmarks/parallel.md). OpenMP reads
+    the policy when torch loads it: only before torch is imported does this take effect."""
+    from moe_offload import settings
+
+    if tensor_parallel is not None and tensor_parallel > 1 and "torch" not in sys.modules and not settings.is_set(
+            "OMP_WAIT_POLICY"):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 SPECULATIVE_HELP = ("Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
                     "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (prompt lookup) or {\"model\": DIR, "
                     "\"num_speculative_tokens\": 3} (a draft model sharing the tokenizer). Exact: greedy output is "

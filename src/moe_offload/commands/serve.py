@@ -17,6 +17,7 @@ from moe_offload.commands.options import (
     SPECULATIVE_HELP,
     TAIL_SKIP_HELP,
     TENSOR_PARALLEL_HELP,
+    ranks_share_cores,
 )
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -74,6 +75,7 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                 gateway_token, advertise_url, banner: bool, max_num_seqs=None, max_num_batched_tokens=None, kv_cache_memory=None, host_memory=None,
                 max_model_len=None, block_size=None, generation_config: str = "auto", tool_call_parser: str = "auto",
                 speculative=None, tail_skip=None, cold_dtype=None, devices=None, tensor_parallel=None) -> None:
+    ranks_share_cores(tensor_parallel)  # before anything imports torch
     from moe_offload import backends
     from moe_offload.errors import ConfigError
     from moe_offload.serving import server, worker

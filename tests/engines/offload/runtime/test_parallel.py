@@ -10,6 +10,9 @@ hangs or miscounts.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,3 +156,31 @@ def test_two_ranks_take_the_whole_step_call_bit_for_bit(checkpoints, family):
         finally:
             engine.close()
     assert outs[0] == outs[1]
+
+
+def test_the_cli_lets_ranks_share_cores_only_before_torch_loads():
+    # OpenMP reads OMP_WAIT_POLICY when torch loads it: the CLI sets PASSIVE for N > 1 before any torch import, keeps
+    # a policy the user set, and leaves one process alone
+    code = ("import os, sys\nfrom moe_offload.commands.options import ranks_share_cores\n"
+            "ranks_share_cores(int(sys.argv[1]))\nassert 'torch' not in sys.modules\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+
+    def policy(n, **extra):
+        out = subprocess.run([sys.executable, "-c", code, str(n)], env={**env, **extra}, capture_output=True, text=True,
+                             check=True)
+        return out.stdout.strip()
+
+    assert policy(2) == "PASSIVE"
+    assert policy(1) == "None"
+    assert policy(2, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+
+
+def test_ranks_take_every_core_only_when_their_threads_sleep(monkeypatch):
+    from moe_offload.engines.offload.runtime import parallel
+
+    cores = os.cpu_count()
+    monkeypatch.setattr(parallel, "PASSIVE", False)
+    assert parallel.threads_per_rank(2) == max(1, cores // 2)
+    monkeypatch.setattr(parallel, "PASSIVE", True)
+    assert parallel.threads_per_rank(2) == cores
