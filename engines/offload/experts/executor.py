@@ -107,7 +107,7 @@ class Executor:
         self.cold_dtype: str | None = None  # the format of the layers' cold copies (LayerState.cold), when they have one
         self.skipped = 0  # pairs dropped so far
         # expert parallel (runtime/parallel.py): (rank, world); this rank computes experts e with e % world == rank,
-        # every layer's rows are summed over the ranks (all_reduce: the others' rows are zero here)
+        # every layer's rows are summed over the ranks (parallel.over_ranks: the others' rows are zero here)
         self.ep: tuple[int, int] | None = None
 
     # ---- set-up (loader) ----

@@ -19,7 +19,7 @@ on every rank (tensor parallel of the dense layers is not built).
 The process group is torch.distributed's: gloo on the CPU (this file's ranks: threads_per_rank); CUDA ranks
 (rank r on GPU r) sum the rows over NCCL and keep a gloo side group for the commands and counters, which live on the
 CPU (written, not run here: no GPU). Rank 0 holds a lock around every collective sequence, so a
-``/metrics`` scrape (stats) never interleaves with a step's all-reduces.
+``/metrics`` scrape (stats) never interleaves with a step's collectives.
 """
 
 from __future__ import annotations
