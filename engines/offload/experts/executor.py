@@ -280,8 +280,9 @@ class Executor:
                 if self.per_token and T > 1:
                     devices.count_tokens(self, st.cache, routes, None, [])
         else:
-            for i, st in enumerate(states):
-                self.stats.add(st.pos, T * K if mine is None else int(mine[i].sum()), 0, 0, 0, 0)
+            pairs = [T * K] * L if mine is None else mine.sum(dim=(1, 2)).tolist()  # per layer, in one op
+            for st, n in zip(states, pairs):
+                self.stats.add(st.pos, n, 0, 0, 0, 0)
         if self.per_token and T > 1 and not multi:
             self.token_stats = torch.zeros(T, 2, dtype=torch.int64)
             self.token_stats[:, 0] = L * K if mine is None else mine.sum(dim=(0, 2))

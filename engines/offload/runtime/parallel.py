@@ -42,6 +42,7 @@ TIMEOUT = datetime.timedelta(seconds=600)  # a rank that does not answer a colle
 THREADS: int | None = None  # torch threads per rank; None: threads_per_rank's choice
 # OpenMP read its wait policy when torch loaded it (this module imports torch): PASSIVE, its threads sleep when idle
 PASSIVE = (settings.get("OMP_WAIT_POLICY") or "").upper() == "PASSIVE"
+_CPU_GROUP = None  # CUDA ranks: a gloo group for what travels on the CPU (commands, counters); gloo ranks: the default
 
 
 def threads_per_rank(world: int) -> int:
@@ -50,7 +51,7 @@ def threads_per_rank(world: int) -> int:
     spinning threads of ranks sharing cores take the cores from the rank that works (docs/benchmarks/parallel.md)."""
     cores = os.cpu_count() or world
     return cores if PASSIVE else max(1, cores // world)
-_CPU_GROUP = None  # CUDA ranks: a gloo group for what travels on the CPU (commands, counters); gloo ranks: the default
+
 
 
 def cpu_group():
