@@ -271,6 +271,7 @@ class Executor:
         ids [L, T, K] the routes of ``states``' layers; each pair a slot hit, as ``forward`` books it."""
         L, T, K = ids.shape
         multi = len(self.device_tiers) > 1
+        self.stats.whole_steps += 1
         # expert parallel: this rank's pairs (the ranks' counts are summed when the forward is booked)
         mine = None if self.ep is None else ids % self.ep[1] == self.ep[0]  # [L, T, K]
         if multi:

@@ -37,6 +37,7 @@ class ExecutorStats:
         self._copied0 = self.copied_fn() if self.copied_fn is not None else {}
         self.stage_s = dict.fromkeys(STAGES, 0.0)
         self.forwards = 0
+        self.whole_steps = 0  # forwards booked from the whole-step call (book_resident)
         self.forward_s = 0.0
         if self.disk is not None:
             self.disk.reset()
@@ -71,7 +72,7 @@ class ExecutorStats:
     def snapshot(self) -> dict[str, Any]:
         """Cumulative stats. Keys: hits, misses, hit_rate, host_expert_tokens, fetches, bytes_copied,
         hit_rate_by_tier {tier: fraction}, bytes_moved {tier: bytes}, stage_ms {stage: ms},
-        forwards, layers {layer: {hits, misses, host_tokens, fetches, bytes_copied, by_tier {tier: pairs}}}."""
+        forwards, whole_step_forwards (of those, run in the whole-step call), layers {layer: {hits, misses, host_tokens, fetches, bytes_copied, by_tier {tier: pairs}}}."""
         t = self.totals()
         routed = t["hits"] + t["misses"]
         known = sum(v for k, v in self.stage_s.items() if k != "other")
@@ -98,6 +99,7 @@ class ExecutorStats:
             "bytes_moved": {self.accelerator_tier: t["bytes_copied"]},
             "stage_ms": stage_ms,
             "forwards": self.forwards,
+            "whole_step_forwards": self.whole_steps,
             "layers": layers,
         }
         if self.devices:  # several accelerators: each one's share of the routed pairs

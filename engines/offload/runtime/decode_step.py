@@ -40,12 +40,21 @@ log = get_logger("moe_offload.fastpath")
 
 
 def _guarded(build, plan):
-    """``build(plan)``, or None (logged) where the kernels' checks refuse the weights: the per-layer loop runs."""
+    """``build(plan)``, or None (logged) where the kernels' checks refuse the weights: the per-layer loop runs. Under
+    expert parallel the ranks agree: the call is built on every rank or on none, so every rank takes the same path."""
     try:
-        return build(plan)
+        call = build(plan)
     except (RuntimeError, TypeError, ValueError) as e:
         log.info("whole-step decode off: the per-layer loop runs", reason=f"{type(e).__name__}: {e}")
-        return None
+        call = None
+    if plan.executor.ep is not None:
+        from moe_offload.engines.offload.runtime.parallel import agree
+
+        if not agree(call is not None):
+            if call is not None:
+                log.info("whole-step decode off: the per-layer loop runs", reason="another rank cannot build the call")
+            return None
+    return call
 
 
 class StepCall:
@@ -137,16 +146,19 @@ class StepCall:
         return cls(obj, plan.executor, [b.state for b in plan.blocks if b is not None])
 
     def takes(self, tokens: int) -> bool:
+        """Whether this step runs in the call. The token count and dry are the same on every rank; under expert
+        parallel the reads are waited for (_read_in), so every rank decides alike without an exchange per step."""
         return tokens <= dispatch.KERNEL_MAX_GROUP and not self.executor.dry and self._read_in()
 
     def _read_in(self) -> bool:
         """Every host slot over the store file holds its expert. Background reads that have all landed are settled
-        here (without waiting); a failed one raises its error, as the per-layer loop would, and turns this call off."""
+        here (one process: without waiting, the loop runs meanwhile; expert parallel: waiting); a failed one raises
+        its error, as the per-layer loop would, and turns this call off."""
         if self.broken:
             return False
         for store in self.reading:
             if store.pending:
-                if not all(f.done() for f in list(store.pending.values())):
+                if self.executor.ep is None and not all(f.done() for f in list(store.pending.values())):
                     return False
                 try:
                     store.settle(list(range(store.num_experts)))

@@ -53,7 +53,6 @@ def threads_per_rank(world: int) -> int:
     return cores if PASSIVE else max(1, cores // world)
 
 
-
 def cpu_group():
     """The group for CPU tensors and objects: a gloo side group when the rows go over NCCL, else None (the default)."""
     return _CPU_GROUP
@@ -77,6 +76,14 @@ def over_ranks(t: torch.Tensor, group=None) -> torch.Tensor:
     for g in got:
         t = t + g
     return t
+
+
+def agree(ok: bool) -> bool:
+    """True when ``ok`` holds on every rank (a collective: every rank calls it at the same point). The ranks' choices
+    that must match (whether a decode step runs in the whole-step call) are made with it, not left to each rank."""
+    t = torch.tensor([int(ok)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
+    return bool(t.item())
 
 
 def step_group():

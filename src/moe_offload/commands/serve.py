@@ -166,6 +166,7 @@ def _default_backend() -> str:
 @_worker_options
 def serve_cmd(backend, model, **kw) -> None:
     """Serve the demo model (or --model) with sensible defaults; prints the URL and a curl line."""
+    ranks_share_cores(kw.get("tensor_parallel"))  # before the demo model's build imports torch
     backend = backend or _default_backend()
     if backend != "mock" and not model:
         from moe_offload import demo

@@ -153,6 +153,33 @@ def test_two_ranks_take_the_whole_step_call_bit_for_bit(checkpoints, family):
             outs.append((toks, [[(e.token, e.logprob) for e in g.logprobs] for g in gens]))
             for g, n in zip(gens, LENGTHS):  # every rank's pairs, each a slot hit
                 assert (g.stats.hits, g.stats.misses) == ((g.stats.prompt_tokens + n - 1) * _pairs_per_token(engine), 0)
+            if tp:  # rank 1 took the call at the same steps (the ranks agree; a rank's own choice could differ)
+                assert [r["whole_step_forwards"] for r in engine.stats()["ranks"]] == [sum(LENGTHS) - len(LENGTHS)] * 2
+        finally:
+            engine.close()
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("opts", [{}, {"expert_dtype": "int8"}], ids=["bf16", "int8"])
+def test_two_ranks_run_several_sequences_in_the_whole_step_call(checkpoints, opts):
+    # three sequences in every decode step (M = 3, then 2), bf16 or int8 experts: each rank's call computes its pairs
+    # of every sequence; the tokens are the one-process ones, and every decode step on both ranks ran in the call
+    path = checkpoints("qwen3_moe")
+    outs = []
+    for tp in (None, 2):
+        engine = build_offload_engine(path, dtype="bfloat16", fraction=1.0, tensor_parallel=tp,
+                                      max_num_batched_tokens=64, **opts)
+        try:
+            gens = [engine.start(p, _params(n)) for p, n in zip(PROMPTS, LENGTHS)]
+            steps = 0
+            while engine.step():
+                steps += 1
+            outs.append([g.drain() for g in gens])
+            decode_steps = max(LENGTHS) - 1  # one prefill step for the three prompts, then one step a token
+            assert steps == 1 + decode_steps
+            calls = [r["whole_step_forwards"] for r in engine.stats()["ranks"]] if tp else [
+                engine.executor.stats.snapshot()["whole_step_forwards"]]
+            assert calls == [decode_steps] * (tp or 1)
         finally:
             engine.close()
     assert outs[0] == outs[1]
