@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     repeats = 3 if args.quick else 9
     from moe_offload.engines.offload.kernels import jit
+    from moe_offload.engines.offload.kernels.ops import token_experts
 
     if not jit.load():
         print(f"kernels unavailable: {jit.info()}", file=sys.stderr)
@@ -94,14 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         g, u = F.linear(x, w[0]).chunk(2, dim=-1)
         return F.linear(F.silu(g) * u, w[1])
 
-    k = measure(lambda w: ops.expert_mlp_bf16(x, w[0], w[1]), ex, nb, repeats)
+    k = measure(lambda w: token_experts(x, [w[0]], [w[1]]), ex, nb, repeats)
     t = measure(chain, ex, nb, repeats)
     rows.append(("one expert, fused", f"[{2 * I}, {H}] + [{H}, {I}]", nb, k, t))
 
     # K experts of one token in one call against K fused calls (the second is what expert_forward does per expert).
     groups = [ex[i : i + K] for i in range(0, len(ex) - K + 1, K)]
-    k = measure(lambda g: ops.experts_mlp_bf16(x[0], [w[0] for w in g], [w[1] for w in g]), groups, K * nb, repeats)
-    t = measure(lambda g: [ops.expert_mlp_bf16(x, w[0], w[1]) for w in g], groups, K * nb, repeats)
+    k = measure(lambda g: token_experts(x, [w[0] for w in g], [w[1] for w in g]), groups, K * nb, repeats)
+    t = measure(lambda g: [token_experts(x, [w[0]], [w[1]]) for w in g], groups, K * nb, repeats)
     rows.append((f"{K} experts, one call (vs {K} fused calls)", f"{K} x expert", K * nb, k, t))
 
     # Quantized experts: the stored bytes one decode token streams (weights + scales), per format.
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 return ops.gemv_q(F.silu(g) * u, w[2], w[3])
         else:
             def kern(w):
-                return ops.expert_mlp_q(x, w[0], w[1], w[2], w[3])
+                return token_experts(x, [w[0]], [w[2]], [w[1]], [w[3]])
 
         def deq(w, split=split):
             g, u = F.linear(x, quant.dequantize(w[0], w[1], split, torch.bfloat16)).chunk(2, dim=-1)
@@ -134,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"one expert, {fmt}" + (" fused" if fmt != "mxfp4" else ""), f"[{2 * I}, {H}] + [{H}, {I}]", qb, k, t))
         if fmt != "mxfp4":  # a token's K experts in one call (the executor's one-token path) vs K fused calls
             qg = [qs[i : i + K] for i in range(0, len(qs) - K + 1, K)]
-            k = measure(lambda g: ops.experts_mlp_q(x, [w[0] for w in g], [w[1] for w in g], [w[2] for w in g],
-                                                    [w[3] for w in g]), qg, K * qb, repeats)
-            t = measure(lambda g: [ops.expert_mlp_q(x, *w) for w in g], qg, K * qb, repeats)
+            k = measure(lambda g: token_experts(x, [w[0] for w in g], [w[2] for w in g], [w[1] for w in g],
+                                                [w[3] for w in g]), qg, K * qb, repeats)
+            t = measure(lambda g: [token_experts(x, [w[0]], [w[2]], [w[1]], [w[3]]) for w in g], qg, K * qb, repeats)
             rows.append((f"{K} experts {fmt}, one call (vs {K} fused calls)", f"{K} x expert", K * qb, k, t))
 
     # A batched decode step's layer: T tokens' random top-K routes over 64 bf16 experts through moe_experts_bf16
-    # (each routed expert read once for all its tokens) against the same pairs one expert at a time (expert_mlp_bf16
-    # per token and expert: what a loop over pairs reads).
+    # (each routed expert read once for all its tokens) against the same pairs one expert at a time (one call per
+    # token and expert: what a loop over pairs reads).
     E = 64
     layers = copies(lambda: [(torch.randn(2 * I, H, dtype=torch.bfloat16), torch.randn(H, I, dtype=torch.bfloat16))
                              for _ in range(E)], E * nb)
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         k = measure(lambda lay: ops.moe_experts_bf16(xt, [lay[e][0] for e in experts], [lay[e][1] for e in experts],
                                                      tok, perm, starts, counts, out), layers, read, repeats)
         pairs = idx.tolist()
-        t = measure(lambda lay: [ops.expert_mlp_bf16(xt[i : i + 1], lay[e][0], lay[e][1])
+        t = measure(lambda lay: [token_experts(xt[i : i + 1], [lay[e][0]], [lay[e][1]])
                                  for i in range(T) for e in pairs[i]], layers, read, max(1, repeats // 3))
         rows.append((f"layer of {T} token(s): {len(experts)} of {E} experts, one call (vs per pair)",
                      f"{len(experts)} x expert", read, k, t))
@@ -181,9 +182,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ggml_rows(ops, x, rows: list, repeats: int) -> None:
-    """A token's K experts in GGUF block types (experts_mlp_q, the decode path of a GGUF file) against dequantizing
+    """A token's K experts in GGUF block types (moe_experts_q, the decode path of a GGUF file) against dequantizing
     them and torch's F.linear chain; GB/s count the stored blocks."""
     from moe_offload.engines.offload.kernels.dispatch import NO_SCALE
+    from moe_offload.engines.offload.kernels.ops import token_experts
     from moe_offload.engines.offload.loading import ggml
 
     S = [NO_SCALE] * K
@@ -205,7 +207,7 @@ def ggml_rows(ops, x, rows: list, repeats: int) -> None:
                 out.append(F.linear(F.silu(g) * u, ggml.dequantize(dn, torch.bfloat16)))
             return out
 
-        k = measure(lambda w: ops.experts_mlp_q(x, w[0], S, w[1], S), qs, qb, repeats)
+        k = measure(lambda w: token_experts(x, w[0], w[1], S, S), qs, qb, repeats)
         t = measure(deq, qs[:2], qb, max(1, repeats // 3))
         rows.append((f"{K} experts {name}, one call", f"{K} x [{2 * I}, {H}] + [{H}, {I}]", qb, k, t))
     from moe_offload.engines.offload.loading import quant
@@ -216,8 +218,8 @@ def ggml_rows(ops, x, rows: list, repeats: int) -> None:
 
     qb = sum(t.numel() * t.element_size() for w in make8() for t in w)
     qs = copies(make8, qb)
-    k = measure(lambda g: ops.experts_mlp_q(x, *([w[j] for w in g] for j in range(4))), qs, qb, repeats)
-    t = measure(lambda g: [ops.expert_mlp_q(x, *w) for w in g], qs, qb, repeats)
+    k = measure(lambda g: token_experts(x, *([w[j] for w in g] for j in (0, 2, 1, 3))), qs, qb, repeats)
+    t = measure(lambda g: [token_experts(x, [w[0]], [w[2]], [w[1]], [w[3]]) for w in g], qs, qb, repeats)
     rows.append((f"{K} experts int8, one call (vs {K} fused calls)", f"{K} x [{2 * I}, {H}] + [{H}, {I}]", qb, k, t))
 
 

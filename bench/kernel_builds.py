@@ -15,6 +15,7 @@ import torch
 
 
 def outputs(lib: str, dest: str) -> None:
+    from moe_offload.engines.offload.kernels.ops import token_experts
     from moe_offload.engines.offload.loading import quant
 
     torch.ops.load_library(lib)
@@ -33,8 +34,9 @@ def outputs(lib: str, dest: str) -> None:
     for H, I in ((77, 45), (1024, 512), (64, 40)):
         up = rn(8, 2 * I, H).to(BF); dn = rn(8, H, I).to(BF); ub = rn(2 * I, scale=1).to(BF); db = rn(H, scale=1).to(BF)
         x = rn(H, scale=1).to(BF)
-        out[f"exp{H}"] = ops.expert_mlp_bf16(x, up[0], dn[0]); out[f"expb{H}"] = ops.expert_mlp_bf16(x, up[1], dn[1], ub, db)
-        out[f"exps{H}"] = ops.experts_mlp_bf16(x, list(up), list(dn))
+        out[f"exp{H}"] = token_experts(x, [up[0]], [dn[0]])
+        out[f"expb{H}"] = token_experts(x, [up[1]], [dn[1]], up_biases=[ub], down_biases=[db])
+        out[f"exps{H}"] = token_experts(x, list(up), list(dn))
         T = 6; xs = rn(T, H, scale=1).to(BF)
         tok = torch.tensor([0, 3, 5, 1, 2, 3, 4, 0, 5, 1]); perm = torch.arange(10).flip(0)
         o = torch.zeros(10, H, dtype=BF)
@@ -57,11 +59,11 @@ def outputs(lib: str, dest: str) -> None:
         for dt in (BF, torch.float32):
             x = rn(1, H, scale=1).to(dt)
             qs = [quant.quantize_int8(u) for u in up]; ds = [quant.quantize_int8(d) for d in dn]
-            out[f"eq8{H},{dt}"] = ops.expert_mlp_q(x, *qs[0], *ds[0])
-            out[f"esq8{H},{dt}"] = ops.experts_mlp_q(x, [a for a, _ in qs], [b for _, b in qs], [a for a, _ in ds], [b for _, b in ds])
+            out[f"eq8{H},{dt}"] = token_experts(x, [qs[0][0]], [ds[0][0]], [qs[0][1]], [ds[0][1]])
+            out[f"esq8{H},{dt}"] = token_experts(x, [a for a, _ in qs], [a for a, _ in ds], [b for _, b in qs], [b for _, b in ds])
             qs = [quant.quantize_fp8(u, I) for u in up]; ds = [quant.quantize_fp8(d) for d in dn]
-            out[f"ef8{H},{dt}"] = ops.expert_mlp_q(x, *qs[0], *ds[0])
-            out[f"esf8{H},{dt}"] = ops.experts_mlp_q(x, [a for a, _ in qs], [b for _, b in qs], [a for a, _ in ds], [b for _, b in ds])
+            out[f"ef8{H},{dt}"] = token_experts(x, [qs[0][0]], [ds[0][0]], [qs[0][1]], [ds[0][1]])
+            out[f"esf8{H},{dt}"] = token_experts(x, [a for a, _ in qs], [a for a, _ in ds], [b for _, b in qs], [b for _, b in ds])
     # fused decode layer: bf16 and int8 projections, biases, norms, sinks, windows, both router modes
     for case in range(8):
         H, D, Hkv, Hq, M, E, k = 64, 16, 2, 4, 3, 16, 4

@@ -98,7 +98,6 @@ class Executor:
         # dry: a forward that must leave no trace (the engine's load-time probe): misses are computed on the host,
         # nothing is fetched or touched, so the slot caches start the first request as the placement left them
         self.dry = False
-        self._pairs1: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # K -> (tok, perm) of a one-token layer
         # the disk tier (loader, when experts live in the expert store file): its stats, I/O threads, prefetcher
         self.disk = self.io = self.prefetcher = None
         # approximate (opt-in): a token's routed pairs ranked tail_skip or lower (0-based, by router weight) are
@@ -201,8 +200,6 @@ class Executor:
             state.store.settle([g[0] for g, _ in hits])
 
         kind = None if self._cuda else fused.kind(state, module, hidden_states)
-        if kind is not None and T == 1 and not fetch and not host and self.ep is None:  # one token, all resident
-            return fused.one_token(self, state, module, kind, hidden_states, top_k_index, top_k_weights, hits)
         if kind is not None:
             return fused.forward(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host,
                                  quantized=kind == "q")
@@ -325,12 +322,6 @@ class Executor:
                        fetched * state.expert_bytes,
                        state.cache.device_pairs(hits) if len(self.device_tiers) > 1 else None)
         return result
-
-    def one_token_pairs(self, K):
-        """(tok [K] zeros, perm [K] arange): the pair layout of one token's K experts, built once per K."""
-        if K not in self._pairs1:
-            self._pairs1[K] = (torch.zeros(K, dtype=torch.long), torch.arange(K))
-        return self._pairs1[K]
 
     def _compute(self, state, module, rows, g, weights, out, proj, slot):
         x = rows.select(g)

@@ -1,9 +1,8 @@
 """The executor's CPU paths that take a layer's routed pairs in one kernel call per tier (transformers' silu gate on a
 concatenated gate|up, no biases, no post-expert norm), with the same numbers as the per-expert path.
 
-    one token, every expert resident  --> experts_mlp_bf16 | experts_mlp_q, rows in k order       (one_token)
-    otherwise, per tier (hits, fetched chunks, host misses, the disk tier's reads as they land)
-        bf16 --> moe_experts_bf16; int8/fp8/ggml --> experts_mlp_q (one token) | moe_experts_q     (forward)
+    per tier (hits, fetched chunks, host misses, the disk tier's reads as they land): bf16 --> moe_experts_bf16;
+        int8/fp8/mxfp4/ggml --> moe_experts_q (the fused-experts entries, kernels/ops.py)        (forward)
         an expert with more than KERNEL_MAX_GROUP tokens (prefill) --> expert_forward's GEMM
 
 Legend: T tokens, K top-k, H hidden, S = T*K routed pairs; a group g = (expert, first sorted pair, count).
@@ -18,11 +17,12 @@ import torch
 from moe_offload.engines.offload.experts import tiering
 from moe_offload.engines.offload.kernels import dispatch
 from moe_offload.engines.offload.kernels.dispatch import expert_forward
+from moe_offload.engines.offload.kernels.ops import token_pairs
 
 
 def kind(state, module, x) -> str | None:
-    """Which one-call kernel takes this layer's pairs on the CPU: "bf16" (moe_experts_bf16), "q" (experts_mlp_q /
-    moe_experts_q) or None (the per-expert path); decided once per layer and kind of input (dispatch's checks)."""
+    """Which one-call kernel takes this layer's pairs on the CPU: "bf16" (moe_experts_bf16), "q" (moe_experts_q) or
+    None (the per-expert path); decided once per layer and kind of input (dispatch's checks)."""
     key = (x.dtype, x.dim(), x.device.type, dispatch.kernels_active(), torch.is_grad_enabled() and x.requires_grad)
     k = state.fused.get(key, False)
     if k is False:
@@ -40,8 +40,7 @@ def _biases_ok(state) -> bool:
 
 
 def gate_args(module, weights) -> tuple:
-    """The one-call kernels' trailing arguments (moe_experts_bf16 / experts_mlp_bf16 / moe_experts_q / experts_mlp_q)
-    for these experts' (up, down, up_bias, down_bias, ..) tuples: (gate_up biases or None, down biases or None, gate,
+    """The fused-experts entries' trailing arguments (moe_experts_bf16 / moe_experts_q) for these experts' (up, down, up_bias, down_bias, ..) tuples: (gate_up biases or None, down biases or None, gate,
     alpha, limit)."""
     biased = weights and weights[0][2] is not None
     return ([w[2] for w in weights] if biased else None, [w[3] for w in weights] if biased else None,
@@ -49,37 +48,21 @@ def gate_args(module, weights) -> tuple:
 
 
 def q_args(weights) -> tuple[list, list, list, list]:
-    """experts_mlp_q / moe_experts_q's per-expert lists (gate_ups, their scales, downs, their scales) from slot or
+    """moe_experts_q's per-expert lists (gate_ups, their scales, downs, their scales) from slot or
     store tuples (up, down, up_bias, down_bias, up_scale, down_scale)."""
     return ([w[0] for w in weights], [dispatch.scale_arg(w[4]) for w in weights],
             [w[1] for w in weights], [dispatch.scale_arg(w[5]) for w in weights])
 
 
-def one_token(ex, state, module, k, hidden_states, top_k_index, top_k_weights, hits) -> torch.Tensor:
-    """One token whose K experts are all hits: one call, its rows in k order, then the combine."""
-    t1 = time.perf_counter()
-    w = [state.cache.weights[s] for _, s in sorted(hits, key=lambda h: h[0][1])]
-    ops = torch.ops.moe_offload
-    if k == "q":
-        y = ops.experts_mlp_q(hidden_states.contiguous(), *q_args(w), *gate_args(module, w))  # [K, H]
-    else:  # each row is moe_experts_bf16's for that pair (both are expert_mlp_bf16's numbers)
-        y = ops.experts_mlp_bf16(hidden_states.to(torch.bfloat16).contiguous(), [a[0] for a in w], [a[1] for a in w],
-                                 *gate_args(module, w))
-    t2 = time.perf_counter()
-    result = ex.combine(state, y, hidden_states, top_k_index, top_k_weights, hits, [], 0)
-    ex.book_stages(t1, t2, t2, t2, 0.0)
-    return result
-
-
 def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host, quantized=False):
     """Each tier's pairs through one kernel call, written straight into their (token, k) rows. bf16:
-    moe_experts_bf16; int8/fp8/ggml blocks (``quantized``): experts_mlp_q for one token, moe_experts_q for a batched
-    step (any number of tokens; an expert with more than KERNEL_MAX_GROUP of them goes through expert_forward)."""
+    moe_experts_bf16; int8/fp8/ggml blocks (``quantized``): moe_experts_q (an expert with more than KERNEL_MAX_GROUP
+    tokens goes through expert_forward)."""
     T, K = top_k_index.shape
     cache = state.cache
     x = hidden_states.contiguous() if quantized else hidden_states.to(torch.bfloat16).contiguous()  # [T, H]
     if T == 1:  # groups are (expert, k, 1): pair s = k
-        tok, perm = ex.one_token_pairs(K)
+        tok, perm = token_pairs(K)[:2]
     else:
         tok = perm // K  # [S] token of each expert-sorted pair
     proj = (torch.empty if ex.ep is None else torch.zeros)(T * K, x.shape[1], dtype=x.dtype)  # [S, H] by (token, k)
@@ -92,10 +75,6 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
 
     def run(groups, weights, quantized=quantized):
         if not groups:
-            return
-        if quantized and T == 1:  # one token: group g = (expert, k, 1) goes to row k
-            y = ops.experts_mlp_q(x, *q_args(weights), *gate_args(module, weights))
-            proj.index_copy_(0, torch.tensor([g[1] for g in groups]), y)
             return
         # an expert with more than KERNEL_MAX_GROUP tokens (prefill) goes through torch's GEMM, faster there
         # than the few-token dot kernel (dispatch.KERNEL_MAX_GROUP says why 16); the rest in one call

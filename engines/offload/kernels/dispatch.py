@@ -4,11 +4,11 @@ Every path (accelerator slots, host store, fetched slots) calls ``expert_forward
 so where host and accelerator share device type and precision the results are
 bit-identical and greedy output does not depend on the resident fraction.
 
-    one bf16 token on the CPU --> moe_offload::expert_mlp_bf16 (silu gate, concatenated gate|up)
+    one bf16 token on the CPU --> moe_offload::moe_experts_bf16 (silu gate, concatenated gate|up: ops.token_experts)
                               |   moe_offload::gemv_bf16 x2 around the module's own gate (other gates)
     2..16 bf16 tokens on the CPU (a batched decode step) --> moe_offload::gemm_bf16 x2 around the gate
     quantized weights (int8 | fp8 | mxfp4 | ggml blocks, the format is the stored dtype; quant.py):
-      1..16 tokens on the CPU --> moe_offload::expert_mlp_q (one token, silu gate, int8/fp8/ggml)
+      1..16 tokens on the CPU --> moe_offload::moe_experts_q (one token, silu gate, int8/fp8/ggml: ops.token_experts)
                               |   moe_offload::gemv_q x2 around the module's own gate (biases, gpt-oss, mxfp4)
       more tokens, CUDA, kernels off --> dequantize the expert to x's dtype, then the float path (a GEMM)
     anything else (prefill, fp32, CUDA, transposed layout) --> two GEMMs around the module's gate (gemm.py: torch's,
@@ -28,7 +28,7 @@ import types
 import torch
 
 from moe_offload.engines.offload.kernels import gemm, jit
-from moe_offload.engines.offload.kernels.ops import MAX_TOKENS
+from moe_offload.engines.offload.kernels.ops import MAX_TOKENS, token_experts
 from moe_offload.engines.offload.loading import ggml, quant
 
 
@@ -133,8 +133,7 @@ def fused_gate(module) -> tuple | None:
 
 
 def fused_experts_q_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
-    """A layer's int8/fp8/mxfp4/ggml experts can go through moe_offload::experts_mlp_q (one token) or moe_experts_q (a
-    batched step), one call per tier: CPU, silu gate on a concatenated gate|up without biases, or (bf16 tokens)
+    """A layer's int8/fp8/mxfp4/ggml experts can go through moe_offload::moe_experts_q, one call per tier: CPU, silu gate on a concatenated gate|up without biases, or (bf16 tokens)
     gpt-oss's biased clamped SwiGLU; no post-expert norm, kernels built."""
     gate = fused_gate(module)
     return (x.dim() == 2 and w.dtype in Q_FUSED and w.is_cpu and x.is_cpu and _q_kernel_dtype(w, x)
@@ -151,7 +150,7 @@ def _q_kernel_dtype(w: torch.Tensor, x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and w.dtype != ggml.DTYPE)
 
 
-Q_FUSED = (torch.int8, torch.float8_e4m3fn, torch.uint8, ggml.DTYPE)  # formats experts_mlp_q computes (uint8: mxfp4)
+Q_FUSED = (torch.int8, torch.float8_e4m3fn, torch.uint8, ggml.DTYPE)  # formats moe_experts_q computes (uint8: mxfp4)
 NO_SCALE = torch.empty(0)  # the scale argument of ggml blocks, which carry their own
 
 
@@ -174,7 +173,7 @@ def _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale) ->
         up_scale, down_scale = scale_arg(up_scale), scale_arg(down_scale)
         if (x.shape[0] == 1 and up.dtype != torch.uint8 and up_bias is None and down_bias is None
                 and _is_silu_concat(module)):
-            return ops.expert_mlp_q(x, up, up_scale, down, down_scale)
+            return token_experts(x, [up], [down], [up_scale], [down_scale])
         h = ops.gemv_q(x, up, up_scale, up_bias, split)  # [N, 2I]
         h = _gate(module, h)  # [N, I]
         return ops.gemv_q(h, down, down_scale, down_bias, 0)  # [N, H]
@@ -208,7 +207,8 @@ def _one_token(module, x, up, down, up_bias, down_bias) -> torch.Tensor:
     """One token [1, H] through one expert with the bf16 GEMV kernels: [1, H]."""
     ops = torch.ops.moe_offload
     if _is_silu_concat(module) and _bias_ok(up_bias) and _bias_ok(down_bias):
-        return ops.expert_mlp_bf16(x, up, down, up_bias, down_bias)
+        return token_experts(x, [up], [down], up_biases=None if up_bias is None else [up_bias],
+                             down_biases=None if down_bias is None else [down_bias])
     h = ops.gemv_bf16(x, up, up_bias if _bias_ok(up_bias) else None)  # [1, 2I]
     if up_bias is not None and not _bias_ok(up_bias):
         h = h + up_bias
@@ -290,8 +290,8 @@ def experts_one_token(module, x: torch.Tensor, weights: list[tuple], post_norm: 
             biases.append(bs)
         else:  # some experts biased and some not, or a bias the kernel does not read
             return None
-    y = torch.ops.moe_offload.experts_mlp_bf16(x.to(torch.bfloat16).reshape(-1), [w[0] for w in weights],
-                                               [w[1] for w in weights], *biases, *gate)
+    y = token_experts(x.to(torch.bfloat16), [w[0] for w in weights], [w[1] for w in weights], None, None, *biases,
+                      *gate)
     if post_norm and module.has_post_expert_norm:
         y = module.post_expert_norm(y)
     return y  # [K, H]

@@ -6,16 +6,12 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
   gemv_bf16(x [.., H], w [N, H], bias [N]?) -> [.., N]          x holds one token (numel == H)          gemm.cpp
   gemm_bf16(x [.., H], w [N, H], bias [N]?) -> [.., N]          any number of tokens M; each weight row is read
       once for all of them, and token t's row is bit-identical to gemv_bf16 of token t alone            gemm.cpp
-  expert_mlp_bf16(x [.., H], gate_up [2I, H], down [H, I], gate_up_bias [2I]?, down_bias [H]?) -> [.., H]
-      silu(gate) * up with gate = rows [0, I), up = rows [I, 2I) (transformers' concatenated layout)     moe.cpp
-  experts_mlp_bf16(x [H], gate_ups K x [2I, H], downs K x [H, I], gate_up_biases K x [2I]?, down_biases K x [H]?,
-                   gate=0, alpha=0, limit=0) -> [K, H]
-      K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_bf16 of expert k;
-      gate 1: gpt-oss's clamped SwiGLU over interleaved rows (as clamped_swiglu_bf16) between the two GEMVs
   moe_experts_bf16(x [T, H], gate_ups J x [2I, H], downs J x [H, I], tok [S], perm [S], starts [J], counts [J],
                    out [R, H] (mutated), gate_up_biases J x [2I]?, down_biases J x [H]?, gate, alpha, limit) -> ()
-      a layer's routed pairs (sorted by expert) through their experts in one call, written to out[perm[s]];
-      every pair's row is bit-identical to expert_mlp_bf16 (experts_mlp_bf16 with biases, gate) of its token alone
+      the one fused-experts entry (bf16): pairs (sorted by expert) through their experts in one call, written to
+      out[perm[s]]; silu(gate) * up with gate = rows [0, I), up = rows [I, 2I) (transformers' concatenated layout),
+      or gate 1: gpt-oss's clamped SwiGLU over interleaved rows; a pair's row is the same in every call (a token
+      alone, a token's K experts: token_experts below, a batched step)                                   moe.cpp
   clamped_swiglu_bf16(gate_up [.., 2I], alpha, limit) -> [.., I]   gpt-oss's gate over interleaved gate|up columns,
       rounded op by op as torch's bf16 ops round (dispatch.py uses it where the module's _apply_gate is gpt-oss's)
   shared_expert_bf16(x [M, H], gate_up [2I, H], down [H, I], gate [1, H], gate_up_scale?, down_scale?) -> [M, H]
@@ -27,17 +23,12 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       (rows >= split read the second half's blocks) | uint8 mxfp4 blocks [R, K/2] + E8M0 scales [R, K/32]
       | bits8 ggml blocks [R, nb, S] (q8_0, q4_0, q4_1, q5_0, q5_1, q4_z, mxfp4, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs; the type
       from S; w_scale empty, or an act-order release's int32 input permutation [K]: row r . x[perm])
-  expert_mlp_q(x [1, H], gate_up, gate_up_scale, down, down_scale) -> [1, H]   int8|fp8|ggml, silu(gate) * up, one
-      token; intermediates rounded to x's dtype where the unfused path (gemv_q, torch silu, gemv_q) rounds
   dequant_blocks(w [.., nb, S] bits8) -> fp32 [.., nb * B]   the weights ggml blocks mean (prefill, fp32 compute)
-  experts_mlp_q(x [1, H], gate_ups K x, gate_up_scales K x, downs K x, down_scales K x, gate_up_biases K x?,
-                down_biases K x?, gate, alpha, limit) -> [K, H]
-      K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_q of expert k (with biases
-      or gate 1, gpt-oss's clamped SwiGLU for bf16 x: to gemv_q, clamped_swiglu_bf16, gemv_q)
   moe_experts_q(x [T, H], gate_ups J x, gate_up_scales J x, downs J x, down_scales J x, tok [S], perm [S], starts [J],
                 counts [J], out [R, H] (mutated, x's dtype), gate_up_biases J x?, down_biases J x?, gate, alpha, limit)
-      moe_experts_bf16's contract for int8|fp8|mxfp4|ggml experts: each weight row read once for its expert's pairs,
-      every pair's row bit-identical to experts_mlp_q of its token alone
+      moe_experts_bf16's contract for int8|fp8|mxfp4|ggml experts (the entry for those formats): each weight row read
+      once for its expert's pairs; intermediates rounded to x's dtype where the unfused chain (gemv_q, the gate,
+      gemv_q) rounds, so a pair's row is the same in every call                                    moe_quant.cpp
   rmsnorm_bf16(h [M, H], add [M, H]?, w [H], eps, norm="rms") -> [M, H]   bf16(h + add) normalised: the model's final
       norm. norm "rms": bf16(w * bf16(x / rms)); "rms_fp32_scale": bf16(w * (x / rms)) (gpt-oss); "rms_one_plus":
       bf16((x / rms) * (1 + w)) (zero-centred weights: Qwen3-Next, the q/k norms too)                     decode.cpp
@@ -95,18 +86,35 @@ from __future__ import annotations
 import torch
 
 MAX_TOKENS = 16  # tokens one gemv_q call takes (MAX_N in csrc/cpu/quant.h); more go through dequantize + GEMM
+_PAIRS: dict[int, tuple] = {}  # K -> token_pairs(K): constants the kernels only read
+
+
+def token_pairs(K: int) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """The pair layout of one token's K experts, built once per K: (tok [K] zeros, perm [K] arange, starts, counts)."""
+    if K not in _PAIRS:
+        _PAIRS[K] = (torch.zeros(K, dtype=torch.long), torch.arange(K), list(range(K)), [1] * K)
+    return _PAIRS[K]
+
+
+def token_experts(x: torch.Tensor, ups, downs, up_scales=None, down_scales=None, up_biases=None, down_biases=None,
+                  gate: int = 0, alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
+    """K experts of one token x ([H] or [1, H]) in one call of the fused-experts entry: moe_experts_bf16, or with
+    scales (int8|fp8|mxfp4 scales, ggml blocks' empty ones) moe_experts_q. Returns [K, H] in x's dtype, row k expert
+    k's, the same numbers as that pair in any other call."""
+    tok, perm, starts, counts = token_pairs(len(ups))
+    x = x.reshape(1, -1).contiguous()
+    out = x.new_empty((len(ups), x.shape[1]))
+    if up_scales is None:
+        torch.ops.moe_offload.moe_experts_bf16(x, ups, downs, tok, perm, starts, counts, out, up_biases, down_biases,
+                                               gate, alpha, limit)
+    else:
+        torch.ops.moe_offload.moe_experts_q(x, ups, up_scales, downs, down_scales, tok, perm, starts, counts, out,
+                                            up_biases, down_biases, gate, alpha, limit)
+    return out
 
 
 def _gemv(x, w, bias=None):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
-
-
-def _expert(x, gate_up, down, gate_up_bias=None, down_bias=None):
-    return x.new_empty(x.shape)
-
-
-def _experts(x, gate_ups, downs, gate_up_biases=None, down_biases=None, gate=0, alpha=0.0, limit=0.0):
-    return x.new_empty((len(gate_ups), downs[0].shape[0]))
 
 
 def _moe_experts(x, gate_ups, downs, tok, perm, starts, counts, out, gate_up_biases=None, down_biases=None, gate=0,
@@ -126,15 +134,6 @@ def _delta(qkvz, ba, conv_state, conv_w, conv_b, state, a_log, dt_bias, norm_w, 
 def _gemv_q(x, w, w_scale, bias=None, split=0):
     rows = w.shape[0]
     return x.new_empty((*x.shape[:-1], rows))
-
-
-def _expert_q(x, gate_up, gate_up_scale, down, down_scale):
-    return x.new_empty(x.shape)
-
-
-def _experts_q(x, gate_ups, gate_up_scales, downs, down_scales, gate_up_biases=None, down_biases=None, gate=0, alpha=0.0,
-               limit=0.0):
-    return x.new_empty((len(gate_ups), downs[0].shape[0]))
 
 
 def _moe_experts_q(x, gate_ups, gate_up_scales, downs, down_scales, tok, perm, starts, counts, out, gate_up_biases=None,
@@ -173,14 +172,10 @@ def _grouped_topk(scores, bias, n_group, topk_group, top_k, norm_topk, scale):
 FAKES = {
     "gemv_bf16": _gemv,
     "gemm_bf16": _gemv,
-    "expert_mlp_bf16": _expert,
-    "experts_mlp_bf16": _experts,
     "moe_experts_bf16": _moe_experts,
     "clamped_swiglu_bf16": _swiglu,
     "shared_expert_bf16": _shared,
     "gemv_q": _gemv_q,
-    "expert_mlp_q": _expert_q,
-    "experts_mlp_q": _experts_q,
     "moe_experts_q": _moe_experts_q,
     "dequant_blocks": _dequant_blocks,
     "rmsnorm_bf16": _rmsnorm,

@@ -2,7 +2,7 @@
 
     GGUF tensor (numpy uint8 [.., R, nb * S]) --as_blocks--> torch.bits8 [.., R, nb, S]  (store, slots, fetches, disk)
     bits8 [.., R, nb, S] --dequantize--> fp32 [.., R, nb * B]   (the prefill / fp32 path; the reference's weights)
-    bits8 [R, nb, S] --moe_offload::gemv_q / expert_mlp_q / experts_mlp_q--> decode, with 8-bit activations
+    bits8 [R, nb, S] --moe_offload::gemv_q / moe_experts_q--> decode, with 8-bit activations
 
 A block of S bytes holds B weights and its own scales (kernels/csrc/cpu/blocks.h lists each type's layout). The
 dtype bits8 marks a tensor as ggml blocks and S names the type (unique among those supported), so a stored expert

@@ -28,9 +28,8 @@ def mlp_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up
              down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x . gate) * (x . up) -> down for every row of x [M, H] (bf16) in one kernel call, as one expert taking
     every token: the weights read once for all rows. bf16 weights: moe_offload::moe_experts_bf16, each row
-    bit-identical to expert_mlp_bf16 of it alone (rounded as an MLP module's three bf16 linears round); int8 rows +
-    scales or ggml blocks: moe_experts_q, each row experts_mlp_q's of it alone. The whole-step call (step.cpp) makes
-    the same calls."""
+    bit-identical to that kernel's of it alone (rounded as an MLP module's three bf16 linears round); int8 rows +
+    scales or ggml blocks: moe_experts_q likewise. The whole-step call (step.cpp) makes the same calls."""
     M = x.shape[0]
     idx = torch.arange(M)
     out = torch.empty_like(x)

@@ -64,8 +64,8 @@ def fuse_quantized_rows(*linears) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def silu_mlp(mlp) -> bool:
-    """silu(gate(x)) * up(x) -> down, three nn.Linears (down bias-free bf16: what expert_mlp_bf16 computes) or three
-    bias-free quantized rows linears (what expert_mlp_q computes)."""
+    """silu(gate(x)) * up(x) -> down, three nn.Linears (down bias-free bf16: what moe_experts_bf16 computes) or three
+    bias-free quantized rows linears (what moe_experts_q computes)."""
     act = getattr(mlp, "act_fn", None)
     if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"):
         return False

@@ -1,4 +1,4 @@
-"""The ggml block kernels (csrc/cpu/blocks.h through gemv_q, expert_mlp_q, experts_mlp_q, dequant_blocks) against the
+"""The ggml block kernels (csrc/cpu/blocks.h through gemv_q, moe_experts_q, dequant_blocks) against the
 gguf package's own dequantization (llama.cpp's Python reader), for every supported type.
 
 dequant_blocks gives exactly the reference's fp32 weights (bit for bit). The dot products quantize x per block of 32,
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from offload_helpers import routed_pairs
 
 from moe_offload.engines.offload.kernels import dispatch, jit
+from moe_offload.engines.offload.kernels.ops import token_experts
 from moe_offload.engines.offload.loading import ggml, quant
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
@@ -92,16 +93,16 @@ def test_gemv_blocks(ops, name, R, K, N, xdtype):
                                                  ("q4_k", "q5_0", 288), ("q5_k", "q5_1", 288), ("q4_1", "iq4_xs", 512),
                                                  ("q2_k", "q3_k", 512), ("q3_k", "q4_k", 512), ("nvfp4", "nvfp4", 512)])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
-def test_expert_mlps(ops, up_name, down_name, I, xdtype):
+def test_a_tokens_block_experts_in_one_call(ops, up_name, down_name, I, xdtype):
     # llama.cpp's Q4_K_M mixes types within an expert (gate/up q4_k, down q6_k): each projection reads its own blocks;
     # where I is no multiple of 256 (288 as 1408) llama-quantize writes down as q5_0 (Q4_K_M) or q5_1 (Q5_K_M)
     H, K = 256, 3
     ups = [blocks(2 * I, H, up_name, seed=s) for s in range(K)]
     dns = [blocks(H, I, down_name, seed=10 + s) for s in range(K)]
     x = torch.randn(1, H).to(xdtype)
-    rows = ops.experts_mlp_q(x, ups, [dispatch.NO_SCALE] * K, dns, [dispatch.NO_SCALE] * K)
+    rows = token_experts(x, ups, dns, [dispatch.NO_SCALE] * K, [dispatch.NO_SCALE] * K)
     for k in range(K):
-        one = ops.expert_mlp_q(x, ups[k], dispatch.NO_SCALE, dns[k], dispatch.NO_SCALE)
+        one = token_experts(x, [ups[k]], [dns[k]], [dispatch.NO_SCALE], [dispatch.NO_SCALE])
         assert torch.equal(rows[k:k + 1], one)
         # the unfused path (gemv_q, torch's silu in x's dtype, gemv_q) rounds at the same points; silu's own last
         # bit may differ, which the int8 rounding of h can carry one step (1/127 of a block's amax)
@@ -119,7 +120,7 @@ def test_expert_mlps(ops, up_name, down_name, I, xdtype):
                                                  ("q2_k", "q3_k", 512), ("nvfp4", "q4_k", 512)])
 def test_moe_experts_q_batched_step(ops, up_name, down_name, I):
     # a batched decode step of block experts in one call: every (token, k) row equals that token alone through
-    # expert_mlp_q (each weight row decoded once from memory for the expert's tokens, the sums per token unchanged)
+    # the fused-experts entry (each weight row decoded once from memory for the expert's tokens, the sums per token unchanged)
     T, K, E, H = 12, 4, 8, 256
     ups = [blocks(2 * I, H, up_name, seed=s) for s in range(E)]
     dns = [blocks(H, I, down_name, seed=20 + s) for s in range(E)]
@@ -131,7 +132,7 @@ def test_moe_experts_q_batched_step(ops, up_name, down_name, I):
     for t in range(T):
         for k in range(K):
             e = int(top[t, k])
-            one = ops.expert_mlp_q(x[t : t + 1], ups[e], dispatch.NO_SCALE, dns[e], dispatch.NO_SCALE)[0]
+            one = token_experts(x[t : t + 1], [ups[e]], [dns[e]], [dispatch.NO_SCALE], [dispatch.NO_SCALE])[0]
             assert torch.equal(out[t * K + k], one), (t, k)
 
 
@@ -161,15 +162,15 @@ def test_rejects_bad_blocks(ops):
 
 
 def test_expert_forward_takes_the_block_kernels(ops, monkeypatch):
-    # dispatch: one token -> expert_mlp_q; a prefill tile -> the dequantized weights through the GEMM
+    # dispatch: one token -> the fused-experts entry (moe_experts_q); a prefill tile -> the dequantized weights through the GEMM
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     m = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=256, num_experts=2))
     up, dn = blocks(512, 256, "q4_k", seed=1), blocks(256, 256, "q6_k", seed=2)
     calls = []
-    real = ops.expert_mlp_q
-    monkeypatch.setattr(torch.ops.moe_offload, "expert_mlp_q", lambda *a: calls.append(1) or real(*a), raising=False)
+    real = dispatch.token_experts
+    monkeypatch.setattr(dispatch, "token_experts", lambda *a: calls.append(1) or real(*a))
     x = torch.randn(1, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         y = dispatch.expert_forward(m, x, up, dn)
@@ -229,13 +230,12 @@ def test_act_order_weights_read_x_in_their_order(ops, name):
     for e in range(E):
         rows = torch.cat([pds[e].long(), I + pds[e].long()])
         reordered = ups[e].view(torch.uint8)[rows].contiguous().view(ggml.DTYPE)
-        want = ops.expert_mlp_q(x[:1, pus[e].long()], reordered, dispatch.NO_SCALE, dns[e],
-                                dispatch.NO_SCALE)
-        assert torch.equal(ops.expert_mlp_q(x[:1], ups[e], pus[e], dns[e], pds[e]), want), e
+        want = token_experts(x[:1, pus[e].long()], [reordered], [dns[e]], [dispatch.NO_SCALE], [dispatch.NO_SCALE])
+        assert torch.equal(token_experts(x[:1], [ups[e]], [dns[e]], [pus[e]], [pds[e]]), want), e
     # a token's experts in one call, and a batched step, each expert gathering x its own way
-    got = ops.experts_mlp_q(x[:1], ups, pus, dns, pds)
+    got = token_experts(x[:1], ups, dns, pus, pds)
     for e in range(E):
-        assert torch.equal(got[e:e + 1], ops.expert_mlp_q(x[:1], ups[e], pus[e], dns[e], pds[e])), e
+        assert torch.equal(got[e:e + 1], token_experts(x[:1], [ups[e]], [dns[e]], [pus[e]], [pds[e]])), e
     top, tok, perm, experts, starts, counts = routed_pairs(T, K, E, seed=4)
     out = torch.full((T * K, H), float("nan")).to(torch.bfloat16)
     ops.moe_experts_q(x, [ups[e] for e in experts], [pus[e] for e in experts], [dns[e] for e in experts],
@@ -243,15 +243,15 @@ def test_act_order_weights_read_x_in_their_order(ops, name):
     for t in range(T):
         for k in range(K):
             e = int(top[t, k])
-            assert torch.equal(out[t * K + k], ops.expert_mlp_q(x[t:t + 1], ups[e], pus[e], dns[e], pds[e])[0]), (t, k)
+            assert torch.equal(out[t * K + k], token_experts(x[t:t + 1], [ups[e]], [dns[e]], [pus[e]], [pds[e]])[0]), (t, k)
     # a bad order is refused, never read past x
     bad = pus[0].clone()
     bad[3] = H
     with pytest.raises(RuntimeError, match="act-order permutation"):
         ops.gemv_q(x, ups[0], bad)
     with pytest.raises(RuntimeError, match="act-order permutation of gate_up"):
-        ops.experts_mlp_q(x[:1], ups[:1], [bad], dns[:1], pds[:1])
+        token_experts(x[:1], ups[:1], dns[:1], [bad], pds[:1])
     with pytest.raises(RuntimeError, match=r"int32 input permutation \[256\]"):
         ops.gemv_q(x, ups[0], pus[0].long())
     with pytest.raises(RuntimeError, match="act-order permutations on all or none"):
-        ops.experts_mlp_q(x[:1], ups[:2], [pus[0], dispatch.NO_SCALE], dns[:2], pds[:2])
+        token_experts(x[:1], ups[:2], dns[:2], [pus[0], dispatch.NO_SCALE], pds[:2])

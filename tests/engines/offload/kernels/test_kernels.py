@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_offload.engines.offload.kernels import dispatch, jit
+from moe_offload.engines.offload.kernels.ops import token_experts
 
 BF = torch.bfloat16
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler")
@@ -87,7 +88,7 @@ def test_expert_forward_batches_a_few_bf16_tokens_through_gemm(ops):
 
 @pytest.mark.parametrize("T,K,E,H,I", [(1, 2, 4, 48, 24), (5, 2, 4, 33, 17), (16, 8, 64, 128, 64), (16, 1, 1, 1040, 600)])
 def test_moe_experts_rows_equal_each_token_through_its_expert_alone(ops, T, K, E, H, I):
-    """One call per layer: pair (t, k) lands in out[t * K + k] and equals expert_mlp_bf16 of token t alone."""
+    """One call per layer: pair (t, k) lands in out[t * K + k] and equals the call of token t alone."""
     ups = [_w(2 * I, H, seed=10 + e) for e in range(E)]
     downs = [_w(H, I, seed=100 + e) for e in range(E)]
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).to(BF)
@@ -102,13 +103,13 @@ def test_moe_experts_rows_equal_each_token_through_its_expert_alone(ops, T, K, E
     for t in range(T):
         for k in range(K):
             e = int(top[t, k])
-            assert torch.equal(out[t * K + k], ops.expert_mlp_bf16(x[t], ups[e], downs[e])), (t, k)
+            assert torch.equal(out[t * K + k], token_experts(x[t], [ups[e]], [downs[e]])[0]), (t, k)
 
 
 @pytest.mark.parametrize("gate", [0, 1])
 def test_moe_experts_with_biases_and_gpt_oss_gate_equal_each_token_alone(ops, gate):
     """Biased experts (gpt-oss's, gate 1: clamped SwiGLU over interleaved rows) in one call: pair (t, k) equals
-    experts_mlp_bf16 of token t alone with the same biases and gate (the one-token kernel the executor uses)."""
+    the call of token t alone with the same biases and gate."""
     T, K, E, H, I = 5, 2, 4, 40, 24
     ups = [_w(2 * I, H, seed=10 + e) for e in range(E)]
     downs = [_w(H, I, seed=100 + e) for e in range(E)]
@@ -127,7 +128,7 @@ def test_moe_experts_with_biases_and_gpt_oss_gate_equal_each_token_alone(ops, ga
     for t in range(T):
         for k in range(K):
             e = int(top[t, k])
-            alone = ops.experts_mlp_bf16(x[t], [ups[e]], [downs[e]], [ub[e]], [db[e]], *g)[0]
+            alone = token_experts(x[t], [ups[e]], [downs[e]], None, None, [ub[e]], [db[e]], *g)[0]
             assert torch.equal(out[t * K + k], alone), (t, k)
     # the biases are read: without them the rows differ
     plain = torch.empty_like(out)
@@ -161,18 +162,16 @@ def test_gemv_rejects_bad_input(ops):
         ops.gemv_bf16(torch.randn(16).to(BF), w.float())
     # a 1-D down projection was an IndexError "Dimension out of range" from reading its sizes before checking
     with pytest.raises(RuntimeError, match="down: expected a 2-D bf16 CPU tensor"):
-        ops.expert_mlp_bf16(torch.randn(16).to(BF), _w(16, 16), torch.randn(16).to(BF))
-    with pytest.raises(RuntimeError, match="down: expected a 2-D bf16 CPU tensor"):
-        ops.experts_mlp_bf16(torch.randn(16).to(BF), [_w(16, 16)], [torch.randn(16).to(BF)])
+        token_experts(torch.randn(16).to(BF), [_w(16, 16)], [torch.randn(16).to(BF)])
 
 
 @pytest.mark.parametrize("H,I", [(32, 16), (77, 45), (1024, 512), (33, 17)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_expert_mlp_matches_reference(ops, H, I, bias):
+def test_one_expert_of_one_token_matches_reference(ops, H, I, bias):
     up, down = _w(2 * I, H, seed=5), _w(H, I, seed=6)
     x = torch.randn(1, H, generator=torch.Generator().manual_seed(7)).to(BF)
     ub, db = (_w(2 * I, 1, seed=8).reshape(-1), _w(H, 1, seed=9).reshape(-1)) if bias else (None, None)
-    y = ops.expert_mlp_bf16(x, up, down, ub, db)
+    y = token_experts(x, [up], [down], None, None, None if ub is None else [ub], None if db is None else [db])
     assert y.shape == (1, H) and y.dtype == BF
     # fp32 reference: differs by the bf16 roundings of gate/up, silu, their product and the output
     torch.testing.assert_close(y.float().reshape(H), ref_expert(x, up, down, ub, db), rtol=3e-2, atol=3e-2)
@@ -183,15 +182,15 @@ def test_expert_mlp_matches_reference(ops, H, I, bias):
 
 
 @pytest.mark.parametrize("H,I,E,K", [(64, 32, 8, 2), (77, 45, 6, 3), (1024, 512, 16, 8), (33, 17, 5, 5)])
-def test_experts_mlp_matches_loop(ops, H, I, E, K):
+def test_a_tokens_experts_in_one_call_equal_each_alone(ops, H, I, E, K):
     gate_up, down = _w(E, 2 * I, H, seed=10), _w(E, H, I, seed=11)  # the fused [E, ...] layout of a layer
     x = torch.randn(H, generator=torch.Generator().manual_seed(12)).to(BF)
     ids = torch.randperm(E, generator=torch.Generator().manual_seed(13))[:K].tolist()
-    y = ops.experts_mlp_bf16(x, [gate_up[e] for e in ids], [down[e] for e in ids])
+    y = token_experts(x, [gate_up[e] for e in ids], [down[e] for e in ids])
     assert y.shape == (K, H)
     for k, e in enumerate(ids):
-        # row k is the one-expert op bit for bit: rows never depend on how they were split over threads
-        assert torch.equal(y[k], ops.expert_mlp_bf16(x, gate_up[e], down[e])), (k, e)
+        # row k is the one-expert call bit for bit: rows never depend on how they were split over threads
+        assert torch.equal(y[k], token_experts(x, [gate_up[e]], [down[e]])[0]), (k, e)
         torch.testing.assert_close(y[k].float(), ref_expert(x, gate_up[e], down[e]), rtol=3e-2, atol=3e-2)
 
 
@@ -226,7 +225,7 @@ def test_expert_forward_uses_the_kernel_for_one_bf16_token(ops, monkeypatch):
     real = dispatch._one_token
     monkeypatch.setattr(dispatch, "_one_token", lambda *a: calls.append(1) or real(*a))
     y = dispatch.expert_forward(m, x, m.gate_up_proj[1], m.down_proj[1])
-    assert calls and torch.equal(y, ops.expert_mlp_bf16(x, m.gate_up_proj[1], m.down_proj[1]))
+    assert calls and torch.equal(y, token_experts(x, [m.gate_up_proj[1]], [m.down_proj[1]]))
     torch.testing.assert_close(y.float(), _linear_chain(m, x, 1).float(), rtol=2e-2, atol=2e-2)
     # several tokens (prefill) and fp32 keep F.linear
     calls.clear()
@@ -360,7 +359,8 @@ for N, H in ((5, 77), (64, 1024), (3, 8)):
 up = (torch.randn(2 * 45, 77) / 77 ** 0.5).to(torch.bfloat16); dn = (torch.randn(77, 45) / 45 ** 0.5).to(torch.bfloat16)
 x = torch.randn(77).to(torch.bfloat16)
 g, u = (up.float() @ x.float()).chunk(2)
-torch.testing.assert_close(ops.expert_mlp_bf16(x, up, dn).float(), dn.float() @ (torch.nn.functional.silu(g) * u), rtol=3e-2, atol=3e-2)
+from moe_offload.engines.offload.kernels.ops import token_experts
+torch.testing.assert_close(token_experts(x, [up], [dn])[0].float(), dn.float() @ (torch.nn.functional.silu(g) * u), rtol=3e-2, atol=3e-2)
 """)
 
 
@@ -399,12 +399,12 @@ def test_a_decode_steps_experts_split_whole_over_threads_equal_the_two_pass_loop
             rows, pairs = {}, {}
             for n in (1, 2):
                 torch.set_num_threads(n)
-                rows[n] = ops.experts_mlp_bf16(x[0], ups, downs, ub, db, *g)
+                rows[n] = token_experts(x[0], ups, downs, None, None, ub, db, *g)
                 pairs[n] = torch.full((K, H), float("nan")).to(BF)
                 ops.moe_experts_bf16(x, ups, downs, torch.zeros(K, dtype=torch.long), torch.arange(K).flip(0),
                                      list(range(K)), [1] * K, pairs[n], ub, db, *g)
             for e in range(K):
-                alone = ops.experts_mlp_bf16(x[0], [ups[e]], [downs[e]], [ub[e]], [db[e]], *g)[0]
+                alone = token_experts(x[0], [ups[e]], [downs[e]], None, None, [ub[e]], [db[e]], *g)[0]
                 assert torch.equal(rows[1][e], alone) and torch.equal(rows[2][e], alone), (K, e)
                 assert torch.equal(pairs[1][K - 1 - e], alone) and torch.equal(pairs[2][K - 1 - e], alone), (K, e)
     finally:
@@ -425,7 +425,7 @@ def test_results_do_not_depend_on_thread_count(ops, H):
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            out[n] = (ops.gemv_bf16(x, w), ops.experts_mlp_bf16(x, list(gu), list(dn)))
+            out[n] = (ops.gemv_bf16(x, w), token_experts(x, list(gu), list(dn)))
     finally:
         torch.set_num_threads(saved)
     assert torch.equal(out[1][0], out[2][0]) and torch.equal(out[1][1], out[2][1])

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from offload_helpers import routed_pairs
 
 from moe_offload.engines.offload.kernels import dispatch, jit
+from moe_offload.engines.offload.kernels.ops import token_experts
 from moe_offload.engines.offload.loading import quant
 
 BF = torch.bfloat16
@@ -182,12 +183,12 @@ def test_a_decode_steps_experts_split_whole_over_threads_equal_the_two_pass_loop
             rows, pairs = {}, {}
             for n in (1, 2):
                 torch.set_num_threads(n)
-                rows[n] = ops.experts_mlp_q(x, *args)
+                rows[n] = token_experts(x, args[0], args[2], args[1], args[3])
                 pairs[n] = torch.full((K, H), float("nan")).to(torch.bfloat16)
                 ops.moe_experts_q(x, *args, torch.zeros(K, dtype=torch.long), torch.arange(K).flip(0),
                                   list(range(K)), [1] * K, pairs[n])
             for e in range(K):
-                alone = ops.expert_mlp_q(x, *ex[e])[0]
+                alone = token_experts(x, [ex[e][0]], [ex[e][2]], [ex[e][1]], [ex[e][3]])[0]
                 assert torch.equal(rows[1][e], alone) and torch.equal(rows[2][e], alone), (K, e)
                 assert torch.equal(pairs[1][K - 1 - e], alone) and torch.equal(pairs[2][K - 1 - e], alone), (K, e)
     finally:
@@ -208,7 +209,7 @@ def test_rejects_bad_input(ops):
     with pytest.raises(RuntimeError, match="mxfp4: expected uint8 E8M0 scales"):
         ops.gemv_q(torch.randn(1, 64), *quant.quantize_mxfp4(_rand(8, 64))[:1], torch.zeros(8, 3, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="expected gate_up"):
-        ops.expert_mlp_q(torch.randn(1, 16), q, s, q, s)
+        token_experts(torch.randn(1, 16), [q], [q], [s], [s])
 
 
 # -- the fused expert and the wiring in expert_forward --------------------------------------------------------------------
@@ -222,11 +223,11 @@ def _chain(x, up, us, dn, ds, split=0):
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("H,I", [(32, 16), (77, 45), (256, 128), (1024, 512)])
 @pytest.mark.parametrize("xdtype", [torch.float32, BF])
-def test_expert_mlp(ops, fmt, H, I, xdtype):
+def test_one_quantized_expert(ops, fmt, H, I, xdtype):
     up, us = quant.quantize(_rand(2 * I, H, seed=H), fmt, I)
     dn, ds = quant.quantize(_rand(H, I, seed=I), fmt)
     x = torch.randn(1, H, generator=torch.Generator().manual_seed(H + I)).to(xdtype)
-    y = ops.expert_mlp_q(x, up, us, dn, ds)
+    y = token_experts(x, [up], [dn], [us], [ds])
     assert y.shape == (1, H) and y.dtype == xdtype
     ref = _chain(x, up, us, dn, ds, I)
     # fp8 (fp32): summation order only; int8 and bf16: activation / output rounding (2^-8 relative per rounding)
@@ -242,20 +243,19 @@ def test_expert_mlp(ops, fmt, H, I, xdtype):
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("H,I,K", [(77, 45, 3), (1024, 512, 8)])
 @pytest.mark.parametrize("xdtype", [torch.float32, BF])
-def test_experts_mlp_is_bit_identical_to_one_expert_at_a_time(ops, fmt, H, I, K, xdtype):
+def test_a_tokens_experts_are_bit_identical_to_one_expert_at_a_time(ops, fmt, H, I, K, xdtype):
     # one call for a token's K experts (what the executor makes per tier) must give each expert's row exactly as
-    # expert_mlp_q alone: the two parallel passes split rows over threads differently, never the sums
+    # one expert alone: the two parallel passes split rows over threads differently, never the sums
     weights = []
     for k in range(K):
         up, us = quant.quantize(_rand(2 * I, H, seed=H + k), fmt, I)
         dn, ds = quant.quantize(_rand(H, I, seed=I + k), fmt)
         weights.append((up, us, dn, ds))
     x = torch.randn(1, H, generator=torch.Generator().manual_seed(K)).to(xdtype)
-    y = ops.experts_mlp_q(x, [w[0] for w in weights], [w[1] for w in weights], [w[2] for w in weights],
-                          [w[3] for w in weights])
+    y = token_experts(x, [w[0] for w in weights], [w[2] for w in weights], [w[1] for w in weights], [w[3] for w in weights])
     assert y.shape == (K, H) and y.dtype == xdtype
     for k, (up, us, dn, ds) in enumerate(weights):
-        assert torch.equal(y[k], ops.expert_mlp_q(x, up, us, dn, ds)[0]), k
+        assert torch.equal(y[k], token_experts(x, [up], [dn], [us], [ds])[0]), k
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -263,7 +263,7 @@ def test_experts_mlp_is_bit_identical_to_one_expert_at_a_time(ops, fmt, H, I, K,
 @pytest.mark.parametrize("xdtype", [torch.float32, BF])
 def test_moe_experts_q_rows_equal_each_token_through_its_expert_alone(ops, fmt, T, K, E, H, I, xdtype):
     # a batched step's pairs in one call (each weight row read once for its expert's tokens): pair (t, k) lands in
-    # out[t * K + k] and equals expert_mlp_q of token t alone, so a token's output does not depend on the batch
+    # out[t * K + k] and equals token t alone, so a token's output does not depend on the batch
     weights = []
     for e in range(E):
         up, us = quant.quantize(_rand(2 * I, H, seed=H + e), fmt, I)
@@ -276,7 +276,7 @@ def test_moe_experts_q_rows_equal_each_token_through_its_expert_alone(ops, fmt, 
     for t in range(T):
         for k in range(K):
             up, us, dn, ds = weights[int(top[t, k])]
-            assert torch.equal(out[t * K + k], ops.expert_mlp_q(x[t : t + 1], up, us, dn, ds)[0]), (t, k)
+            assert torch.equal(out[t * K + k], token_experts(x[t : t + 1], [up], [dn], [us], [ds])[0]), (t, k)
 
 
 def test_moe_experts_q_rejects_bad_pairs_and_out(ops):
@@ -301,12 +301,12 @@ def test_int8_row_in_a_group_equals_the_row_alone(ops, K):
         assert torch.equal(all_rows[:, r : r + 1], ops.gemv_q(x, w[r : r + 1], s[r : r + 1])), r
 
 
-def test_experts_mlp_rejects_mixed_formats(ops):
+def test_a_tokens_experts_reject_mixed_formats(ops):
     up, us = quant.quantize(_rand(32, 16), "int8", 16)
     dn, ds = quant.quantize(_rand(16, 16), "int8")
     up8, us8 = quant.quantize(_rand(32, 16), "fp8", 16)
     with pytest.raises(RuntimeError, match="of one dtype"):
-        ops.experts_mlp_q(torch.randn(1, 16), [up, up8], [us, us8], [dn, dn], [ds, ds])
+        token_experts(torch.randn(1, 16), [up, up8], [dn, dn], [us, us8], [ds, ds])
 
 
 def _experts_module(family="qwen3_moe", H=64, I=32, E=4):
@@ -337,16 +337,16 @@ def test_expert_forward_dispatch(ops, fmt, N, monkeypatch):
     with torch.no_grad():
         st = store_mod.take_from_module(m, pin=False, convert_to=fmt) if fmt != "mxfp4" else _mxfp4_store(m)
     calls = []
-    for name in ("expert_mlp_q", "gemv_q"):
-        real = getattr(torch.ops.moe_offload, name)
-        monkeypatch.setattr(dispatch.torch.ops.moe_offload, name, (lambda r, n: lambda *a: calls.append(n) or r(*a))(real, name),
-                            raising=False)
+    real_q, real_one = torch.ops.moe_offload.gemv_q, dispatch.token_experts
+    monkeypatch.setattr(dispatch.torch.ops.moe_offload, "gemv_q", lambda *a: calls.append("gemv_q") or real_q(*a),
+                        raising=False)
+    monkeypatch.setattr(dispatch, "token_experts", lambda *a, **k: calls.append("fused") or real_one(*a, **k))
     x = torch.randn(N, 64, generator=torch.Generator().manual_seed(N))
     with torch.no_grad():
         y = dispatch.expert_forward(m, x, *st.expert(1))
         ref = _float_expert(m, x, st)
     fused = N == 1 and fmt != "mxfp4"
-    assert calls == (["expert_mlp_q"] if fused else ["gemv_q", "gemv_q"] if N <= 16 else []), calls
+    assert calls == (["fused"] if fused else ["gemv_q", "gemv_q"] if N <= 16 else []), calls
     tol = 5e-2 if fmt == "int8" and N <= 16 else 1e-4
     torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item())
 
@@ -393,7 +393,7 @@ for R, K, N in ((5, 77, 1), (64, 1024, 3), (3, 8, 2), (40, 2880, 1)):
 def test_gpt_oss_experts_in_one_call_equal_the_per_expert_chain(ops, fmt):
     # gpt-oss's biased experts with the clamped SwiGLU over interleaved gate|up rows (int8 at load, MXFP4 as shipped,
     # a GGUF's MXFP4 blocks): a batched step's pairs in one moe_experts_q call, and a token's experts in one
-    # experts_mlp_q call, equal the per-expert chain the executor ran before (gemv_q + bias, clamped_swiglu_bf16,
+    # moe_experts_q call, equal the per-expert chain the executor ran before (gemv_q + bias, clamped_swiglu_bf16,
     # gemv_q + bias) bit for bit
     T, K, E, H, I, alpha, limit = 5, 2, 4, 64, 32, 1.702, 7.0
     weights = []
@@ -417,10 +417,10 @@ def test_gpt_oss_experts_in_one_call_equal_the_per_expert_chain(ops, fmt):
         for k in range(K):
             assert torch.equal(out[t * K + k], chain(t, int(top[t, k]))), (t, k)
     ids = top[0].tolist()
-    one = ops.experts_mlp_q(x[:1], *[[weights[e][i] for e in ids] for i in range(6)], 1, alpha, limit)
+    one = token_experts(x[:1], *[[weights[e][i] for e in ids] for i in (0, 2, 1, 3, 4, 5)], 1, alpha, limit)
     assert all(torch.equal(one[k], chain(0, e)) for k, e in enumerate(ids))
     # the gate is read: silu over concatenated halves gives other rows
-    other = ops.experts_mlp_q(x[:1], *[[weights[e][i] for e in ids] for i in range(6)], 0, 0.0, 0.0)
+    other = token_experts(x[:1], *[[weights[e][i] for e in ids] for i in (0, 2, 1, 3, 4, 5)], 0, 0.0, 0.0)
     assert not torch.equal(one, other)
     with pytest.raises(RuntimeError, match="gate"):  # gpt-oss's gate is bf16-only
-        ops.experts_mlp_q(x[:1].float(), *[[weights[e][i] for e in ids] for i in range(6)], 1, alpha, limit)
+        token_experts(x[:1].float(), *[[weights[e][i] for e in ids] for i in (0, 2, 1, 3, 4, 5)], 1, alpha, limit)

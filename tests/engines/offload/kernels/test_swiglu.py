@@ -11,6 +11,7 @@ import torch
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
+from moe_offload.control import families
 from moe_offload.engines.offload.kernels import dispatch, jit
 
 pytestmark = pytest.mark.skipif(not jit.load(), reason="the CPU kernels cannot be built here")
@@ -25,6 +26,8 @@ def test_matches_the_module_gate_in_bf16():
     assert got.shape == ref.shape == (5, 96) and got.dtype == torch.bfloat16
     ulp = (got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-3)
     assert (got == ref).float().mean() > 0.99 and ulp.max() <= 2 ** -7  # an exp's last bit, now and then
+    # the gate is recognised as the family registry names it (the loader records it, as here)
+    dispatch.set_activation(GptOssExperts, families.family_of("gpt_oss").activation)
     assert dispatch._is_gpt_oss_gate(experts)
 
 

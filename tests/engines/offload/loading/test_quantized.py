@@ -198,7 +198,7 @@ def test_spec_prices_the_tiny_releases_exactly(quantized_checkpoints, name):
 
 
 def test_one_token_int8_steps_take_one_call_per_tier(checkpoints, monkeypatch):
-    # a decode step's int8 experts go through experts_mlp_q once per tier (hits, host misses), not once per expert,
+    # a decode step's int8 experts go through moe_experts_q once per tier (hits, host misses), not once per expert,
     # and give the per-expert path's logits exactly
     from moe_offload.engines.offload.kernels import dispatch
 
@@ -207,17 +207,17 @@ def test_one_token_int8_steps_take_one_call_per_tier(checkpoints, monkeypatch):
     om = load_model(path, placement(layers, num_experts, 0.5, "static"), policy="static", dtype="bfloat16",
                     expert_dtype="int8")
     calls = []
-    real = torch.ops.moe_offload.experts_mlp_q
-    monkeypatch.setattr(torch.ops.moe_offload, "experts_mlp_q", lambda *a: calls.append(len(a[1])) or real(*a),
+    real = torch.ops.moe_offload.moe_experts_q
+    monkeypatch.setattr(torch.ops.moe_offload, "moe_experts_q", lambda *a: calls.append(len(a[1])) or real(*a),
                         raising=False)
     fused = greedy(om.model, PROMPT, 6)
-    assert calls and max(calls) > 1 and len(calls) <= 5 * len(layers) * 2  # 5 one-token steps x layers x 2 tiers
+    assert calls and max(calls) > 1 and len(calls) <= 6 * len(layers) * 2  # prefill + 5 steps x layers x 2 tiers
     monkeypatch.setattr(dispatch, "fused_experts_q_ok", lambda *a: False)
     for state in om.executor.layers:  # the executor decides once per layer and kind of input
         state.fused.clear()
     calls.clear()
     per_expert = greedy(om.model, PROMPT, 6)
-    assert not calls
+    assert calls and max(calls) == 1  # one expert a call
     assert fused[0] == per_expert[0] and torch.equal(fused[1], per_expert[1])
 
 

@@ -8,19 +8,13 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
   // gemm.cpp, moe.cpp
   m.def("gemv_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.def("gemm_bf16(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
-  m.def("expert_mlp_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor? gate_up_bias=None, Tensor? down_bias=None) -> Tensor");
-  m.def("experts_mlp_bf16(Tensor x, Tensor[] gate_ups, Tensor[] downs, Tensor[]? gate_up_biases=None, "
-        "Tensor[]? down_biases=None, int gate=0, float alpha=0., float limit=0.) -> Tensor");
   m.def("moe_experts_bf16(Tensor x, Tensor[] gate_ups, Tensor[] downs, Tensor tok, Tensor perm, int[] starts, int[] counts, Tensor(a!) out, "
         "Tensor[]? gate_up_biases=None, Tensor[]? down_biases=None, int gate=0, float alpha=0., float limit=0.) -> ()");
   m.def("clamped_swiglu_bf16(Tensor gate_up, float alpha, float limit) -> Tensor");
   m.def("shared_expert_bf16(Tensor x, Tensor gate_up, Tensor down, Tensor gate, Tensor? gate_up_scale=None, Tensor? down_scale=None) -> Tensor");
   // moe_quant.cpp
   m.def("gemv_q(Tensor x, Tensor w, Tensor w_scale, Tensor? bias=None, int split=0) -> Tensor");
-  m.def("expert_mlp_q(Tensor x, Tensor gate_up, Tensor gate_up_scale, Tensor down, Tensor down_scale) -> Tensor");
   m.def("dequant_blocks(Tensor w) -> Tensor");
-  m.def("experts_mlp_q(Tensor x, Tensor[] gate_ups, Tensor[] gate_up_scales, Tensor[] downs, Tensor[] down_scales, "
-        "Tensor[]? gate_up_biases=None, Tensor[]? down_biases=None, int gate=0, float alpha=0., float limit=0.) -> Tensor");
   m.def("moe_experts_q(Tensor x, Tensor[] gate_ups, Tensor[] gate_up_scales, Tensor[] downs, Tensor[] down_scales, "
         "Tensor tok, Tensor perm, int[] starts, int[] counts, Tensor(a!) out, Tensor[]? gate_up_biases=None, "
         "Tensor[]? down_biases=None, int gate=0, float alpha=0., float limit=0.) -> ()");
@@ -41,14 +35,10 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
 TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
   m.impl("gemv_bf16", &moe_cpu::gemv_bf16);
   m.impl("gemm_bf16", &moe_cpu::gemm_bf16);
-  m.impl("expert_mlp_bf16", &moe_cpu::expert_mlp_bf16);
-  m.impl("experts_mlp_bf16", &moe_cpu::experts_mlp_bf16);
   m.impl("moe_experts_bf16", &moe_cpu::moe_experts_bf16);
   m.impl("clamped_swiglu_bf16", &moe_cpu::clamped_swiglu_bf16);
   m.impl("shared_expert_bf16", &moe_cpu::shared_expert_bf16);
   m.impl("gemv_q", &moe_quant::gemv_q);
-  m.impl("expert_mlp_q", &moe_quant::expert_mlp_q);
-  m.impl("experts_mlp_q", &moe_quant::experts_mlp_q);
   m.impl("moe_experts_q", &moe_quant::moe_experts_q);
   m.impl("dequant_blocks", &moe_quant::dequant_blocks);
   m.impl("rmsnorm_bf16", &moe_cpu::rmsnorm_bf16);

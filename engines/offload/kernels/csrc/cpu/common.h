@@ -103,11 +103,6 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 
 // moe.cpp
-at::Tensor expert_mlp_bf16(const at::Tensor& x, const at::Tensor& up, const at::Tensor& dn,
-                           const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& dn_bias);
-at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs,
-                            std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases,
-                            int64_t gate, double alpha, double limit);
 at::Tensor clamped_swiglu_bf16(const at::Tensor& gate_up, double alpha, double limit);
 at::Tensor mlp_rows(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                     const std::optional<at::Tensor>& gate_up_scale, const std::optional<at::Tensor>& down_scale);
@@ -146,11 +141,6 @@ namespace moe_quant {
 // moe_quant.cpp
 at::Tensor gemv_q(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                   const std::optional<at::Tensor>& bias, int64_t split);
-at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Tensor& up_s, const at::Tensor& dn,
-                        const at::Tensor& dn_s);
-at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns,
-                         at::TensorList dn_s, std::optional<at::TensorList> up_biases,
-                         std::optional<at::TensorList> down_biases, int64_t gate, double alpha, double limit);
 void moe_experts_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s,
                    const at::Tensor& tok, const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts,
                    const at::Tensor& out, std::optional<at::TensorList> up_biases,

@@ -1,11 +1,9 @@
 // bf16 expert MLPs: silu(gate) * up with gate = rows [0, I), up = rows [I, 2I) of the concatenated gate|up
 // (transformers' layout), then down.
 //
-//   expert_mlp_bf16:  x [.., H] (one token), gate_up [2I, H], down [H, I] (+ biases [2I], [H]) -> [.., H]
-//   experts_mlp_bf16: x [H], K x gate_up, K x down -> [K, H]     K experts of one token in two parallel passes;
-//                     row k is bit-identical to expert_mlp_bf16 of expert k
-//   moe_experts_bf16: a layer's routed pairs (sorted by expert) through their experts in one call, written to
-//                     out[perm[s]]; every pair's row is bit-identical to expert_mlp_bf16 of its token alone
+//   moe_experts_bf16: the one fused-experts entry: pairs (sorted by expert) through their experts in one call, written
+//                     to out[perm[s]]; every pair's row is bit-identical to the same pair's row in any other call (a
+//                     token alone, a decode step's K experts of one token, a batched step)
 //   shared_expert_bf16: Qwen2-MoE's gated shared expert, x [M, H] -> bf16(bf16(sigmoid(gate . x)) * expert(x))
 // Intermediates are rounded to bf16 where the unfused bf16 path rounds (after each GEMV, after silu, after the
 // product), so results match F.linear chains up to the order of the fp32 sums.
@@ -78,39 +76,6 @@ void whole_experts(int64_t J, int64_t H, int64_t I, XOf x_of, const std::vector<
   });
 }
 
-// K experts (silu-gated, concatenated gate|up; gate 1: gpt-oss's clamped SwiGLU, interleaved) of one token: out [K, H].
-void experts_impl(const uint16_t* x, const std::vector<const uint16_t*>& up, const std::vector<int64_t>& up_ld,
-                  const std::vector<const uint16_t*>& dn, const std::vector<int64_t>& dn_ld,
-                  const std::vector<const uint16_t*>& up_b, const std::vector<const uint16_t*>& dn_b,
-                  int64_t H, int64_t I, uint16_t* out, int64_t gate = 0, float alpha = 0.0f, float limit = 0.0f) {
-  const int64_t K = (int64_t)up.size(), I2 = 2 * I;
-  if (whole_experts_ok(K, true)) {
-    whole_experts(
-        K, H, I, [&](int64_t) { return x; }, up, up_ld, dn, dn_ld, up_b, dn_b, gate, alpha, limit,
-        [&](int64_t k) { return out + k * H; });
-    return;
-  }
-  std::vector<uint16_t> gu(K * I2), h(K * I);
-  at::parallel_for(0, K * I2, grain(H), [&](int64_t b, int64_t e) {
-    while (b < e) {  // a task may span experts: split it at expert boundaries
-      int64_t k = b / I2, stop = std::min(e, (k + 1) * I2);
-      gemv_range(up[k], up_ld[k], x, H, up_b[k], b - k * I2, stop - k * I2, gu.data() + k * I2);
-      b = stop;
-    }
-  });
-  if (gate == 1)
-    swiglu_rows(gu.data(), h.data(), K, I, alpha, limit);
-  else
-    silu_mul_rows(gu.data(), h.data(), K, I);
-  at::parallel_for(0, K * H, grain(I), [&](int64_t b, int64_t e) {
-    while (b < e) {
-      int64_t k = b / H, stop = std::min(e, (k + 1) * H);
-      gemv_range(dn[k], dn_ld[k], h.data() + k * I, I, dn_b[k], b - k * H, stop - k * H, out + k * H);
-      b = stop;
-    }
-  });
-}
-
 void check_expert(const at::Tensor& up, const at::Tensor& dn, int64_t H, int64_t I) {
   check_weight(up, "gate_up");
   check_weight(dn, "down");
@@ -120,24 +85,11 @@ void check_expert(const at::Tensor& up, const at::Tensor& dn, int64_t H, int64_t
 
 }  // namespace
 
-at::Tensor expert_mlp_bf16(const at::Tensor& x, const at::Tensor& up, const at::Tensor& dn,
-                           const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& dn_bias) {
-  check_weight(dn, "down");  // before size(1): a 1-D down would raise a bare "Dimension out of range"
-  const int64_t H = dn.size(0), I = dn.size(1);
-  check_expert(up, dn, H, I);
-  at::Tensor xc = one_token(x, H, "expert_mlp_bf16 x");
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  experts_impl(ptr(xc), {ptr(up)}, {up.stride(0)}, {ptr(dn)}, {dn.stride(0)},
-               {opt_bias(up_bias, 2 * I, "gate_up_bias")}, {opt_bias(dn_bias, H, "down_bias")}, H, I,
-               reinterpret_cast<uint16_t*>(out.data_ptr()));
-  return out;
-}
-
 // Routed pairs of a step through their experts, one call per layer and tier: expert j (gate_up ups[j], down
 // downs[j]) takes the pairs s in [starts[j], starts[j] + counts[j]) of the expert-sorted pair list, pair s reading
 // token row x[tok[s]] and writing out[perm[s]]. Each weight row is read once for all of its expert's pairs; each
-// pair's numbers are exactly expert_mlp_bf16's (experts_mlp_bf16's, with biases and gate 1: gpt-oss's clamped SwiGLU)
-// for that token alone (same sums, same bf16 roundings).
+// pair's numbers are the same in every call (same sums, same bf16 roundings), so a token's result does not depend on
+// the other pairs of the call. gate 1: gpt-oss's clamped SwiGLU over interleaved rows (with biases).
 void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs, const at::Tensor& tok,
                       const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts, const at::Tensor& out,
                       std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases, int64_t gate,
@@ -182,10 +134,28 @@ void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList do
     for (int64_t q = 0; q < counts[j]; ++q)
       std::memcpy(xs.data() + (first[j] + q) * H, ptr(x) + tp[starts[j] + q] * H, H * sizeof(uint16_t));
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  if (whole_experts_ok(J, std::all_of(counts.begin(), counts.end(), [](int64_t c) { return c == 1; }))) {
+  const bool one_each = std::all_of(counts.begin(), counts.end(), [](int64_t c) { return c == 1; });
+  if (whole_experts_ok(J, one_each)) {
     whole_experts(  // one token per expert (a decode step): whole experts per thread
         J, H, I, [&](int64_t j) { return xs.data() + j * H; }, up, up_ld, dn, dn_ld, ub, db, gate, float(alpha),
         float(limit), [&](int64_t j) { return op + pp[starts[j]] * H; });
+    return;
+  }
+  if (one_each) {  // one token per expert, experts that do not split whole over the threads: rows split as gemv_bf16
+    at::parallel_for(0, J * I2, grain(H), [&](int64_t b, int64_t e) {
+      for (int64_t j = b / I2; b < e; b = (++j) * I2)
+        gemv_range(up[j], up_ld[j], xs.data() + j * H, H, ub[j], b - j * I2, std::min(e, (j + 1) * I2) - j * I2,
+                   gu.data() + j * I2);
+    });
+    if (gate == 1)
+      swiglu_rows(gu.data(), h.data(), J, I, float(alpha), float(limit));
+    else
+      silu_mul_rows(gu.data(), h.data(), J, I);
+    at::parallel_for(0, J * H, grain(I), [&](int64_t b, int64_t e) {
+      for (int64_t j = b / H; b < e; b = (++j) * H)
+        gemv_range(dn[j], dn_ld[j], h.data() + j * I, I, db[j], b - j * H, std::min(e, (j + 1) * H) - j * H,
+                   op + pp[starts[j]] * H);
+    });
     return;
   }
   std::vector<float> xs_buf, h_buf;
@@ -225,33 +195,6 @@ void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList do
       b = stop;
     }
   });
-}
-
-at::Tensor experts_mlp_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList downs,
-                            std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases,
-                            int64_t gate, double alpha, double limit) {
-  TORCH_CHECK(!ups.empty() && ups.size() == downs.size(), "experts_mlp_bf16: expected as many gate_up as down tensors (>= 1), got ",
-              ups.size(), " and ", downs.size());
-  check_weight(downs[0], "down");
-  const int64_t K = (int64_t)ups.size(), H = downs[0].size(0), I = downs[0].size(1);
-  at::Tensor xc = one_token(x, H, "experts_mlp_bf16 x");
-  TORCH_CHECK(gate == 0 || gate == 1, "experts_mlp_bf16: gate: expected 0 (silu) or 1 (gpt-oss), got ", gate);
-  TORCH_CHECK((!up_biases.has_value() || (int64_t)up_biases->size() == K) &&
-                  (!down_biases.has_value() || (int64_t)down_biases->size() == K),
-              "experts_mlp_bf16: expected one bias per expert");
-  std::vector<const uint16_t*> up(K), dn(K), ub(K, nullptr), db(K, nullptr);
-  std::vector<int64_t> up_ld(K), dn_ld(K);
-  for (int64_t k = 0; k < K; ++k) {
-    check_expert(ups[k], downs[k], H, I);
-    up[k] = ptr(ups[k]); up_ld[k] = ups[k].stride(0);
-    dn[k] = ptr(downs[k]); dn_ld[k] = downs[k].stride(0);
-    if (up_biases.has_value()) ub[k] = opt_bias((*up_biases)[k], 2 * I, "gate_up_bias");
-    if (down_biases.has_value()) db[k] = opt_bias((*down_biases)[k], H, "down_bias");
-  }
-  at::Tensor out = at::empty({K, H}, x.options());
-  experts_impl(ptr(xc), up, up_ld, dn, dn_ld, ub, db, H, I, reinterpret_cast<uint16_t*>(out.data_ptr()), gate,
-               float(alpha), float(limit));
-  return out;
 }
 
 // silu(x . gate) * (x . up) -> down for every row of x [M, H] as one expert taking every token: the weights read once

@@ -6,11 +6,10 @@
 //   take the dequantize + GEMM path (dispatch.py).
 //
 //   gemv_q:        x [N, K], w, w_scale, bias [R]?, split -> [N, R]      the format from w.dtype
-//   expert_mlp_q:  x [1, H], gate_up, its scale, down, its scale -> [1, H]   int8|fp8, silu(gate) * up, one token;
-//                  intermediates rounded to x's dtype where the unfused path (gemv_q, torch silu, gemv_q) rounds
 //   dequant_blocks: ggml blocks [.., nb, S] -> fp32 [.., K]
-//   experts_mlp_q: K experts of one token in two parallel passes; row k is bit-identical to expert_mlp_q of expert k
-//   moe_experts_q: a step's routed pairs through their experts, each weight row read once for its expert's pairs
+//   moe_experts_q: the one fused-experts entry for these formats: pairs through their experts, each weight row read
+//                  once for its expert's pairs; intermediates rounded to x's dtype where the unfused path (gemv_q,
+//                  torch silu, gemv_q) rounds, so a pair's row is the same in every call
 //   ggml blocks take an empty scale, or an int32 input permutation [K] (an act-order GPTQ release kept as shipped,
 //   loading/int4.py): row r . x[perm] (x gathered per token, or per pair with each expert's own permutation)
 // Legend: N tokens, K input features, R output rows, H hidden, I expert intermediate (2I gate|up rows).
@@ -263,8 +262,8 @@ Gate gate_of(const std::optional<at::TensorList>& ub, const std::optional<at::Te
 // P routed pairs through their experts (``gate``: silu on a concatenated gate|up or gpt-oss's, biases or none) in two
 // parallel passes, one over every expert's gate|up rows and one over every expert's down rows; expert j takes pairs
 // [first[j], first[j+1]), pair p reads prepared token xi[p] of t and writes out row oi[p] (x's dtype, H wide). Each
-// weight row is read from memory once for all of its expert's pairs; each pair's numbers are expert_mlp_q's (biased,
-// gpt-oss: gemv_q, clamped_swiglu_bf16, gemv_q's) for that token alone (the same prepared x, row dots, bias adds,
+// weight row is read from memory once for all of its expert's pairs; each pair's numbers are those of the unfused
+// chain (gemv_q, silu or (biased, gpt-oss) clamped_swiglu_bf16, gemv_q) for that token alone (the same prepared x, row dots, bias adds,
 // roundings and prepared h: prepare quantizes each token on its own).
 void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const std::vector<int64_t>& first,
                const at::Tensor& x, const int64_t* xi, const int64_t* oi, bool bf, void* out, const Gate& gt = Gate{}) {
@@ -375,43 +374,10 @@ void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const
   TORCH_CHECK(ok, "act-order permutation of down: an entry outside 0..", I - 1);
 }
 
-// One token through one expert: pairs_mlp's numbers for a single pair (the same as every batched and grouped call)
-at::Tensor expert_mlp_q(const at::Tensor& x, const at::Tensor& up, const at::Tensor& up_s, const at::Tensor& dn, const at::Tensor& dn_s) {
-  std::vector<Weight> U(1), D(1);
-  expert_pair(up, up_s, dn, dn_s, "expert_mlp_q", U[0], D[0]);
-  const int64_t H = D[0].rows;
-  at::Tensor xc = tokens_of(x, H, "expert_mlp_q x");
-  TORCH_CHECK(xc.numel() == H, "expert_mlp_q x: expected one token, got ", x.sizes());
-  const std::vector<int64_t> first{0, 1};
-  const int64_t zero = 0;
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  pairs_mlp(U, D, first, xc, &zero, &zero, x.scalar_type() == at::kBFloat16, out.data_ptr());
-  return out;
-}
-
-// K experts of one token: row k is bit-identical to expert_mlp_q of expert k. out [K, H] in x's dtype.
-at::Tensor experts_mlp_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s,
-                         std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases, int64_t gate,
-                         double alpha, double limit) {
-  std::vector<Weight> U, D;
-  expert_set(ups, up_s, dns, dn_s, "experts_mlp_q", U, D);
-  const int64_t K = (int64_t)U.size(), H = D[0].rows;
-  at::Tensor xc = tokens_of(x, H, "experts_mlp_q x");
-  TORCH_CHECK(xc.numel() == H, "experts_mlp_q x: expected one token, got ", x.sizes());
-  std::vector<int64_t> first(K + 1), xi(K, 0), oi(K);
-  for (int64_t k = 0; k <= K; ++k) first[k] = k;
-  for (int64_t k = 0; k < K; ++k) oi[k] = k;
-  at::Tensor out = at::empty({K, H}, x.options());
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  pairs_mlp(U, D, first, xc, xi.data(), oi.data(), bf, out.data_ptr(),
-            gate_of(up_biases, down_biases, gate, alpha, limit, K, 2 * D[0].k, H, bf, "experts_mlp_q"));
-  return out;
-}
-
 // A step's routed pairs through their experts, one call per layer and tier (moe_experts_bf16's contract for the
 // quantized formats): expert j takes the pairs s in [starts[j], starts[j] + counts[j]) of the expert-sorted pair
-// list, pair s reading token x[tok[s]] and writing out[perm[s]]; each pair's numbers are expert_mlp_q's for its
-// token alone, so a token's result does not depend on the others in the step.
+// list, pair s reading token x[tok[s]] and writing out[perm[s]]; each pair's numbers are the same in every call,
+// so a token's result does not depend on the others in the step.
 void moe_experts_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s, at::TensorList dns, at::TensorList dn_s,
                    const at::Tensor& tok, const at::Tensor& perm, at::IntArrayRef starts, at::IntArrayRef counts,
                    const at::Tensor& out, std::optional<at::TensorList> up_biases, std::optional<at::TensorList> down_biases,
