@@ -33,7 +33,6 @@ from moe_offload.engines.offload.experts import fused
 from moe_offload.engines.offload.experts.tiercache import TierSlots
 from moe_offload.engines.offload.kernels import dispatch
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
-from moe_offload.engines.offload.runtime.weights import weight_and_scale
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -119,27 +118,10 @@ class StepCall:
             return None
         obj = torch.classes.moe_offload.DecodeStep()
         probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
-        for layer, block, dense, qkv_a in zip(plan.layers, plan.blocks, plan.dense, plan.qkv_a):
-            a = layer.self_attn
-            k = torch.classes.moe_offload.Layer()
-            if not _add_experts(k, getattr(block, "state", None), getattr(block, "experts", None), probe, a.layer_idx):
+        for k, layer, block, dense in zip(plan.kernels, plan.layers, plan.blocks, plan.dense):
+            if not _add_experts(k, getattr(block, "state", None), getattr(block, "experts", None), probe,
+                                layer.self_attn.layer_idx):
                 return None
-            n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
-            k.norms(n1.weight, n2.weight, n1.variance_epsilon, n2.variance_epsilon, "rms")
-            k.pools(*plan.pool.layer_of(a.layer_idx, 1, a.kv_lora_rank, 1, a.qk_rope_head_dim, torch.bfloat16),
-                    plan.pool.block_size)
-            lora = a.q_lora_rank is not None
-            wq = a.q_b_proj if lora else a.q_proj
-            kv_a = None if lora else a.kv_a_proj_with_mqa
-            (wq_w, wq_s), (wo_w, wo_s) = weight_and_scale(wq), weight_and_scale(a.o_proj)
-            kv_a_w, kv_a_s = weight_and_scale(kv_a) if kv_a is not None else (None, None)
-            qkv_a_w, qkv_a_s = qkv_a if qkv_a is not None else (None, None)
-            k.mla(qkv_a_w, a.q_lora_rank or 0, a.q_a_layernorm.weight if lora else None,
-                  a.q_a_layernorm.variance_epsilon if lora else 0.0, wq_w, wq.bias, kv_a_w,
-                  kv_a.bias if kv_a is not None else None, a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon,
-                  a.kv_b_proj.weight, a.num_heads, a.qk_nope_head_dim, float(a.scaling), plan.interleave)
-            k.mla_scales(wq_s, qkv_a_s, kv_a_s)
-            k.output(wo_w, a.o_proj.bias, wo_s)
             _add_mlp(k, block, dense)
             obj.add(k)
         log.info("whole-step decode on", layers=len(plan.layers), attention="mla")

@@ -2,11 +2,11 @@
 around attention.
 
     ids [M] -> embedding -> rotary cos/sin (the model's rotary module)
-      -> per layer: RMSNorm (moe_offload::rmsnorm_bf16) -> q_a|kv_a (one GEMV over their fused rows),
-         q_a_layernorm, q_b | q_proj -> moe_offload::mla_prologue_bf16 (kv_a_layernorm, latents into the paged
-         pool, rotary on k_rot and q's rope slice as the model's rotary functions round) ->
-         moe_offload::mla_decode_bf16 over each sequence's pool rows (kv_b_proj absorbed: mla.py) -> o_proj ->
-         residual -> RMSNorm
+      -> per layer: its kernel layer's decode_mla (moe_offload.Layer, kernels/csrc/cpu/mla.cpp): RMSNorm, q_a|kv_a
+         (one GEMV over their fused rows), q_a_layernorm, q_b | q_proj, mla_prologue_bf16 (kv_a_layernorm, latents
+         into the paged pool, rotary on k_rot and q's rope slice as the model's rotary functions round),
+         mla_decode_bf16 over each sequence's pool rows (kv_b_proj absorbed: mla.py), o_proj, residual, RMSNorm:
+         the same call the whole-step call makes per layer
          -> DeepSeek-V3's MoE block as moe_blocks.py runs it (fused selection, the executor, shared experts), a dense
             silu MLP in one call (mlp_rows), any other MLP as its module (a MoE module's experts still go to the executor)
       (every expert resident: all of this for every layer in one C++ call instead, runtime/decode_step.py)
@@ -32,11 +32,10 @@ import torch
 
 from moe_offload.control.description import ModelDescription, MoEBlock
 from moe_offload.engines.offload.kernels import jit
-from moe_offload.engines.offload.kernels.dispatch import GEMM_MAX_TOKENS
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.engines.offload.runtime.decode_step import StepCall
 from moe_offload.engines.offload.runtime.moe_blocks import block_for, mlp_rows
-from moe_offload.engines.offload.runtime.weights import fuse_linears, mlp_args
+from moe_offload.engines.offload.runtime.weights import fuse_linears, mlp_args, weight_and_scale
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -60,6 +59,9 @@ class MLADecodePlan:
         # a dense layer's silu MLP in one kernel call (mlp_rows), else None: its module runs
         self.dense = [mlp_args(layer.mlp) if block is None and not hasattr(layer.mlp, "experts") else None
                       for layer, block in zip(self.layers, self.blocks)]
+        # each layer's attention half as a kernel layer (Layer.decode_mla; the whole-step call adds its MLP to it)
+        self.kernels = [_kernel(layer.self_attn, layer, qkv_a, pool, self.interleave)
+                        for layer, qkv_a in zip(self.layers, self.qkv_a)]
         self.steps = 0
         self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: (re)build at the next step
 
@@ -131,7 +133,7 @@ class MLADecodePlan:
         h = self.embed(torch.tensor(ids, dtype=torch.long))  # [M, H]
         cos, sin = self.rotary(h, torch.tensor(pos, dtype=torch.long).unsqueeze(0))  # [1, M, P]
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
-        ops, ex = torch.ops.moe_offload, self.executor
+        ex = self.executor
         t0 = time.perf_counter()
         ex.begin_forward()
         if self.step_call is False:
@@ -139,39 +141,18 @@ class MLADecodePlan:
         if self.step_call is not None and self.step_call.takes(M):  # every layer in one call
             x = self.step_call.run_mla(h, cos, sin, slots, rows_t, lens_t, self.norm.weight, self.norm.variance_epsilon)
             return self._logits(x, t0)
-        for layer, block, dense, qkv_a in zip(self.layers, self.blocks, self.dense, self.qkv_a):
-            a = layer.self_attn
-            x = ops.rmsnorm_bf16(h, None, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
-            if a.q_lora_rank is None:
-                q = a.q_proj(x)
-                ckv = a.kv_a_proj_with_mqa(x)  # [M, R + P]
-            else:
-                if qkv_a is not None and M <= GEMM_MAX_TOKENS:  # as the (patched | int8) linears' kernels
-                    rows, scale = qkv_a
-                    both = (ops.gemv_q(x, rows, scale, None, 0) if scale is not None
-                            else ops.gemv_bf16(x, rows, None) if M == 1 else ops.gemm_bf16(x, rows, None))
-                    qa, ckv = both[:, : a.q_lora_rank].contiguous(), both[:, a.q_lora_rank :]
-                else:
-                    qa, ckv = a.q_a_proj(x), a.kv_a_proj_with_mqa(x)
-                q = a.q_b_proj(ops.rmsnorm_bf16(qa, None, a.q_a_layernorm.weight, a.q_a_layernorm.variance_epsilon))
-            q = q.view(M, a.num_heads, a.qk_head_dim)  # [M, Hh, N + P]
-            kp, vp = self.pool.layer_of(a.layer_idx, 1, a.kv_lora_rank, 1, a.qk_rope_head_dim, torch.bfloat16)
-            # latents normalised into the pool, k_rot and q's rope slice rotated (the model's rotary, its roundings)
-            ops.mla_prologue_bf16(q, ckv, a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon, cos, sin,
-                                  self.interleave, kp, vp, slots, a.qk_nope_head_dim)
-            o = ops.mla_decode_bf16(q, kp, vp, lens_t, a.kv_b_proj.weight, a.qk_nope_head_dim, float(a.scaling),
-                                    rows_t)  # [M, Hh, V], each position's latent read from its pool row
-            h = h + a.o_proj(o.view(M, -1))  # the patched linears: kernels/dispatch.py
-            n2 = layer.post_attention_layernorm
-            x2 = ops.rmsnorm_bf16(h, None, n2.weight, n2.variance_epsilon)
+        add = None
+        for k, layer, block, dense in zip(self.kernels, self.layers, self.blocks, self.dense):
+            h, x2, _, _ = k.decode_mla(h, add, cos, sin, slots, rows_t, lens_t)
             if block is not None:
-                h = h + block(ex, x2)
+                add = block(ex, x2)
             elif dense is not None:
-                h = h + mlp_rows(x2, *dense)
+                add = mlp_rows(x2, *dense)
             else:
                 out = layer.mlp(x2.unsqueeze(0))
-                h = h + (out[0] if isinstance(out, tuple) else out)[0]
-        return self._logits(ops.rmsnorm_bf16(h, None, self.norm.weight, self.norm.variance_epsilon), t0)
+                add = (out[0] if isinstance(out, tuple) else out)[0]
+        return self._logits(torch.ops.moe_offload.rmsnorm_bf16(h, add, self.norm.weight, self.norm.variance_epsilon),
+                            t0)
 
     def _logits(self, x: torch.Tensor, t0: float) -> torch.Tensor:
         logits = self.lm_head(x)  # [M, V]
@@ -179,3 +160,24 @@ class MLADecodePlan:
         self.steps += 1
         return logits
 
+
+def _kernel(a, layer, qkv_a, pool, interleave: bool):
+    """The MLA attention half of ``layer`` (attention module ``a``) as a moe_offload.Layer: its norms, latent and rope
+    pools, q_a|kv_a fused rows (``qkv_a``) or kv_a_proj_with_mqa, q_b | q_proj, kv_b_proj, o_proj, int8 rows' scales."""
+    k = torch.classes.moe_offload.Layer()
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    k.norms(n1.weight, n2.weight, n1.variance_epsilon, n2.variance_epsilon, "rms")
+    k.pools(*pool.layer_of(a.layer_idx, 1, a.kv_lora_rank, 1, a.qk_rope_head_dim, torch.bfloat16), pool.block_size)
+    lora = a.q_lora_rank is not None
+    wq = a.q_b_proj if lora else a.q_proj
+    kv_a = None if lora else a.kv_a_proj_with_mqa
+    (wq_w, wq_s), (wo_w, wo_s) = weight_and_scale(wq), weight_and_scale(a.o_proj)
+    kv_a_w, kv_a_s = weight_and_scale(kv_a) if kv_a is not None else (None, None)
+    qkv_a_w, qkv_a_s = qkv_a if qkv_a is not None else (None, None)
+    k.mla(qkv_a_w, a.q_lora_rank or 0, a.q_a_layernorm.weight if lora else None,
+          a.q_a_layernorm.variance_epsilon if lora else 0.0, wq_w, wq.bias, kv_a_w, kv_a.bias if kv_a is not None else None,
+          a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon, a.kv_b_proj.weight, a.num_heads,
+          a.qk_nope_head_dim, float(a.scaling), interleave)
+    k.mla_scales(wq_s, qkv_a_s, kv_a_s)
+    k.output(wo_w, a.o_proj.bias, wo_s)
+    return k

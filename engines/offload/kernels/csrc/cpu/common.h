@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -148,3 +149,18 @@ void moe_experts_q(const at::Tensor& x, at::TensorList ups, at::TensorList up_s,
 at::Tensor dequant_blocks(const at::Tensor& w);
 
 }  // namespace moe_quant
+
+namespace moe_cpu {
+// a patched nn.Linear's decode call (kernels/dispatch.py _linear_forward): one token to the GEMV, more to the GEMM;
+// with scales, an int8 QuantLinear's or a ggml BlockLinear's (loading/quant.py): gemv_q, 16 tokens a call (each
+// token's row is the same in any call)
+inline at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
+                              const std::optional<at::Tensor>& scale = std::nullopt) {
+  if (!scale.has_value()) return x.size(0) == 1 ? gemv_bf16(x, w, b) : gemm_bf16(x, w, b);
+  if (x.size(0) <= 16) return moe_quant::gemv_q(x, w, *scale, b, 0);
+  std::vector<at::Tensor> parts;
+  for (int64_t i = 0; i < x.size(0); i += 16)
+    parts.push_back(moe_quant::gemv_q(x.narrow(0, i, std::min<int64_t>(16, x.size(0) - i)).contiguous(), w, *scale, b, 0));
+  return at::cat(parts);
+}
+}  // namespace moe_cpu

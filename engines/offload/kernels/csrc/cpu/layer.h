@@ -172,6 +172,10 @@ class Layer : public torch::CustomClassHolder {
   std::vector<at::Tensor> decode(const T& h, const OT& add, const T& cos, const T& sin, const T& blocks, const T& lens);
   // deltanet.cpp: the same for a gated-DeltaNet layer over its (conv, state) pools' seats
   std::vector<at::Tensor> decode_linear(const T& h, const OT& add, const T& conv, const T& state, const OT& slots);
+  // mla.cpp: the attention half of an MLA layer (no router: ids and w empty); slots [M] the tokens' pool rows, rows
+  // [M * lmax] each sequence's positions' rows
+  std::vector<at::Tensor> decode_mla(const T& h, const OT& add, const T& cos, const T& sin, const T& slots,
+                                     const T& rows, const T& lens);
 
   T ln1, ln2;
   double eps = 1e-6, eps2 = 1e-6;

@@ -18,7 +18,9 @@
 // for bit (tested against it and against an fp32 reference: tests/engines/offload/runtime/test_mla.py).
 // Legend: B sequences, H heads, N qk_nope_head_dim, P qk_rope_head_dim, V v_head_dim, R kv_lora_rank, L positions
 // per sequence in the key layout (padded), t a position.
-#include "common.h"
+#include <ATen/ops/add.h>
+
+#include "layer.h"
 
 namespace moe_cpu {
 
@@ -150,6 +152,31 @@ void mla_prologue_bf16(const at::Tensor& q, const at::Tensor& ckv, const at::Ten
     rotate(kr, cp + t * P, sp + t * P);
     for (int64_t h = 0; h < H; ++h) rotate(qp + (t * H + h) * (nope + P) + nope, cp + t * P, sp + t * P);
   }
+}
+
+// Layer.decode_mla: residual, norm, q_a|kv_a (one call over their fused rows) + q_a_layernorm + q_b, or q_proj and
+// kv_a_proj_with_mqa; mla_prologue_bf16, mla_decode_bf16, o_proj, residual, norm; as mla_plan.py's modules compute
+std::vector<at::Tensor> Layer::decode_mla(const T& h_in, const OT& add, const T& cos, const T& sin, const T& slots,
+                                          const T& rows, const T& lens) {
+  TORCH_CHECK(mla.has_value(), "Layer.decode_mla: a layer without MLA attention (.mla)");
+  const Mla& a = *mla;
+  at::Tensor h = add.has_value() ? at::add(h_in, *add) : h_in;
+  const int64_t M = h.size(0);
+  at::Tensor x = rmsnorm_bf16(h, std::nullopt, ln1, eps, "rms"), q, ckv;
+  if (a.q_rank > 0) {
+    at::Tensor both = linear_rows(x, *a.qkv_a, std::nullopt, a.qkv_a_scale);
+    ckv = both.narrow(1, a.q_rank, both.size(1) - a.q_rank);
+    q = linear_rows(rmsnorm_bf16(both.narrow(1, 0, a.q_rank).contiguous(), std::nullopt, *a.qan, a.qeps, "rms"), a.wq,
+                    a.bq, sq);
+  } else {
+    q = linear_rows(x, a.wq, a.bq, sq);
+    ckv = linear_rows(x, *a.kv_a, a.kv_a_bias, a.kv_a_scale);
+  }
+  q = q.view({M, a.heads, -1});
+  mla_prologue_bf16(q, ckv, a.kvn, a.kveps, cos, sin, a.interleave, kpool, vpool, slots, a.nope);
+  at::Tensor o = mla_decode_bf16(q, kpool, vpool, lens, a.kv_b, a.nope, scaling, rows);
+  h = at::add(h, linear_rows(o.view({M, -1}), wo, bo, so));
+  return {h, rmsnorm_bf16(h, std::nullopt, ln2, eps2, "rms"), at::Tensor(), at::Tensor()};
 }
 
 }  // namespace moe_cpu

@@ -128,26 +128,9 @@ class DecodeStep : public torch::CustomClassHolder {
   std::tuple<at::Tensor, at::Tensor, double> step_mla(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor slots,
                                                       at::Tensor rows, at::Tensor lens, at::Tensor norm, double eps) {
     return run(h, norm, eps, [&](Layer& y, at::Tensor& h, std::optional<at::Tensor>& add) {
-      TORCH_CHECK(y.mla.has_value(), "DecodeStep.step_mla: a layer without MLA attention");
-      const Mla& a = *y.mla;
-      if (add.has_value()) h = at::add(h, *add);  // the loop's `h = h + block(ex, x2)`
-      add.reset();
-      const int64_t M = h.size(0);
-      at::Tensor x = rmsnorm_bf16(h, std::nullopt, y.ln1, y.eps, "rms"), q, ckv;
-      if (a.q_rank > 0) {
-        at::Tensor both = lin(x, *a.qkv_a, std::nullopt, a.qkv_a_scale);
-        ckv = both.narrow(1, a.q_rank, both.size(1) - a.q_rank);
-        q = lin(rmsnorm_bf16(both.narrow(1, 0, a.q_rank).contiguous(), std::nullopt, *a.qan, a.qeps, "rms"), a.wq, a.bq, y.sq);
-      } else {
-        q = lin(x, a.wq, a.bq, y.sq);
-        ckv = lin(x, *a.kv_a, a.kv_a_bias, a.kv_a_scale);
-      }
-      q = q.view({M, a.heads, -1});
-      mla_prologue_bf16(q, ckv, a.kvn, a.kveps, cos, sin, a.interleave, y.kpool, y.vpool, slots, a.nope);
-      at::Tensor o = mla_decode_bf16(q, y.kpool, y.vpool, lens, a.kv_b, a.nope, y.scaling, rows);
-      h = at::add(h, lin(o.view({M, -1}), y.wo, y.bo, y.so));
-      at::Tensor x2 = rmsnorm_bf16(h, std::nullopt, y.ln2, y.eps2, "rms");
-      return std::vector<at::Tensor>{h, x2, at::Tensor(), at::Tensor()};
+      auto r = y.decode_mla(h, add, cos, sin, slots, rows, lens);
+      h = r[0];
+      return r;
     }, /*mla=*/true);
   }
 
@@ -192,14 +175,6 @@ class DecodeStep : public torch::CustomClassHolder {
     }
     if (mla) return {rmsnorm_bf16(at::add(h, *add), std::nullopt, norm, eps, "rms"), ids_all, experts_s};  // as mla_plan.py
     return {norm_rows(h, add, norm, eps, layers_[0]->norm_mode), ids_all, experts_s};
-  }
-
-  // a patched nn.Linear's decode call (kernels/dispatch.py _linear_forward): one token to the GEMV, a few to the GEMM;
-  // with scales, an int8 QuantLinear's or a ggml BlockLinear's (loading/quant.py): gemv_q
-  static at::Tensor lin(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b,
-                        const std::optional<at::Tensor>& scale = std::nullopt) {
-    if (scale.has_value()) return moe_quant::gemv_q(x, w, *scale, b, 0);
-    return x.size(0) == 1 ? gemv_bf16(x, w, b) : gemm_bf16(x, w, b);
   }
 
   // the step's routed pairs grouped by expert in ascending id (stable: pairs in (token, k) order within an expert),
@@ -306,6 +281,7 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
       .def("rotary_table", &Layer::rotary_table)
       .def("decode", &Layer::decode)
       .def("decode_linear", &Layer::decode_linear)
+      .def("decode_mla", &Layer::decode_mla)
       .def_readonly("window", &Layer::window)
       .def_readonly("wr", &Layer::wr)
       .def_readonly("sq", &Layer::sq);
