@@ -17,7 +17,7 @@ import torch
 from moe_offload.engines.offload.experts import tiering
 from moe_offload.engines.offload.kernels import dispatch
 from moe_offload.engines.offload.kernels.dispatch import expert_forward
-from moe_offload.engines.offload.kernels.ops import token_pairs
+from moe_offload.engines.offload.kernels.ops import experts, token_pairs
 
 
 def kind(state, module, x) -> str | None:
@@ -66,7 +66,6 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
     else:
         tok = perm // K  # [S] token of each expert-sorted pair
     proj = (torch.empty if ex.ep is None else torch.zeros)(T * K, x.shape[1], dtype=x.dtype)  # [S, H] by (token, k)
-    ops = torch.ops.moe_offload
 
     def each(groups, weights):  # one expert at a time through expert_forward (torch's GEMM)
         for (_, start, n), w in zip(groups, weights):
@@ -79,14 +78,11 @@ def forward(ex, state, module, hidden_states, top_k_index, top_k_weights, perm, 
         # an expert with more than KERNEL_MAX_GROUP tokens (prefill) goes through torch's GEMM, faster there
         # than the few-token dot kernel (dispatch.KERNEL_MAX_GROUP says why 16); the rest in one call
         small = [i for i, g in enumerate(groups) if g[2] <= dispatch.KERNEL_MAX_GROUP]
-        if small and quantized:
+        if small:
             ws = [weights[i] for i in small]
-            ops.moe_experts_q(x, *q_args(ws), tok, perm, [groups[i][1] for i in small], [groups[i][2] for i in small],
-                              proj, *gate_args(module, ws))
-        elif small:
-            ws = [weights[i] for i in small]
-            ops.moe_experts_bf16(x, [w[0] for w in ws], [w[1] for w in ws], tok, perm, [groups[i][1] for i in small],
-                                 [groups[i][2] for i in small], proj, *gate_args(module, ws))
+            ups, up_s, downs, down_s = q_args(ws) if quantized else ([w[0] for w in ws], None, [w[1] for w in ws], None)
+            experts(x, ups, downs, tok, perm, [groups[i][1] for i in small], [groups[i][2] for i in small], proj, up_s,
+                    down_s, *gate_args(module, ws))
         big = [i for i, g in enumerate(groups) if g[2] > dispatch.KERNEL_MAX_GROUP]
         each([groups[i] for i in big], [weights[i] for i in big])
 

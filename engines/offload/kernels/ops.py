@@ -96,14 +96,10 @@ def token_pairs(K: int) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int
     return _PAIRS[K]
 
 
-def token_experts(x: torch.Tensor, ups, downs, up_scales=None, down_scales=None, up_biases=None, down_biases=None,
-                  gate: int = 0, alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
-    """K experts of one token x ([H] or [1, H]) in one call of the fused-experts entry: moe_experts_bf16, or with
-    scales (int8|fp8|mxfp4 scales, ggml blocks' empty ones) moe_experts_q. Returns [K, H] in x's dtype, row k expert
-    k's, the same numbers as that pair in any other call."""
-    tok, perm, starts, counts = token_pairs(len(ups))
-    x = x.reshape(1, -1).contiguous()
-    out = x.new_empty((len(ups), x.shape[1]))
+def experts(x: torch.Tensor, ups, downs, tok, perm, starts, counts, out, up_scales=None, down_scales=None,
+            up_biases=None, down_biases=None, gate: int = 0, alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
+    """The fused-experts entry for the experts' format: moe_experts_bf16, or with scales (int8|fp8|mxfp4 scales,
+    ggml blocks' empty ones) moe_experts_q; pairs as those ops take them, written into ``out`` (returned)."""
     if up_scales is None:
         torch.ops.moe_offload.moe_experts_bf16(x, ups, downs, tok, perm, starts, counts, out, up_biases, down_biases,
                                                gate, alpha, limit)
@@ -111,6 +107,15 @@ def token_experts(x: torch.Tensor, ups, downs, up_scales=None, down_scales=None,
         torch.ops.moe_offload.moe_experts_q(x, ups, up_scales, downs, down_scales, tok, perm, starts, counts, out,
                                             up_biases, down_biases, gate, alpha, limit)
     return out
+
+
+def token_experts(x: torch.Tensor, ups, downs, up_scales=None, down_scales=None, up_biases=None, down_biases=None,
+                  gate: int = 0, alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
+    """K experts of one token x ([H] or [1, H]) in one call of the fused-experts entry (``experts``). Returns [K, H]
+    in x's dtype, row k expert k's, the same numbers as that pair in any other call."""
+    x = x.reshape(1, -1).contiguous()
+    return experts(x, ups, downs, *token_pairs(len(ups)), x.new_empty((len(ups), x.shape[1])), up_scales, down_scales,
+                   up_biases, down_biases, gate, alpha, limit)
 
 
 def _gemv(x, w, bias=None):

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe_offload.engines.offload.kernels.dispatch import scale_arg
+from moe_offload.engines.offload.kernels.ops import experts
 from moe_offload.engines.offload.runtime.weights import mlp_args
 
 
@@ -30,17 +32,10 @@ def mlp_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up
     every token: the weights read once for all rows. bf16 weights: moe_offload::moe_experts_bf16, each row
     bit-identical to that kernel's of it alone (rounded as an MLP module's three bf16 linears round); int8 rows +
     scales or ggml blocks: moe_experts_q likewise. The whole-step call (step.cpp) makes the same calls."""
-    M = x.shape[0]
-    idx = torch.arange(M)
-    out = torch.empty_like(x)
-    if gate_up.dtype == torch.bfloat16:
-        torch.ops.moe_offload.moe_experts_bf16(x, [gate_up], [down], idx, idx, [0], [M], out)
-    else:
-        from moe_offload.engines.offload.kernels.dispatch import scale_arg
-
-        torch.ops.moe_offload.moe_experts_q(x, [gate_up], [scale_arg(gate_up_scale)], [down], [scale_arg(down_scale)],
-                                            idx, idx, [0], [M], out)
-    return out
+    idx = torch.arange(x.shape[0])
+    q = gate_up.dtype != torch.bfloat16
+    return experts(x, [gate_up], [down], idx, idx, [0], [x.shape[0]], torch.empty_like(x),
+                   [scale_arg(gate_up_scale)] if q else None, [scale_arg(down_scale)] if q else None)
 
 
 def plus_shared(out: torch.Tensor, x: torch.Tensor, shared, shared_args: tuple | None) -> torch.Tensor:
