@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         k = measure(kern, qs, qb, repeats)
         t = measure(deq, qs[: max(2, len(qs) // 8)], qb, max(1, repeats // 3))
         rows.append((f"one expert, {fmt}" + (" fused" if fmt != "mxfp4" else ""), f"[{2 * I}, {H}] + [{H}, {I}]", qb, k, t))
-        if fmt != "mxfp4":  # a token's K experts in one call (the executor's one-token path) vs K fused calls
+        if fmt != "mxfp4":  # a token's K experts in one call (a decode step's hits) vs K fused calls
             qg = [qs[i : i + K] for i in range(0, len(qs) - K + 1, K)]
             k = measure(lambda g: token_experts(x, [w[0] for w in g], [w[2] for w in g], [w[1] for w in g],
                                                 [w[3] for w in g]), qg, K * qb, repeats)

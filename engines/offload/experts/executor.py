@@ -297,7 +297,7 @@ class Executor:
         if self.io is not None:
             self.io.shutdown()
 
-    # ---- the per-tier hooks a kernel path (fused.py) calls: combine, book, the one-token pair layout ----
+    # ---- the per-tier hooks a kernel path (fused.py) calls: combine, book ----
     def book_stages(self, t1, t2, t3, t4, fetch_compute_s):
         """Book a layer's stage times: hits [t1, t2) and the compute of fetched experts are device time, the rest of
         [t2, t3) is fetching, [t3, t4) host experts."""

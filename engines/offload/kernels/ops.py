@@ -62,6 +62,8 @@ Class moe_offload.Layer (torch.classes; layer.h lists its setters): one decoder 
       path), o_proj, residual, norm, the fused router (score_then_topk: softmax over all experts, top-k, renormalised
       if norm_topk; topk_then_score: softmax over the top-k logits). No router: ids and w empty. w bf16 or fp32 as the
       family's router leaves it. int8 / ggml-block q/k/v/o (.scales, .output's so): as gemv_q computes them.
+  .decode_mla(h, add?, cos [M, P], sin [M, P], slots [M], rows [M * lmax], lens [M]) -> decode()'s (ids, w empty)
+      an MLA layer's attention half (mla.cpp; runtime/mla_plan.py binds it)
   .decode_linear(h, add?, conv [S, C, K] (mutated), state [S, Hv, Dk, Dv] (mutated), slots [M]?) -> decode()'s
       a gated-DeltaNet layer likewise: the input projections stacked (their first n_qkvz outputs are
       gated_delta_decode_bf16's qkvz, the rest its ba), that step on the seats' states, out_proj          deltanet.cpp

@@ -2,9 +2,9 @@
 
     DecodePlan.forward --(eligible step)--> StepCall.run(h, cos[], sin[], table, lens, .., seats, states)
                        (gated-DeltaNet layers: seats and their (conv, state) pools)
-    MLADecodePlan.forward --(eligible step)--> StepCall.run_mla(h, cos, sin, slots, rows, lens)
+                       (MLA layers, mla_plan.py: StepCall.run_mla(h, cos, sin, slots, rows, lens))
       --> moe_offload::DecodeStep.step | step_mla (kernels/csrc/cpu/step.cpp: per layer (a moe_offload.Layer) the
-          attention half (Layer.decode, decode_linear, or MLA's calls as mla_plan.py makes them), the router (fused, or a MoE block's selection
+          attention half (Layer.decode, decode_linear or decode_mla), the router (fused, or a MoE block's selection
           as moe_blocks.py makes it), the routed experts through moe_experts_q | moe_experts_bf16, the combine, a shared
           expert or a dense layer's MLP; then the final norm)
       --> (x [M, H], routes [L, M, K], experts seconds) --> Executor.book_resident (hits, stage time, captured routes)
@@ -19,7 +19,8 @@ takes it: Qwen2-MoE's) or a block moe_blocks.py runs (DeepSeek-V3's: GLM-4.5+, d
 attention DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash; MiniMax-M2's; Ernie 4.5's), its shared experts one silu MLP
 (mlp_rows); every dense layer a silu MLP; no block run as its module; every expert pinned (fraction 1.0 or a
 placement pinning all) and, over the expert store file, held in a host slot that is never evicted and already read
-in (until the background reads land, the loop runs and waits for what it routes to); experts the one-call kernels
+in (until the background reads land, on every rank under expert parallel, the loop runs and waits for what it routes
+to); experts the one-call kernels
 take (experts/fused.kind: "bf16" or "q"); top-k <= 16, at most KERNEL_MAX_GROUP tokens, not the load-time probe
 (dry). Expert parallel (runtime/parallel.py): each rank's call computes its experts' pairs and sums the rows over
 the ranks itself (DecodeStep.ranks), so a rank needs only its own experts pinned.
@@ -40,19 +41,23 @@ log = get_logger("moe_offload.fastpath")
 
 def _guarded(build, plan):
     """``build(plan)``, or None (logged) where the kernels' checks refuse the weights: the per-layer loop runs. Under
-    expert parallel the ranks agree: the call is built on every rank or on none, so every rank takes the same path."""
+    expert parallel the ranks agree: the call is built on every rank or on none, so every rank takes the same path
+    (a rank whose build raised agrees first, then raises: the others never wait for it)."""
+    call, err = None, None
     try:
         call = build(plan)
     except (RuntimeError, TypeError, ValueError) as e:
         log.info("whole-step decode off: the per-layer loop runs", reason=f"{type(e).__name__}: {e}")
-        call = None
+    except Exception as e:  # raised once the ranks agreed
+        err = e
     if plan.executor.ep is not None:
         from moe_offload.engines.offload.runtime.parallel import agree
 
-        if not agree(call is not None):
-            if call is not None:
-                log.info("whole-step decode off: the per-layer loop runs", reason="another rank cannot build the call")
-            return None
+        if not agree(call is not None) and call is not None:
+            log.info("whole-step decode off: the per-layer loop runs", reason="another rank cannot build the call")
+            call = None
+    if err is not None:
+        raise err
     return call
 
 
@@ -67,6 +72,7 @@ class StepCall:
         self.obj, self.executor, self.states = obj, executor, states
         self.reading = [st.store for st in states if hasattr(st.store, "pending")]  # host slots over the store file
         self.broken = False  # a background read failed: its slot no longer holds the expert
+        self.ready = not self.reading  # every host slot read in (expert parallel: on every rank)
         self.calls = 0
 
     @classmethod
@@ -83,7 +89,9 @@ class StepCall:
             return lay.block is not None and (lay.block.shared_args is not None or getattr(lay.block, "shared", None) is None)
 
         items = [(lay.idx, lay.state, glue_ok(lay), lay.dense) for lay in plan.layers]
-        why = _refuse(plan.executor, items)
+        why = _refuse(plan.executor, items) or next(
+            (f"layer {i}: attention projections not all the patched bf16 linears" for i, layer in
+             enumerate(plan.model.model.layers) if plan.mla and not _mla_linears_ok(layer.self_attn)), "")
         if why:
             log.debug("whole-step decode off", reason=why)
             return None
@@ -94,54 +102,34 @@ class StepCall:
                 return None
             if lay.shared_args is not None:
                 lay.kernel.shared(*lay.shared_args)
-            if lay.linear is None:  # the index of its table in the step's list (plan.rotaries)
+            if lay.linear is None and not plan.mla:  # the index of its table in the step's list (plan.rotaries)
                 lay.kernel.rotary_table(plan.rotaries.index(lay.rotary))
             _add_mlp(lay.kernel, lay.block, lay.dense)
             obj.add(lay.kernel)
-        log.info("whole-step decode on", layers=len(plan.layers))
+        log.info("whole-step decode on", layers=len(plan.layers), attention=plan.desc.attention)
         return cls(obj, plan.executor, [lay.state for lay in plan.layers if lay.state is not None])
-
-    @classmethod
-    def build_mla(cls, plan) -> "StepCall | None":
-        """The whole-step call for ``plan`` (an mla_plan.MLADecodePlan), or None: the per-layer loop."""
-        return _guarded(cls._build_mla, plan)
-
-    @classmethod
-    def _build_mla(cls, plan) -> "StepCall | None":
-        items = [(i, getattr(b, "state", None), b is None or b.shared_args is not None, d)
-                 for i, (b, d) in enumerate(zip(plan.blocks, plan.dense))]
-        why = _refuse(plan.executor, items) or next(
-            (f"layer {i}: attention projections not all the patched bf16 linears" for i, layer in enumerate(plan.layers)
-             if not _mla_linears_ok(layer.self_attn)), "")
-        if why:
-            log.debug("whole-step decode off", reason=why)
-            return None
-        obj = torch.classes.moe_offload.DecodeStep()
-        probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
-        for k, layer, block, dense in zip(plan.kernels, plan.layers, plan.blocks, plan.dense):
-            if not _add_experts(k, getattr(block, "state", None), getattr(block, "experts", None), probe,
-                                layer.self_attn.layer_idx):
-                return None
-            _add_mlp(k, block, dense)
-            obj.add(k)
-        log.info("whole-step decode on", layers=len(plan.layers), attention="mla")
-        return cls(obj, plan.executor, [b.state for b in plan.blocks if b is not None])
 
     def takes(self, tokens: int) -> bool:
         """Whether this step runs in the call. The token count and dry are the same on every rank; under expert
-        parallel the reads are waited for (_read_in), so every rank decides alike without an exchange per step."""
+        parallel the ranks agree each step until every rank's reads are in (_read_in), then never again."""
         return tokens <= dispatch.KERNEL_MAX_GROUP and not self.executor.dry and self._read_in()
 
     def _read_in(self) -> bool:
         """Every host slot over the store file holds its expert. Background reads that have all landed are settled
-        here (one process: without waiting, the loop runs meanwhile; expert parallel: waiting); a failed one raises
+        here (without waiting: meanwhile the per-layer loop runs and waits for what it routes to); a failed one raises
         its error, as the per-layer loop would, and turns this call off."""
         if self.broken:
             return False
-        for store in self.reading:
-            if store.pending:
-                if self.executor.ep is None and not all(f.done() for f in list(store.pending.values())):
-                    return False
+        if not self.ready:
+            done = all(f.done() for store in self.reading for f in list(store.pending.values()))
+            if self.executor.ep is not None:
+                from moe_offload.engines.offload.runtime.parallel import agree
+
+                done = agree(done)
+            if not done:
+                return False
+            self.ready = True
+            for store in self.reading:
                 try:
                     store.settle(list(range(store.num_experts)))
                 except BaseException:
@@ -156,7 +144,7 @@ class StepCall:
         return self._book(*self.obj.step(h, cos, sin, table, lens, norm, eps, seats, list(states)))
 
     def run_mla(self, h, cos, sin, slots, rows, lens, norm, eps) -> torch.Tensor:
-        """run() for an MLA model: slots [M] the tokens' pool rows, rows [M * lmax] each sequence's (mla_plan.py)."""
+        """run() for an MLA model: slots [M] the tokens' pool rows, rows [M * lmax] each sequence's (mla_plan.step_rows)."""
         return self._book(*self.obj.step_mla(h, cos, sin, slots, rows, lens, norm, eps))
 
     def _book(self, x, ids, experts_s) -> torch.Tensor:

@@ -3,6 +3,7 @@
     ids [M] -> embedding -> rotary cos/sin (the model's own rotary module: every rope scaling it knows)
       -> per layer: its kernel layer's decode (moe_offload.Layer: norm, q/k/v, q/k norms, rotary, paged KV write,
          attention, o_proj, residual, norm, router top-k; kernels/csrc/cpu/decode.cpp)
+         or, an MLA layer, its decode_mla (mla_plan.py: the attention half; the router is its MoE block's),
          or, a gated-DeltaNet layer, its decode_linear (norm, projections, the conv and delta rule on the sequence's
          seat in the pool, gated norm, out_proj, residual, norm, router; deltanet.LinearLayer)
          -> the offload executor with those top-k ids and weights (tiers, fetches, statistics: unchanged)
@@ -30,7 +31,7 @@ import time
 import torch
 
 from moe_offload.control.description import ModelDescription
-from moe_offload.engines.offload.runtime import fused_bind
+from moe_offload.engines.offload.runtime import fused_bind, mla_plan
 from moe_offload.engines.offload.runtime.decode_step import StepCall
 from moe_offload.engines.offload.runtime.moe_blocks import mlp_rows
 from moe_offload.log import get_logger
@@ -53,6 +54,7 @@ class DecodePlan:
         # layers rotate by the identity, cos 1 and sin 0, which leaves q and k bit for bit)
         self.uniform_rotary = desc.uniform_rotary
         self.rotaries = list(dict.fromkeys(lay.rotary for lay in layers if lay.linear is None))
+        self.mla = desc.attention == "mla"  # MLA layers (mla_plan.py): decode_mla over the step's pool rows
         self.steps = 0
         self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: (re)build at the next step
 
@@ -74,7 +76,7 @@ class DecodePlan:
                         model_type=desc.model_type)
             return None
         layers, eps = bound
-        log.info("fused decode path on", model_type=desc.model_type, layers=len(layers),
+        log.info("fused decode path on", model_type=desc.model_type, layers=len(layers), attention=desc.attention,
                  router="fused" if any(lay.moe is not None for lay in layers) else "module")
         plan = cls(model, executor, desc, layers, eps, pool)
         plan.step_call = StepCall.build(plan)  # now, not in the user's first decode step (1-3 ms)
@@ -86,6 +88,8 @@ class DecodePlan:
         """One decode token per sequence: ids [M], lens[t] = its context length including the token, blocks[t] its
         block table, seats[t] its seat in the pool's per-sequence states (gated-DeltaNet layers). Returns logits [M, V]."""
         M = len(ids)
+        if self.mla:
+            return self._forward_mla(ids, lens, blocks)
         nb = max(len(b) for b in blocks)
         table = torch.tensor([b + [b[0]] * (nb - len(b)) for b in blocks], dtype=torch.long)
         lens_t = torch.tensor(lens, dtype=torch.long)
@@ -112,12 +116,29 @@ class DecodePlan:
                                    self.eps, seats_t if self.linear else None,
                                    [t for lay in self.linear for t in states[lay.idx]])
             return self._logits(x, t0)
-        add = None
+        return self._layers(h, t0, lambda lay, h, add: lay.kernel.decode_linear(h, add, *states[lay.idx], seats_t)
+                            if lay.linear is not None else lay.kernel.decode(h, add, *rot[lay.rotary], table, lens_t))
+
+    def _forward_mla(self, ids: list[int], lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
+        """forward() for MLA layers: each token's pool row (slots) and each sequence's rows (mla_plan.step_rows)."""
+        slots, rows = mla_plan.step_rows(lens, blocks, self.pool.block_size)
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        h = self.embed(torch.tensor(ids, dtype=torch.long))  # [M, H]
+        cos, sin = self.rotary(h, lens_t.sub(1).unsqueeze(0))  # [1, M, P]
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        t0 = time.perf_counter()
+        self.executor.begin_forward()
+        if self.step_call is False:
+            self.step_call = StepCall.build(self)
+        if self.step_call is not None and self.step_call.takes(len(ids)):  # every layer in one call
+            return self._logits(self.step_call.run_mla(h, cos, sin, slots, rows, lens_t, self.norm.weight, self.eps), t0)
+        return self._layers(h, t0, lambda lay, h, add: lay.kernel.decode_mla(h, add, cos, sin, slots, rows, lens_t))
+
+    def _layers(self, h: torch.Tensor, t0: float, attention) -> torch.Tensor:
+        """The per-layer loop: each layer's kernel call ``attention(lay, h, add)`` -> (h, x2, ids, w), then its MLP."""
+        ex, add = self.executor, None
         for lay in self.layers:
-            if lay.linear is not None:
-                h, x2, idx, w = lay.kernel.decode_linear(h, add, *states[lay.idx], seats_t)
-            else:
-                h, x2, idx, w = lay.kernel.decode(h, add, *rot[lay.rotary], table, lens_t)
+            h, x2, idx, w = attention(lay, h, add)
             if lay.moe is not None:
                 out = ex.forward(lay.state, lay.experts, x2, idx, w)
                 if lay.shared_args is not None:  # one kernel call, rounded as the module's ops round

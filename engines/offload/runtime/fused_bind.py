@@ -3,8 +3,8 @@
     refuse(model, executor, desc) -> "" | why not (the description's path, the module layout, dtypes, devices, rotary
         tables, kernels)
     bind(model, desc, pool) -> ([Layer], eps) | why not: per layer a kernel layer (moe_offload.Layer, kernels/ops.py)
-        holding its norms, attention (q/k/v/o, biases, q/k norms, window, rotary kind, KV pools) or gated-DeltaNet
-        mixer (deltanet.LinearLayer), and its router when the router runs in the layer call; else the MoE block the
+        holding its norms, attention (q/k/v/o, biases, q/k norms, window, rotary kind, KV pools; MLA's: mla_plan.py)
+        or gated-DeltaNet mixer (deltanet.LinearLayer), and its router when the router runs in the layer call; else the MoE block the
         description names (moe_blocks.block_for); a Qwen2-MoE shared expert's or a dense MLP's rows (weights.py)
     cos_sin(rotary module, h, pos, Rotary) -> cos, sin as Layer.decode reads them
 
@@ -20,7 +20,7 @@ import torch
 from moe_offload.control.description import Attention, LinearMixer, ModelDescription, MoEBlock, Rotary
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
-from moe_offload.engines.offload.runtime import deltanet
+from moe_offload.engines.offload.runtime import deltanet, mla_plan
 from moe_offload.engines.offload.runtime.moe_blocks import block_for
 from moe_offload.engines.offload.runtime.weights import mlp_args
 
@@ -64,7 +64,8 @@ def _attention(k, layer, attn, mixer: Attention, pool, idx: int, hd: int) -> Non
 
 def head_dim(inner) -> int | None:
     """The head dim of the model's softmax attention (its first layer that has one)."""
-    return next((layer.self_attn.head_dim for layer in inner.layers if getattr(layer, "self_attn", None) is not None), None)
+    return next((layer.self_attn.head_dim for layer in inner.layers
+                 if hasattr(getattr(layer, "self_attn", None), "head_dim")), None)
 
 
 @dataclass
@@ -121,6 +122,8 @@ def bind(model, desc: ModelDescription, pool) -> tuple[list[Layer], float] | str
             if lay.linear is None:
                 return f"layer {i}: linear attention the layer call does not take"
             lay.linear.bind(k)
+        elif d.mixer.kind == "mla":  # its attention half: one decode_mla call
+            mla_plan.attention(k, layer, pool)
         else:
             _attention(k, layer, attn, d.mixer, pool, i, hd)
             lay.rotary = d.mixer.rotary
@@ -148,7 +151,7 @@ def refuse(model, executor, desc: ModelDescription) -> str:
     if desc.path != "fused":
         return desc.why
     if desc.attention == "mla":
-        return "MLA attention (mla_plan.py)"
+        return mla_plan.refuse(model, executor, desc)
     cfg = model.config
     if executor is None:
         return "no offload executor"

@@ -5,7 +5,7 @@
               of the new KV), the key layout (layout(): decode sequences first, each padded to the longest, then
               each prefill chunk's context) --model + PagedCache (kv.py)--> logits of the kept rows [R, V]
       fused:  a step where every sequence computes one token (+ its draft: rows at consecutive positions), on a
-              model whose description (control/description.py) the fused path computes --DecodePlan (fastpath.py) | MLADecodePlan (mla_plan.py), chosen once in
+              model whose description (control/description.py) the fused path computes --DecodePlan (fastpath.py; MLA layers: mla_plan.py), chosen once in
               decode_plan()--> logits [B, V]
       each:   a model with state beyond attention KV: one forward per sequence on its own cache
     around each forward: the executor's counters before and after --Accounting.book--> each sequence's stats
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from moe_offload.control.description import ModelDescription, describe
-from moe_offload.engines.offload.runtime import fastpath, kv, mla, mla_plan
+from moe_offload.engines.offload.runtime import fastpath, kv, mla
 from moe_offload.engines.offload.runtime.accounting import Accounting, snapshot
 from moe_offload.engines.offload.runtime.scheduler import SchedulerOutput
 from moe_offload.errors import OffloadError
@@ -39,7 +39,7 @@ def describe_model(model) -> ModelDescription:
 
 def decode_plan(model, executor, pool, desc: ModelDescription):
     """The one place the decode path is chosen, from the description: its decode-only steps skip transformers' modules
-    (fastpath.py for softmax and linear attention, mla_plan.py for MLA) where every layer is a kind those compute;
+    (fastpath.py: softmax, linear and MLA attention) where every layer is a kind it computes;
     None: every step runs the modules. Tests replace this function to run the module path as the reference."""
     if desc.path != "fused":
         log.info("decode steps run transformers' modules", model_type=desc.model_type, reason=desc.why)
@@ -49,8 +49,6 @@ def decode_plan(model, executor, pool, desc: ModelDescription):
                     reason=f"the fused kernels are CPU kernels; on {executor.device.type} a layer's slot hits run "
                            "gathered (experts/cuda.py)")
         return None
-    if desc.attention == "mla":
-        return mla_plan.MLADecodePlan.build(model, executor, pool, desc)
     return fastpath.DecodePlan.build(model, executor, pool, desc)
 
 

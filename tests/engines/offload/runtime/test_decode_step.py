@@ -161,7 +161,7 @@ def _every_dense_linear_int8(engine) -> None:
     from moe_offload.engines.offload.runtime.decode_step import StepCall
 
     plan = engine.runner.fast
-    assert (StepCall.build_mla if hasattr(plan, "qkv_a") else StepCall.build)(plan) is not None
+    assert StepCall.build(plan) is not None
 
 
 def test_whole_step_equals_the_layer_loop_gpt_oss_mxfp4(quantized_checkpoints):
@@ -192,7 +192,7 @@ def test_whole_step_equals_the_layer_loop_gguf(tmp_path, family):
         from moe_offload.engines.offload.runtime.decode_step import StepCall
 
         plan = engine.runner.fast  # the call takes every block linear (a refused one would mean the loop alone)
-        assert (StepCall.build_mla if hasattr(plan, "qkv_a") else StepCall.build)(plan) is not None
+        assert StepCall.build(plan) is not None
 
     path, _ = write(family, tmp_path, "q4_k", down_qtype="q6_k")
     assert _both_paths(str(path), prompts=([5, 9, 33, 2], [60, 61, 62]), ready=ready) >= 8

@@ -185,6 +185,30 @@ def test_two_ranks_run_several_sequences_in_the_whole_step_call(checkpoints, opt
     assert outs[0] == outs[1]
 
 
+def test_ranks_agree_on_the_whole_step_call(monkeypatch):
+    # the call is built on every rank or on none: a rank whose build worked drops it when another's failed, and a rank
+    # whose build raised still takes part in the agreement before raising (the others would wait for it forever)
+    from types import SimpleNamespace
+
+    from moe_offload.engines.offload.runtime import decode_step, parallel
+
+    votes = []
+    plan = SimpleNamespace(executor=SimpleNamespace(ep=(0, 2)))
+    monkeypatch.setattr(parallel, "agree", lambda ok: votes.append(ok) or False)  # another rank could not build it
+    assert decode_step._guarded(lambda p: "call", plan) is None and votes == [True]
+
+    def broken(p):
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):
+        decode_step._guarded(broken, plan)
+    assert votes == [True, False]
+    monkeypatch.setattr(parallel, "agree", lambda ok: votes.append(ok) or ok)
+    assert decode_step._guarded(lambda p: "call", plan) == "call" and votes[-1] is True
+    plan.executor.ep = None  # one process: no agreement
+    assert decode_step._guarded(lambda p: "call", plan) == "call" and len(votes) == 3
+
+
 def test_the_cli_lets_ranks_share_cores_only_before_torch_loads():
     # OpenMP reads OMP_WAIT_POLICY when torch loads it: the CLI sets PASSIVE for N > 1 before any torch import, keeps
     # a policy the user set, and leaves one process alone

@@ -6,8 +6,8 @@
 //   layer_tail:    h2 = bf16(h_in + o), x2 = the second norm of h2, the fused router's top-k    (the layer's tail)
 //
 // and the layer itself (class Layer, torch.classes.moe_offload.Layer), built once per model from Python
-// (runtime/fused_bind.py, decode_step.py) with one setter per part, kinds by the model description's names; its
-// decode / decode_linear run the per-layer path, DecodeStep.add(layer) the whole step (step.cpp).
+// (runtime/fused_bind.py, mla_plan.py, decode_step.py) with one setter per part, kinds by the model description's
+// names; its decode / decode_linear / decode_mla run the per-layer path, DecodeStep.add(layer) the whole step.
 //
 // Numbers: those of Layer.decode (decode.cpp), whose parts these are. Arguments and shapes: kernels/ops.py.
 #pragma once
@@ -119,7 +119,7 @@ class Layer : public torch::CustomClassHolder {
     delta = Delta{std::move(w_in), std::move(s_in), n_qkvz, conv_w, conv_b, a_log, dt_bias, norm_w, norm_eps,
                   {dims[0], dims[1], dims[2], dims[3]}, plain};
   }
-  // DeepSeek-V3's MLA instead (step.cpp's step_mla), registered as .mla; its int8 rows' scales: .mla_scales
+  // DeepSeek-V3's MLA instead (decode_mla, step.cpp's step_mla), registered as .mla; int8 rows' scales: .mla_scales
   void mla_attention(OT qkv_a, int64_t q_rank, OT qan, double qeps, T wq_, OT bq_, OT kv_a, OT kv_a_bias, T kvn,
                      double kveps, T kv_b, int64_t heads, int64_t nope, double scaling_, bool interleave) {
     TORCH_CHECK(q_rank > 0 ? (qkv_a.has_value() && qan.has_value()) : kv_a.has_value(),

@@ -155,7 +155,7 @@ void mla_prologue_bf16(const at::Tensor& q, const at::Tensor& ckv, const at::Ten
 }
 
 // Layer.decode_mla: residual, norm, q_a|kv_a (one call over their fused rows) + q_a_layernorm + q_b, or q_proj and
-// kv_a_proj_with_mqa; mla_prologue_bf16, mla_decode_bf16, o_proj, residual, norm; as mla_plan.py's modules compute
+// kv_a_proj_with_mqa; mla_prologue_bf16, mla_decode_bf16, o_proj, residual, norm; as the patched modules compute
 std::vector<at::Tensor> Layer::decode_mla(const T& h_in, const OT& add, const T& cos, const T& sin, const T& slots,
                                           const T& rows, const T& lens) {
   TORCH_CHECK(mla.has_value(), "Layer.decode_mla: a layer without MLA attention (.mla)");
