@@ -203,7 +203,7 @@ class Executor:
         if kind is not None:
             return fused.forward(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host,
                                  quantized=kind == "q")
-        rows = _Rows(hidden_states, perm, K, T)
+        rows = _Rows(hidden_states, perm, K)
         out: list = [None] * K if T == 1 else None  # T == 1: outputs by k
         proj = None if T == 1 else (torch.empty if self.ep is None else torch.zeros)(
             T * K, hidden_states.shape[-1], dtype=state.store.compute_dtype, device=hidden_states.device)
@@ -236,7 +236,7 @@ class Executor:
 
         # ---- misses computed on the host from the store (overlaps the device work launched above on CUDA) ----
         if host:
-            hrows = rows if not self._cuda else _Rows(host_x(), rows.perm_host(), K, T)
+            hrows = rows if not self._cuda else _Rows(host_x(), rows.perm_host(), K)
             host_out = [] if self._cuda else None
             for g in host:
                 y = expert_forward(module, hrows.select(g), *state.host_store.expert(g[0]), post_norm=not self._cuda)
@@ -350,10 +350,9 @@ class Executor:
 class _Rows:
     """Which hidden-state rows a group of routed pairs reads and where its outputs go."""
 
-    def __init__(self, x, perm, K, T, tok=None):
-        self.x, self.perm, self.K, self.T = x, perm, K, T
-        self.tok = tok if tok is not None else (perm // K if perm is not None else None)  # [S] token of each sorted pair
-        self._k_index = {}
+    def __init__(self, x, perm, K):
+        self.x, self.perm = x, perm
+        self.tok = perm // K if perm is not None else None  # [S] token of each sorted pair
 
     def select(self, g):
         e, start, n = g

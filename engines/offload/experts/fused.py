@@ -15,7 +15,7 @@ import time
 import torch
 
 from moe_offload.engines.offload.experts import tiering
-from moe_offload.engines.offload.kernels import dispatch
+from moe_offload.engines.offload.kernels import dispatch, jit
 from moe_offload.engines.offload.kernels.dispatch import expert_forward
 from moe_offload.engines.offload.kernels.ops import experts, token_pairs
 
@@ -23,7 +23,7 @@ from moe_offload.engines.offload.kernels.ops import experts, token_pairs
 def kind(state, module, x) -> str | None:
     """Which one-call kernel takes this layer's pairs on the CPU: "bf16" (moe_experts_bf16), "q" (moe_experts_q) or
     None (the per-expert path); decided once per layer and kind of input (dispatch's checks)."""
-    key = (x.dtype, x.dim(), x.device.type, dispatch.kernels_active(), torch.is_grad_enabled() and x.requires_grad)
+    key = (x.dtype, x.dim(), x.device.type, jit.load(), torch.is_grad_enabled() and x.requires_grad)
     k = state.fused.get(key, False)
     if k is False:
         w = state.store.tensors[0]

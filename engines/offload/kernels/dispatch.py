@@ -185,11 +185,6 @@ def _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale) ->
     return gemm.linear(h, w_down, down_bias.to(x.dtype) if down_bias is not None else None)
 
 
-def kernels_active() -> bool:
-    """True when the bf16 CPU kernels are built and on (MOE_OFFLOAD_KERNELS not 0, ``jit.set_enabled``)."""
-    return jit.load()
-
-
 def _fast(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> bool:
     # Checked per expert on the hot path, so only what decides the path (the op validates shapes and strides):
     # bf16 CPU weights in [out, in] rows (gpt-oss style [in, out] weights keep F.linear), nothing autograd

@@ -63,10 +63,6 @@ def pick_variant(flags: set[str]) -> tuple[str, tuple[str, ...]]:
     return next(((n, c) for n, c in usable if n == forced), usable[0])
 
 
-def enabled_by_env() -> bool:
-    return not settings.kernels_off()
-
-
 def build_dir(name: str) -> Path:
     return settings.get("TORCH_EXTENSIONS_DIR") / name
 
@@ -82,7 +78,7 @@ def load() -> bool:
     if ok is None:
         with _lock:
             if "ok" not in _state:
-                _state.update((_prebuilt() or _build()) if enabled_by_env() else
+                _state.update((_prebuilt() or _build()) if not settings.kernels_off() else
                               {"ok": False, "built": False, "variant": "", "source": "", "error": f"disabled by {ENV}"})
             ok = _state["ok"]
     return ok

@@ -34,18 +34,13 @@ from moe_offload.engines.offload.loading import ggml
 from moe_offload.errors import ModelError
 
 
-def view_root() -> Path:
-    """Where GGUF views are written: $MOE_OFFLOAD_CACHE_DIR/gguf."""
-    return settings.cache_dir("gguf")
-
-
 def view_dir(path: str | os.PathLike) -> Path:
     """A directory with the config.json and tokenizer of GGUF ``path``, written once per file version."""
     info = gguf_meta.read(path)
     # the files' identity and the config this version maps them to: a mapping change writes a new view
     key = hashlib.sha256(json.dumps([[(str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in info.files],
                                      info.config], sort_keys=True).encode()).hexdigest()[:16]
-    out = view_root() / f"{info.files[0].stem}-{key}"
+    out = settings.cache_dir("gguf") / f"{info.files[0].stem}-{key}"  # $MOE_OFFLOAD_CACHE_DIR/gguf
     if (out / "config.json").is_file():
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")

@@ -55,7 +55,7 @@ def prepare(model) -> int:
     Idempotent."""
     n = 0
     for m in model.modules():
-        if hasattr(m, "_moe_offload_mla"):  # installed before (False: switched off for an A/B, still installed)
+        if hasattr(m, "_moe_offload_mla"):  # installed before
             n += 1
         elif eligible(m):
             m.expand_kv = functools.partial(_expand, m, m.expand_kv)  # an instance attribute over the class method
@@ -71,7 +71,7 @@ def latent_step(step) -> bool:
 
 def _expand(module, original, kv_nope, k_rot):
     step = getattr(kv._active, "step", None)
-    if module._moe_offload_mla and latent_step(step) and kv_nope.dim() == 4 and kv_nope.shape[1] == 1 and kv_nope.shape[-1] == module.kv_lora_rank:
+    if latent_step(step) and kv_nope.dim() == 4 and kv_nope.shape[1] == 1 and kv_nope.shape[-1] == module.kv_lora_rank:
         kv._active.latent = functools.partial(attend, module, step)  # paged_attention of this layer takes it
         return kv_nope, k_rot
     return original(kv_nope, k_rot)
