@@ -40,16 +40,16 @@ def _biases_ok(state) -> bool:
 
 
 def gate_args(module, weights) -> tuple:
-    """The fused-experts entries' trailing arguments (moe_experts_bf16 / moe_experts_q) for these experts' (up, down, up_bias, down_bias, ..) tuples: (gate_up biases or None, down biases or None, gate,
-    alpha, limit)."""
+    """The fused-experts entries' trailing arguments (moe_experts_bf16 / moe_experts_q) for these experts' (up, down,
+    up_bias, down_bias, ..) tuples: (gate_up biases or None, down biases or None, gate, alpha, limit)."""
     biased = weights and weights[0][2] is not None
     return ([w[2] for w in weights] if biased else None, [w[3] for w in weights] if biased else None,
             *dispatch.fused_gate(module))
 
 
 def q_args(weights) -> tuple[list, list, list, list]:
-    """moe_experts_q's per-expert lists (gate_ups, their scales, downs, their scales) from slot or
-    store tuples (up, down, up_bias, down_bias, up_scale, down_scale)."""
+    """moe_experts_q's per-expert lists (gate_ups, their scales, downs, their scales) from slot or store tuples (up,
+    down, up_bias, down_bias, up_scale, down_scale)."""
     return ([w[0] for w in weights], [dispatch.scale_arg(w[4]) for w in weights],
             [w[1] for w in weights], [dispatch.scale_arg(w[5]) for w in weights])
 

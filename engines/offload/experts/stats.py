@@ -72,7 +72,8 @@ class ExecutorStats:
     def snapshot(self) -> dict[str, Any]:
         """Cumulative stats. Keys: hits, misses, hit_rate, host_expert_tokens, fetches, bytes_copied,
         hit_rate_by_tier {tier: fraction}, bytes_moved {tier: bytes}, stage_ms {stage: ms},
-        forwards, whole_step_forwards (of those, run in the whole-step call), layers {layer: {hits, misses, host_tokens, fetches, bytes_copied, by_tier {tier: pairs}}}."""
+        forwards, whole_step_forwards (of those, run in the whole-step call), layers {layer: {hits, misses,
+        host_tokens, fetches, bytes_copied, by_tier {tier: pairs}}}."""
         t = self.totals()
         routed = t["hits"] + t["misses"]
         known = sum(v for k, v in self.stage_s.items() if k != "other")

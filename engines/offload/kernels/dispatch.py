@@ -133,8 +133,9 @@ def fused_gate(module) -> tuple | None:
 
 
 def fused_experts_q_ok(module, w: torch.Tensor, x: torch.Tensor) -> bool:
-    """A layer's int8/fp8/mxfp4/ggml experts can go through moe_offload::moe_experts_q, one call per tier: CPU, silu gate on a concatenated gate|up without biases, or (bf16 tokens)
-    gpt-oss's biased clamped SwiGLU; no post-expert norm, kernels built."""
+    """A layer's int8/fp8/mxfp4/ggml experts can go through moe_offload::moe_experts_q, one call per tier: CPU, silu
+    gate on a concatenated gate|up without biases, or (bf16 tokens) gpt-oss's biased clamped SwiGLU; no post-expert
+    norm, kernels built."""
     gate = fused_gate(module)
     return (x.dim() == 2 and w.dtype in Q_FUSED and w.is_cpu and x.is_cpu and _q_kernel_dtype(w, x)
             and not module.has_post_expert_norm and gate is not None and (gate[0] == 0 or x.dtype == torch.bfloat16)

@@ -144,7 +144,8 @@ class StepCall:
         return self._book(*self.obj.step(h, cos, sin, table, lens, norm, eps, seats, list(states)))
 
     def run_mla(self, h, cos, sin, slots, rows, lens, norm, eps) -> torch.Tensor:
-        """run() for an MLA model: slots [M] the tokens' pool rows, rows [M * lmax] each sequence's (mla_plan.step_rows)."""
+        """run() for an MLA model: slots [M] the tokens' pool rows, rows [M * lmax] each sequence's
+        (mla_plan.step_rows)."""
         return self._book(*self.obj.step_mla(h, cos, sin, slots, rows, lens, norm, eps))
 
     def _book(self, x, ids, experts_s) -> torch.Tensor:

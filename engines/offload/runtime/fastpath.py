@@ -88,23 +88,19 @@ class DecodePlan:
         """One decode token per sequence: ids [M], lens[t] = its context length including the token, blocks[t] its
         block table, seats[t] its seat in the pool's per-sequence states (gated-DeltaNet layers). Returns logits [M, V]."""
         M = len(ids)
-        if self.mla:
-            return self._forward_mla(ids, lens, blocks)
-        nb = max(len(b) for b in blocks)
-        table = torch.tensor([b + [b[0]] * (nb - len(b)) for b in blocks], dtype=torch.long)
         lens_t = torch.tensor(lens, dtype=torch.long)
         pos = lens_t.sub(1).unsqueeze(0)  # [1, M]
         h = self.embed(torch.tensor(ids, dtype=torch.long))  # [M, H]
+        if self.mla:
+            return self._forward_mla(h, pos, lens_t, lens, blocks)
+        nb = max(len(b) for b in blocks)
+        table = torch.tensor([b + [b[0]] * (nb - len(b)) for b in blocks], dtype=torch.long)
         rot = {r: fused_bind.cos_sin(self.rotary, h, pos, r)
                for r in {lay.rotary for lay in self.layers if lay.linear is None} - {None}}
         if any(lay.rotary is None and lay.linear is None for lay in self.layers):  # NoPE: the identity rotation
             d = max((c.shape[-1] for c, _ in rot.values()), default=self.head_dim)
             rot[None] = (h.new_ones(M, d), h.new_zeros(M, d))
-        ex = self.executor
-        t0 = time.perf_counter()
-        ex.begin_forward()
-        if self.step_call is False:
-            self.step_call = StepCall.build(self)
+        t0 = self._begin()
         states = {}  # gated-DeltaNet layers: their (conv, state) pools, fresh sequences' seats zeroed
         if self.linear:
             fresh = [t for t, n in enumerate(lens) if n == 1]  # sequences whose state starts at this token
@@ -119,20 +115,24 @@ class DecodePlan:
         return self._layers(h, t0, lambda lay, h, add: lay.kernel.decode_linear(h, add, *states[lay.idx], seats_t)
                             if lay.linear is not None else lay.kernel.decode(h, add, *rot[lay.rotary], table, lens_t))
 
-    def _forward_mla(self, ids: list[int], lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
+    def _forward_mla(self, h, pos, lens_t, lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
         """forward() for MLA layers: each token's pool row (slots) and each sequence's rows (mla_plan.step_rows)."""
         slots, rows = mla_plan.step_rows(lens, blocks, self.pool.block_size)
-        lens_t = torch.tensor(lens, dtype=torch.long)
-        h = self.embed(torch.tensor(ids, dtype=torch.long))  # [M, H]
-        cos, sin = self.rotary(h, lens_t.sub(1).unsqueeze(0))  # [1, M, P]
+        cos, sin = self.rotary(h, pos)  # [1, M, P]
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        t0 = self._begin()
+        if self.step_call is not None and self.step_call.takes(len(lens)):  # every layer in one call
+            x = self.step_call.run_mla(h, cos, sin, slots, rows, lens_t, self.norm.weight, self.eps)
+            return self._logits(x, t0)
+        return self._layers(h, t0, lambda lay, h, add: lay.kernel.decode_mla(h, add, cos, sin, slots, rows, lens_t))
+
+    def _begin(self) -> float:
+        """The step's start: the executor's forward begins, the whole-step call is built if it is due."""
         t0 = time.perf_counter()
         self.executor.begin_forward()
         if self.step_call is False:
             self.step_call = StepCall.build(self)
-        if self.step_call is not None and self.step_call.takes(len(ids)):  # every layer in one call
-            return self._logits(self.step_call.run_mla(h, cos, sin, slots, rows, lens_t, self.norm.weight, self.eps), t0)
-        return self._layers(h, t0, lambda lay, h, add: lay.kernel.decode_mla(h, add, cos, sin, slots, rows, lens_t))
+        return t0
 
     def _layers(self, h: torch.Tensor, t0: float, attention) -> torch.Tensor:
         """The per-layer loop: each layer's kernel call ``attention(lay, h, add)`` -> (h, x2, ids, w), then its MLP."""

@@ -4,8 +4,8 @@
         tables, kernels)
     bind(model, desc, pool) -> ([Layer], eps) | why not: per layer a kernel layer (moe_offload.Layer, kernels/ops.py)
         holding its norms, attention (q/k/v/o, biases, q/k norms, window, rotary kind, KV pools; MLA's: mla_plan.py)
-        or gated-DeltaNet mixer (deltanet.LinearLayer), and its router when the router runs in the layer call; else the MoE block the
-        description names (moe_blocks.block_for); a Qwen2-MoE shared expert's or a dense MLP's rows (weights.py)
+        or gated-DeltaNet mixer (deltanet.LinearLayer), and its router when the router runs in the layer call; else
+        the MoE block the description names (moe_blocks.block_for); a Qwen2-MoE shared expert's or a dense MLP's rows (weights.py)
     cos_sin(rotary module, h, pos, Rotary) -> cos, sin as Layer.decode reads them
 
 What each layer computes is the description's word (control/description.py); this file only finds the tensors.
@@ -150,8 +150,6 @@ def refuse(model, executor, desc: ModelDescription) -> str:
     and devices, the rotary tables' widths, the kernels."""
     if desc.path != "fused":
         return desc.why
-    if desc.attention == "mla":
-        return mla_plan.refuse(model, executor, desc)
     cfg = model.config
     if executor is None:
         return "no offload executor"
@@ -160,6 +158,8 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return "unexpected module layout"
     if len(inner.layers) != len(desc.layers):
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
+    if desc.attention == "mla":
+        return mla_plan.refuse(model)
     if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, QuantLinear, BlockLinear)):
         return "no linear LM head"
     if getattr(cfg, "clip_qkv", None) is not None:

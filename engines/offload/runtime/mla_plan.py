@@ -30,21 +30,15 @@ from __future__ import annotations
 
 import torch
 
-from moe_offload.control.description import ModelDescription
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.engines.offload.runtime.weights import fuse_linears, weight_and_scale
 
 
-def refuse(model, executor, desc: ModelDescription) -> str:
-    """Why the fused path cannot run this MLA model ("" when it can): the module layout, absorbed attention, the
-    projections' kinds, dtypes and devices, the kernels."""
-    inner = getattr(model, "model", None)
-    if executor is None or inner is None or not all(
-            hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
-        return "unexpected module layout"
-    if len(inner.layers) != len(desc.layers):
-        return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
+def refuse(model) -> str:
+    """Why the fused path cannot run this MLA model ("" when it can), past fused_bind.refuse's checks of the executor
+    and the module layout: absorbed attention, the projections' kinds, dtypes and devices, the kernels."""
+    inner = model.model
     for layer in inner.layers:
         attn = getattr(layer, "self_attn", None)
         if not getattr(attn, "_moe_offload_mla", False):
@@ -88,8 +82,8 @@ def attention(k, layer, pool) -> None:
                          "different formats)")
     qkv_a_w, qkv_a_s = fused
     k.mla(qkv_a_w, a.q_lora_rank or 0, a.q_a_layernorm.weight if lora else None,
-          a.q_a_layernorm.variance_epsilon if lora else 0.0, wq_w, wq.bias, kv_a_w, kv_a.bias if kv_a is not None else None,
-          a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon, a.kv_b_proj.weight, a.num_heads,
+          a.q_a_layernorm.variance_epsilon if lora else 0.0, wq_w, wq.bias, kv_a_w,
+          kv_a.bias if kv_a is not None else None, a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon, a.kv_b_proj.weight, a.num_heads,
           a.qk_nope_head_dim, float(a.scaling), bool(a.config.rope_interleave))
     k.mla_scales(wq_s, qkv_a_s, kv_a_s)
     k.output(wo_w, a.o_proj.bias, wo_s)

@@ -5,8 +5,8 @@
               of the new KV), the key layout (layout(): decode sequences first, each padded to the longest, then
               each prefill chunk's context) --model + PagedCache (kv.py)--> logits of the kept rows [R, V]
       fused:  a step where every sequence computes one token (+ its draft: rows at consecutive positions), on a
-              model whose description (control/description.py) the fused path computes --DecodePlan (fastpath.py; MLA layers: mla_plan.py), chosen once in
-              decode_plan()--> logits [B, V]
+              model whose description (control/description.py) the fused path computes --DecodePlan (fastpath.py;
+              MLA layers: mla_plan.py), chosen once in decode_plan()--> logits [B, V]
       each:   a model with state beyond attention KV: one forward per sequence on its own cache
     around each forward: the executor's counters before and after --Accounting.book--> each sequence's stats
 

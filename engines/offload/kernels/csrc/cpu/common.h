@@ -160,7 +160,8 @@ inline at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const st
   if (x.size(0) <= 16) return moe_quant::gemv_q(x, w, *scale, b, 0);
   std::vector<at::Tensor> parts;
   for (int64_t i = 0; i < x.size(0); i += 16)
-    parts.push_back(moe_quant::gemv_q(x.narrow(0, i, std::min<int64_t>(16, x.size(0) - i)).contiguous(), w, *scale, b, 0));
+    parts.push_back(
+        moe_quant::gemv_q(x.narrow(0, i, std::min<int64_t>(16, x.size(0) - i)).contiguous(), w, *scale, b, 0));
   return at::cat(parts);
 }
 }  // namespace moe_cpu

@@ -263,8 +263,8 @@ Gate gate_of(const std::optional<at::TensorList>& ub, const std::optional<at::Te
 // parallel passes, one over every expert's gate|up rows and one over every expert's down rows; expert j takes pairs
 // [first[j], first[j+1]), pair p reads prepared token xi[p] of t and writes out row oi[p] (x's dtype, H wide). Each
 // weight row is read from memory once for all of its expert's pairs; each pair's numbers are those of the unfused
-// chain (gemv_q, silu or (biased, gpt-oss) clamped_swiglu_bf16, gemv_q) for that token alone (the same prepared x, row dots, bias adds,
-// roundings and prepared h: prepare quantizes each token on its own).
+// chain (gemv_q, silu or (biased, gpt-oss) clamped_swiglu_bf16, gemv_q) for that token alone (the same prepared x,
+// row dots, bias adds, roundings and prepared h: prepare quantizes each token on its own).
 void pairs_mlp(const std::vector<Weight>& U, const std::vector<Weight>& D, const std::vector<int64_t>& first,
                const at::Tensor& x, const int64_t* xi, const int64_t* oi, bool bf, void* out, const Gate& gt = Gate{}) {
   const int64_t J = (int64_t)U.size(), H = D[0].rows, I = D[0].k, I2 = 2 * I, P = first[J];
