@@ -233,7 +233,7 @@ class DecodeStep : public torch::CustomClassHolder {
   }
 
   // rows [S, H] summed over the ranks: each rank sends its rows to every other and adds theirs (x + 0 = x: each row is
-  // non-zero on one rank, so the order does not matter); gloo's send/recv took ~0.6x its all-reduce's time (parallel.md)
+  // non-zero on one rank, so the order does not matter); gloo's send/recv take a fraction of its all-reduce's time (parallel.md)
   at::Tensor over_ranks(const at::Tensor& rows) {
     std::vector<at::Tensor> got;
     std::vector<c10::intrusive_ptr<c10d::Work>> work;
