@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.build_only:
         return 0
     if a.as_user:
-        return as_user_table(fams, paths, ggufs, a, tools)
+        return as_user_table(fams, paths, ggufs, a, tools, q8)
 
     from moe_offload.control.spec import ModelSpec
     from moe_offload.engines.offload.runtime.build import build_offload_engine
@@ -222,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
 PROMPT = "def fibonacci(n): return"  # a short prompt, as a user types one
 
 
-def fresh_process(path: Path, tokens: int, threads: int) -> dict:
-    """A fresh `moe-offload generate` process on ``path`` (bf16, every expert resident, ``tokens`` after PROMPT), as a
-    user runs it: {"ms": its decode ms/token (every decode step, the first ones included), "token_ms": each step's,
+def fresh_process(path: Path, tokens: int, threads: int, extra: tuple = ()) -> dict:
+    """A fresh `moe-offload generate` process on ``path`` (bf16, or ``extra`` options; every expert resident,
+    ``tokens`` after PROMPT), as a user runs it: {"ms": its decode ms/token (every decode step, the first ones included), "token_ms": each step's,
     "wall_s": the process from start to exit}."""
     import json
     import os
@@ -234,15 +234,16 @@ def fresh_process(path: Path, tokens: int, threads: int) -> dict:
     exe = Path(sys.executable).parent / "moe-offload"
     t0 = time.perf_counter()
     out = subprocess.run([str(exe), "generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", str(tokens),
-                          "--ignore-eos", "--json"], capture_output=True, text=True, env=env, check=True)
+                          "--ignore-eos", "--json", *extra], capture_output=True, text=True, env=env, check=True)
     wall = time.perf_counter() - t0
     got = json.loads(out.stdout)
     return {"ms": float(got["stats"]["decode_ms_per_token"]), "token_ms": got["token_ms"], "wall_s": wall}
 
 
-def as_user_table(fams, paths, ggufs, a, tools) -> int:
+def as_user_table(fams, paths, ggufs, a, tools, q8: dict) -> int:
     """Each family as a user runs it: `llama-bench -p 0 -n T -t threads` and a fresh `moe-offload generate` process,
-    back to back in alternating order, ``--rounds`` times; ratios of the medians and per pair."""
+    back to back in alternating order, ``--rounds`` times; ratios of the medians and per pair. With ``q8`` (--int8),
+    also the q8_0 GGUF against `generate --expert-dtype int8 --dense-dtype int8`, the same way."""
     from bench_engine import read_bandwidth
     from bench_llamacpp import bound_bytes, llama_bench
 
@@ -250,11 +251,17 @@ def as_user_table(fams, paths, ggufs, a, tools) -> int:
     bw = [read_bandwidth() / 1e9]
     for r in range(a.rounds):
         for f in fams:
-            sides = [("llama", lambda: statistics.fmean(
-                         llama_bench(ggufs[f], a.tokens, threads=a.threads, tools=tools)["ms_per_token"])),
-                     ("ours", lambda: fresh_process(paths[f], a.tokens, a.threads))]
-            for name, run in (sides if r % 2 == 0 else sides[::-1]):
-                runs.setdefault((f, name), []).append(run())
+            def llama(gguf):
+                return statistics.fmean(llama_bench(gguf, a.tokens, threads=a.threads, tools=tools)["ms_per_token"])
+
+            pairs = [[("llama", lambda: llama(ggufs[f])),
+                      ("ours", lambda: fresh_process(paths[f], a.tokens, a.threads))]]
+            if f in q8:
+                pairs.append([("llama q8_0", lambda: llama(q8[f])), ("ours int8", lambda: fresh_process(
+                    paths[f], a.tokens, a.threads, ("--expert-dtype", "int8", "--dense-dtype", "int8")))])
+            for sides in pairs:
+                for name, run in (sides if r % 2 == 0 else sides[::-1]):
+                    runs.setdefault((f, name), []).append(run())
             ours = runs[(f, "ours")][-1]
             log(f"round {r + 1}/{a.rounds} {f}: llama-bench {runs[(f, 'llama')][-1]:.1f}, moe-offload generate "
                 f"{ours['ms']:.1f} ms/token (process {ours['wall_s']:.1f} s)")
@@ -278,6 +285,17 @@ def as_user_table(fams, paths, ggufs, a, tools) -> int:
         wall = statistics.median(o["wall_s"] for o in ours)
         print(f"| {f} | {lc:.1f} | {mo:.1f} | {mo / lc:.2f}x | {per_pair:.2f}x | {first:.1f} | {rest:.1f} | "
               f"{share:.0%} | {wall:.1f} |")
+    if q8:
+        print("\nint8 experts + int8 dense linears and LM head (`generate --expert-dtype int8 --dense-dtype int8`) "
+              "against llama.cpp's q8_0 GGUF, the same way\n")
+        print("| family | llama-bench q8_0 ms/token | moe-offload generate int8 ms/token | ratio | per pair (median) |")
+        print("|---|---|---|---|---|")
+        for f in fams:
+            lc, ours = runs[(f, "llama q8_0")], runs[(f, "ours int8")]
+            mo = statistics.median(o["ms"] for o in ours)
+            per_pair = statistics.median(o["ms"] / c for o, c in zip(ours, lc))
+            print(f"| {f} | {statistics.median(lc):.1f} | {mo:.1f} | {mo / statistics.median(lc):.2f}x | "
+                  f"{per_pair:.2f}x |")
     return 0
 
 

@@ -14,6 +14,12 @@ class ConfigError(OffloadError):
     """Bad input: a flag, a file, a config value."""
 
 
+def require_count(name: str, v, expected: str = "an integer >= 1", optional: bool = True) -> None:
+    """ConfigError unless ``v`` is an int >= 1 (a bool is not one), or None where ``optional``."""
+    if (v is not None or not optional) and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ConfigError(f"{name}: expected {expected}, got {v!r}")
+
+
 class ModelError(OffloadError):
     """A checkpoint or config that cannot be used (dense model, missing shard, missing key)."""
 

@@ -80,10 +80,10 @@ def check_device(device: torch.device) -> None:
 GATHER_MAX_BYTES = 256 << 20
 
 
-def gathered_hits(executor, state, module, x: torch.Tensor, ids: list[int], K: int, out, proj) -> bool:
+def gathered_hits(executor, state, module, x: torch.Tensor, ids: list[int], K: int, proj) -> bool:
     """Compute a layer's slot hits in one gathered call (dispatch.experts_gathered) when its slots are one device's
     float buffers: each hit pair's weights are gathered by slot, its token's row by pair. Places the rows as the
-    per-expert loop does (``out`` by k for one token, else ``proj`` by pair) and returns True; False when the layer
+    per-expert loop does (``proj`` by pair) and returns True; False when the layer
     does not qualify (several devices, quantized or aliased slots, too many pairs), leaving the loop to run."""
     cache = state.cache
     stacked = cache.stacked
@@ -98,11 +98,7 @@ def gathered_hits(executor, state, module, x: torch.Tensor, ids: list[int], K: i
     sl = index[0]
     up, down, up_bias, down_bias = (t.index_select(0, sl) if t is not None else None for t in stacked[:4])
     y = experts_gathered(module, x.index_select(0, index[1]), up, down, up_bias, down_bias)  # [P, H]
-    if proj is None:  # one token: rows by k
-        for j, k in enumerate(pairs):
-            out[k] = y[j : j + 1]
-    else:
-        proj.index_copy_(0, index[2], y.to(proj.dtype))
+    proj.index_copy_(0, index[2], y.to(proj.dtype))
     if executor._cuda:  # the slots' last use, before a fetch may overwrite one
         ev = executor._copiers[x.device].record()
         for s in slots:

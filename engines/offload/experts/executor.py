@@ -204,10 +204,9 @@ class Executor:
             return fused.forward(self, state, module, hidden_states, top_k_index, top_k_weights, perm, hits, fetch, host,
                                  quantized=kind == "q")
         rows = _Rows(hidden_states, perm, K)
-        out: list = [None] * K if T == 1 else None  # T == 1: outputs by k
-        proj = None if T == 1 else (torch.empty if self.ep is None else torch.zeros)(
+        proj = (torch.empty if self.ep is None else torch.zeros)(  # the pairs' rows in (token, k) order
             T * K, hidden_states.shape[-1], dtype=state.store.compute_dtype, device=hidden_states.device)
-        host_x = rows.to_host_async() if host and self._cuda else None
+        host_x = cuda.to_host_async(hidden_states) if host and self._cuda else None  # waited for below
 
         # ---- hits on the accelerator (one token on the CPU: one call for all of them where the kernel applies,
         # e.g. gpt-oss's biased, clamped-SwiGLU experts; rows bit-identical to the per-expert loop) ----
@@ -216,11 +215,11 @@ class Executor:
                    if T == 1 and len(hits) > 1 and not self._cuda else None)
         if grouped is not None:
             for i, (g, _) in enumerate(hits):
-                out[g[1]] = grouped[i : i + 1]
+                proj[g[1]] = grouped[i]
         elif not (hits and self.gather_hits and self.ep is None
-                  and cuda.gathered_hits(self, state, module, hidden_states, ids, K, out, proj)):
+                  and cuda.gathered_hits(self, state, module, hidden_states, ids, K, proj)):
             for g, s in hits:
-                self._compute(state, module, rows, g, cache.weights[s], out, proj, slot=s)
+                self._compute(state, module, rows, g, cache.weights[s], proj, slot=s)
         t2 = time.perf_counter()
 
         # ---- misses fetched into dynamic slots (LRU), each computed right after its copy ----
@@ -230,35 +229,29 @@ class Executor:
             s = cache.fetch(g[0], self._copy_fn(state), state.store.expert(g[0]))
             copied += 1
             tc = time.perf_counter()
-            self._compute(state, module, rows, g, cache.weights[s], out, proj, slot=s)
+            self._compute(state, module, rows, g, cache.weights[s], proj, slot=s)
             fetch_compute_s += time.perf_counter() - tc
         t3 = time.perf_counter()
 
         # ---- misses computed on the host from the store (overlaps the device work launched above on CUDA) ----
         if host:
-            hrows = rows if not self._cuda else _Rows(host_x(), rows.perm_host(), K)
+            hrows = rows if not self._cuda else _Rows(host_x(), perm.cpu() if perm is not None else None, K)
             host_out = [] if self._cuda else None
             for g in host:
                 y = expert_forward(module, hrows.select(g), *state.host_store.expert(g[0]), post_norm=not self._cuda)
                 if self._cuda:
                     host_out.append((g, y))
                 else:
-                    self._place(rows, g, y, out, proj)
+                    self._place(rows, g, y, proj)
             if self._cuda:
                 for g, y in host_out:
                     y = y.to(self.device, non_blocking=True)
                     if module.has_post_expert_norm:  # its weights are on the accelerator
                         y = module.post_expert_norm(y)
-                    self._place(rows, g, y, out, proj)
+                    self._place(rows, g, y, proj)
         t4 = time.perf_counter()
 
         # ---- combine: as transformers does, sum over k of w * y in (token, k) order ----
-        if T == 1:
-            if self.ep is not None:  # the other ranks' pairs: zero rows here
-                dt = next((o.dtype for o in out if o is not None), state.store.compute_dtype or hidden_states.dtype)
-                zero = hidden_states.new_zeros(1, hidden_states.shape[-1], dtype=dt)
-                out = [o if o is not None else zero for o in out]
-            proj = torch.cat(out)  # [K, H]
         result = self.combine(state, proj, hidden_states, top_k_index, top_k_weights, hits, host, copied)
         self.book_stages(t1, t2, t3, t4, fetch_compute_s)
         return result
@@ -323,21 +316,21 @@ class Executor:
                        state.cache.device_pairs(hits) if len(self.device_tiers) > 1 else None)
         return result
 
-    def _compute(self, state, module, rows, g, weights, out, proj, slot):
+    def _compute(self, state, module, rows, g, weights, proj, slot):
         x = rows.select(g)
         home = weights[0].device
         if home != x.device:  # a slot on another accelerator: the rows go there, the outputs come back
             y = expert_forward(module, x.to(home, non_blocking=True), *weights).to(x.device, non_blocking=True)
         else:
             y = expert_forward(module, x, *weights)
-        self._place(rows, g, y, out, proj)
+        self._place(rows, g, y, proj)
         if self._cuda and slot >= 0:
             state.events[slot] = self._copiers[home].record()
 
     @staticmethod
-    def _place(rows, g, y, out, proj):
-        if proj is None:
-            out[g[1]] = y  # T == 1: g = (expert, k, 1)
+    def _place(rows, g, y, proj):
+        if rows.perm is None:
+            proj[g[1]] = y[0]  # T == 1: g = (expert, k, 1)
         else:
             proj.index_copy_(0, rows.positions(g), y.to(proj.dtype))
 
@@ -360,15 +353,5 @@ class _Rows:
             return self.x
         return self.x.index_select(0, self.tok[start : start + n])  # [n, H]
 
-    def positions(self, g):
-        e, start, n = g
-        return self.perm[start : start + n]
-
-    def perm_host(self):
-        return self.perm.cpu() if self.perm is not None else None
-
-    def to_host_async(self):
-        """Start copying the hidden states to the host; returns a function that waits and gives them."""
-        from moe_offload.engines.offload.experts.cuda import to_host_async
-
-        return to_host_async(self.x)
+    def positions(self, g):  # g = (expert, start, n)
+        return self.perm[g[1] : g[1] + g[2]]

@@ -121,6 +121,15 @@ def finalize(store: LayerStore, module: torch.nn.Module, pin: bool, was_float: b
     return store, False
 
 
+def finalize_expert(module: torch.nn.Module, dtype: torch.dtype, up, down, up_scale=None, down_scale=None,
+                    was_float: bool = True, convert_to: str | None = None) -> tuple[tuple, bool]:
+    """One expert's record (up, down, up_scale, down_scale) as ``finalize`` makes a layer of it (the expert store
+    file's writer), and whether its float weights were made [out, in] rows."""
+    one = LayerStore(tuple(None if t is None else t[None] for t in (up, down, None, None, up_scale, down_scale)), dtype)
+    one, rows = finalize(one, module, False, was_float, convert_to)
+    return tuple(None if t is None else t[0] for t in (*one.tensors[:2], *one.tensors[4:6])), rows
+
+
 def cold_copy(store: LayerStore, module: torch.nn.Module, fmt: str) -> LayerStore:
     """The layer's experts in ``fmt`` ("int8"), computed from when they miss (an APPROXIMATE mode: cold experts in lower
     precision, resident ones as stored). A second copy of the layer in host memory, quantized one expert at a time."""

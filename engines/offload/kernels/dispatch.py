@@ -48,38 +48,18 @@ def expert_forward(
     The arguments are the expert's stored tensors in store order (store.WEIGHT_NAMES)."""
     if up.dtype in quant.FORMAT_OF_DTYPE:
         y = _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale)  # [N, H] in x's dtype
-        if post_norm and module.has_post_expert_norm:
-            y = module.post_expert_norm(y)
-        return y
-    x = x.to(up.dtype)
-    if x.shape[0] == 1 and _fast(x, up, module.is_transposed):
-        y = _one_token(module, x, up, down, up_bias, down_bias)  # [1, H]
-        if post_norm and module.has_post_expert_norm:
-            y = module.post_expert_norm(y)
-        return y
-    if x.shape[0] <= GEMM_MAX_TOKENS and _fast(x, up, module.is_transposed):
-        # a few tokens (a batched decode step): each weight row read once for all of them
-        h = torch.ops.moe_offload.gemm_bf16(x, up, up_bias if _bias_ok(up_bias) else None)  # [N, 2I]
-        if up_bias is not None and not _bias_ok(up_bias):
+    elif x.shape[0] <= GEMM_MAX_TOKENS and _fast(x, up, module.is_transposed):
+        y = _few_tokens(module, x.to(up.dtype), up, down, up_bias, down_bias)  # a decode step's tokens
+    else:  # prefill (or fp32, CUDA): a GEMM; bf16 on a CPU without bf16 dot instructions goes through fp32 (gemm.py)
+        x = x.to(up.dtype)
+        h = gemm.matmul(x, up) if module.is_transposed else gemm.linear(x, up)  # [N, 2I]
+        if up_bias is not None:
             h = h + up_bias
-        h = _gate(module, h)  # [N, I]
-        y = torch.ops.moe_offload.gemm_bf16(h.to(down.dtype), down, down_bias if _bias_ok(down_bias) else None)  # [N, H]
-        if down_bias is not None and not _bias_ok(down_bias):
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [N, I]
+        y = gemm.matmul(h, down) if module.is_transposed else gemm.linear(h, down)  # [N, H]
+        if down_bias is not None:
             y = y + down_bias
-        if post_norm and module.has_post_expert_norm:
-            y = module.post_expert_norm(y)
-        return y
-    # prefill (or fp32, CUDA): a GEMM; bf16 on a CPU without bf16 dot instructions goes through fp32 (gemm.py)
-    h = gemm.matmul(x, up) if module.is_transposed else gemm.linear(x, up)  # [N, 2I]
-    if up_bias is not None:
-        h = h + up_bias
-    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [N, I]
-    y = gemm.matmul(h, down) if module.is_transposed else gemm.linear(h, down)  # [N, H]
-    if down_bias is not None:
-        y = y + down_bias
-    if post_norm and module.has_post_expert_norm:
-        y = module.post_expert_norm(y)
-    return y
+    return module.post_expert_norm(y) if post_norm and module.has_post_expert_norm else y
 
 
 def experts_gathered(module, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, up_bias: torch.Tensor | None = None,
@@ -199,20 +179,19 @@ def _fast(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> bool:
     )
 
 
-def _one_token(module, x, up, down, up_bias, down_bias) -> torch.Tensor:
-    """One token [1, H] through one expert with the bf16 GEMV kernels: [1, H]."""
-    ops = torch.ops.moe_offload
-    if _is_silu_concat(module) and _bias_ok(up_bias) and _bias_ok(down_bias):
+def _few_tokens(module, x, up, down, up_bias, down_bias) -> torch.Tensor:
+    """A few tokens [N, H] through one expert with the bf16 kernels, each weight row read once for all of them (the
+    GEMV for one token; one token under transformers' silu gate takes the fused experts' entry): [N, H]."""
+    if x.shape[0] == 1 and _is_silu_concat(module) and _bias_ok(up_bias) and _bias_ok(down_bias):
         return token_experts(x, [up], [down], up_biases=None if up_bias is None else [up_bias],
                              down_biases=None if down_bias is None else [down_bias])
-    h = ops.gemv_bf16(x, up, up_bias if _bias_ok(up_bias) else None)  # [1, 2I]
-    if up_bias is not None and not _bias_ok(up_bias):
-        h = h + up_bias
-    h = _gate(module, h)  # [1, I]
-    y = ops.gemv_bf16(h.to(down.dtype), down, down_bias if _bias_ok(down_bias) else None)  # [1, H]
-    if down_bias is not None and not _bias_ok(down_bias):
-        y = y + down_bias
-    return y
+    op = torch.ops.moe_offload.gemv_bf16 if x.shape[0] == 1 else torch.ops.moe_offload.gemm_bf16
+
+    def linear(v, w, b):  # a bias the kernel cannot read (not bf16 CPU contiguous) added after
+        y = op(v, w, b if _bias_ok(b) else None)
+        return y if _bias_ok(b) else y + b
+
+    return linear(_gate(module, linear(x, up, up_bias)).to(down.dtype), down, down_bias)
 
 
 def _gate(module, h: torch.Tensor) -> torch.Tensor:
@@ -308,7 +287,7 @@ def patch_linears(model: torch.nn.Module) -> int:
     """Route one-token calls of ``model``'s bf16 CPU nn.Linear layers to ``moe_offload::gemv_bf16``.
 
     Returns how many layers were patched (0 when the kernels are off or unavailable). The swap is an
-    instance-level ``forward``, so state dicts, hooks and prefill are unchanged; ``unpatch_linears`` undoes it.
+    instance-level ``forward``, so state dicts, hooks and prefill are unchanged.
     """
     found = [m for m in model.modules() if type(m) is torch.nn.Linear and _linear_ok(m)]
     if not found or not jit.load():
@@ -321,15 +300,6 @@ def patch_linears(model: torch.nn.Module) -> int:
 def patched(m: torch.nn.Module) -> bool:
     """``m`` is an nn.Linear whose decode calls ``patch_linears`` sent to the kernels."""
     return isinstance(m, torch.nn.Linear) and getattr(m.forward, "__func__", None) is _linear_forward
-
-
-def unpatch_linears(model: torch.nn.Module) -> int:
-    n = 0
-    for m in model.modules():
-        if patched(m):
-            del m.forward
-            n += 1
-    return n
 
 
 def _linear_ok(m: torch.nn.Linear) -> bool:

@@ -19,14 +19,13 @@ safetensors sizes and mtimes) and stored format; `moe-offload convert` writes on
 from __future__ import annotations
 
 import hashlib
-import time
 from pathlib import Path
 
 import torch
 
 from moe_offload.engines.offload.experts import diskstore
-from moe_offload.engines.offload.experts.store import LayerStore, finalize
-from moe_offload.engines.offload.loading import checkpoint
+from moe_offload.engines.offload.experts.store import finalize_expert
+from moe_offload.engines.offload.loading import checkpoint, direct
 from moe_offload.engines.offload.loading.architecture import meta_model
 from moe_offload.hostmem import store_root
 from moe_offload.log import get_logger
@@ -56,50 +55,28 @@ def ensure_store(root: Path, config, experts: list, method: str | None, read_as:
     """The expert store of ``root`` as the engine would hold its experts (see loader.load_model's arguments), written
     now when there is none. ``out``: the directory (default: store_dir)."""
     target = stored_format(method, read_as, convert_to, dtype)
-    where = Path(out) if out is not None else store_dir(root, target)
+    where, origin = Path(out) if out is not None else store_dir(root, target), str(Path(root).resolve())
     man = diskstore.read_manifest(where)
-    if man is not None and man.meta.get("checkpoint") == str(Path(root).resolve()):
-        return man
-    # none, or a store of another checkpoint under this name (a directory copied or renamed): written now
-    t0 = time.perf_counter()
-    log.info("writing the expert store (once per checkpoint and format)", checkpoint=str(root), store=str(where),
-             format=target)
-    meta = meta_model(config, dtype)
-    modules = dict(meta.named_modules())
+    if man is not None and man.meta.get("checkpoint") == origin:
+        return man  # else none, or a store of another checkpoint under this name (a directory copied): written now
+    modules = dict(meta_model(config, dtype).named_modules())
     with checkpoint.Files(root) as files:
-        sources = checkpoint.find_sources(meta, experts, files.keys(), method)
-        if convert_to is not None:
-            place = f"--expert-dtype makes {convert_to} experts"
-        elif method is not None:
-            place = f"a {method} release's experts are {'dequantized' if read_as == 'float' else 'repacked'} at load"
-        else:
-            place = _in_place(root, files, sources, modules, experts, dtype)
-        if not isinstance(place, str):
-            paths, layers = place
-            man = diskstore.write_in_place(where, target, {"checkpoint": str(Path(root).resolve())}, paths, experts,
-                                           layers)
-            log.info("expert store in place: the checkpoint's files are read where they are", store=str(where),
-                     seconds=round(time.perf_counter() - t0, 1), manifest_bytes=man.disk_bytes)
-            return man
+        sources = checkpoint.find_sources(modules[""], experts, files.keys(), method)
+
+        def in_place():
+            if convert_to is not None:
+                return f"--expert-dtype makes {convert_to} experts"
+            if method is not None:
+                return f"a {method} release's experts are {'dequantized' if read_as == 'float' else 'repacked'} at load"
+            return _in_place(root, files, sources, modules, experts, dtype)
 
         def records(info):
             module = modules[info.name]
             for up, down, us, ds in _experts(files, sources[info.name], module, info.num_experts, method, read_as,
                                              dtype):
-                one = LayerStore((up[None], down[None], None, None,
-                                  us[None] if us is not None else None, ds[None] if ds is not None else None), dtype)
-                one, rows = finalize(one, module, False, method is None or read_as == "float", convert_to)
-                t = one.tensors
-                yield (t[0][0], t[1][0], t[4][0] if t[4] is not None else None,
-                       t[5][0] if t[5] is not None else None), rows
+                yield finalize_expert(module, dtype, up, down, us, ds, method is None or read_as == "float", convert_to)
 
-        log.info("expert store copied: the checkpoint's layout is not the one the engine computes from", why=place,
-                 store=str(where))
-        man = diskstore.write_copy(where, target, {"checkpoint": str(Path(root).resolve())}, experts,
-                                   (records(info) for info in experts))
-    log.info("expert store written", store=str(where), seconds=round(time.perf_counter() - t0, 1),
-             gib=round(man.data_bytes / 2**30, 3))
-    return man
+        return direct.write_store(where, target, origin, experts, in_place, records)
 
 
 def _in_place(root: Path, files, sources: dict, modules: dict, experts: list, dtype: torch.dtype):
@@ -156,9 +133,7 @@ def _in_place(root: Path, files, sources: dict, modules: dict, experts: list, dt
 
 def _record(files, src, module, e: int, dtype: torch.dtype) -> tuple:
     """Expert ``e``'s record tensors (up, down, None, None) as the copy would hold them (float checkpoints)."""
-    up, down = _float(files, src.up, e).to(dtype), _float(files, src.down, e).to(dtype)
-    one, _ = finalize(LayerStore((up[None], down[None], None, None, None, None), dtype), module, False, True, None)
-    return one.tensors[0][0], one.tensors[1][0], None, None
+    return finalize_expert(module, dtype, _float(files, src.up, e).to(dtype), _float(files, src.down, e).to(dtype))[0]
 
 
 def _experts(files, src, module, num_experts: int, method: str | None, read_as: str, dtype: torch.dtype):
@@ -183,8 +158,8 @@ def _target(path: str, dtype: str | None, expert_dtype: str | None):
     """(root, config, experts, quant method, read_as, convert_to, compute dtype, stored format name) of a checkpoint
     loaded with ``dtype`` / ``expert_dtype``, as load_model resolves them."""
     from moe_offload.engines.offload.loading.inspection import (
-        DTYPES,
         check_checkpoint,
+        compute_dtype_of,
         expert_target,
         inspect_checkpoint,
     )
@@ -193,8 +168,7 @@ def _target(path: str, dtype: str | None, expert_dtype: str | None):
     config, experts, _ = inspect_checkpoint(root, dtype, expert_dtype)
     method = checkpoint.quant_method(config, str(root))
     read_as, convert_to = expert_target(method, expert_dtype, gguf=getattr(config, "gguf_file", None) is not None)
-    cfg_dtype = getattr(config, "dtype", None)
-    compute = DTYPES[dtype] if dtype else (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else torch.float32)
+    compute = compute_dtype_of(config, dtype) or torch.float32
     return root, config, experts, method, read_as, convert_to, compute, stored_format(method, read_as, convert_to, compute)
 
 

@@ -10,6 +10,9 @@ Why not from_pretrained: it reads every per-expert tensor through mmap, stacks a
 2.0x its size in resident memory. Here the store's tensors are the only copy and the page cache is told to drop
 what was read (posix_fadvise), so a model that fits loads with ~1.0x. Layouts this does not cover (experts that are
 transposed, omni wrappers) keep the from_pretrained path.
+
+The disk tier's store of a checkpoint (write_store, for convert.py and gguf_store.py) is such extents where the files
+hold each expert as the engine computes from it (a manifest, no copy), else a copy written once.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import torch
 
+from moe_offload.engines.offload.experts import diskstore
 from moe_offload.engines.offload.experts.diskstore import pread_into
 from moe_offload.engines.offload.loading import hugepages
 from moe_offload.errors import ModelError
+from moe_offload.log import get_logger
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
           "I8": torch.int8, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "I64": torch.int64}
@@ -135,3 +141,24 @@ def same_bytes(fds: list[int], extents, entries: tuple, record_bytes: int,
             return False
     return all(t is None or torch.equal(buf[e.offset: e.offset + e.nbytes], t.contiguous().view(torch.uint8).reshape(-1))
                for t, e in zip(want, entries))
+
+
+def write_store(directory: Path, fmt: str, origin: str, experts: list, in_place, records) -> diskstore.Manifest:
+    """Write the expert store of the checkpoint at ``origin`` (its path, kept as the manifest's "checkpoint"): in place
+    (a manifest of extents of its files) when ``in_place()`` gives (files, per layer items of write_in_place), else a
+    copy of ``records(info)`` per experts module (diskstore.write_copy), ``in_place()`` having said why (a str)."""
+    log, t0 = get_logger("moe_offload.store"), time.perf_counter()
+    log.info("writing the expert store (once per checkpoint and format)", checkpoint=origin, store=str(directory),
+             format=fmt)
+    place = in_place()
+    if not isinstance(place, str):
+        man = diskstore.write_in_place(directory, fmt, {"checkpoint": origin}, place[0], experts, place[1])
+        log.info("expert store in place: the checkpoint's files are read where they are", store=str(directory),
+                 seconds=round(time.perf_counter() - t0, 1), manifest_bytes=man.disk_bytes)
+        return man
+    log.info("expert store copied: the checkpoint's layout is not the one the engine computes from", why=place,
+             store=str(directory))
+    man = diskstore.write_copy(directory, fmt, {"checkpoint": origin}, experts, (records(info) for info in experts))
+    log.info("expert store written", store=str(directory), seconds=round(time.perf_counter() - t0, 1),
+             gib=round(man.data_bytes / 2**30, 3))
+    return man

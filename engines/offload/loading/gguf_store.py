@@ -1,4 +1,4 @@
-"""A GGUF file's expert store (the disk tier): its expert blocks read in place where the engine computes from them
+r"""A GGUF file's expert store (the disk tier): its expert blocks read in place where the engine computes from them
 as the file lays them out (a manifest of each expert's gate, up and down slices), else a copy written once.
 
     ensure_store(file) --_in_place (expert 0 and the last compared with read_experts' bytes)--> manifest of extents
@@ -21,53 +21,35 @@ def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bo
     blocks, or ``dequantize``d to ``dtype``), written now when there is none. Each record is one expert's gate|up and
     down read from the file's map (finalized as take_from_module finalizes a layer), so the disk tier computes from
     the same bytes in the same types."""
-    import time
-
     from moe_offload.engines.offload.experts import diskstore
-    from moe_offload.engines.offload.experts.store import LayerStore, finalize
+    from moe_offload.engines.offload.experts.store import finalize_expert
     from moe_offload.engines.offload.loading.architecture import meta_model
-    from moe_offload.log import get_logger
+    from moe_offload.engines.offload.loading.direct import write_store
 
     default, target = store_dir(path, dtype, dequantize)
-    where = Path(out) if out is not None else default
+    where, origin = Path(out) if out is not None else default, str(gguf_meta.files_of(path)[0].resolve())
     man = diskstore.read_manifest(where)
-    if man is not None and man.meta.get("checkpoint") == str(gguf_meta.files_of(path)[0].resolve()):
+    if man is not None and man.meta.get("checkpoint") == origin:
         return man  # else none, or a store of another file under this name (a directory copied): written now
     info = gguf_meta.read(path)
-    log = get_logger("moe_offload.gguf")
-    t0 = time.perf_counter()
-    log.info("writing the expert store (once per file and format)", gguf=str(info.files[0]), store=str(where))
     tensors = Tensors(info)
     modules = dict(meta_model(config, dtype).named_modules())
-    place = _in_place(tensors, experts, modules, dtype, dequantize)
-    if not isinstance(place, str):  # the file's expert tensors are the records: a manifest of their extents, no copy
-        man = diskstore.write_in_place(where, target, {"checkpoint": str(info.files[0].resolve())}, list(info.files),
-                                       experts, place)
-        log.info("expert store in place: the file's expert tensors are read where they are", store=str(where),
-                 seconds=round(time.perf_counter() - t0, 1))
-        return man
 
     def records(i):
-        module = modules[i.name]
         for e in range(i.num_experts):
-            up, down, _, _ = read_experts(tensors, i, module, dtype, dequantize, expert=e)
-            one, rows = finalize(LayerStore((up, down, None, None, None, None), dtype), module, False, False, None)
-            yield (one.tensors[0][0], one.tensors[1][0], None, None), rows
+            up, down, _, _ = read_experts(tensors, i, modules[i.name], dtype, dequantize, expert=e)
+            yield finalize_expert(modules[i.name], dtype, up[0], down[0], was_float=False)
 
-    log.info("expert store copied: the file's layout is not the one the engine computes from", why=place,
-             store=str(where))
-    man = diskstore.write_copy(where, target, {"checkpoint": str(info.files[0].resolve())}, experts,
-                               (records(i) for i in experts))
-    log.info("expert store written", store=str(where), seconds=round(time.perf_counter() - t0, 1))
-    return man
+    return write_store(where, target, origin, experts,
+                                 lambda: _in_place(tensors, experts, modules, dtype, dequantize), records)
 
 
 def _in_place(tensors: Tensors, experts: list, modules: dict, dtype: torch.dtype, dequantize: bool):
-    """Per layer (entries, record bytes, per expert extents) when each expert's record is its gate, up and down
+    """(files, per layer (entries, record bytes, per expert extents)) when each expert's record is its gate, up and down
     slices of the file as they are (ggml blocks kept as stored, or float experts already in ``dtype``), else why not.
     Expert 0 and the last expert of each layer are read through the extents and compared with read_experts'."""
     from moe_offload.engines.offload.experts import diskstore
-    from moe_offload.engines.offload.experts.store import LayerStore, finalize
+    from moe_offload.engines.offload.experts.store import finalize_expert
     from moe_offload.engines.offload.loading.direct import same_bytes
 
     if dequantize:
@@ -83,8 +65,7 @@ def _in_place(tensors: Tensors, experts: list, modules: dict, dtype: torch.dtype
 
             def record(e):
                 up, down, _, _ = read_experts(tensors, i, module, dtype, False, expert=e)
-                one, _ = finalize(LayerStore((up, down, None, None, None, None), dtype), module, False, False, None)
-                return one.tensors[0][0], one.tensors[1][0], None, None
+                return finalize_expert(module, dtype, up[0], down[0], was_float=False)[0]
 
             first = record(0)
             entries, rb = diskstore.layout(first)
@@ -97,7 +78,7 @@ def _in_place(tensors: Tensors, experts: list, modules: dict, dtype: torch.dtype
                     and same_bytes(fds, extents[last], entries, rb, record(last))):
                 return f"{i.name}: an expert read in place differs from its copy"  # read both ways
             out.append((entries, rb, extents))
-        return out
+        return list(tensors.info.files), out
     finally:
         for fd in fds:
             os.close(fd)

@@ -36,6 +36,12 @@ class ExpertsInfo:
     expert_bytes: int
 
 
+def compute_dtype_of(config, dtype: str | None) -> torch.dtype | None:
+    """The dtype the model computes in: ``dtype`` (a DTYPES name), else what from_pretrained loads (the config's)."""
+    cfg_dtype = getattr(config, "dtype", None)
+    return DTYPES[dtype] if dtype else (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None)
+
+
 def check_checkpoint(path: str) -> Path:
     """A directory with config.json and every safetensors shard its index names; for a GGUF file (or a directory
     holding one) the directory of its config.json and tokenizer (gguf_load.view_dir); else ModelError."""
@@ -85,8 +91,7 @@ def inspect_checkpoint(root: str | Path, dtype: str | None = None, expert_dtype:
         config = AutoConfig.from_pretrained(root)
     except (ValueError, OSError, KeyError) as e:
         raise ModelError(f"{root}: config.json cannot be read by transformers: {e}") from None
-    cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
-    torch_dtype = DTYPES[dtype] if dtype else (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None)
+    torch_dtype = compute_dtype_of(config, dtype)
     method = checkpoint.quant_method(config, str(root))
     read_as, convert_to = expert_target(method, expert_dtype, gguf=getattr(config, "gguf_file", None) is not None)
     priced_as = convert_to or (checkpoint.STORED_FORMAT.get(method, method) if read_as == "stored" else "bfloat16")

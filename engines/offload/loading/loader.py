@@ -34,10 +34,11 @@ from moe_offload.engines.offload.loading.inspection import (
     DTYPES,
     ExpertsInfo,
     check_checkpoint,
+    compute_dtype_of,
     expert_target,
     inspect_checkpoint,
 )
-from moe_offload.errors import ConfigError, ModelError, PlacementError
+from moe_offload.errors import ConfigError, ModelError, PlacementError, require_count
 from rm_core import Placement
 
 EXPERT_DTYPES = tuple(vocab.EXPERT_DTYPES)  # --expert-dtype: quantize a float checkpoint's experts at load, or dequantize
@@ -94,8 +95,7 @@ def load_model(
     not fit), ConfigError (bad option) before any large allocation.
     """
     policies.check_policy(policy)
-    if hybrid_threshold is not None and (isinstance(hybrid_threshold, bool) or not isinstance(hybrid_threshold, int) or hybrid_threshold < 1):
-        raise ConfigError(f"hybrid_threshold: expected an integer >= 1, got {hybrid_threshold!r}")
+    require_count("hybrid_threshold", hybrid_threshold)
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
     if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
@@ -119,9 +119,7 @@ def load_model(
     method = checkpoint.quant_method(config, str(root))
     gguf_file = getattr(config, "gguf_file", None)  # a GGUF file's view (gguf_load.view_dir)
     read_as, convert_to = expert_target(method, expert_dtype, gguf=gguf_file is not None)
-    torch_dtype = DTYPES[dtype] if dtype else None
-    cfg_dtype = getattr(config, "dtype", None)  # what from_pretrained will load when dtype is None
-    compute_dtype = torch_dtype or (cfg_dtype if isinstance(cfg_dtype, torch.dtype) else None)
+    torch_dtype, compute_dtype = DTYPES[dtype] if dtype else None, compute_dtype_of(config, dtype)
     if dense_dtype == "int8" and (dev.type != "cpu" or compute_dtype not in (None, torch.bfloat16)):
         raise ConfigError(f"dense_dtype int8: needs bf16 compute on the cpu, got {compute_dtype} on {dev} "
                           "(give --dtype bfloat16, or leave the dense weights as they are)")

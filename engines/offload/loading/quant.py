@@ -188,60 +188,57 @@ def weight_bytes(fmt: str, R: int, K: int, split: int = 0, float_bytes: int = 2)
 # -- --dense-dtype int8: the model's own dense linears and LM head held as int8 -------------------------------------------
 
 
-class QuantLinear(torch.nn.Module):
-    """An ``nn.Linear`` held as int8 rows with fp32 per-row scales (``quantize_int8``), for ``--dense-dtype int8``.
-
-    Up to 16 tokens (decode) go through ``moe_offload::gemv_q``, the int8 kernel the experts use (activations
-    quantized per token in blocks of 32); more tokens (prefill) through ``F.linear`` on the dequantized weight.
+class RowsLinear(torch.nn.Module):
+    """An ``nn.Linear`` held as quantized rows, ``weight_q`` + ``weight_scale`` (what the fused decode layer reads).
+    Up to 16 tokens (decode) in ``kernel_dtypes`` go through ``moe_offload::gemv_q``, the kernel the experts use
+    (activations quantized per token); anything else (prefill, CUDA) through ``F.linear`` on the dequantized weight.
     The bias keeps its dtype."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    kernel_dtypes: tuple = (torch.bfloat16,)
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias, in_features: int, label: str, persistent=True):
         super().__init__()
-        q, s = quantize_int8(linear.weight.detach())
+        self.label = label
         self.register_buffer("weight_q", q)
-        self.register_buffer("weight_scale", s)
-        self.bias = linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from moe_offload.engines.offload.kernels import jit
-        from moe_offload.engines.offload.kernels.ops import MAX_TOKENS
-
-        if (x.is_cpu and x.dtype in (torch.bfloat16, torch.float32) and 0 < x.numel() <= MAX_TOKENS * self.in_features
-                and jit.load()):
-            return torch.ops.moe_offload.gemv_q(x, self.weight_q, self.weight_scale, self.bias, 0)
-        return torch.nn.functional.linear(x, dequantize_int8(self.weight_q, self.weight_scale, x.dtype), self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
-
-
-class BlockLinear(torch.nn.Module):
-    """An ``nn.Linear`` held as ggml blocks (a GGUF file's attention projection or LM head, kept as shipped).
-
-    Up to 16 bf16 tokens (decode) go through ``moe_offload::gemv_q`` with llama.cpp's 8-bit activations, as the block
-    experts do; anything else (prefill, fp32 compute, CUDA) through ``F.linear`` on the dequantized weight (the exact
-    weights: fp32 compute equals transformers on the dequantized model). ``weight_q`` / ``weight_scale`` (empty) are
-    what the fused decode layer reads, as for QuantLinear."""
-
-    def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        self.register_buffer("weight_q", blocks)
-        self.register_buffer("weight_scale", torch.empty(0), persistent=False)
+        self.register_buffer("weight_scale", scale, persistent=persistent)
         self.bias = bias
-        self.in_features, self.out_features = ggml.features(blocks), blocks.shape[0]
+        self.in_features, self.out_features = in_features, q.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from moe_offload.engines.offload.kernels import jit
         from moe_offload.engines.offload.kernels.ops import MAX_TOKENS
 
-        if (x.is_cpu and self.weight_q.is_cpu and x.dtype == torch.bfloat16
+        if (x.is_cpu and self.weight_q.is_cpu and x.dtype in self.kernel_dtypes
                 and 0 < x.numel() <= MAX_TOKENS * self.in_features and jit.load()):
             return torch.ops.moe_offload.gemv_q(x, self.weight_q, self.weight_scale, self.bias, 0)
-        return torch.nn.functional.linear(x, ggml.dequantize(self.weight_q, x.dtype), self.bias)
+        return torch.nn.functional.linear(x, self.dequantized(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {ggml.layout_of(self.weight_q).name}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.label}"
+
+
+class QuantLinear(RowsLinear):
+    """``--dense-dtype int8``: int8 rows with fp32 per-row scales (``quantize_int8``); fp32 tokens take the kernel too."""
+
+    kernel_dtypes = (torch.bfloat16, torch.float32)
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__(*quantize_int8(linear.weight.detach()), linear.bias, linear.in_features, "int8")
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_int8(self.weight_q, self.weight_scale, dtype)
+
+
+class BlockLinear(RowsLinear):
+    """A GGUF file's attention projection or LM head held as its ggml blocks, as shipped (llama.cpp's 8-bit
+    activations in the kernel; the dequantized weight otherwise, so fp32 compute equals transformers on the
+    dequantized model). ``weight_scale`` is empty."""
+
+    def __init__(self, blocks: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(blocks, torch.empty(0), bias, ggml.features(blocks), ggml.layout_of(blocks).name, False)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return ggml.dequantize(self.weight_q, dtype)
 
 
 DENSE_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -20,7 +20,7 @@ from moe_offload.engines.offload.runtime.engine import CACHES, OffloadEngine
 from moe_offload.engines.offload.runtime.kv_budget import DEFAULT_KV_HOST, KVCacheConfig
 from moe_offload.engines.offload.runtime.scheduler import SchedulerConfig
 from moe_offload.engines.params import SpeculativeConfig
-from moe_offload.errors import ConfigError
+from moe_offload.errors import ConfigError, require_count
 
 BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "expert_dtype", "dense_dtype", "hybrid_threshold", "cache",
                  "host_memory", "prefetch",
@@ -59,8 +59,7 @@ def _check_parallel(tensor_parallel, device: str, devices, tail_skip) -> int:
     """The number of ranks (1: one process); ConfigError for what expert parallel does not combine with."""
     if tensor_parallel is None or tensor_parallel == 1:
         return 1
-    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-        raise ConfigError(f"tensor_parallel: expected a number of ranks >= 1, got {tensor_parallel!r}")
+    require_count("tensor_parallel", tensor_parallel, "a number of ranks >= 1")
     if devices is not None:
         raise ConfigError("tensor_parallel with --devices: give one or the other")
     if tail_skip is not None:
@@ -96,8 +95,7 @@ def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheC
     from moe_offload.engines.offload.loading.inspection import inspect_checkpoint
     from moe_offload.hostmem import plan_host, runtime_reserve
 
-    if host_memory is not None and (isinstance(host_memory, bool) or not isinstance(host_memory, int) or host_memory < 1):
-        raise ConfigError(f"host_memory: expected bytes (an integer >= 1), got {host_memory!r}")
+    require_count("host_memory", host_memory, "bytes (an integer >= 1)")
     _, experts, dense = inspect_checkpoint(path, dtype, expert_dtype)
     on_cpu = torch.device(device).type == "cpu"
     floor, tokens = kv_floor(path, dtype, kv_config.max_model_len) if on_cpu else (0, 0)
@@ -197,8 +195,7 @@ def build_offload_engine(
     speculative = SpeculativeConfig.parse(speculative)
     if cold_dtype is not None and cold_dtype not in ("int8", "int4"):
         raise ConfigError(f"cold_dtype: expected int8 or int4, got {cold_dtype!r}")
-    if tail_skip is not None and (isinstance(tail_skip, bool) or not isinstance(tail_skip, int) or tail_skip < 1):
-        raise ConfigError(f"tail_skip: expected a rank >= 1 (a token's top expert is never skipped), got {tail_skip!r}")
+    require_count("tail_skip", tail_skip, "a rank >= 1 (a token's top expert is never skipped)")
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     from moe_offload.engines.offload.loading.devices import parse, torch_device

@@ -33,7 +33,7 @@ import torch
 from moe_offload.engines.offload.experts import fused
 from moe_offload.engines.offload.experts.tiercache import TierSlots
 from moe_offload.engines.offload.kernels import dispatch
-from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
+from moe_offload.engines.offload.loading.quant import RowsLinear
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -86,7 +86,7 @@ class StepCall:
         def glue_ok(lay) -> bool:  # the router fused (+ a shared expert the kernel takes), or DeepSeek-V3's block
             if lay.moe is not None:
                 return lay.shared is None or lay.shared_args is not None
-            return lay.block is not None and (lay.block.shared_args is not None or getattr(lay.block, "shared", None) is None)
+            return lay.block is not None and (lay.block.shared_args is not None or lay.block.shared is None)
 
         items = [(lay.idx, lay.state, glue_ok(lay), lay.dense) for lay in plan.layers]
         why = _refuse(plan.executor, items) or next(
@@ -205,4 +205,4 @@ def _mla_linears_ok(a) -> bool:
     q_lora: q_a|kv_a run fused, not as modules) kv_a_proj_with_mqa, each a bf16 nn.Linear patched to the kernels or
     (--dense-dtype int8, a GGUF file) int8 rows / ggml blocks, which call gemv_q."""
     ms = (a.q_b_proj, a.o_proj) if a.q_lora_rank is not None else (a.q_proj, a.o_proj, a.kv_a_proj_with_mqa)
-    return all(dispatch.patched(m) or isinstance(m, (QuantLinear, BlockLinear)) for m in ms)
+    return all(dispatch.patched(m) or isinstance(m, RowsLinear) for m in ms)

@@ -149,7 +149,7 @@ class LinearLayer:
     def of(cls, m: torch.nn.Module) -> "LinearLayer | None":
         """The layer ``m`` (installed by ``install``) as Layer.decode_linear takes it, or None: projections with a bias,
         bf16 beside int8 / ggml blocks, a conv or norm of other dtypes."""
-        from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
+        from moe_offload.engines.offload.loading.quant import RowsLinear
 
         if not isinstance(m.__dict__.get("forward"), functools.partial):
             return None
@@ -162,7 +162,7 @@ class LinearLayer:
             return None
         if all(type(p) is torch.nn.Linear and p.weight.dtype == torch.bfloat16 for p in every):
             w_in, s_in, wo, so = [p.weight for p in projs], [], m.out_proj.weight, None
-        elif all(isinstance(p, (QuantLinear, BlockLinear)) for p in every):
+        elif all(isinstance(p, RowsLinear) for p in every):
             w_in, s_in = [p.weight_q for p in projs], [p.weight_scale for p in projs]
             wo, so = m.out_proj.weight_q, m.out_proj.weight_scale
         else:

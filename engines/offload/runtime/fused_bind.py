@@ -19,7 +19,7 @@ import torch
 
 from moe_offload.control.description import Attention, LinearMixer, ModelDescription, MoEBlock, Rotary
 from moe_offload.engines.offload.kernels import jit
-from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
+from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear, RowsLinear
 from moe_offload.engines.offload.runtime import deltanet, mla_plan
 from moe_offload.engines.offload.runtime.moe_blocks import block_for
 from moe_offload.engines.offload.runtime.weights import mlp_args
@@ -47,7 +47,7 @@ def _eps(norm) -> float:
 def _attention(k, layer, attn, mixer: Attention, pool, idx: int, hd: int) -> None:
     """Set the kernel layer ``k``'s softmax attention: q/k/v/o (int8 rows or ggml blocks where the projections hold
     them, with their scales), biases, q/k norms, sinks, window, rotary kind, output gate, and its paged KV pools."""
-    q8 = isinstance(attn.q_proj, (QuantLinear, BlockLinear))
+    q8 = isinstance(attn.q_proj, RowsLinear)
     w_of = (lambda m: m.weight_q) if q8 else (lambda m: m.weight)
     wq, wk, wv = (w_of(getattr(attn, a)) for a in ("q_proj", "k_proj", "v_proj"))
     rotary = mixer.rotary.kind if mixer.rotary is not None else "rotate_half"  # NoPE: the identity table's layout
@@ -160,7 +160,7 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
     if desc.attention == "mla":
         return mla_plan.refuse(model)
-    if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, QuantLinear, BlockLinear)):
+    if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, RowsLinear)):
         return "no linear LM head"
     if getattr(cfg, "clip_qkv", None) is not None:
         return "clip_qkv"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_offload.engines.offload.runtime import kv
-from moe_offload.errors import ConfigError
+from moe_offload.errors import ConfigError, require_count
 from moe_offload.hostmem import DEFAULT_KV_HOST  # the KV budget on a cpu device when memory allows
 from moe_offload.log import get_logger
 
@@ -33,12 +33,9 @@ class KVCacheConfig:
     max_model_len: int | None = None
 
     def __post_init__(self):
-        for name in ("block_size", "kv_cache_memory", "max_model_len"):
-            v = getattr(self, name)
-            if v is None and name != "block_size":
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name}: expected an integer >= 1, got {v!r}")
+        require_count("block_size", self.block_size, optional=False)
+        require_count("kv_cache_memory", self.kv_cache_memory)
+        require_count("max_model_len", self.max_model_len)
 
 
 def probe_kv_bytes(model, executor, device: torch.device) -> tuple[int, int] | None:

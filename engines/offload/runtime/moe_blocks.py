@@ -1,6 +1,6 @@
 """MoE blocks the fused decode paths run without their modules, chosen by the model description's router kind.
 
-    block_for(mlp, MoEBlock description) --router kind-->
+    block_for(mlp, MoEBlock description) --router kind--> one RouterBlock, set for
         grouped_sigmoid: DeepSeek-V3's block (sigmoid router with correction bias and expert groups, shared experts;
             also GLM-4.5+, dots.llm1, Kimi K2, ...) as
             F.linear(x, router fp32) -> sigmoid -> moe_offload::grouped_topk (kernels/csrc/cpu/router.cpp)
@@ -52,78 +52,46 @@ def _served(mlp):
     return experts if getattr(experts, "_moe_offload", None) is not None else None
 
 
-class DeepseekBlock:
-    """DeepSeek-V3's MoE block for decode rows: ``block(executor, x [M, H]) -> [M, H]``, as the module computes it.
-    The shared experts run as one ``mlp_rows`` call over their gate|up rows fused (``fuse_rows``)."""
+class RouterBlock:
+    """A MoE block for decode rows, ``block(executor, x [M, H]) -> [M, H]``, as its module computes it: the router's
+    logits (fp32, or in the router weight's dtype: bf16 weights through moe_offload::gemm_bf16, each logit a dot
+    rounded once as F.linear rounds it; torch's bf16 GEMM costs ~20-40 us a call at these shapes), their fp32 sigmoid
+    or softmax, + the correction bias to choose, the selection (moe_offload::grouped_topk: groups, top-k, renormalise,
+    scale), the chosen weights rounded to the compute dtype where the module rounds them, the executor, and the shared
+    experts as one ``mlp_rows`` call over their gate|up rows fused where they take it."""
 
-    def __init__(self, mlp, state):
-        self.gate, self.experts, self.shared, self.state = mlp.gate, mlp.experts, mlp.shared_experts, state
-        g = self.gate
-        self.args = (int(g.num_group), int(g.topk_group), int(g.top_k), bool(g.norm_topk_prob), float(g.routed_scaling_factor))
-        self.shared_args = mlp_args(self.shared)  # (gate_up, down) or None: the module runs
-
-    def router_args(self) -> tuple:
-        """grouped_router's arguments for the whole-step call: fp32 weights, bias, groups, top-k, norm, scale, scores
-        (sigmoid), weights rounded to bf16 (no)."""
-        g = self.gate
-        return (g.weight.detach().float().contiguous(), g.e_score_correction_bias.detach().float(), *self.args, "sigmoid", False)
-
-    def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
-        g = self.gate
-        scores = F.linear(x.type(torch.float32), g.weight.type(torch.float32)).sigmoid()  # [M, E], the module's ops
-        ids, w = torch.ops.moe_offload.grouped_topk(scores, g.e_score_correction_bias.float(), *self.args)
-        return plus_shared(ex.forward(self.state, self.experts, x, ids, w), x, self.shared, self.shared_args)
-
-
-class SigmoidTopkBlock:
-    """MiniMax-M2's MoE block for decode rows, as the module computes it: the router's logits in its weight's dtype
-    (bf16 weights: moe_offload::gemm_bf16, each logit a dot rounded once as F.linear rounds it, summed in the kernels'
-    order: torch's bf16 GEMM costs ~20-40 us a call at these shapes, a tenth of a layer; else ``F.linear``), their
-    fp32 sigmoid, + the correction bias to choose, the chosen sigmoid scores over their sum (moe_offload::grouped_topk
-    with one group), the executor; no shared expert."""
-
-    shared_args = None
-
-    def __init__(self, mlp, state):
-        self.gate, self.experts, self.bias, self.state = mlp.gate, mlp.experts, mlp.e_score_correction_bias, state
-        self.args = (1, 1, int(mlp.gate.top_k), True, 1.0)
+    def __init__(self, mlp, state, bias, args: tuple, scoring: str, fp32_logits: bool = True,
+                 round_weights: bool = False):
+        self.gate, self.experts, self.state = mlp.gate, mlp.experts, state
+        self.shared = getattr(mlp, "shared_experts", None)
+        self.shared_args = None if self.shared is None else mlp_args(self.shared)  # (gate_up, down), or the module
+        self.bias, self.args, self.scoring = bias.detach().float().reshape(-1), args, scoring
+        self.fp32_logits, self.round_weights = fp32_logits, round_weights
 
     def router_args(self) -> tuple:
-        """grouped_router's arguments: the router weights as stored (logits in their dtype), bias, selection."""
-        return (self.gate.weight.detach(), self.bias.detach().float(), *self.args, "sigmoid", False)
+        """grouped_router's arguments for the whole-step call: the router weights (fp32, or as stored), bias,
+        groups, top-k, norm, scale, scoring, weights rounded to bf16."""
+        w = self.gate.weight.detach()
+        return (w.float().contiguous() if self.fp32_logits else w, self.bias, *self.args, self.scoring,
+                self.round_weights)
 
     def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
         w = self.gate.weight
-        x = x.to(w.dtype)
-        logits = torch.ops.moe_offload.gemm_bf16(x, w) if w.dtype == torch.bfloat16 else F.linear(x, w)
-        scores = logits.float().sigmoid()  # [M, E], the module's ops
-        ids, weights = torch.ops.moe_offload.grouped_topk(scores, self.bias.float(), *self.args)
-        return ex.forward(self.state, self.experts, x, ids, weights)
-
-
-class SoftmaxBiasBlock:
-    """Ernie 4.5's MoE block for decode rows, as the module computes it: fp32 logits, their softmax, + the correction
-    bias to choose top-k, the chosen softmax scores over their sum, rounded to bf16; shared experts added (mlp_rows)."""
-
-    def __init__(self, mlp, state):
-        self.gate, self.experts, self.shared, self.state = mlp.gate, mlp.experts, mlp.shared_experts, state
-        self.bias = mlp.gate.moe_statics.e_score_correction_bias
-        self.args = (1, 1, int(mlp.gate.top_k), True, 1.0)
-        self.shared_args = None if self.shared is None else mlp_args(self.shared)
-
-    def router_args(self) -> tuple:
-        g = self.gate
-        return (g.weight.detach().float().contiguous(), self.bias.detach().float().reshape(-1), *self.args, "softmax", True)
-
-    def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
-        g = self.gate
-        scores = F.softmax(F.linear(x.float(), g.weight.float()), dim=1, dtype=torch.float)  # the module's ops
-        ids, w = torch.ops.moe_offload.grouped_topk(scores, self.bias.float().reshape(-1), *self.args)
-        out = ex.forward(self.state, self.experts, x, ids, w.to(x.dtype))
+        if self.fp32_logits:
+            logits = F.linear(x.float(), w.float())
+        else:
+            x = x.to(w.dtype)
+            logits = torch.ops.moe_offload.gemm_bf16(x, w) if w.dtype == torch.bfloat16 else F.linear(x, w)
+        if self.scoring == "softmax":
+            scores = F.softmax(logits, dim=1, dtype=torch.float)  # [M, E], the module's ops
+        else:
+            scores = logits.float().sigmoid()
+        ids, weights = torch.ops.moe_offload.grouped_topk(scores, self.bias, *self.args)
+        out = ex.forward(self.state, self.experts, x, ids, weights.to(x.dtype) if self.round_weights else weights)
         return out if self.shared is None else plus_shared(out, x, self.shared, self.shared_args)
 
 
-def deepseek_block(mlp) -> DeepseekBlock | None:
+def deepseek_block(mlp) -> RouterBlock | None:
     """DeepSeek-V3's block for ``mlp`` (a grouped_sigmoid router) with its experts on the executor, else None: experts
     not served, or groups the selection call does not take."""
     experts = _served(mlp)
@@ -132,20 +100,24 @@ def deepseek_block(mlp) -> DeepseekBlock | None:
     g = mlp.gate
     if g.num_experts % g.num_group or g.top_k > (g.num_experts // g.num_group) * g.topk_group:
         return None
-    return DeepseekBlock(mlp, experts._moe_offload)
+    return RouterBlock(mlp, experts._moe_offload, g.e_score_correction_bias, (
+        int(g.num_group), int(g.topk_group), int(g.top_k), bool(g.norm_topk_prob), float(g.routed_scaling_factor)),
+        "sigmoid")
 
 
-def block_for(mlp, block) -> DeepseekBlock | SigmoidTopkBlock | SoftmaxBiasBlock | None:
+def block_for(mlp, block) -> RouterBlock | None:
     """The block that runs ``mlp`` for decode rows, by the description's router kind (``block``: a
     description.MoEBlock); None where its module must run."""
     experts = _served(mlp)
     if experts is None or block.runs_as_module:
         return None
-    r = block.router
+    r, one_group = block.router, (1, 1, int(mlp.gate.top_k), True, 1.0)
     if r.scoring == "sigmoid" and r.groups is not None:
         return deepseek_block(mlp)
     if r.scoring == "sigmoid" and r.correction_bias and hasattr(mlp, "e_score_correction_bias"):
-        return SigmoidTopkBlock(mlp, experts._moe_offload)
+        return RouterBlock(mlp, experts._moe_offload, mlp.e_score_correction_bias, one_group, "sigmoid",
+                           fp32_logits=False)
     if r.scoring == "softmax" and r.correction_bias:
-        return SoftmaxBiasBlock(mlp, experts._moe_offload)
+        return RouterBlock(mlp, experts._moe_offload, mlp.gate.moe_statics.e_score_correction_bias, one_group,
+                           "softmax", round_weights=True)
     return None

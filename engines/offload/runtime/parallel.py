@@ -191,23 +191,31 @@ def launch(world: int, build, model_path: str, placement, options: dict[str, Any
             p.kill()
         raise
     torch.set_num_threads(threads)
-    engine, err = None, None
-    try:
-        engine = build(model_path, placement, expert_parallel=(0, world), **options)
-    except Exception as e:  # reported to every rank, then raised
-        err = str(e) or type(e).__name__
-    errors: list = [None] * world
-    dist.all_gather_object(errors, err, group=_CPU_GROUP)
-    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    engine, failed = _built(lambda: build(model_path, placement, expert_parallel=(0, world), **options), world)
     if failed:
-        if engine is not None:
-            engine.close()
         for p in procs:
             p.wait(timeout=60)
         _leave()
         raise ConfigError("tensor parallel: " + "; ".join(failed))
     engine.ranks = Leader(world, procs)
     return engine
+
+
+def _built(build, world: int):
+    """(this rank's engine from ``build()``, ["rank r: its error"] of every rank whose build raised): every rank
+    learns every outcome; where any failed, this rank's engine is closed (None)."""
+    engine, err = None, None
+    try:
+        engine = build()
+    except Exception as e:  # reported to every rank
+        err = str(e) or type(e).__name__
+    errors: list = [None] * world
+    dist.all_gather_object(errors, err, group=_CPU_GROUP)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed and engine is not None:
+        engine.close()
+        engine = None
+    return engine, failed
 
 
 def share(placement, rank: int, world: int):
@@ -241,17 +249,9 @@ def follow(build, rank: int, world: int, port: int, threads: int, spec: dict[str
     options = dict(spec["options"])
     if cuda_base is not None:  # each rank its own GPU
         options["device"] = f"cuda:{cuda_base + rank}"
-    engine, err = None, None
-    try:
-        placement = Placement.from_json(spec["placement"]) if spec["placement"] else spec["placement_file"]
-        engine = build(spec["model"], placement, expert_parallel=(rank, world), **options)
-    except Exception as e:
-        err = str(e) or type(e).__name__
-    errors: list = [None] * world
-    dist.all_gather_object(errors, err, group=_CPU_GROUP)
-    if any(errors):
-        if engine is not None:
-            engine.close()
+    engine, failed = _built(lambda: build(spec["model"], Placement.from_json(spec["placement"]) if spec["placement"]
+                                          else spec["placement_file"], expert_parallel=(rank, world), **options), world)
+    if failed:
         _leave()
         return 1
     gens: dict[int, Any] = {}

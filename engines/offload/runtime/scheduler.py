@@ -13,12 +13,11 @@ of the sequence's tokens gives logits, so the step samples its next token.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from moe_offload.errors import ConfigError
+from moe_offload.errors import ConfigError, require_count
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -33,10 +32,8 @@ class SchedulerConfig:
     chunked_prefill: bool = True
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name}: expected an integer >= 1, got {v!r}")
+        require_count("max_num_seqs", self.max_num_seqs, optional=False)
+        require_count("max_num_batched_tokens", self.max_num_batched_tokens, optional=False)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                               f"({self.max_num_seqs}): every running sequence decodes one token per step")
@@ -55,7 +52,6 @@ class Sequence:
     computed: int = 0
     state: str = WAITING
     preemptions: int = 0
-    arrival: float = field(default_factory=time.perf_counter)
     draft: list[int] = field(default_factory=list)  # speculative tokens after ``tokens``, verified by the next step
 
     @property
@@ -93,17 +89,8 @@ class SchedulerOutput:
     preempted: tuple[Sequence, ...] = ()
 
     @property
-    def total_tokens(self) -> int:
-        return self.num_decode_tokens + self.num_prefill_tokens
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-    @property
-    def one_token_each(self) -> bool:
-        """Every sequence computes one token (a decode, or a one-token prefill chunk)."""
-        return all(n == 1 for _, n in self.scheduled)
 
     @property
     def decode_only(self) -> bool:
@@ -123,9 +110,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence (done, aborted or failed) wherever it is."""

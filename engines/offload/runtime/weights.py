@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_offload.engines.offload.loading.quant import RowsLinear
+
 
 def fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor | None:
     """One [sum of out, in] weight whose row blocks become the linears' weights (views: no second copy), so that
@@ -33,20 +35,12 @@ def fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor | None:
     return fused
 
 
-def _rows_linear(m) -> bool:
-    """``m`` holds its weight as rows the kernels read quantized: --dense-dtype int8's QuantLinear, a GGUF file's
-    BlockLinear."""
-    from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
-
-    return type(m) in (QuantLinear, BlockLinear)
-
-
 def fuse_quantized_rows(*linears) -> tuple[torch.Tensor, torch.Tensor] | None:
     """fuse_rows for int8 QuantLinears (rows and their per-row scales) or BlockLinears of one ggml block type (scales
     empty: the blocks carry theirs): (rows, scales), the modules' buffers views of them. A row's dot product does not
     depend on its neighbours, so outputs are unchanged. None (nothing changed) unless bias-free CPU linears of one
     class, one format and one input width."""
-    if not linears or any(not _rows_linear(m) or m.bias is not None or type(m) is not type(linears[0]) for m in linears):
+    if not linears or any(not isinstance(m, RowsLinear) or m.bias is not None or type(m) is not type(linears[0]) for m in linears):
         return None
     ws = [m.weight_q for m in linears]
     if any(w.dtype != ws[0].dtype or w.shape[1:] != ws[0].shape[1:] or w.device.type != "cpu" for w in ws):
@@ -72,7 +66,7 @@ def silu_mlp(mlp) -> bool:
     ms = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if all(type(m) is torch.nn.Linear for m in ms):
         return ms[2].bias is None and ms[2].weight.dtype == torch.bfloat16
-    return all(_rows_linear(m) and m.bias is None for m in ms)
+    return all(isinstance(m, RowsLinear) and m.bias is None for m in ms)
 
 
 def fuse_linears(*linears) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -86,7 +80,7 @@ def fuse_linears(*linears) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 def weight_and_scale(m) -> tuple:
     """(weight, scale) as the kernels take a linear: a quantized one's rows and scales (gemv_q), else (weight, None)."""
-    return (m.weight_q, m.weight_scale) if _rows_linear(m) else (m.weight, None)
+    return (m.weight_q, m.weight_scale) if isinstance(m, RowsLinear) else (m.weight, None)
 
 
 def mlp_args(mlp) -> tuple | None:

@@ -35,10 +35,11 @@ FLOPS_TOKENS = 128
 
 
 class _Timer:
-    """Wall time on the CPU; CUDA events on a GPU (the host thread only launches)."""
+    """Wall time on the CPU; CUDA events on a GPU (the host thread only launches), recorded on ``stream`` when given
+    (fetches run on a side stream)."""
 
-    def __init__(self, dev: torch.device):
-        self.cuda = dev.type == "cuda"
+    def __init__(self, dev: torch.device, stream=None):
+        self.cuda, self.stream = dev.type == "cuda", stream
 
     def __call__(self, fn, repeats: int) -> list[float]:
         """Seconds of each of ``repeats`` calls of ``fn``."""
@@ -46,9 +47,9 @@ class _Timer:
         for _ in range(repeats):
             if self.cuda:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
+                a.record(self.stream)
                 fn()
-                b.record()
+                b.record(self.stream)
                 b.synchronize()
                 out.append(a.elapsed_time(b) / 1000)
             else:
@@ -170,28 +171,10 @@ def bus_bandwidth(dev: torch.device, hidden: int, intermediate: int, dtype: torc
     if dev.type == "cuda":
         stream = torch.cuda.Stream(dev)
         with torch.cuda.stream(stream):
-            t = _cycling(_TimerOn(stream), calls, 3)
+            t = _cycling(_Timer(dev, stream), calls, 3)
     else:
         t = _cycling(_Timer(dev), calls, 3)
     return per / t
-
-
-class _TimerOn(_Timer):
-    """CUDA events recorded on a side stream (fetches run on one)."""
-
-    def __init__(self, stream):
-        self.cuda, self.stream = True, stream
-
-    def __call__(self, fn, repeats):
-        out = []
-        for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(self.stream)
-            fn()
-            b.record(self.stream)
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1000)
-        return out
 
 
 def _tiny_step_ms(dev: torch.device, layers: int, top_k: int, tokens: int, runs: int,

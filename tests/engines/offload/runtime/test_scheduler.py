@@ -53,7 +53,7 @@ def test_admission_stops_at_max_num_seqs_and_resumes_when_a_seat_frees():
         s.add(x)
     out = step(s)
     assert shape(out) == [(0, 4), (1, 4)]  # c would fit the budget and the blocks: only the seats stop it
-    assert (out.num_decode_tokens, out.num_prefill_tokens, out.total_tokens) == (0, 8, 8)
+    assert (out.num_decode_tokens, out.num_prefill_tokens) == (0, 8)
     assert s.running == [a, b] and list(s.waiting) == [c] and c.state == WAITING
     s.finish(a)
     out = step(s)
@@ -70,7 +70,7 @@ def test_prefill_is_chunked_under_the_token_budget():
     assert list(s.waiting) == [b] and a.computed == 8 and len(a.blocks) == 2
     assert shape(step(s)) == [(0, 2), (1, 5)]  # a's last chunk, then b in what is left (8 - 2)
     out = step(s)
-    assert shape(out) == [(0, 1), (1, 1)] and out.num_decode_tokens == 2 and out.one_token_each
+    assert shape(out) == [(0, 1), (1, 1)] and out.num_decode_tokens == 2 and out.decode_only
 
 
 def test_without_chunking_a_long_prompt_runs_whole_in_a_step_of_its_own():
@@ -92,7 +92,7 @@ def test_decode_tokens_come_first_and_prefill_gets_what_is_left():
     out = step(s)
     # two decode tokens are taken before the budget of 4 goes to prefill: c gets a 2-token chunk, not 3
     assert shape(out) == [(0, 1), (1, 1), (2, 2)]
-    assert (out.num_decode_tokens, out.num_prefill_tokens) == (2, 2) and not out.one_token_each
+    assert (out.num_decode_tokens, out.num_prefill_tokens) == (2, 2) and not out.decode_only
 
 
 def test_waiting_sequences_are_admitted_in_order_when_blocks_allow():
@@ -148,7 +148,7 @@ def test_finish_frees_the_blocks_wherever_the_sequence_is():
     assert s.pool.free_blocks == 2 and list(s.waiting) == [b]
     s.finish(a)
     s.finish(b)  # still waiting: leaves the queue
-    assert s.pool.free_blocks == 4 and not s.running and not s.waiting and not s.has_work()
+    assert s.pool.free_blocks == 4 and not s.running and not s.waiting
     assert a.state == b.state == FINISHED and a.blocks == []
     s.finish(a)  # twice is harmless: nothing is freed twice
     assert s.pool.free_blocks == 4
@@ -157,7 +157,7 @@ def test_finish_frees_the_blocks_wherever_the_sequence_is():
 
 def test_nothing_to_do_is_an_empty_output():
     out = make(4, 2).schedule()
-    assert out == SchedulerOutput() and out.is_empty and out.total_tokens == 0
+    assert out == SchedulerOutput() and out.is_empty and out.num_decode_tokens == out.num_prefill_tokens == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         out.num_decode_tokens = 1
 
