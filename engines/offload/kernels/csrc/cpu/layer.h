@@ -137,7 +137,7 @@ class Layer : public torch::CustomClassHolder {
   void router(T wr_, OT rb_, int64_t top_k_, bool norm_topk_, const std::string& order, bool weights_bf16) {
     wr = wr_; rb = rb_; top_k = top_k_; norm_topk = norm_topk_; router_mode = router_code(order); w_bf16 = weights_bf16;
   }
-  // DeepSeek-V3's selection (moe_blocks.DeepseekBlock): sigmoid (softmax: Ernie 4.5's) of the fp32 logits x . w (bf16
+  // DeepSeek-V3's selection (moe_blocks.RouterBlock): sigmoid (softmax: Ernie 4.5's) of the fp32 logits x . w (bf16
   // w: bf16 logits, MiniMax-M2's), grouped_topk with the correction bias, weights rounded to bf16 where the module does
   void grouped_router(T w, OT bias, int64_t n_group, int64_t topk_group, int64_t top_k_, bool norm_topk_, double scale,
                       const std::string& score, bool weights_bf16) {
