@@ -40,8 +40,8 @@ def ensure_store(path, config, experts: list, dtype: torch.dtype, dequantize: bo
             up, down, _, _ = read_experts(tensors, i, modules[i.name], dtype, dequantize, expert=e)
             yield finalize_expert(modules[i.name], dtype, up[0], down[0], was_float=False)
 
-    return write_store(where, target, origin, experts,
-                                 lambda: _in_place(tensors, experts, modules, dtype, dequantize), records)
+    return write_store(where, target, origin, experts, lambda: _in_place(tensors, experts, modules, dtype, dequantize),
+                       records)
 
 
 def _in_place(tensors: Tensors, experts: list, modules: dict, dtype: torch.dtype, dequantize: bool):
