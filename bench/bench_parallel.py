@@ -73,7 +73,13 @@ out["send/recv exchange bf16 [8, 1024] (over_ranks: what a decode layer's rows t
 t = time.perf_counter()
 for _ in range(200):
     dist.broadcast_object_list([("step", [])] if rank == 0 else [None], src=0)
-out["broadcast_object_list (a step command)"] = (time.perf_counter() - t) / 200 * 1e6
+out["broadcast_object_list (a step command before 2026-12-05)"] = (time.perf_counter() - t) / 200 * 1e6
+h = torch.zeros(64, dtype=torch.int64)
+dist.barrier()
+t = time.perf_counter()
+for _ in range(200):
+    dist.send(h, 1, tag=7) if rank == 0 else dist.recv(h, 0, tag=7)
+out["send/recv int64 [64] (a step command now: parallel.Leader.send)"] = (time.perf_counter() - t) / 200 * 1e6
 if rank == 0:
     print(out)
 dist.destroy_process_group()

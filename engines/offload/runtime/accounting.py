@@ -39,20 +39,28 @@ def snapshot(executor) -> tuple:
 
 def _all_ranks(hits, misses, host, copied, disk: dict, token_stats, n_tok: int, n_seq: int):
     """One forward's counters summed over the ranks of expert parallel (every rank books the same forwards), in one
-    sum (parallel.over_ranks): hits, misses, host pairs, copied bytes, and the disk tier's counters (each rank reads its own
-    experts; a rank without a disk tier adds zeros). Its stall time stays this rank's (the ranks wait together)."""
+    message from each rank to rank 0 (parallel.to_leader): hits, misses, host pairs, copied bytes, the disk tier's
+    counters (each rank reads its own experts; a rank without a disk tier adds zeros) and, for several sequences,
+    the per-token [T, 2] counts (one accelerator tier: --devices is not taken with ranks). Its stall time stays
+    this rank's (the ranks wait together). The other ranks keep their own numbers: only rank 0 reports them (each
+    rank's own executor numbers travel with engine.stats()["ranks"])."""
     from moe_offload.engines.offload.experts.hostcache import COUNTERS
-    from moe_offload.engines.offload.runtime.parallel import cpu_group, over_ranks
+    from moe_offload.engines.offload.runtime.parallel import to_leader
 
-    t = torch.tensor([hits, misses, host, copied, 1 if disk else 0] + [disk.get(k, 0) for k in COUNTERS],
-                     dtype=torch.float64)
-    t = over_ranks(t, cpu_group())
-    v = [int(x) for x in t.tolist()]
+    if n_seq > 1 and token_stats is None:
+        token_stats = torch.zeros(n_tok, 2, dtype=torch.int64)
+    head = [hits, misses, host, copied, 1 if disk else 0] + [disk.get(k, 0) for k in COUNTERS]
+    t = torch.tensor(head, dtype=torch.float64)  # counts, exact in float64 up to 2**53
+    if n_seq > 1:
+        t = torch.cat([t, token_stats.reshape(-1).to(torch.float64)])
+    t = to_leader(t)
+    if t is None:  # not rank 0
+        return hits, misses, host, copied, disk, token_stats
+    v = [int(x) for x in t[: len(head)].tolist()]
     if v[4]:
         disk = {**dict(zip(COUNTERS, v[5:])), "stall_ms": disk.get("stall_ms", 0.0)}
     if n_seq > 1:
-        token_stats = token_stats if token_stats is not None else torch.zeros(n_tok, 2, dtype=torch.int64)
-        token_stats = over_ranks(token_stats, cpu_group())
+        token_stats = t[len(head):].to(torch.int64).view(n_tok, 2)
     return (*v[:4], disk, token_stats)
 
 

@@ -252,7 +252,11 @@ def build_offload_engine(
     if tail_skip is not None:
         offloaded.executor.tail_skip = tail_skip
     if expert_parallel is not None:
+        from moe_offload.engines.offload.runtime.dense_split import shard_head
+
         offloaded.executor.ep = tuple(expert_parallel)
+        shard_head(offloaded.model, *expert_parallel, rehome=torch.device(device).type == "cpu"
+                   and plan.host_cache is None)  # as load_model rehomed the dense weights
     engine = OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache,
                            kv_config=kv_config, scheduler=sched, speculative=speculative)
     engine.memory_plan = plan.split()

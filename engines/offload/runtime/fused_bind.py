@@ -160,7 +160,9 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
     if desc.attention == "mla":
         return mla_plan.refuse(model)
-    if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, RowsLinear)):
+    head = getattr(model, "lm_head", None)
+    head = getattr(head, "part", head)  # a rank's rows of it (parallel.VocabShard): those are what it reads
+    if not isinstance(head, (torch.nn.Linear, RowsLinear)):
         return "no linear LM head"
     if getattr(cfg, "clip_qkv", None) is not None:
         return "clip_qkv"
@@ -188,7 +190,7 @@ def refuse(model, executor, desc: ModelDescription) -> str:
                 return "not bf16 on the CPU"
     if any(p.dtype != torch.bfloat16 or p.device.type != "cpu" for p in (inner.norm.weight, inner.embed_tokens.weight)):
         return "not bf16 on the CPU"
-    if isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight.dtype != torch.bfloat16:
+    if isinstance(head, torch.nn.Linear) and head.weight.dtype != torch.bfloat16:
         return "not bf16 on the CPU"
     hd = head_dim(inner)
     if hd is None:

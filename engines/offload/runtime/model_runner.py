@@ -66,6 +66,10 @@ class ModelRunner:
         # MLA layers decode over their latent cache with kv_b_proj absorbed (mla.py)
         self.mla_layers = mla.prepare(model) if paged else 0
         self.fast = decode_plan(model, executor, pool, self.desc) if paged else None
+        if self.fast is None and getattr(executor, "ep", None) is not None:  # ranks: modules decode, heads split
+            from moe_offload.engines.offload.runtime.dense_split import split_dense
+
+            log.info("dense layers split over the ranks", **split_dense(model, *executor.ep))
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Logits [R, V] of the step (rows as output.py reads them), or None when no sequence has a row."""

@@ -2,19 +2,25 @@
 experts, in lockstep with rank 0.
 
     worker / generate process = rank 0: the API, the scheduler, sampling
-        --("start", prompt, params) | ("step", aborted sids) | ("stats",) | ("close",)  (broadcast_object_list)-->
+        --("step", aborted sids): a header of int64s (send/recv) | ("start", prompt, params) | ("stats",) |
+          ("close",): the header, then broadcast_object_list-->
     ranks 1..N-1 (python -m moe_offload.engines.offload.runtime.rank): the same engine calls in the same order
     every MoE layer, on every rank: its own experts' rows of [S, H] (the others zero)
         --sum over the ranks (over_ranks: send/recv on gloo, all_reduce on NCCL)--> the full rows on every rank
         --> the same combine as one process (the whole-step call does it in C++: DecodeStep.ranks)
-    every forward: the step's hit / miss counters --over_ranks--> rank 0's per-request statistics cover every rank
+    the LM head: each rank its rows of the vocabulary (dense_split.py) --gathered (send/recv; all_gather)--> logits
+    every forward: the step's hit / miss counters --to_leader: sent, never waited for--> rank 0's per-request
+        statistics cover every rank
 
 Why it is exact: each (token, expert) row is computed on exactly one rank, by the kernel one process uses, and x + 0
-is x, so every rank holds the one-process rows bit for bit; the dense layers are replicated (every rank computes
-them from the same weights), so logits, sampling and therefore scheduling are identical on every rank. Rank 0 draws
-a seed for a request that samples without one, so the ranks draw the same tokens. Expert e lives on rank e mod N
-(its slots and its host share); transformers' modules are not split, so attention heads and dense MLPs are computed
-on every rank (tensor parallel of the dense layers is not built).
+is x, so every rank holds the one-process rows bit for bit; so is each logit (the LM head is split by vocabulary rows,
+dense_split.py). Where the fused decode path runs (bf16 on the CPU), attention and dense MLPs are replicated (every
+rank computes them from the same weights), so logits, sampling and therefore scheduling are identical on every
+rank and bit for bit one process's. Where transformers' modules decode (CUDA, fp32), each rank keeps its heads and
+its part of every dense MLP (dense_split.py), their partial outputs summed in rank order: the same sum on every rank,
+not one process's rounding (the tests hold the greedy tokens to transformers'). Rank 0 draws a seed for a request
+that samples without one, so the ranks draw the same tokens. Expert e lives on rank e mod N (its slots and its host
+share).
 
 The process group is torch.distributed's: gloo on the CPU (this file's ranks: threads_per_rank); CUDA ranks
 (rank r on GPU r) sum the rows over NCCL and keep a gloo side group for the commands and counters, which live on the
@@ -43,6 +49,11 @@ THREADS: int | None = None  # torch threads per rank; None: threads_per_rank's c
 # OpenMP read its wait policy when torch loaded it (this module imports torch): PASSIVE, its threads sleep when idle
 PASSIVE = (settings.get("OMP_WAIT_POLICY") or "").upper() == "PASSIVE"
 _CPU_GROUP = None  # CUDA ranks: a gloo group for what travels on the CPU (commands, counters); gloo ranks: the default
+# a step's command travels as a fixed header of int64s, rank 0 sending it to each rank (one message, not
+# broadcast_object_list's two collectives and a pickle): [1, n, n aborted ids] a step, [2] a pickled command follows
+HEADER, _STEP, _OBJECT = 64, 1, 2
+_CMD_TAG, _COUNT_TAG = 7, 8  # their own tags: never matched with the rows' messages
+_sent: list = []  # this rank's counters on their way to rank 0 (to_leader), with the work that sends them
 
 
 def threads_per_rank(world: int) -> int:
@@ -58,24 +69,54 @@ def cpu_group():
     return _CPU_GROUP
 
 
+def exchange(t: torch.Tensor, group, width=None) -> list[torch.Tensor]:
+    """Every rank's ``t`` in rank order (CPU tensors, gloo): this rank's sent to every other and theirs received, by
+    send/recv (gloo's send/recv take a fraction of its all-reduce's time between processes of one host:
+    docs/benchmarks/parallel.md). ``width(r)``: rank r's last dimension where the ranks' differ."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    t = t.contiguous()
+    got = {rank: t}
+    ops = []
+    for i in range(1, world):
+        src = (rank - i) % world
+        got[src] = t.new_empty(t.shape if width is None else (*t.shape[:-1], width(src)))
+        ops += [dist.P2POp(dist.isend, t, (rank + i) % world, group), dist.P2POp(dist.irecv, got[src], src, group)]
+    for w in dist.batch_isend_irecv(ops) if ops else ():
+        w.wait()
+    return [got[r] for r in range(world)]
+
+
 def over_ranks(t: torch.Tensor, group=None) -> torch.Tensor:
     """``t`` summed over the ranks, for sums that do not depend on the order (rows each non-zero on one rank, integer
-    counts). CPU tensors: sent to every other rank and theirs added (gloo's send/recv take a fraction of its
-    all-reduce's time between processes of one host: docs/benchmarks/parallel.md); CUDA tensors: all_reduce (NCCL).
-    The whole-step call does the same in C++ (DecodeStep.over_ranks)."""
+    counts): CPU tensors by exchange, CUDA tensors by all_reduce (NCCL). The whole-step call does the same in C++
+    (DecodeStep.over_ranks)."""
     if t.device.type != "cpu":
         dist.all_reduce(t, group=group)
         return t
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    parts = exchange(t, group)
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
+def to_leader(t: torch.Tensor) -> torch.Tensor | None:
+    """Rank 0: ``t`` (float64 counts) summed with every other rank's; another rank: its ``t`` sent to rank 0 without
+    waiting for it (None). A forward's counters (accounting.py): only rank 0 reports them, and a rank never waits
+    for its own message, only rank 0 for theirs, sent as their forwards ended, when its own did."""
+    rank, world = dist.get_rank(_CPU_GROUP), dist.get_world_size(_CPU_GROUP)
+    if rank == 0:
+        got = [torch.empty_like(t) for _ in range(1, world)]
+        for w in [dist.irecv(g, r, group=_CPU_GROUP, tag=_COUNT_TAG) for r, g in enumerate(got, 1)]:
+            w.wait()
+        for g in got:
+            t = t + g
+        return t
+    while _sent:  # the last forward's, long delivered: its buffer is free to go
+        _sent.pop()[0].wait()
     t = t.contiguous()
-    got = [torch.empty_like(t) for _ in range(world - 1)]
-    ops = [op for i in range(1, world) for op in (dist.P2POp(dist.isend, t, (rank + i) % world, group),
-                                                 dist.P2POp(dist.irecv, got[i - 1], (rank - i) % world, group))]
-    for w in dist.batch_isend_irecv(ops) if ops else ():
-        w.wait()
-    for g in got:
-        t = t + g
-    return t
+    _sent.append((dist.isend(t, 0, group=_CPU_GROUP, tag=_COUNT_TAG), t))
+    return None
 
 
 def agree(ok: bool) -> bool:
@@ -106,6 +147,7 @@ def _join(rank: int, world: int, port: int, cuda_base: int | None) -> None:
 def _leave() -> None:
     global _CPU_GROUP
     _CPU_GROUP = None
+    _sent.clear()  # delivered (rank 0 received every forward's), or rank 0 is gone
     dist.destroy_process_group()
 
 
@@ -132,7 +174,17 @@ class Leader:
         self.aborted: list[int] = []  # sequences aborted since the last step (the ranks abort them too)
 
     def send(self, cmd: tuple) -> None:
-        dist.broadcast_object_list([cmd], src=0, group=_CPU_GROUP)
+        """``cmd`` to every other rank (command(), there): a step with its aborted ids in the header alone."""
+        h = torch.zeros(HEADER, dtype=torch.int64)
+        small = cmd[0] == "step" and len(cmd[1]) <= HEADER - 2
+        h[0] = _STEP if small else _OBJECT
+        if small:
+            h[1] = len(cmd[1])
+            h[2:2 + len(cmd[1])] = torch.tensor(cmd[1], dtype=torch.int64)
+        for w in [dist.isend(h, r, group=_CPU_GROUP, tag=_CMD_TAG) for r in range(1, self.world)]:
+            w.wait()
+        if not small:
+            dist.broadcast_object_list([cmd], src=0, group=_CPU_GROUP)
 
     def rank_stats(self, local: dict) -> list[dict]:
         """Each rank's executor snapshot (rank 0's is ``local``)."""
@@ -238,6 +290,17 @@ def share(placement, rank: int, world: int):
                      profile=placement.profile)
 
 
+def command() -> tuple:
+    """The next command rank 0 sent (Leader.send)."""
+    h = torch.empty(HEADER, dtype=torch.int64)
+    dist.recv(h, 0, group=_CPU_GROUP, tag=_CMD_TAG)
+    if h[0] == _STEP:
+        return ("step", h[2:2 + int(h[1])].tolist())
+    box: list = [None]
+    dist.broadcast_object_list(box, src=0, group=_CPU_GROUP)
+    return box[0]
+
+
 def follow(build, rank: int, world: int, port: int, threads: int, spec: dict[str, Any]) -> int:
     """A rank's life (rank.py starts it): build its engine with ``build`` (build_offload_engine), then replay rank 0's
     calls until it says close."""
@@ -257,9 +320,7 @@ def follow(build, rank: int, world: int, port: int, threads: int, spec: dict[str
     gens: dict[int, Any] = {}
     try:
         while True:
-            box: list = [None]
-            dist.broadcast_object_list(box, src=0, group=_CPU_GROUP)
-            op, *args = box[0]
+            op, *args = command()
             if op == "start":
                 prompt, params = args
                 sid = engine.next_sid  # (before start: it takes this id)

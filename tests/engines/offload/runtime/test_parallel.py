@@ -20,6 +20,7 @@ from offload_helpers import FAMILIES, staggered
 from offload_helpers import references as shared_references
 
 from moe_offload.engines.offload.runtime.build import build_offload_engine
+from moe_offload.engines.offload.runtime.dense_split import split
 from moe_offload.engines.offload.runtime.parallel import share
 from moe_offload.engines.params import SamplingParams
 from moe_offload.errors import ConfigError
@@ -153,6 +154,9 @@ def test_two_ranks_take_the_whole_step_call_bit_for_bit(checkpoints, family):
             outs.append((toks, [[(e.token, e.logprob) for e in g.logprobs] for g in gens]))
             for g, n in zip(gens, LENGTHS):  # every rank's pairs, each a slot hit
                 assert (g.stats.hits, g.stats.misses) == ((g.stats.prompt_tokens + n - 1) * _pairs_per_token(engine), 0)
+            if tp:  # rank 0 read its half of the LM head (parallel.VocabShard), the logits gathered from both
+                assert engine.model.lm_head.sizes == split(engine.model.config.get_text_config().vocab_size, 2)
+                assert engine.model.lm_head.part.out_features == engine.model.lm_head.sizes[0]
             if tp:  # rank 1 took the call at the same steps (the ranks agree; a rank's own choice could differ)
                 assert [r["whole_step_forwards"] for r in engine.stats()["ranks"]] == [sum(LENGTHS) - len(LENGTHS)] * 2
         finally:
@@ -235,3 +239,84 @@ def test_ranks_take_every_core_only_when_their_threads_sleep(monkeypatch):
     assert parallel.threads_per_rank(2) == max(1, cores // 2)
     monkeypatch.setattr(parallel, "PASSIVE", True)
     assert parallel.threads_per_rank(2) == cores
+
+
+_HEAD_RANK = r"""
+import sys, torch, torch.distributed as dist
+from moe_offload.engines.offload.kernels import dispatch
+from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
+from moe_offload.engines.offload.loading import ggml
+from moe_offload.engines.offload.runtime.dense_split import VocabShard, shard_head
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+torch.manual_seed(0)
+V, H = 37, 64  # 37 rows over 3 ranks: 13, 12, 12
+x = torch.randn(2, H).to(torch.bfloat16)
+for kind in ("bf16", "bias", "tied", "int8", "q8_0"):
+    model = torch.nn.Module()
+    embed = torch.nn.Embedding(V, H).to(torch.bfloat16)
+    model.get_input_embeddings = lambda: embed
+    head = torch.nn.Linear(H, V, bias=kind == "bias").to(torch.bfloat16)
+    if kind == "tied":
+        head.weight = embed.weight
+    dispatch.patch_linears(head)
+    if kind == "int8":
+        head = QuantLinear(head)
+    elif kind == "q8_0":
+        head = BlockLinear(ggml.quantize(head.weight.detach().float(), "q8_0"), None)
+    model.lm_head = head
+    want = head(x)
+    shard_head(model, rank, 3, rehome=False)
+    got = model.lm_head(x)
+    part = model.lm_head.part
+    assert isinstance(model.lm_head, VocabShard) and model.lm_head.sizes == [13, 12, 12], kind
+    assert part.out_features == [13, 12, 12][rank] and head.out_features == V, kind
+    rows, whole = (part.weight_q, head.weight_q) if kind in ("int8", "q8_0") else (part.weight, head.weight)
+    if kind == "tied":  # a view of the embeddings' rows
+        assert rows.data_ptr() == embed.weight.data_ptr() + 2 * H * [0, 13, 25][rank]
+    else:  # a copy: the whole head can be freed
+        assert rows.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr(), kind
+    assert torch.equal(got, want), (kind, (got.float() - want.float()).abs().max())
+print("ok", rank)
+dist.destroy_process_group()
+"""
+
+
+def test_each_rank_reads_its_rows_of_the_lm_head_and_gathers_the_one_process_logits():
+    # three ranks, a vocabulary that does not split evenly (13, 12, 12 rows), an LM head of bf16 (with a bias, or
+    # tied to the embeddings: then the rank's rows are a view, not a copy), int8 rows or ggml blocks: the gathered
+    # logits are the whole head's bit for bit, in vocabulary order (a part placed at the wrong offset fails it)
+    from moe_offload.engines.offload.runtime.parallel import _free_port
+
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _HEAD_RANK, str(r), str(port)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-2000:] for _, e in outs]
+    assert [o.split() for o, _ in outs] == [["ok", str(r)] for r in range(3)]
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_ranks_split_heads_and_dense_mlps_where_the_modules_decode(checkpoints, family):
+    # fp32: transformers' modules decode, so rank 0 keeps its half of the heads (q/k/v rows; o_proj's columns, the
+    # partial outputs summed over the ranks) and of the shared expert's intermediate, and its KV pools hold its KV
+    # heads alone; OLMoE's q/k norms span the whole projection (not one head): its attention stays whole, its
+    # pools whole. The tokens (transformers', both ways) are test_two_ranks_give_transformers_tokens_solo_and_batched's.
+    from moe_offload.engines.offload.runtime.dense_split import RankSum
+
+    engine = build_offload_engine(checkpoints(family), fraction=0.5, tensor_parallel=2)
+    try:
+        list(engine.generate(PROMPTS[0], _params(3)))
+        assert engine.runner.fast is None
+        cfg, attn = engine.model.config, engine.model.model.layers[0].self_attn
+        heads = family == "olmoe" or 2  # the share of the heads each rank keeps: 1, or 1/2
+        assert isinstance(attn.o_proj, RankSum) == (heads == 2)
+        assert attn.q_proj.out_features * heads == cfg.num_attention_heads * attn.head_dim
+        assert attn.k_proj.out_features * heads == cfg.num_key_value_heads * attn.head_dim
+        assert engine.pool.layers[0][0].shape[1:] == (cfg.num_key_value_heads // heads, attn.head_dim)
+        if family == "qwen2_moe":
+            shared = engine.model.model.layers[0].mlp.shared_expert
+            assert isinstance(shared.down_proj, RankSum)
+            assert shared.gate_proj.out_features * 2 == cfg.shared_expert_intermediate_size
+    finally:
+        engine.close()
