@@ -178,3 +178,59 @@ def test_an_exact_worker_says_so(real_worker):
         metrics = c.get("/metrics").text
     assert "x-moe-offload-approximate" not in r.headers
     assert 'moe_offload_approximate{mode="exact",model_name="demo"} 0.0' in metrics
+
+
+def test_a_worker_over_two_ranks_serves_concurrent_streams_aborts_and_scrapes(serve, demo_model_dir):
+    """One worker process driving two ranks (--tensor-parallel 2): 6 clients at once, half streaming, /metrics scraped
+    while they run (a stats collective between steps), a stream dropped mid-way (its abort reaches the other rank
+    before the next step) and a bad request: every greedy completion equals the same prompt served alone, and the
+    ranks are still in step afterwards (a desynchronised rank would hang or garble the next request)."""
+    import threading
+
+    from moe_offload.backends import get_backend
+
+    backend = get_backend("cpu")
+    engine = backend.build_engine(str(demo_model_dir), fraction=0.5, policy="static", tensor_parallel=2)
+    h = serve(create_app(engine, model_name="demo", tiers=backend.tiers()))
+    try:
+        prompts = [f"rank {i} serves the experts" for i in range(3)]
+        body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(base_url=h.url, timeout=300) as c:
+            alone = {p: c.post("/v1/completions", json={"prompt": p, **body}).json()["choices"][0]["text"]
+                     for p in prompts}
+            results = [None] * 6
+
+            def client(i):
+                with httpx.Client(base_url=h.url, timeout=300) as cc:
+                    if i % 2:
+                        r = cc.post("/v1/completions", json={"prompt": prompts[i % 3], "stream": True, **body})
+                        data = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                        results[i] = "".join(d["choices"][0]["text"] for d in data if d["choices"])
+                    else:
+                        results[i] = cc.post("/v1/completions", json={"prompt": prompts[i % 3], **body}).json()[
+                            "choices"][0]["text"]
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+            dropped = {"prompt": "dropped", "stream": True, "max_tokens": 200}
+            with c.stream("POST", "/v1/completions", json=dropped) as r:
+                next(r.iter_lines())  # the first event, then the client goes away
+            scrapes = 0
+            while any(t.is_alive() for t in threads):
+                assert "moe_offload_expert_bytes_moved_total" in c.get("/metrics").text
+                scrapes += 1
+                for t in threads:
+                    t.join(0.05)
+            assert c.post("/v1/completions", json={"prompt": [10**6], "max_tokens": 2}).status_code == 400
+            after = c.post("/v1/completions", json={"prompt": prompts[0], **body}).json()["choices"][0]["text"]
+        assert scrapes > 0
+        assert results == [alone[prompts[i % 3]] for i in range(6)]
+        assert after == alone[prompts[0]]
+        stats = engine.stats()
+        assert stats["completion_tokens"] - 10 * 24 < 200  # the dropped stream stopped short of its 200 tokens
+        ranks = stats["ranks"]
+        assert len(ranks) == 2 and all(r["hits"] + r["misses"] > 0 for r in ranks)
+    finally:  # the ranks stop with the engine
+        h.stop()
+        engine.close()
