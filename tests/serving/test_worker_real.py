@@ -213,7 +213,7 @@ def test_a_worker_over_two_ranks_serves_concurrent_streams_aborts_and_scrapes(se
             threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
             for t in threads:
                 t.start()
-            dropped = {"prompt": "dropped", "stream": True, "max_tokens": 200}
+            dropped = {"prompt": "dropped", "stream": True, "max_tokens": 200, "ignore_eos": True}
             with c.stream("POST", "/v1/completions", json=dropped) as r:
                 next(r.iter_lines())  # the first event, then the client goes away
             scrapes = 0

@@ -2,7 +2,7 @@
 
     LM head (every path):   x [.., H] --its rows [lo, lo + n) of the vocabulary (the kernel one process uses)-->
         [.., n] --gathered in rank order (send/recv on gloo; all_gather, padded, on NCCL)--> logits [.., V]
-    attention heads, dense MLPs (where transformers' modules decode: CUDA, fp32; split_dense):
+    attention heads, dense MLPs (wherever the fused decode path is off: CUDA, fp32, ...; split_dense):
         q/k/v: its heads' rows (and their biases, sinks) -> attention over its heads alone (its KV pools hold
         only them) -> o_proj: its heads' columns --partial [.., H] summed over the ranks (over_ranks)--> + bias
         gate/up: its rows of the intermediate -> down: its columns --summed over the ranks--> + bias
@@ -18,6 +18,8 @@ one host's shared cores the extra exchange per layer costs about what the halved
 """
 
 from __future__ import annotations
+
+import gc
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,11 @@ class VocabShard(torch.nn.Module):
     def __init__(self, part: torch.nn.Module, sizes: list[int]):
         super().__init__()
         self.part, self.sizes = part, sizes
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The rank's rows (a family's forward may read the head's weight for its dtype or device)."""
+        return self.part.weight_q if hasattr(self.part, "weight_q") else self.part.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.part(x)
@@ -89,9 +96,16 @@ def shard_head(model, rank: int, world: int, rehome: bool) -> None:
     if "forward" in head.__dict__:  # patched onto the head's instance (dispatch.patch_linears)
         del part.__dict__["forward"]
         dispatch.patch_linears(part)
+    _let_go(head)
     if rehome and not tied:
         hugepages.rehome_module(part)
     model.lm_head = VocabShard(part, sizes)
+
+
+def _let_go(m: torch.nn.Module) -> None:
+    """Drop a replaced linear's patched forward: a method bound to it is a cycle only the cyclic collector frees, and
+    the whole weight would stay resident until it ran."""
+    m.__dict__.pop("forward", None)
 
 
 class RankSum(torch.nn.Module):
@@ -121,22 +135,32 @@ def _rows(linear: torch.nn.Linear, lo: int, hi: int) -> torch.nn.Linear:
     return out
 
 
+_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+
+
 def _split_heads(attn, heads: int, kv_heads: int, rank: int, world: int) -> bool:
     """``attn``'s q/k/v/o (all nn.Linear) cut to this rank's heads; False (left whole) where a part does not split
     per head: heads or KV heads not a multiple of the ranks, a q/k norm over the whole projection."""
     ps = [getattr(attn, a, None) for a in ("q_proj", "k_proj", "v_proj", "o_proj")]
     head_dim = getattr(attn, "head_dim", None)
+    other = {n for n, c in attn.named_children() if any(True for _ in c.parameters())} - set(_ATTENTION_PARTS)
     if (any(type(p) is not torch.nn.Linear for p in ps) or head_dim is None or heads % world or kv_heads % world
+            or other or {n for n, _ in attn.named_parameters(recurse=False)} - {"sinks"}
             or any(getattr(getattr(attn, n, None), "weight", torch.empty(head_dim)).numel() != head_dim
                    for n in ("q_norm", "k_norm"))):
-        return False
+        return False  # e.g. a gate or sink projection per head (AFMoE, Step3p7): the modules would not line up
     q, k, v, o = ps
     hq, hk = heads // world, kv_heads // world  # this rank's: [rank * hq, (rank + 1) * hq)
+    for p in ps:
+        _let_go(p)
     for name, p, n, per in (("q_proj", q, hq, q.out_features // heads), ("k_proj", k, hk, k.out_features // kv_heads),
                             ("v_proj", v, hk, v.out_features // kv_heads)):
         setattr(attn, name, _rows(p, rank * n * per, (rank + 1) * n * per))
     dv = o.in_features // heads
     attn.o_proj = RankSum(o, rank * hq * dv, (rank + 1) * hq * dv)
+    for a, n in (("num_heads", hq), ("num_attention_heads", hq), ("num_key_value_heads", hk)):
+        if isinstance(getattr(attn, a, None), int):  # where a forward shapes by its own count
+            setattr(attn, a, n)
     sinks = getattr(attn, "sinks", None)  # gpt-oss: one per head
     if isinstance(sinks, torch.nn.Parameter):
         attn.sinks = torch.nn.Parameter(sinks.data[rank * hq:(rank + 1) * hq].clone(), requires_grad=False)
@@ -147,6 +171,7 @@ def split_dense(model, rank: int, world: int) -> dict[str, int]:
     """Every softmax attention's heads and every MLP outside the experts (dense layers, shared experts) cut to this
     rank's part, where it splits (else whole: MLA and gated-DeltaNet mixers, int8 or ggml rows, sizes that do not
     divide). Returns {"attention": layers split, "mlp": MLPs split}."""
+    from moe_offload.engines.offload.kernels import dispatch
     from moe_offload.engines.offload.loading.quant import MLP_NAMES, dense_linears
 
     cfg = model.config.get_text_config()
@@ -160,9 +185,13 @@ def split_dense(model, rank: int, world: int) -> dict[str, int]:
             if n % world or up.out_features != n or down.in_features != n:
                 continue
             lo, hi = rank * n // world, (rank + 1) * n // world
+            for m in (gate, up, down):
+                _let_go(m)
             module.gate_proj, module.up_proj = _rows(gate, lo, hi), _rows(up, lo, hi)
             module.down_proj = RankSum(down, lo, hi)
             done["mlp"] += 1
         elif attrs == ("q_proj",) and name.endswith("self_attn"):  # one group per linear: the q_proj names the module
             done["attention"] += _split_heads(module, heads, kv_heads, rank, world)
+    dispatch.patch_linears(model)  # the new bf16 CPU linears' one-token calls on the kernels, as load_model set them
+    gc.collect()
     return done

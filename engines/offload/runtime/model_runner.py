@@ -66,10 +66,13 @@ class ModelRunner:
         # MLA layers decode over their latent cache with kv_b_proj absorbed (mla.py)
         self.mla_layers = mla.prepare(model) if paged else 0
         self.fast = decode_plan(model, executor, pool, self.desc) if paged else None
-        if self.fast is None and getattr(executor, "ep", None) is not None:  # ranks: modules decode, heads split
-            from moe_offload.engines.offload.runtime.dense_split import split_dense
+        if getattr(executor, "ep", None) is not None and executor.ep[1] > 1:  # ranks: where modules decode, heads
+            from moe_offload.engines.offload.runtime.dense_split import split_dense  # and MLPs split, on every rank
+            from moe_offload.engines.offload.runtime.parallel import agree  # or none (their exchanges must match)
 
-            log.info("dense layers split over the ranks", **split_dense(model, *executor.ep))
+            if not agree(self.fast is not None):
+                self.fast = None
+                log.info("dense layers split over the ranks", **split_dense(model, *executor.ep))
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Logits [R, V] of the step (rows as output.py reads them), or None when no sequence has a row."""

@@ -16,7 +16,7 @@ Why it is exact: each (token, expert) row is computed on exactly one rank, by th
 is x, so every rank holds the one-process rows bit for bit; so is each logit (the LM head is split by vocabulary rows,
 dense_split.py). Where the fused decode path runs (bf16 on the CPU), attention and dense MLPs are replicated (every
 rank computes them from the same weights), so logits, sampling and therefore scheduling are identical on every
-rank and bit for bit one process's. Where transformers' modules decode (CUDA, fp32), each rank keeps its heads and
+rank and bit for bit one process's. Wherever the fused decode path is off (CUDA, fp32, a family it does not take), each rank keeps its heads and
 its part of every dense MLP (dense_split.py), their partial outputs summed in rank order: the same sum on every rank,
 not one process's rounding (the tests hold the greedy tokens to transformers'). Rank 0 draws a seed for a request
 that samples without one, so the ranks draw the same tokens. Expert e lives on rank e mod N (its slots and its host
@@ -87,8 +87,9 @@ def exchange(t: torch.Tensor, group, width=None) -> list[torch.Tensor]:
 
 
 def over_ranks(t: torch.Tensor, group=None) -> torch.Tensor:
-    """``t`` summed over the ranks, for sums that do not depend on the order (rows each non-zero on one rank, integer
-    counts): CPU tensors by exchange, CUDA tensors by all_reduce (NCCL). The whole-step call does the same in C++
+    """``t`` summed over the ranks: CPU tensors by exchange, added in rank order; CUDA tensors by all_reduce (NCCL,
+    in its own order). Either way every rank gets the same sum; it is one process's bits only where the order does
+    not matter (rows each non-zero on one rank, integer counts), not for dense_split.RankSum's partial products. The whole-step call does the same in C++
     (DecodeStep.over_ranks)."""
     if t.device.type != "cpu":
         dist.all_reduce(t, group=group)

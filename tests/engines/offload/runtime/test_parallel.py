@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from offload_helpers import FAMILIES, staggered
 from offload_helpers import references as shared_references
 
@@ -320,3 +321,26 @@ def test_ranks_split_heads_and_dense_mlps_where_the_modules_decode(checkpoints, 
             assert shared.gate_proj.out_features * 2 == cfg.shared_expert_intermediate_size
     finally:
         engine.close()
+
+
+def test_attention_with_another_per_head_part_stays_whole():
+    # a gate projection per head beside q/k/v/o (AFMoE's gate_proj, Step3p7's g_proj) would no longer line up with
+    # the rank's heads: such attention is left whole; plain q/k/v/o is cut to rank 1's heads (GQA: 4 heads, 2 KV)
+    from moe_offload.engines.offload.runtime.dense_split import RankSum, _split_heads
+
+    def attention(gated):
+        a = torch.nn.Module()
+        a.head_dim = 8
+        a.q_proj, a.k_proj, a.v_proj = (torch.nn.Linear(32, n * 8) for n in (4, 2, 2))
+        a.o_proj = torch.nn.Linear(32, 32)
+        if gated:
+            a.gate_proj = torch.nn.Linear(32, 32)
+        return a
+
+    gated = attention(True)
+    assert not _split_heads(gated, 4, 2, 1, 2) and gated.q_proj.out_features == 32
+    plain = attention(False)
+    whole = [plain.q_proj.weight.detach().clone(), plain.o_proj.weight.detach().clone()]
+    assert _split_heads(plain, 4, 2, 1, 2)
+    assert torch.equal(plain.q_proj.weight, whole[0][16:]) and plain.k_proj.out_features == 8
+    assert isinstance(plain.o_proj, RankSum) and torch.equal(plain.o_proj.part.weight, whole[1][:, 16:])
