@@ -114,8 +114,7 @@ class RankSum(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, lo: int, hi: int):
         super().__init__()
-        self.part = torch.nn.Linear(hi - lo, linear.out_features, bias=False, dtype=linear.weight.dtype,
-                                    device=linear.weight.device)
+        self.part = torch.nn.Linear(hi - lo, linear.out_features, bias=False, device="meta")  # no init: replaced
         self.part.weight = torch.nn.Parameter(linear.weight.data[:, lo:hi].contiguous(), requires_grad=False)
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -127,8 +126,7 @@ class RankSum(torch.nn.Module):
 
 def _rows(linear: torch.nn.Linear, lo: int, hi: int) -> torch.nn.Linear:
     """A column-parallel linear: rows [lo, hi) of ``linear`` (its output features), a copy."""
-    out = torch.nn.Linear(linear.in_features, hi - lo, bias=linear.bias is not None, dtype=linear.weight.dtype,
-                          device=linear.weight.device)
+    out = torch.nn.Linear(linear.in_features, hi - lo, bias=linear.bias is not None, device="meta")  # no init: replaced
     out.weight = torch.nn.Parameter(linear.weight.data[lo:hi].clone(), requires_grad=False)
     if linear.bias is not None:
         out.bias = torch.nn.Parameter(linear.bias.data[lo:hi].clone(), requires_grad=False)
@@ -168,12 +166,14 @@ def _split_heads(attn, heads: int, kv_heads: int, rank: int, world: int) -> bool
 
 
 def split_dense(model, rank: int, world: int) -> dict[str, int]:
-    """Every softmax attention's heads and every MLP outside the experts (dense layers, shared experts) cut to this
-    rank's part, where it splits (else whole: MLA and gated-DeltaNet mixers, int8 or ggml rows, sizes that do not
-    divide). Returns {"attention": layers split, "mlp": MLPs split}."""
+    """Every text layer's softmax attention heads and every MLP outside the experts (dense layers, shared experts) cut
+    to this rank's part, where it splits (else whole: MLA and gated-DeltaNet mixers, a vision tower's attention, int8
+    or ggml rows, sizes that do not divide). Returns {"attention": layers split, "mlp": MLPs split}."""
     from moe_offload.engines.offload.kernels import dispatch
+    from moe_offload.engines.offload.loading.architecture import decoder_layers
     from moe_offload.engines.offload.loading.quant import MLP_NAMES, dense_linears
 
+    text = {id(getattr(layer, "self_attn", None)) for layer in decoder_layers(model)}  # the counts below are theirs
     cfg = model.config.get_text_config()
     heads = getattr(cfg, "num_attention_heads", 0)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -190,7 +190,7 @@ def split_dense(model, rank: int, world: int) -> dict[str, int]:
             module.gate_proj, module.up_proj = _rows(gate, lo, hi), _rows(up, lo, hi)
             module.down_proj = RankSum(down, lo, hi)
             done["mlp"] += 1
-        elif attrs == ("q_proj",) and name.endswith("self_attn"):  # one group per linear: the q_proj names the module
+        elif attrs == ("q_proj",) and id(module) in text:  # one group per linear: the q_proj names the module
             done["attention"] += _split_heads(module, heads, kv_heads, rank, world)
     dispatch.patch_linears(model)  # the new bf16 CPU linears' one-token calls on the kernels, as load_model set them
     gc.collect()

@@ -32,7 +32,7 @@ from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.runtime import deltanet, kv_budget
 from moe_offload.engines.offload.runtime.accounting import Accounting
 from moe_offload.engines.offload.runtime.kv_budget import KVCacheConfig
-from moe_offload.engines.offload.runtime.model_runner import ModelRunner, describe_model
+from moe_offload.engines.offload.runtime.model_runner import ModelRunner, describe_model, split_for_ranks
 from moe_offload.engines.offload.runtime.output import OutputProcessor, Request
 from moe_offload.engines.offload.runtime.sampling import SequenceState
 from moe_offload.engines.offload.runtime.scheduler import RUNNING, Scheduler, SchedulerConfig
@@ -107,6 +107,8 @@ class OffloadEngine(Engine):
         self.description = describe_model(self.model)
         # gated-DeltaNet layers: their state in the pool's seats, one-token steps in one kernel call (deltanet.py)
         self.deltanet_layers = deltanet.install(self.model, self.description.linear)
+        # ranks that decode through the modules split their heads and dense MLPs first: the probe counts theirs
+        split = split_for_ranks(self.model, self.executor, self.description)
         probed = kv_budget.probe_kv_bytes(self.model, self.executor, self.device) if cache == "paged" else None
         # bytes of KV per token, and of fixed-size per-sequence state (linear attention) per sequence
         self.kv_bytes_per_token, self.state_bytes_per_seq = probed if probed is not None else (None, 0)
@@ -125,7 +127,7 @@ class OffloadEngine(Engine):
             SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, chunked_prefill=self.paged), self.pool)
         self.accounting = Accounting(getattr(self.executor, "tier_names", None))
         self.runner = ModelRunner(self.model, self.executor, self.pool, self.device, self.accounting, paged=self.paged,
-                                  desc=self.description)
+                                  desc=self.description, split=split)
         self.output = OutputProcessor(self.scheduler, self.accounting)
         self.speculative, self.proposer = speculative, None
         if speculative is not None:

@@ -52,27 +52,51 @@ def decode_plan(model, executor, pool, desc: ModelDescription):
     return fastpath.DecodePlan.build(model, executor, pool, desc)
 
 
+def split_for_ranks(model, executor, desc: ModelDescription) -> bool:
+    """On ``--tensor-parallel`` ranks that will decode through transformers' modules (by the description, the
+    executor's device and fused_bind.refuse on some rank: what is known before the KV pool exists), attention heads
+    and dense MLPs split now (dense_split.split_dense), so the KV probe counts the rank's KV heads alone and the pool
+    holds N times the tokens of one process's budget. True when split; every rank or none (their exchanges match)."""
+    if getattr(executor, "ep", None) is None or executor.ep[1] < 2 or desc.attention == "mla":
+        return False  # MLA: its latent cache does not split; the runner decides once mla.prepare has absorbed it
+    from moe_offload.engines.offload.runtime import fused_bind
+    from moe_offload.engines.offload.runtime.dense_split import split_dense
+    from moe_offload.engines.offload.runtime.parallel import agree
+
+    try:
+        fused = (desc.path == "fused" and executor.device.type == "cpu"
+                 and not fused_bind.refuse(model, executor, desc))
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # as DecodePlan.build: the module path
+        fused = False
+    if agree(fused):
+        return False
+    log.info("dense layers split over the ranks", **split_dense(model, *executor.ep))
+    return True
+
+
 class ModelRunner:
     """Runs a step's forward on ``model`` (with ``executor``, may be None). ``paged``: the KV lives in ``pool``'s
     blocks and a step is one forward; else each sequence keeps the model's own cache (Request.cache). ``fast``:
-    the fused decode plan, or None (set it to None to run every step through transformers' modules)."""
+    the fused decode plan, or None (set it to None to run every step through transformers' modules). ``split``: the
+    ranks' dense layers are split already (split_for_ranks): the modules decode."""
 
     def __init__(self, model, executor, pool: kv.KVPool, device: torch.device, accounting: Accounting, *, paged: bool,
-                 desc: ModelDescription | None = None):
+                 desc: ModelDescription | None = None, split: bool = False):
         self.model, self.executor, self.pool, self.device = model, executor, pool, device
         self.desc = desc if desc is not None else describe_model(model)
         self.accounting, self.paged = accounting, paged
         self.paged_cache = kv.PagedCache(pool)
         # MLA layers decode over their latent cache with kv_b_proj absorbed (mla.py)
         self.mla_layers = mla.prepare(model) if paged else 0
-        self.fast = decode_plan(model, executor, pool, self.desc) if paged else None
-        if getattr(executor, "ep", None) is not None and executor.ep[1] > 1:  # ranks: where modules decode, heads
-            from moe_offload.engines.offload.runtime.dense_split import split_dense  # and MLPs split, on every rank
-            from moe_offload.engines.offload.runtime.parallel import agree  # or none (their exchanges must match)
+        self.fast = decode_plan(model, executor, pool, self.desc) if paged and not split else None
+        if not split and getattr(executor, "ep", None) is not None and executor.ep[1] > 1:  # ranks: a plan that
+            from moe_offload.engines.offload.runtime.dense_split import split_dense  # failed to bind on some rank
+            from moe_offload.engines.offload.runtime.parallel import agree  # (the pool is sized for whole heads)
 
             if not agree(self.fast is not None):
                 self.fast = None
-                log.info("dense layers split over the ranks", **split_dense(model, *executor.ep))
+                log.info("dense layers split over the ranks", kv="sized for whole heads",
+                         **split_dense(model, *executor.ep))
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Logits [R, V] of the step (rows as output.py reads them), or None when no sequence has a row."""

@@ -19,6 +19,7 @@ import pytest
 import torch
 from offload_helpers import FAMILIES, staggered
 from offload_helpers import references as shared_references
+from transformers import AutoConfig
 
 from moe_offload.engines.offload.runtime.build import build_offload_engine
 from moe_offload.engines.offload.runtime.dense_split import split
@@ -302,15 +303,20 @@ def test_ranks_split_heads_and_dense_mlps_where_the_modules_decode(checkpoints, 
     # fp32: transformers' modules decode, so rank 0 keeps its half of the heads (q/k/v rows; o_proj's columns, the
     # partial outputs summed over the ranks) and of the shared expert's intermediate, and its KV pools hold its KV
     # heads alone; OLMoE's q/k norms span the whole projection (not one head): its attention stays whole, its
-    # pools whole. The tokens (transformers', both ways) are test_two_ranks_give_transformers_tokens_solo_and_batched's.
+    # pools whole. The split comes before the KV pool is sized: a budget of 4 blocks of one process's KV holds 8 of
+    # the rank's. The tokens (transformers', both ways) are test_two_ranks_give_transformers_tokens_solo_and_batched's.
     from moe_offload.engines.offload.runtime.dense_split import RankSum
 
-    engine = build_offload_engine(checkpoints(family), fraction=0.5, tensor_parallel=2)
+    path = checkpoints(family)
+    cfg = AutoConfig.from_pretrained(path)
+    whole = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    heads = family == "olmoe" or 2  # the share of the heads each rank keeps: 1, or 1/2
+    engine = build_offload_engine(path, fraction=0.5, tensor_parallel=2, kv_cache_memory=4 * 16 * whole)
     try:
+        assert engine.kv_bytes_per_token * heads == whole and engine.pool.num_blocks == 4 * heads
         list(engine.generate(PROMPTS[0], _params(3)))
         assert engine.runner.fast is None
-        cfg, attn = engine.model.config, engine.model.model.layers[0].self_attn
-        heads = family == "olmoe" or 2  # the share of the heads each rank keeps: 1, or 1/2
+        attn = engine.model.model.layers[0].self_attn
         assert isinstance(attn.o_proj, RankSum) == (heads == 2)
         assert attn.q_proj.out_features * heads == cfg.num_attention_heads * attn.head_dim
         assert attn.k_proj.out_features * heads == cfg.num_key_value_heads * attn.head_dim
@@ -344,3 +350,41 @@ def test_attention_with_another_per_head_part_stays_whole():
     assert _split_heads(plain, 4, 2, 1, 2)
     assert torch.equal(plain.q_proj.weight, whole[0][16:]) and plain.k_proj.out_features == 8
     assert isinstance(plain.o_proj, RankSum) and torch.equal(plain.o_proj.part.weight, whole[1][:, 16:])
+
+
+def test_a_vision_towers_attention_stays_whole():
+    # split_dense cuts attention by the text config's head counts, so only the text decoder's layers take them: a
+    # vision tower's self_attn (2 heads of 16 where the text has 4 of 8, KV 2) keeps every head on every rank
+    from types import SimpleNamespace
+
+    from moe_offload.engines.offload.runtime.dense_split import RankSum, split_dense
+
+    def block(heads, kv_heads, head_dim):
+        a = torch.nn.Module()
+        a.head_dim = head_dim
+        a.q_proj, a.k_proj, a.v_proj = (torch.nn.Linear(32, n * head_dim) for n in (heads, kv_heads, kv_heads))
+        a.o_proj = torch.nn.Linear(heads * head_dim, 32)
+        layer = torch.nn.Module()
+        layer.self_attn = a
+        return layer
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(get_text_config=lambda: SimpleNamespace(
+                num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1))
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList([block(4, 2, 8)])
+            self.vision = torch.nn.ModuleList([block(2, 2, 16)])
+
+        def forward(self, x):
+            return x
+
+        def get_decoder(self):
+            return self.model
+
+    model = Model()
+    assert split_dense(model, 1, 2)["attention"] == 1
+    assert isinstance(model.model.layers[0].self_attn.o_proj, RankSum)
+    vision = model.vision[0].self_attn
+    assert type(vision.o_proj) is torch.nn.Linear and vision.q_proj.out_features == 32
