@@ -173,7 +173,7 @@ def split_dense(model, rank: int, world: int) -> dict[str, int]:
     from moe_offload.engines.offload.loading.architecture import decoder_layers
     from moe_offload.engines.offload.loading.quant import MLP_NAMES, dense_linears
 
-    text = {id(getattr(layer, "self_attn", None)) for layer in decoder_layers(model)}  # the counts below are theirs
+    text = {id(layer.self_attn) for layer in decoder_layers(model) if hasattr(layer, "self_attn")}  # cfg's counts
     cfg = model.config.get_text_config()
     heads = getattr(cfg, "num_attention_heads", 0)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

@@ -57,20 +57,32 @@ def split_for_ranks(model, executor, desc: ModelDescription) -> bool:
     executor's device and fused_bind.refuse on some rank: what is known before the KV pool exists), attention heads
     and dense MLPs split now (dense_split.split_dense), so the KV probe counts the rank's KV heads alone and the pool
     holds N times the tokens of one process's budget. True when split; every rank or none (their exchanges match)."""
-    if getattr(executor, "ep", None) is None or executor.ep[1] < 2 or desc.attention == "mla":
+    if not _ranks(executor) or desc.attention == "mla":
         return False  # MLA: its latent cache does not split; the runner decides once mla.prepare has absorbed it
     from moe_offload.engines.offload.runtime import fused_bind
-    from moe_offload.engines.offload.runtime.dense_split import split_dense
-    from moe_offload.engines.offload.runtime.parallel import agree
 
     try:
         fused = (desc.path == "fused" and executor.device.type == "cpu"
                  and not fused_bind.refuse(model, executor, desc))
     except (AttributeError, TypeError, ValueError, RuntimeError):  # as DecodePlan.build: the module path
         fused = False
+    return _split_unless(fused, model, executor)
+
+
+def _ranks(executor) -> bool:
+    """The executor is one rank of several (``--tensor-parallel``)."""
+    return getattr(executor, "ep", None) is not None and executor.ep[1] > 1
+
+
+def _split_unless(fused: bool, model, executor, **note) -> bool:
+    """Attention heads and dense MLPs split (dense_split.split_dense) on every rank unless ``fused`` holds on every
+    rank (parallel.agree: the ranks' exchanges must match); True when split."""
+    from moe_offload.engines.offload.runtime.dense_split import split_dense
+    from moe_offload.engines.offload.runtime.parallel import agree
+
     if agree(fused):
         return False
-    log.info("dense layers split over the ranks", **split_dense(model, *executor.ep))
+    log.info("dense layers split over the ranks", **note, **split_dense(model, *executor.ep))
     return True
 
 
@@ -89,14 +101,10 @@ class ModelRunner:
         # MLA layers decode over their latent cache with kv_b_proj absorbed (mla.py)
         self.mla_layers = mla.prepare(model) if paged else 0
         self.fast = decode_plan(model, executor, pool, self.desc) if paged and not split else None
-        if not split and getattr(executor, "ep", None) is not None and executor.ep[1] > 1:  # ranks: a plan that
-            from moe_offload.engines.offload.runtime.dense_split import split_dense  # failed to bind on some rank
-            from moe_offload.engines.offload.runtime.parallel import agree  # (the pool is sized for whole heads)
-
-            if not agree(self.fast is not None):
-                self.fast = None
-                log.info("dense layers split over the ranks", kv="sized for whole heads",
-                         **split_dense(model, *executor.ep))
+        # ranks whose plan failed to bind on some rank split now (the pool is sized for whole heads)
+        if not split and _ranks(executor) and _split_unless(self.fast is not None, model, executor,
+                                                            kv="sized for whole heads"):
+            self.fast = None
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Logits [R, V] of the step (rows as output.py reads them), or None when no sequence has a row."""
