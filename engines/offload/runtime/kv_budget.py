@@ -40,8 +40,10 @@ class KVCacheConfig:
 
 def probe_kv_bytes(model, executor, device: torch.device) -> tuple[int, int] | None:
     """(KV bytes per token, state bytes per sequence) of the paged path, or None when a layer needs more than
-    ``cache.update`` or a seat of per-sequence state. Leaves the paged attention set on the model when it returns
-    bytes, the model's own otherwise."""
+    ``cache.update`` or a seat of per-sequence state, on this rank or (``--tensor-parallel``) on any. Leaves the paged
+    attention set on the model when it returns bytes, the model's own otherwise. A torch.distributed error (a rank
+    gone, a collective timed out) is raised, not taken for a layer the pool cannot hold; gloo's, plain RuntimeErrors,
+    surface at the agreement that follows (its all-reduce fails with the rank gone)."""
     kv.register()
     old = kv.set_attention(model, kv.ATTENTION)
     cache = kv.PagedCache(None)
@@ -52,6 +54,8 @@ def probe_kv_bytes(model, executor, device: torch.device) -> tuple[int, int] | N
     try:
         with torch.inference_mode(), kv.active(kv.StepContext(slot_mapping=None, seqs=[], probe=True)):
             model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+    except torch.distributed.DistError:
+        raise  # a rank gone or a collective timed out (--tensor-parallel): not a fact about the model
     except Exception as e:  # noqa: BLE001 - any failure means: not this path
         log.debug("paged KV probe failed", error=f"{type(e).__name__}: {e}")
         cache.seen.clear()
@@ -61,7 +65,12 @@ def probe_kv_bytes(model, executor, device: torch.device) -> tuple[int, int] | N
     layers = int(getattr(model.config.get_text_config(), "num_hidden_layers", 0) or 0)
     if executor is not None and getattr(executor, "stats", None) is not None:
         executor.stats.reset()  # the probe is not a request
-    if not cache.seen or len(cache.seen) + len(cache.stateful) != layers:
+    ok = bool(cache.seen) and len(cache.seen) + len(cache.stateful) == layers
+    if getattr(executor, "ep", None) is not None and executor.ep[1] > 1:
+        from moe_offload.engines.offload.runtime.parallel import agree
+
+        ok = agree(ok)  # every rank pages or none: their steps must run the same collectives
+    if not ok:
         kv.set_attention(model, old)
         return None
     total = 0
