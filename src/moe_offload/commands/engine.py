@@ -200,7 +200,7 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
                    "experts": _experts(engine), "memory": getattr(engine, "memory_plan", None),
                    "approximate": engine.stats().get("approximate")}
             if getattr(engine, "ranks", None) is not None:  # --tensor-parallel: each rank's own experts' numbers
-                out["ranks"] = engine.stats()["ranks"]
+                out["ranks"] = _rounded(engine.stats()["ranks"])
             click.echo(json.dumps(out, indent=2))
             return
         click.echo(text[len(shown):] if text.startswith(shown) else "\n" + text)
@@ -221,6 +221,17 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
                    err=True)
     finally:
         engine.close()
+
+
+def _rounded(v, key: str = ""):
+    """``v`` with its floats as the request's stats print them: rates to 6 decimals, the rest (ms) to 3."""
+    if isinstance(v, float):
+        return round(v, 6 if "rate" in key else 3)
+    if isinstance(v, dict):
+        return {k: _rounded(x, f"{key}.{k}") for k, x in v.items()}  # hit_rate_by_tier's values are rates
+    if isinstance(v, list):
+        return [_rounded(x, key) for x in v]
+    return v
 
 
 def _disk_line(s) -> str:

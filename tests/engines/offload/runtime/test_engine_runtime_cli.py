@@ -241,3 +241,25 @@ def test_convert_then_generate_on_the_disk_tier(demo_dir, tmp_path, monkeypatch,
     assert rc == 0 and "disk tier: host hits" in err and "MB/token" in err
     rc, _, err = cli(capsys, *common, "--host-memory", "1KiB")
     assert rc != 0 and "expected at least" in err and "raise --host-memory" in err
+
+
+def test_generate_json_reports_each_device_and_each_rank(demo_dir, capsys):
+    """--devices cpu,cpu: hits per device tier; --tensor-parallel 2: each rank's own experts' numbers, which add up
+    to the request's; both with the one-device run's tokens."""
+    base = ("generate", "--model", str(demo_dir), "--prompt", "The river runs", "--max-tokens", "6", "--ignore-eos",
+            "--policy", "static", "--fraction", "0.5", "--json")
+    runs = {}
+    for name, extra in (("one", ()), ("devices", ("--devices", "cpu,cpu")), ("ranks", ("--tensor-parallel", "2"))):
+        rc, out, _ = cli(capsys, *base, *extra)
+        assert rc == 0, name
+        runs[name] = json.loads(out)
+    assert runs["devices"]["token_ids"] == runs["ranks"]["token_ids"] == runs["one"]["token_ids"]
+    by_tier = runs["devices"]["stats"]["hits_by_tier"]
+    assert set(by_tier) == {"cpu:0", "cpu:1"} and all(n > 0 for n in by_tier.values())
+    assert sum(by_tier.values()) == runs["devices"]["stats"]["hits"]
+    s, ranks = runs["ranks"]["stats"], runs["ranks"]["ranks"]
+    assert len(ranks) == 2 and all(r["hits"] > 0 for r in ranks)
+    assert sum(r["hits"] for r in ranks) == s["hits"] and sum(r["misses"] for r in ranks) == s["misses"]
+    # printed as the request's numbers are: ms to 3 decimals, rates to 6
+    assert all(v == round(v, 3) for r in ranks for v in r["stage_ms"].values())
+    assert all(r["hit_rate_by_tier"]["cpu:0"] == round(r["hits"] / (r["hits"] + r["misses"]), 6) for r in ranks)
