@@ -55,6 +55,7 @@ def probe_kv_bytes(model, executor, device: torch.device) -> tuple[int, int] | N
         with torch.inference_mode(), kv.active(kv.StepContext(slot_mapping=None, seqs=[], probe=True)):
             model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
     except torch.distributed.DistError:
+        kv.set_attention(model, old)
         raise  # a rank gone or a collective timed out (--tensor-parallel): not a fact about the model
     except Exception as e:  # noqa: BLE001 - any failure means: not this path
         log.debug("paged KV probe failed", error=f"{type(e).__name__}: {e}")

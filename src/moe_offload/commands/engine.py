@@ -226,7 +226,8 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
 def _rounded(v, key: str = ""):
     """``v`` with its floats as the request's stats print them: rates to 6 decimals, the rest (ms) to 3."""
     if isinstance(v, float):
-        return round(v, 6 if "rate" in key else 3)
+        ratio = "rate" in key or key.rsplit(".", 1)[-1] in ("prefetch_precision", "prefetch_recall")
+        return round(v, 6 if ratio else 3)
     if isinstance(v, dict):
         return {k: _rounded(x, f"{key}.{k}") for k, x in v.items()}  # hit_rate_by_tier's values are rates
     if isinstance(v, list):

@@ -53,3 +53,15 @@ def test_a_collective_failure_during_the_probe_is_raised(model, monkeypatch):
     monkeypatch.setattr(parallel, "agree", lambda ok: pytest.fail("no agreement after a failed collective"))
     with pytest.raises(torch.distributed.DistBackendError, match="rank 1"):
         kv_budget.probe_kv_bytes(model, _Rank(), torch.device("cpu"))
+
+
+def test_a_rank_whose_own_probe_failed_still_joins_the_agreement(model, monkeypatch):
+    """A layer this rank cannot page: it still calls agree (with False), so the other ranks are not left waiting."""
+    def cannot(*args, **kwargs):
+        raise ValueError("a cache this layer does not take")
+
+    asked = []
+    monkeypatch.setattr(model, "forward", cannot)
+    monkeypatch.setattr(parallel, "agree", lambda ok: asked.append(ok) or ok)
+    assert kv_budget.probe_kv_bytes(model, _Rank(), torch.device("cpu")) is None
+    assert asked == [False]
