@@ -20,6 +20,7 @@ from moe_offload.commands.options import (
     emit,
     ranks_share_cores,
 )
+from moe_offload.engines.base import disk_rates
 from moe_offload.errors import ConfigError, ModelError
 
 POLICY_HELP = "Miss policy: static (misses computed on the host), lru (misses copied into slots), hybrid (by tokens per expert)."
@@ -226,7 +227,7 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
 def _rounded(v, key: str = ""):
     """``v`` with its floats as the request's stats print them: rates to 6 decimals, the rest (ms) to 3."""
     if isinstance(v, float):
-        ratio = "rate" in key or key.rsplit(".", 1)[-1] in ("prefetch_precision", "prefetch_recall")
+        ratio = "rate" in key or key.rsplit(".", 1)[-1] in disk_rates({})  # the disk tier's ratios
         return round(v, 6 if ratio else 3)
     if isinstance(v, dict):
         return {k: _rounded(x, f"{key}.{k}") for k, x in v.items()}  # hit_rate_by_tier's values are rates
