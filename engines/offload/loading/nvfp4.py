@@ -29,7 +29,6 @@ from moe_offload.errors import ModelError
 
 BLOCK = ggml.BY_NAME["nvfp4"].block  # inputs per engine block (64)
 SCALE, SCALE_2, INPUT_SCALE = "_scale", "_scale_2", ".input_scale"  # "<linear>.weight" + SCALE, ...; "<linear>" + INPUT_SCALE
-E4M3_MAX, E2M1_MAX = 448.0, 6.0
 
 
 def beside(weight_key: str) -> tuple[str, ...]:
@@ -93,17 +92,3 @@ def stack(files, keys: list[list[str]]) -> tuple[torch.Tensor, torch.Tensor]:
         blocks.append(torch.cat(bs, dim=0))
         rows.append(torch.cat(rs))
     return torch.stack(blocks), torch.stack(rows).contiguous()
-
-
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [R, K] float -> (codes, block scales, tensor scale) as ModelOpt's exporter makes them: tensor scale
-    amax / (6 * 448), each block's amax / 6 over it rounded to e4m3, then the nearest e2m1 value. For tests."""
-    wf = w.float()
-    R, K = wf.shape
-    g = wf.abs().amax() / (E2M1_MAX * E4M3_MAX)
-    g = torch.where(g > 0, g, torch.ones_like(g))
-    blocks = wf.reshape(R, K // NVFP4_GROUP, NVFP4_GROUP)
-    s = (blocks.abs().amax(-1) / E2M1_MAX / g).clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    div = (s.float() * g).unsqueeze(-1)
-    scaled = torch.where(div > 0, blocks / torch.where(div > 0, div, torch.ones_like(div)), torch.zeros_like(blocks))
-    return quant.e2m1_pack(scaled), s, g.reshape(())

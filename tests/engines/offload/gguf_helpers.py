@@ -104,7 +104,7 @@ def _experts(model, family: str, qtype: str, seed: int, down_qtype: str | None =
             continue
         g, u, d = (torch.stack([_blocks(R, K, q, seed + 100 * li + 10 * e + k) for e in range(E)])
                    for k, (R, K, q) in enumerate(((inter, H, qtype), (inter, H, qtype), (H, inter, down_qtype or qtype))))
-        gf, uf, df = (ggml.reference_dequantize(t) for t in (g, u, d))  # [E, I, H], [E, I, H], [E, H, I]
+        gf, uf, df = (reference_dequantize(t) for t in (g, u, d))  # [E, I, H], [E, I, H], [E, H, I]
         with torch.no_grad():
             if family == "gpt_oss":  # [E, H, 2I] with gate/up interleaved columns, down [E, I, H]
                 ex.gate_up_proj.copy_(torch.stack([gf, uf], dim=2).flatten(1, 2).transpose(1, 2))
@@ -114,6 +114,27 @@ def _experts(model, family: str, qtype: str, seed: int, down_qtype: str | None =
                 ex.down_proj.copy_(df)
         out[li] = (g, u, d)
     return out
+
+
+def reference_dequantize(t: torch.Tensor) -> torch.Tensor:
+    """The tests' reference for the engine's blocks bits8 [.., nb, S] -> fp32 [.., nb * B], sharing no code with the
+    engine's readers: the gguf package's dequantization for llama.cpp's types; the two types of the engine's own
+    written out here from their definitions: nvfp4 (ModelOpt's NVFP4 in the engine's block order,
+    modelopt_nvfp4.py) and q4_z (q4_0's nibbles with a zero point, d * (q - z))."""
+    from gguf import GGMLQuantizationType, quants
+    from modelopt_nvfp4 import engine_blocks_value
+
+    S = t.shape[-1]
+    if S == 36 and ggml.layout_of(t).name == "nvfp4":
+        return engine_blocks_value(t)
+    raw = t.contiguous().view(torch.uint8)
+    if ggml.layout_of(t).name == "q4_z":  # [d fp16, z u8, 16 bytes: element j low nibble, j + 16 high]
+        d = raw[..., :2].contiguous().view(torch.float16).float()
+        z = raw[..., 2:3].float()
+        q = torch.cat([raw[..., 3:] & 0xF, raw[..., 3:] >> 4], dim=-1).float()
+        return (d * (q - z)).flatten(-2)
+    qtype = GGMLQuantizationType(ggml.layout_of(t).qtype)
+    return torch.from_numpy(quants.dequantize(raw.flatten(-2).numpy(), qtype).copy())
 
 
 def _blocks(R: int, K: int, qtype: str, seed: int) -> torch.Tensor:
@@ -231,7 +252,7 @@ def write(family: str, root: Path, qtype: str = "q4_k", seed: int = 0, down_qtyp
         if re.search(r"(attn_(q|k|v|output|q_a|q_b|kv_a_mqa)|^output|ffn_(gate|up|down)(_shexp)?)\.weight$", target):
             blocks = ggml.quantize(torch.from_numpy(a), "q8_0")
             with torch.no_grad():
-                deq = ggml.reference_dequantize(blocks)
+                deq = reference_dequantize(blocks)
                 if family == "mixtral" and ("q_proj" in name or "k_proj" in name):  # the permutation's inverse
                     heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
                     deq = deq.reshape(heads, deq.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(deq.shape)

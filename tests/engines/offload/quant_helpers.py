@@ -19,7 +19,8 @@
         routed experts one tensor per expert, as transformers saves the family
         quantization_config {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": [..]}
         (hidden and expert intermediate 64: the engine's nvfp4 blocks hold 64 inputs). transformers has no CPU
-        NVFP4 loader: the reference is the same weights dequantized (nvfp4.dequantize) into an fp32 checkpoint.
+        NVFP4 loader: the release is written, and its reference dequantized into an fp32 checkpoint, by
+        modelopt_nvfp4.py (ModelOpt's formula written in the tests, no engine code).
 
 Shapes keep transformers' dequantizing reference meaningful: its Fp8Dequantize derives the block size from the
 scale grid, which equals the 128 blocks only where a dimension is <= 128 or a multiple of 128, so the FP8 model
@@ -152,10 +153,9 @@ def nvfp4_config(family: str):
 def build_nvfp4(root: Path, family: str, seed: int = 1234) -> tuple[str, str]:
     """(a tiny ``family`` model in the ModelOpt NVFP4 release layout, the same weights dequantized as an fp32
     checkpoint: the reference)."""
+    import modelopt_nvfp4
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
-
-    from moe_offload.engines.offload.loading import nvfp4
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(nvfp4_config(family))
@@ -166,10 +166,10 @@ def build_nvfp4(root: Path, family: str, seed: int = 1234) -> tuple[str, str]:
     for key, t in tensors.items():
         if key.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in key and not key.startswith("lm_head") \
                 and not key.endswith(".gate.weight"):
-            q, s, g = nvfp4.quantize(t.float())
+            q, s, g = modelopt_nvfp4.quantize(t.float())
             out |= {key: q, key + "_scale": s, key + "_scale_2": g, key.removesuffix(".weight") + ".input_scale":
                     torch.tensor(1.0)}
-            deq[key] = nvfp4.dequantize(q, s, g)
+            deq[key] = modelopt_nvfp4.dequantize(q, s, g)
         else:
             out[key], deq[key] = t, t.float()
     _write(path, out, NVFP4_QCONFIG)

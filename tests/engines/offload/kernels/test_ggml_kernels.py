@@ -1,5 +1,6 @@
 """The ggml block kernels (csrc/cpu/blocks.h through gemv_q, moe_experts_q, dequant_blocks) against the
-gguf package's own dequantization (llama.cpp's Python reader), for every supported type.
+gguf package's own dequantization (llama.cpp's Python reader), for every supported type; the engine's own two block
+types (nvfp4, q4_z) against their definitions written in the tests (gguf_helpers.reference_dequantize).
 
 dequant_blocks gives exactly the reference's fp32 weights (bit for bit). The dot products quantize x per block of 32,
 or 256 for the k-quants and iq4_xs (8-bit, fp32 scale: llama.cpp's vec_dot pairs these types with 8-bit activations
@@ -11,10 +12,12 @@ Legend: N tokens, R output rows, K input features, H hidden, I expert intermedia
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf_helpers import reference_dequantize
 from offload_helpers import routed_pairs
 
 from moe_offload.engines.offload.kernels import dispatch, jit
@@ -52,17 +55,17 @@ def emulated(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     b = x.float().view(N, K // a, a)
     s = b.abs().amax(-1, keepdim=True) / 127.0
     q = torch.where(s > 0, torch.round(b / torch.where(s > 0, s, 1)), 0).clamp(-127, 127)
-    return (q * s).view(N, K).double() @ ggml.reference_dequantize(w).double().T
+    return (q * s).view(N, K).double() @ reference_dequantize(w).double().T
 
 
 @pytest.mark.parametrize("name", TYPES)
 def test_dequantize_is_the_gguf_reference_bit_for_bit(ops, name):
     for seed in (0, 1):
         w = blocks(6, 512, name, seed)
-        assert torch.equal(ops.dequant_blocks(w), ggml.reference_dequantize(w))
+        assert torch.equal(ops.dequant_blocks(w), reference_dequantize(w))
     three = torch.stack([blocks(4, 256, name, s) for s in range(3)])  # [E, R, nb, S] -> [E, R, K]
-    assert torch.equal(ops.dequant_blocks(three), ggml.reference_dequantize(three))
-    assert torch.equal(quant.dequantize(three[1], None), ggml.reference_dequantize(three[1]))
+    assert torch.equal(ops.dequant_blocks(three), reference_dequantize(three))
+    assert torch.equal(quant.dequantize(three[1], None), reference_dequantize(three[1]))
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -76,15 +79,15 @@ def test_gemv_blocks(ops, name, R, K, N, xdtype):
     bias = torch.randn(R).to(xdtype)
     got = ops.gemv_q(x, w, dispatch.NO_SCALE, bias).double()
     want = emulated(x, w) + bias.double()
-    tol = 1e-5 * (x.double().abs() @ ggml.reference_dequantize(w).double().abs().T).max().item()
+    tol = 1e-5 * (x.double().abs() @ reference_dequantize(w).double().abs().T).max().item()
     if xdtype == torch.bfloat16:
         tol += 2 ** -8 * want.abs().max().item()  # the output's bf16 rounding
     torch.testing.assert_close(got, want, rtol=0, atol=tol)
     # the float product: only the activation rounding apart, at most half a step (amax / 127 of its block) each
-    exact = x.double() @ ggml.reference_dequantize(w).double().T + bias.double()
+    exact = x.double() @ reference_dequantize(w).double().T + bias.double()
     a = act_block(w)
     step = (x.float().view(N, K // a, a).abs().amax(-1, keepdim=True) / 127.0).expand(N, K // a, a).reshape(N, K)
-    bound = (step.double() / 2) @ ggml.reference_dequantize(w).double().abs().T
+    bound = (step.double() / 2) @ reference_dequantize(w).double().abs().T
     assert ((got - exact).abs() <= bound + tol).all()
 
 
@@ -109,9 +112,9 @@ def test_a_tokens_block_experts_in_one_call(ops, up_name, down_name, I, xdtype):
         g = ops.gemv_q(x, ups[k], dispatch.NO_SCALE)
         chain = ops.gemv_q(F.silu(g[:, :I]) * g[:, I:], dns[k], dispatch.NO_SCALE)
         torch.testing.assert_close(one, chain, rtol=2e-2, atol=2e-2 * chain.abs().max().item())
-        ref = F.linear(F.silu(x.double() @ ggml.reference_dequantize(ups[k]).double().T[:, :I])
-                       * (x.double() @ ggml.reference_dequantize(ups[k]).double().T[:, I:]),
-                       ggml.reference_dequantize(dns[k]).double())
+        ref = F.linear(F.silu(x.double() @ reference_dequantize(ups[k]).double().T[:, :I])
+                       * (x.double() @ reference_dequantize(ups[k]).double().T[:, I:]),
+                       reference_dequantize(dns[k]).double())
         assert (one.double() - ref).abs().max() <= 0.05 * ref.abs().max()
 
 
@@ -187,14 +190,18 @@ def test_portable_variant():
 
     # the float product apart only by x's 8-bit rounding: at most half a step (amax / 127 of its block of 32 or 256)
     # per value; the amax over 256 bounds both block sizes' steps
-    run_in_variant("portable", """
+    helpers = str(Path(__file__).resolve().parents[1])
+    run_in_variant("portable", f"""
+import sys
+sys.path.insert(0, {helpers!r})
+from gguf_helpers import reference_dequantize
 from moe_offload.engines.offload.loading import ggml
 x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
 step = (x.view(2, 2, 256).abs().amax(-1, keepdim=True) / 127.0).expand(2, 2, 256).reshape(2, 512).double()
 for name in ggml.BY_NAME:
     w = ggml.random_blocks(9, 512, name, seed=4)
-    ref = ggml.reference_dequantize(w).double()
-    assert torch.equal(ops.dequant_blocks(w), ggml.reference_dequantize(w)), name
+    ref = reference_dequantize(w).double()
+    assert torch.equal(ops.dequant_blocks(w), reference_dequantize(w)), name
     err = (ops.gemv_q(x, w, torch.empty(0)).double() - x.double() @ ref.T).abs()
     bound = (step / 2) @ ref.abs().T + 1e-5 * (x.double().abs() @ ref.abs().T)
     assert (err <= bound).all(), (name, (err / bound).max().item())

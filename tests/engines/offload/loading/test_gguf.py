@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from gguf_helpers import FAMILIES, write
+from gguf_helpers import FAMILIES, reference_dequantize, write
 from offload_helpers import greedy, moe_layers, placement
 from quant_helpers import assert_activation_rounding_bounded
 
@@ -243,8 +243,8 @@ def test_unsupported_expert_type_names_it(tmp_path, monkeypatch):
         return torch.zeros(R, K // 256, 66, dtype=torch.uint8).view(torch.bits8)
 
     monkeypatch.setattr(gguf_helpers, "_blocks", iq2xxs)
-    real_deq, real_layout = ggml.reference_dequantize, ggml.layout_of
-    monkeypatch.setattr(ggml, "reference_dequantize",
+    real_deq, real_layout = gguf_helpers.reference_dequantize, ggml.layout_of
+    monkeypatch.setattr(gguf_helpers, "reference_dequantize",
                         lambda t: torch.zeros(*t.shape[:-2], t.shape[-2] * 256) if t.shape[-1] == 66 else real_deq(t))
     monkeypatch.setattr(ggml, "layout_of", lambda t: type("L", (), {"qtype": 16})() if t.shape[-1] == 66 else real_layout(t))
     path, _ = gguf_helpers.write("qwen3_moe", tmp_path, "q4_k")
@@ -260,8 +260,6 @@ def test_unsupported_expert_type_names_it(tmp_path, monkeypatch):
 def test_int4_at_load(tmp_path, family):
     from gguf_helpers import float_checkpoint
     from transformers import AutoModelForCausalLM
-
-    from moe_offload.engines.offload.loading import ggml
 
     path = float_checkpoint(family, tmp_path)
     layers, num_experts = moe_layers(path)
@@ -279,7 +277,7 @@ def test_int4_at_load(tmp_path, family):
     om = load_model(path, None, dtype="float32", expert_dtype="int4")
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for layer, st in zip((m for m in ref.model.layers if hasattr(m.mlp, "experts")), om.executor.layers):
-        up, down = (ggml.reference_dequantize(t) for t in st.store.tensors[:2])  # [E, R, K]
+        up, down = (reference_dequantize(t) for t in st.store.tensors[:2])  # [E, R, K]
         with torch.no_grad():
             if family == "gpt_oss":
                 layer.mlp.experts.gate_up_proj.copy_(up.transpose(1, 2))

@@ -1,12 +1,16 @@
 """ModelOpt NVFP4 releases: experts kept at 4.5 bits (the engine's nvfp4 blocks + a tensor scale per row), the other
 linears dequantized; fp32 compute gives transformers' tokens on the same weights dequantized, for two families, every
-policy and fraction, and from the disk tier. bf16 compute takes the kernels' 8-bit activations (bounded as for GGUF)."""
+policy and fraction, and from the disk tier. bf16 compute takes the kernels' 8-bit activations (bounded as for GGUF).
+
+The releases are written, and dequantized for the reference, by modelopt_nvfp4.py: ModelOpt's formula written in the
+tests, sharing no code with the engine, and itself checked here against the gguf package's NVFP4 reader."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
+import modelopt_nvfp4 as spec
 import pytest
 import torch
 from offload_helpers import greedy, moe_layers, placement
@@ -27,15 +31,34 @@ def releases(tmp_path_factory):
     return {f: build_nvfp4(root, f) for f in FAMILIES}
 
 
+def test_the_spec_reference_reads_e4m3_as_torch_and_nvfp4_as_the_gguf_package():
+    # the tests' reference (modelopt_nvfp4.py) against two implementations the project did not write: torch's
+    # float8_e4m3fn for every scale byte, llama.cpp's NVFP4 blocks (the gguf package) for codes with their scales
+    import numpy as np
+    from gguf import GGMLQuantizationType, quants
+
+    b = torch.arange(256, dtype=torch.uint8)
+    finite = (b & 0x7F) != 0x7F
+    assert torch.equal(spec.e4m3_value(b)[finite], b.view(torch.float8_e4m3fn).float()[finite])
+    assert spec.e4m3_value(b)[~finite].isnan().all()
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randint(0, 256, (8, 128), dtype=torch.uint8, generator=g)  # [R, K/2]: every code
+    scale = torch.randint(0, 0x7F, (8, 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)  # positive
+    blocks = spec.gguf_blocks(weight, scale).numpy()
+    theirs = quants.dequantize(blocks.reshape(8, -1), GGMLQuantizationType.NVFP4)
+    assert np.array_equal(spec.dequantize(weight, scale, torch.tensor(1.0)).numpy(), theirs)
+
+
 def test_blocks_hold_the_release_bytes_and_mean_its_weights():
     w = torch.randn(48, 256) * 0.05
-    q, s, g = nvfp4.quantize(w)
+    q, s, g = spec.quantize(w)
     blocks = nvfp4.to_blocks(q, s)
     assert blocks.dtype == ggml.DTYPE and tuple(blocks.shape) == (48, 4, 36)
     assert blocks.numel() == q.numel() + s.numel()  # the same bytes, regrouped
-    want = nvfp4.dequantize(q, s, g)
+    want = spec.dequantize(q, s, g)
     rows = g.expand(48).contiguous()
     assert torch.equal(quant.dequantize(blocks, rows), want)  # bit for bit: e2m1 * e4m3 exact, * g one rounding
+    assert torch.equal(nvfp4.dequantize(q, s, g), want)  # the loader's dense-linear path (checkpoint.py)
     assert (want - w).abs().max() <= 0.25 * w.abs().max()  # and they approximate w (4-bit)
 
 
