@@ -1,7 +1,8 @@
 """The quantized-expert kernels (csrc/cpu/moe_quant.cpp) against fp32 references written here, and their wiring.
 
-References: the fp32 weights each format means (quant.dequantize, itself checked against the format's
-definition below) times x, summed in fp64. fp8 and mxfp4 compute with exactly those weights, so they differ
+References: the fp32 weights each format means times x, summed in fp64: int8's written here as a plain loop
+(int8_weights), the others through quant.dequantize, itself checked against the format's definition below
+(transformers' mxfp4 conversion, DeepSeek's fp8 block grid). fp8 and mxfp4 compute with exactly those weights, so they differ
 from the reference by fp32 summation order only. int8 also quantizes x (blocks of 32, like llama.cpp's q8_0
 activations): against an emulation of that (exact integer sums) it agrees to fp32 rounding; against the
 float reference it carries the activation rounding, bounded below.
@@ -35,6 +36,15 @@ def ops():
 def _rand(*shape, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+
+def int8_weights(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """[R, K] fp64 of int8's definition, row by row: w[r, k] = q[r, k] * s[r] in fp32 (symmetric, one fp32 scale per
+    row; the product of an int8 and an fp32 rounded once to fp32)."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r in range(q.shape[0]):
+        out[r] = (q[r].to(torch.float32) * s[r].to(torch.float32)).double()
+    return out
 
 
 def ref_q8_activations(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -85,7 +95,9 @@ def test_int8_is_symmetric_per_row():
     w = _rand(9, 40, seed=3)
     q, s = quant.quantize_int8(w)
     assert q.dtype == torch.int8 and s.shape == (9,) and q.abs().max() <= 127
-    assert ((quant.dequantize_int8(q, s) - w).abs() <= s[:, None] / 2 + 1e-7).all()
+    assert torch.equal(quant.dequantize_int8(q, s).double(), int8_weights(q, s))  # x * s: one rounding either way
+    assert ((int8_weights(q, s) - w.double()).abs() <= s[:, None].double() / 2 + 1e-7).all()
+    assert torch.equal(q.abs().amax(-1), torch.full((9,), 127, dtype=torch.int8))  # each row's largest at full scale
 
 
 # -- the kernels against the references ---------------------------------------------------------------------------------
@@ -101,7 +113,7 @@ def test_gemv_int8(ops, R, K, N, xdtype):
     tol = dict(rtol=1e-5, atol=1e-5) if xdtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
     torch.testing.assert_close(y.double(), emulated, **tol)
     # against the float weights and x: the activation rounding, at most half a step of each x block per weight
-    exact = x.double() @ quant.dequantize_int8(q, s).double().T + b.double()
+    exact = x.double() @ int8_weights(q, s).T + b.double()
     bound = (x.float().abs().amax(-1, keepdim=True) / 127 / 2 * q.float().abs().mul(s[:, None]).sum(-1)).double()
     assert ((y.double() - exact).abs() <= bound + (1e-5 if xdtype == torch.float32 else 2e-2 * exact.abs() + 1e-2)).all()
 
@@ -215,9 +227,12 @@ def test_rejects_bad_input(ops):
 # -- the fused expert and the wiring in expert_forward --------------------------------------------------------------------
 def _chain(x, up, us, dn, ds, split=0):
     """fp64 reference: silu(gate) * up on dequantized weights (x not quantized)."""
-    gu = x.double() @ quant.dequantize(up, us, split).double().T
+    def weights(q, scale, split=0):
+        return int8_weights(q, scale) if q.dtype == torch.int8 else quant.dequantize(q, scale, split).double()
+
+    gu = x.double() @ weights(up, us, split).T
     g, u = gu.chunk(2, dim=-1)
-    return (F.silu(g) * u) @ quant.dequantize(dn, ds).double().T
+    return (F.silu(g) * u) @ weights(dn, ds).T
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
