@@ -186,6 +186,11 @@ def staggered(engine, prompts, lengths, join_after=2):
     for _ in range(join_after):
         engine.step()
     gens += [engine.start(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(prompts[2:], lengths[2:])]
+    return drain(engine, gens), gens
+
+
+def drain(engine, gens) -> list[list[int]]:
+    """Step ``engine`` until it has no work; each generation's tokens, every one finished."""
     out = [[] for _ in gens]
     while engine.step():
         for o, g in zip(out, gens):
@@ -193,7 +198,7 @@ def staggered(engine, prompts, lengths, join_after=2):
     for o, g in zip(out, gens):
         o += g.drain()
         assert g.finished
-    return out, gens
+    return out
 
 
 _REFERENCES: dict = {}
