@@ -273,7 +273,11 @@ def test_named_and_required_tool_choice(demo):
     chunks = list(client.chat.completions.create(model="demo", messages=USER, tools=[WEATHER, CLOCK], tool_choice=named,
                                                  max_tokens=60, seed=0, stream=True))
     deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
-    assert deltas[0].function.name == "get_weather" and deltas[0].id == deltas[0].id
+    # the first delta opens the call (its id, type and name), as OpenAI streams one; the rest carry arguments only
+    first = deltas[0]
+    assert first.function.name == "get_weather" and first.type == "function" and first.index == 0
+    assert first.id.startswith("chatcmpl-tool-") and first.id != call.id  # a call of another request: its own id
+    assert all(d.id in (None, first.id) and d.index == 0 for d in deltas[1:])
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments  # same seed: same call
     sse(url, "/v1/chat/completions", {"messages": USER, "tools": [WEATHER], "tool_choice": named, "max_tokens": 60})
     by_name = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}

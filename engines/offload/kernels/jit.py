@@ -94,6 +94,15 @@ def set_enabled(on: bool) -> bool:
         return _state["ok"]
 
 
+def build() -> dict:
+    """Compile this CPU's variant now and load it, whatever was built at install: what the first use does where no
+    matching library was installed (an edited checkout, another torch). Returns info(). Once per process: the ops
+    register once."""
+    with _lock:
+        _state.update(_build())
+        return dict(_state)
+
+
 def info() -> dict:
     """{"ok": bool, "built": bool, "variant": str, "source": "prebuilt" | "jit" | "", "error": str} once ``load()``
     ran; {} before."""

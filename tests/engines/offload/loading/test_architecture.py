@@ -96,8 +96,9 @@ def test_omni_talker_is_left_out():
 
 def test_gated_deltanet_convolutions_run_in_fp32_in_bf16_engines(family_checkpoints):
     # Qwen3-Next's linear attention: on the CPU in bf16 its short convolution holds fp32 weights (torch's bf16
-    # depthwise path is slow); the layer's output stays bf16 and equals the stock bf16 layer's to bf16 rounding, and
-    # the engine's greedy tokens equal transformers' in bf16; an fp32 engine is untouched
+    # depthwise path is slow); the first DeltaNet layer's output stays bf16 and equals the stock bf16 layer's to bf16
+    # rounding, as does its one-token convolution update; an fp32 engine is untouched. (The whole model in bf16
+    # against transformers in bf16: test_bf16_transformers.py.)
     from transformers import AutoModelForCausalLM
 
     path = _path(family_checkpoints, "qwen3_next")
