@@ -131,3 +131,22 @@ def test_no_import_circle():
 def test_modules_stay_small(name):
     lines = MODULES[name].read_text(encoding="utf-8").count("\n")
     assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)}: {lines} lines (split it by what it holds)"
+
+
+# The kernels' front door: the compiled ops are reached through kernels/ops.py; only the kernels' own modules (the
+# build in jit.py, the wiring in dispatch.py and gemm.py) sit beside it. Comments and docstrings may name the ops.
+KERNELS = ROOT / "engines" / "offload" / "kernels"
+
+
+def _code_mentions(path: Path, needle: str) -> list[int]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return sorted({n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and ast.unparse(n) == needle})
+
+
+@pytest.mark.parametrize("needle", ["torch.ops.moe_offload", "torch.classes.moe_offload"])
+def test_the_kernels_are_called_through_ops_py(needle):
+    outside = {str(p.relative_to(ROOT)): lines for p in MODULES.values() if KERNELS not in p.parents
+               and (lines := _code_mentions(p, needle))}
+    assert not outside, f"{needle} called outside kernels/ (use kernels/ops.py): {outside}"
+    inside = {p.name for p in KERNELS.glob("*.py") if _code_mentions(p, needle)}
+    assert inside <= {"ops.py", "jit.py"}, inside

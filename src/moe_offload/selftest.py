@@ -152,14 +152,14 @@ def _cost_model() -> str:
 def _kernels() -> str:
     import torch
 
-    from moe_offload.engines.offload.kernels import jit
+    from moe_offload.engines.offload.kernels import jit, ops
 
     if not jit.load():  # a failed check: decode then runs transformers' modules, several times slower
         raise AssertionError(f"bf16 CPU kernels off ({jit.info().get('error') or 'disabled'}): decode falls back to "
                              "transformers' modules (slower); reinstall with a compiler (scripts/setup.sh)")
     w = (torch.randn(257, 1031) / 32).to(torch.bfloat16)  # odd sizes: masked tails, uneven thread split
     x = torch.randn(1031).to(torch.bfloat16)
-    torch.testing.assert_close(torch.ops.moe_offload.gemv_bf16(x, w).float(), w.float() @ x.float(), rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(ops.gemv_bf16(x, w).float(), w.float() @ x.float(), rtol=8e-3, atol=1e-2)
     return f"bf16 CPU GEMV ({jit.info()['variant']}, {jit.info()['source']}) matches the fp32 reference"
 
 

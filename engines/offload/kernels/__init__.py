@@ -2,7 +2,8 @@
 
     dispatch.expert_forward(module, x [N, H], stored weights) --> torch.ops.moe_offload.* | F.linear
     csrc/cpu/*.cpp, *.h --jit.load() (at first use, for this CPU's ISA; cached by the bytes)--> torch.ops.moe_offload
-    ops.py: every op's signature with shapes, its fake kernel, MAX_TOKENS
+    ops.py: every op's signature with shapes, its fake kernel, MAX_TOKENS, and the front door: the only module
+            outside the build (jit.py) and the kernels' own wiring (dispatch.py, gemm.py) that calls them
 
 csrc/cpu/: vec.h and quant.h (the ISA helpers, the only #ifs), common.h (checks, row loops, op declarations),
 gemm.cpp, moe.cpp, moe_quant.cpp, decode.cpp (one op family each), bindings.cpp (every m.def / m.impl).

@@ -27,7 +27,7 @@ import types
 
 import torch
 
-from moe_offload.engines.offload.kernels import gemm, jit
+from moe_offload.engines.offload.kernels import gemm, jit, ops
 from moe_offload.engines.offload.kernels.ops import MAX_TOKENS, token_experts
 from moe_offload.engines.offload.loading import ggml, quant
 
@@ -150,7 +150,6 @@ def _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale) ->
     split = gate_up_split(module, up.shape[0]) if up.dtype == torch.float8_e4m3fn else 0
     if (x.is_cpu and up.is_cpu and x.shape[0] <= MAX_TOKENS and _q_kernel_dtype(up, x)
             and jit.load() and not (torch.is_grad_enabled() and x.requires_grad)):
-        ops = torch.ops.moe_offload
         up_scale, down_scale = scale_arg(up_scale), scale_arg(down_scale)
         if (x.shape[0] == 1 and up.dtype != torch.uint8 and up_bias is None and down_bias is None
                 and _is_silu_concat(module)):
@@ -185,7 +184,7 @@ def _few_tokens(module, x, up, down, up_bias, down_bias) -> torch.Tensor:
     if x.shape[0] == 1 and _is_silu_concat(module) and _bias_ok(up_bias) and _bias_ok(down_bias):
         return token_experts(x, [up], [down], up_biases=None if up_bias is None else [up_bias],
                              down_biases=None if down_bias is None else [down_bias])
-    op = torch.ops.moe_offload.gemv_bf16 if x.shape[0] == 1 else torch.ops.moe_offload.gemm_bf16
+    op = ops.gemv_bf16 if x.shape[0] == 1 else ops.gemm_bf16
 
     def linear(v, w, b):  # a bias the kernel cannot read (not bf16 CPU contiguous) added after
         y = op(v, w, b if _bias_ok(b) else None)
@@ -198,7 +197,7 @@ def _gate(module, h: torch.Tensor) -> torch.Tensor:
     """The expert's activation on gate|up rows h [N, 2I] -> [N, I]: gpt-oss's clamped SwiGLU in one kernel call
     (moe_offload::clamped_swiglu_bf16) where the module's gate is gpt-oss's, else the module's own ops."""
     if module.has_gate and h.dtype == torch.bfloat16 and h.is_cpu and _is_gpt_oss_gate(module):
-        return torch.ops.moe_offload.clamped_swiglu_bf16(h.contiguous(), float(module.alpha), float(module.limit))
+        return ops.clamped_swiglu(h.contiguous(), float(module.alpha), float(module.limit))
     return module._apply_gate(h) if module.has_gate else module.act_fn(h)
 
 
@@ -277,9 +276,9 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # x [.., in] -> [.., out]; one token goes to the GEMV kernel, a few to the GEMM kernel, prefill to gemm.linear.
     if x.dtype == torch.bfloat16 and _fast(x, self.weight, False):
         if x.numel() == self.in_features:
-            return torch.ops.moe_offload.gemv_bf16(x, self.weight, self.bias)
+            return ops.gemv_bf16(x, self.weight, self.bias)
         if x.numel() <= GEMM_MAX_TOKENS * self.in_features:  # a batched decode step
-            return torch.ops.moe_offload.gemm_bf16(x, self.weight, self.bias)
+            return ops.gemm_bf16(x, self.weight, self.bias)
     return gemm.linear(x, self.weight, self.bias)  # prefill
 
 

@@ -74,10 +74,10 @@ def as_blocks(raw, name: str, cols: int) -> torch.Tensor:
 def dequantize(t: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """bits8 [.., nb, S] -> [.., nb * B] in ``dtype``: the kernels' op where it is built, else the gguf reference (the
     same fp32 weights, tested)."""
-    from moe_offload.engines.offload.kernels import jit
+    from moe_offload.engines.offload.kernels import jit, ops
 
     if t.is_cpu and jit.load():
-        return torch.ops.moe_offload.dequant_blocks(t).to(dtype)
+        return ops.dequant_blocks(t).to(dtype)
     return reference_dequantize(t.cpu()).to(device=t.device, dtype=dtype)
 
 

@@ -205,12 +205,12 @@ class RowsLinear(torch.nn.Module):
         self.in_features, self.out_features = in_features, q.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from moe_offload.engines.offload.kernels import jit
+        from moe_offload.engines.offload.kernels import jit, ops
         from moe_offload.engines.offload.kernels.ops import MAX_TOKENS
 
         if (x.is_cpu and self.weight_q.is_cpu and x.dtype in self.kernel_dtypes
                 and 0 < x.numel() <= MAX_TOKENS * self.in_features and jit.load()):
-            return torch.ops.moe_offload.gemv_q(x, self.weight_q, self.weight_scale, self.bias, 0)
+            return ops.gemv_q(x, self.weight_q, self.weight_scale, self.bias, 0)
         return torch.nn.functional.linear(x, self.dequantized(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

@@ -32,7 +32,7 @@ import torch
 
 from moe_offload.engines.offload.experts import fused
 from moe_offload.engines.offload.experts.tiercache import TierSlots
-from moe_offload.engines.offload.kernels import dispatch
+from moe_offload.engines.offload.kernels import dispatch, ops
 from moe_offload.engines.offload.loading.quant import RowsLinear
 from moe_offload.log import get_logger
 
@@ -95,7 +95,7 @@ class StepCall:
         if why:
             log.debug("whole-step decode off", reason=why)
             return None
-        obj = torch.classes.moe_offload.DecodeStep()
+        obj = ops.decode_step()
         probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
         for lay in plan.layers:
             if not _add_experts(lay.kernel, lay.state, lay.experts, probe, lay.idx):

@@ -36,6 +36,7 @@ import sys
 
 import torch
 
+from moe_offload.engines.offload.kernels import ops
 from moe_offload.engines.offload.runtime import kv
 
 
@@ -76,7 +77,7 @@ def _kernel(layer, x: torch.Tensor, conv_state, state, slots=None) -> torch.Tens
         qkvz = layer.in_proj_qkvz(x).reshape(B, -1).contiguous()
         ba = layer.in_proj_ba(x).reshape(B, -1).contiguous()
     a_log, dt_bias, conv_bias = layer._moe_offload_fp32
-    out = torch.ops.moe_offload.gated_delta_decode_bf16(
+    out = ops.gated_delta_decode(
         qkvz, ba, conv_state, conv.weight.squeeze(1), conv_bias, state,
         a_log, dt_bias, layer.norm.weight, float(layer.norm.variance_epsilon),
         layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, slots, plain)

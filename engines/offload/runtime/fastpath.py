@@ -31,6 +31,7 @@ import time
 import torch
 
 from moe_offload.control.description import ModelDescription
+from moe_offload.engines.offload.kernels import ops
 from moe_offload.engines.offload.runtime import fused_bind, mla_plan
 from moe_offload.engines.offload.runtime.decode_step import StepCall
 from moe_offload.engines.offload.runtime.moe_blocks import mlp_rows
@@ -142,7 +143,7 @@ class DecodePlan:
             if lay.moe is not None:
                 out = ex.forward(lay.state, lay.experts, x2, idx, w)
                 if lay.shared_args is not None:  # one kernel call, rounded as the module's ops round
-                    out = out + torch.ops.moe_offload.shared_expert_bf16(x2, *lay.shared_args)
+                    out = out + ops.shared_expert(x2, *lay.shared_args)
                 elif lay.shared is not None:
                     se, gate = lay.shared
                     out = out + torch.sigmoid(gate(x2)) * se(x2)
@@ -154,7 +155,7 @@ class DecodePlan:
                 out = lay.mlp(x2.unsqueeze(0))
                 out = (out[0] if isinstance(out, tuple) else out)[0]
             add = out.contiguous()
-        return self._logits(torch.ops.moe_offload.rmsnorm_bf16(h, add, self.norm.weight, self.eps, self.desc.norm.kind),
+        return self._logits(ops.rmsnorm(h, add, self.norm.weight, self.eps, self.desc.norm.kind),
                             t0)
 
     def _logits(self, x: torch.Tensor, t0: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_offload.control.description import Attention, LinearMixer, ModelDescription, MoEBlock, Rotary
-from moe_offload.engines.offload.kernels import jit
+from moe_offload.engines.offload.kernels import jit, ops
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear, RowsLinear
 from moe_offload.engines.offload.runtime import deltanet, mla_plan
 from moe_offload.engines.offload.runtime.moe_blocks import block_for
@@ -71,7 +71,7 @@ def head_dim(inner) -> int | None:
 @dataclass
 class Layer:
     idx: int
-    kernel: object  # torch.classes.moe_offload.Layer: the layer's weights and kinds as the kernels read them
+    kernel: object  # a moe_offload.Layer (kernels/ops.py layer()): the layer's weights and kinds as the kernels read them
     moe: object | None  # the MoE block (router inside the fused call) or None
     experts: object | None
     state: object | None  # the experts module's executor state
@@ -114,7 +114,7 @@ def bind(model, desc: ModelDescription, pool) -> tuple[list[Layer], float] | str
         elif moe is not None and (d.ffn.shared_experts
                                   or any(hasattr(mlp, n) for n in ("shared_expert", "shared_experts"))):
             return f"layer {i}: shared experts without a gate beside a router in the layer call"
-        k = torch.classes.moe_offload.Layer()
+        k = ops.layer()
         k.norms(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, eps, eps, desc.norm.kind)
         lay = Layer(i, k, moe, experts, state, None if moe is not None else mlp, shared)
         if isinstance(d.mixer, LinearMixer):  # a gated-DeltaNet layer: one decode_linear call

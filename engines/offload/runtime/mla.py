@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from moe_offload.engines.offload.kernels import jit
+from moe_offload.engines.offload.kernels import jit, ops
 from moe_offload.engines.offload.runtime import kv
 
 
@@ -89,7 +89,7 @@ def attend(module, step, query, lat, rope, scaling):
     w = module.kv_b_proj.weight
     scale = float(scaling if scaling is not None else (nope + rope.shape[-1]) ** -0.5)
     if q.is_cpu and q.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and jit.load():
-        o = torch.ops.moe_offload.mla_decode_bf16(q, lat_r.contiguous(), rope_r.contiguous(), lens, w, nope, scale)
+        o = ops.mla_decode(q, lat_r.contiguous(), rope_r.contiguous(), lens, w, nope, scale)
     else:
         o = reference(q, lat_r, rope_r, lens.to(q.device), w, nope, scale)
     out = query.new_empty(1, query.shape[2], q.shape[1], o.shape[-1])  # [1, N, H, V]

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_offload.engines.offload.kernels.dispatch import scale_arg
+from moe_offload.engines.offload.kernels import ops
 from moe_offload.engines.offload.kernels.ops import experts
 from moe_offload.engines.offload.runtime.weights import mlp_args
 
@@ -81,12 +82,12 @@ class RouterBlock:
             logits = F.linear(x.float(), w.float())
         else:
             x = x.to(w.dtype)
-            logits = torch.ops.moe_offload.gemm_bf16(x, w) if w.dtype == torch.bfloat16 else F.linear(x, w)
+            logits = ops.gemm_bf16(x, w) if w.dtype == torch.bfloat16 else F.linear(x, w)
         if self.scoring == "softmax":
             scores = F.softmax(logits, dim=1, dtype=torch.float)  # [M, E], the module's ops
         else:
             scores = logits.float().sigmoid()
-        ids, weights = torch.ops.moe_offload.grouped_topk(scores, self.bias, *self.args)
+        ids, weights = ops.grouped_topk(scores, self.bias, *self.args)
         out = ex.forward(self.state, self.experts, x, ids, weights.to(x.dtype) if self.round_weights else weights)
         return out if self.shared is None else plus_shared(out, x, self.shared, self.shared_args)
 

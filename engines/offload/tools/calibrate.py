@@ -102,10 +102,10 @@ def gemv_bandwidth(dev: torch.device, hidden: int, rows: int, dtype: torch.dtype
     x = torch.full((1, hidden), 0.5, dtype=dtype, device=dev)  # [1, H]
     linear = torch.nn.functional.linear
     if dev.type == "cpu" and dtype == torch.bfloat16:
-        from moe_offload.engines.offload.kernels import jit
+        from moe_offload.engines.offload.kernels import jit, ops
 
         if jit.load():  # the engine's one-token linears run through the GEMV kernel: measure that
-            linear = torch.ops.moe_offload.gemv_bf16
+            linear = ops.gemv_bf16
     t = _cycling(_Timer(dev), [lambda i=i: linear(x, w[i]) for i in range(n)], 9)
     return per / t
 
