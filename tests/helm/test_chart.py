@@ -88,10 +88,15 @@ def test_default_is_a_cpu_worker_on_the_demo_model():
     pod = objs["Deployment"]["spec"]["template"]
     c = container(objs)
     assert c["command"] == ["moe-offload", "worker"]
-    assert c["args"] == ["--backend=cpu", "--host=0.0.0.0", "--port=8000"]
+    assert c["args"] == ["--backend=cpu", "--host=0.0.0.0", "--port=8000", "--drain-timeout=30"]
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # readiness fails first when the pod stops (the worker drains on SIGTERM); the grace period covers the preStop
+    # wait and the drain, so the kubelet's SIGKILL never cuts a request the drain would have finished
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 5 + 30 + 10
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 1800
     assert "resources" not in c and "volumeMounts" not in c and "volumes" not in pod["spec"]
     assert env(c)["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
@@ -112,7 +117,8 @@ def test_default_is_a_cpu_worker_on_the_demo_model():
 def test_cuda_requests_gpus_and_mounts_the_model_read_only():
     objs = render(CUDA)
     c = container(objs)
-    assert c["args"] == ["--backend=cuda", "--host=0.0.0.0", "--port=8000", "--model=/models/org/Qwen3-30B-A3B",
+    assert c["args"] == ["--backend=cuda", "--host=0.0.0.0", "--port=8000", "--drain-timeout=30",
+                         "--model=/models/org/Qwen3-30B-A3B",
                          "--policy=lru", "--fraction=0.25"]
     assert c["resources"] == {"limits": {"memory": "64Gi", "nvidia.com/gpu": 1}}
     assert c["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
@@ -125,7 +131,8 @@ def test_rngd_requests_npus_and_runs_the_external_engine():
     objs = render(RNGD)
     c = container(objs)
     assert c["command"] == ["moe-offload", "worker"]
-    assert c["args"] == ["--backend=rngd", "--host=0.0.0.0", "--port=8000", "--model=/models/gpt-oss",
+    assert c["args"] == ["--backend=rngd", "--host=0.0.0.0", "--port=8000", "--drain-timeout=30",
+                         "--model=/models/gpt-oss",
                          "--engine=/opt/furiosa/bin/moe-engine"]
     assert c["resources"] == {"limits": {"furiosa.ai/rngd": 2}}
     (vol,) = objs["Deployment"]["spec"]["template"]["spec"]["volumes"]

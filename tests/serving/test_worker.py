@@ -167,11 +167,14 @@ def test_body_limit_unknown_route_and_api_key(mock_worker):
 
 def test_queue_full_429_and_waiting_metric(mock_worker):
     h = mock_worker(ms_per_token=20, max_queue=1)
-    statuses, waiting_seen = [], []
+    statuses, waiting_seen, retry_after = [], [], []
 
     def post():
         with httpx.Client(base_url=h.url, timeout=30) as c:
-            statuses.append(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 15}).status_code)
+            r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 15})
+            statuses.append(r.status_code)
+            if r.status_code == 429:  # when to come back, as a client or a load balancer reads it
+                retry_after.append(r.headers.get("retry-after"))
 
     threads = [threading.Thread(target=post) for _ in range(4)]
     for t in threads:
@@ -186,6 +189,7 @@ def test_queue_full_429_and_waiting_metric(mock_worker):
         t.join()
     # One running + one waiting fit; the rest are refused while both are busy.
     assert statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
+    assert retry_after and set(retry_after) == {"1"}, retry_after
     assert max(waiting_seen) >= 1
 
 

@@ -56,6 +56,9 @@ def _worker_options(fn):
         click.option("--tensor-parallel", type=click.IntRange(min=1), metavar="N", help="cpu: " + TENSOR_PARALLEL_HELP),
         click.option("--request-timeout", default=600.0, show_default=True, type=float, help="Seconds from arrival to the last token (504 after)."),
         click.option("--max-body-bytes", default=4 * 1024 * 1024, show_default=True, type=int, help="Larger request bodies get 413."),
+        click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
+                     help="On SIGTERM: seconds the requests in flight get to finish (new ones get 503, /ready fails); "
+                          "those still running then end with an error, and the worker exits 0."),
         click.option("--gateway", "gateway_url", help="Register with this gateway (needs --gateway-token)."),
         click.option("--gateway-token", envvar="MOE_OFFLOAD_GATEWAY_TOKEN", help="The gateway's shared token [env MOE_OFFLOAD_GATEWAY_TOKEN]."),
         click.option("--advertise-url", help="URL the gateway should use for this worker (default: http://HOST:PORT)."),
@@ -74,7 +77,8 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                 mock_hit_rate, engine_bin, engine_data, served_model_name, api_key, max_queue, request_timeout, max_body_bytes, gateway_url,
                 gateway_token, advertise_url, banner: bool, max_num_seqs=None, max_num_batched_tokens=None, kv_cache_memory=None, host_memory=None,
                 max_model_len=None, block_size=None, generation_config: str = "auto", tool_call_parser: str = "auto",
-                speculative=None, tail_skip=None, cold_dtype=None, devices=None, tensor_parallel=None) -> None:
+                speculative=None, tail_skip=None, cold_dtype=None, devices=None, tensor_parallel=None,
+                drain_timeout: float = 30.0) -> None:
     ranks_share_cores(tensor_parallel)  # before anything imports torch
     from moe_offload import backends
     from moe_offload.errors import ConfigError
@@ -120,7 +124,7 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
         body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
         click.echo(f"moe-offload worker: {name} ({backend_name}) at {url}  (OpenAI API under {url}/v1, metrics at {url}/metrics)")
         click.echo(f"try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
-    server.run_server(app, sock)
+    server.run_server(app, sock, drain=app.state.worker.runner, drain_timeout=drain_timeout)
 
 
 def _speculative(text: str | None):

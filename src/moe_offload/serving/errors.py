@@ -29,17 +29,24 @@ TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None):
+    """An OpenAI error object with its HTTP status; ``retry_after``: seconds a client should wait before retrying
+    (the Retry-After header), where waiting helps."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or TYPES.get(status, "invalid_request_error")
+        self.retry_after = retry_after
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def from_offload(e: OffloadError, param: str | None = None) -> APIError:

@@ -6,8 +6,8 @@
 Statuses pass through. A worker that cannot be reached (or answers 502/503)
 is skipped for the next one; a non-streaming request whose worker dies
 mid-way is retried on the next worker, so it is not lost. After
-``fail_threshold`` failures in a row a worker is unhealthy until its /health
-answers 200 again. Workers are given on the command line or register
+``fail_threshold`` failures in a row a worker is unhealthy until its /ready
+answers 200 again (readiness: a draining worker fails it at once, so no new request is sent there). Workers are given on the command line or register
 themselves at ``POST /gateway/register`` with the shared token (without a
 configured token, registration is refused: anyone could otherwise register a
 worker and receive users' prompts). No torch here.
@@ -86,14 +86,14 @@ class Gateway:
         self.client: httpx.AsyncClient | None = None
 
     async def refresh(self, w: WorkerEntry) -> None:
-        """Probe /health; on 200, (re)read /affinity for seeds if none yet."""
+        """Probe /ready; on 200, (re)read /affinity for seeds if none yet."""
         try:
-            r = await self.client.get(w.url + "/health", timeout=2.0)
+            r = await self.client.get(w.url + "/ready", timeout=2.0)
             ok = r.status_code == 200
         except httpx.HTTPError as e:
             ok, why = False, f"{type(e).__name__}: {e}"
         else:
-            why = f"/health answered {r.status_code}"
+            why = f"/ready answered {r.status_code}"
         if ok:
             if not w.healthy:
                 log.info("worker healthy again", worker=w.url)

@@ -9,6 +9,10 @@ request in each step (continuous batching: requests join and leave between steps
 one at a time through the same loop. A job cancelled while waiting (client gone, timeout) is aborted at the
 next step boundary, which frees its KV blocks. An exception from a step other than a user error is an engine
 crash: every job in flight gets 503 and the engine is rebuilt on the same thread.
+
+Draining (a SIGTERM, server.py): drain() refuses new requests (503 "draining", with Retry-After) while the jobs in
+flight run on; ``idle`` says when none is left; give_up() ends those still running with a 503 error event (the
+drain's time is up), so every accepted request ends with its response or an error.
 """
 
 from __future__ import annotations
@@ -90,7 +94,9 @@ class EngineRunner:
         self.factory = None if isinstance(engine, Engine) else engine
         self.max_queue = max_queue
         self.ready = True
+        self.draining = False
         self.restarts = 0
+        self._give_up = False
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()
         self._active: dict[Job, Any] = {}  # job -> its Generation (engine thread only)
@@ -158,15 +164,33 @@ class EngineRunner:
 
             raise from_offload(e, param="prompt" if "context" not in str(e) else "max_tokens") from None
 
+    def drain(self) -> None:
+        """Refuse new requests from now on (503, code "draining"); the ones in flight go on."""
+        self.draining = True
+
+    @property
+    def idle(self) -> bool:
+        """No request waiting or running (read from any thread: a snapshot)."""
+        return not self._incoming and not self._active
+
+    def give_up(self) -> None:
+        """End every request still in flight with a 503 error event, at the engine thread's next turn."""
+        with self._cond:
+            self._give_up = True
+            self._cond.notify()
+
     def submit(self, ids: list[int], params: SamplingParams) -> Job:
         if self._closed:
             raise APIError(503, "the worker is shutting down")
+        if self.draining:
+            raise APIError(503, "the worker is shutting down: retry on another worker", code="draining", retry_after=1)
         if not self.ready:
-            raise APIError(503, "the engine is restarting after a failure; retry shortly", code="engine_restarting")
+            raise APIError(503, "the engine is restarting after a failure; retry shortly", code="engine_restarting",
+                           retry_after=5)
         waiting = self.waiting
         if waiting >= self.max_queue and (self._active or self._incoming):
             raise APIError(429, f"too many requests waiting ({waiting}, --max-queue {self.max_queue}); retry later",
-                           code="queue_full")
+                           code="queue_full", retry_after=1)
         job = Job(asyncio.get_running_loop(), ids, params)
         with self._cond:
             self._incoming.append(job)
@@ -177,14 +201,17 @@ class EngineRunner:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._closed and not self._incoming and not self._active:
+                while not self._closed and not self._incoming and not self._active and not self._give_up:
                     self._cond.wait()
                 if self._closed:
                     break
                 new = list(self._incoming)
                 self._incoming.clear()
+                give_up, self._give_up = self._give_up, False
             try:
                 self._start(new)
+                if give_up:
+                    self._abandon()
                 self._reap()
                 if self._active:
                     self.engine.step()
@@ -259,6 +286,15 @@ class EngineRunner:
         from moe_offload.serving.errors import from_offload
 
         job.push(ErrorEvent(from_offload(e)))
+
+    def _abandon(self) -> None:  # engine thread
+        err = APIError(503, "the worker shut down before this request finished (its drain time ran out)",
+                       code="shutdown")
+        for job, gen in list(self._active.items()):
+            if gen is not None:
+                gen.close()  # aborted: its KV blocks go back
+            job.push(ErrorEvent(err))
+        self._active.clear()
 
     def _crashed(self, e: BaseException) -> None:  # engine thread
         log.error("engine failed; restarting it", error=f"{type(e).__name__}: {e}")

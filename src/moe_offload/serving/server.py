@@ -2,11 +2,19 @@
 
 The socket is bound here, before uvicorn starts, so a port in use is a clear
 ConfigError instead of a log line from a thread, and ``port=0`` picks a free port.
+
+In the foreground a SIGTERM drains (what Kubernetes sends before it stops a pod):
+
+    SIGTERM --> drain.drain(): readiness (/ready) fails, new requests get 503 "draining" + Retry-After
+            --> the requests in flight finish (up to ``drain_timeout`` s; then drain.give_up(): each ends with a 503
+                error event, a stream with its error chunk and [DONE])
+            --> uvicorn stops, exit status 0.    A second SIGTERM, or Ctrl-C: uvicorn's own immediate shutdown.
 """
 
 from __future__ import annotations
 
 import errno
+import signal
 import socket
 import threading
 import time
@@ -93,8 +101,35 @@ def start_server(app, host: str = "127.0.0.1", port: int = 0, *, log_level: str 
     return ServerHandle(url_of(sock), sock.getsockname()[1], server, thread, sock)
 
 
-def run_server(app, sock: socket.socket, *, log_level: str = "info") -> None:
-    """Serve in the foreground on an already bound socket (the CLI: Ctrl-C stops it)."""
+DRAIN_TIMEOUT = 30.0  # seconds a SIGTERM leaves the requests in flight (Kubernetes' default grace period)
+
+
+def run_server(app, sock: socket.socket, *, log_level: str = "info", drain=None,
+               drain_timeout: float = DRAIN_TIMEOUT) -> None:
+    """Serve in the foreground on an already bound socket (the CLI: Ctrl-C stops it). ``drain``: what a SIGTERM
+    drains (an object with drain(), idle and give_up(): the worker's EngineRunner), else SIGTERM stops at once."""
     import uvicorn
 
-    uvicorn.Server(_config(app, log_level)).run(sockets=[sock])
+    class Server(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig, frame) -> None:
+            if drain is None or sig != signal.SIGTERM or self.draining:
+                return super().handle_exit(sig, frame)
+            # not recorded as a captured signal: uvicorn would raise it again at exit (the process dying of it)
+            self.draining = True
+            drain.drain()
+            threading.Thread(target=self.finish, name="drain", daemon=True).start()
+
+        def finish(self) -> None:
+            end = time.monotonic() + drain_timeout
+            while not drain.idle and time.monotonic() < end:
+                time.sleep(0.05)
+            if not drain.idle:
+                drain.give_up()
+                end = time.monotonic() + 2.0  # the error events reach their streams
+                while not drain.idle and time.monotonic() < end:
+                    time.sleep(0.05)
+            self.should_exit = True
+
+    Server(_config(app, log_level)).run(sockets=[sock])

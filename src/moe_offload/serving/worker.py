@@ -4,7 +4,7 @@ Routes only; the logic lives in the modules they call (vLLM's api_router / proto
     POST /v1/completions, /v1/chat/completions --protocol.validate--> requests.build_* (GenRequest)
         --> completions.Worker.handle --> EngineRunner (queue.py: one engine thread, events.py events)
         --> JSON (completions.py) | SSE (streaming.py)
-    POST /tokenize /detokenize   GET /tokenizer_info /v1/models /health /version /metrics /affinity
+    POST /tokenize /detokenize   GET /tokenizer_info /v1/models /health /ready /version /metrics /affinity
     GET /openapi.json /docs  (openapi.py; request and response models: protocol.py, responses.py)
 
 Each completion carries ``x-moe-offload-request-class`` and, when known at
@@ -150,6 +150,16 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if runner.ready:
             return Response(status_code=200)
         return APIError(503, "the engine is down; it is being restarted", code="engine_down").response()
+
+    @app.get("/ready", response_class=Response,
+             responses={200: {"description": "Taking requests (empty body)."},
+                        503: {"model": R.ErrorResponse, "description": "Draining before shutdown, or the engine is down."}})
+    async def ready():
+        """Readiness: /health, and not draining. After a SIGTERM the worker fails this at once and finishes the
+        requests it has (/health stays 200 meanwhile: the process is alive)."""
+        if runner.draining:
+            return APIError(503, "the worker is shutting down", code="draining", retry_after=1).response()
+        return await health()
 
     @app.get("/version")
     async def version():
