@@ -319,6 +319,11 @@ class Engine(ABC):
         """Cumulative numbers since the engine started (same keys as GenerationStats.to_dict, summed)."""
         return {}
 
+    def health(self) -> str | None:
+        """Why the engine cannot serve now (a process or a rank of it that exited), in words; None when it can.
+        Cheap and safe from any thread: the worker's /health calls it."""
+        return None
+
     def close(self) -> None:
         """Free the engine's memory and threads."""
 

@@ -130,6 +130,11 @@ class EngineProcess(Engine):
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def health(self) -> str | None:
+        if self._proc is not None and self._proc.poll() is not None:
+            return f"the engine process exited (code {self._proc.poll()})"
+        return None
+
     def _died(self) -> EngineError:
         code = self._proc.poll() if self._proc else None
         tail = ""

@@ -65,3 +65,21 @@ class CrashingMock(MockEngine):
         if b"CRASH" in bytes(t for t in prompt_ids if t < 256):
             raise RuntimeError("simulated engine failure")
         return super().generate(prompt_ids, params)
+
+
+class HangingMock(MockEngine):
+    """A step that blocks until ``release`` is set (a hung kernel, a rank that stopped answering), and an engine that
+    reports what ``dead`` says through health() (a process or rank that exited)."""
+
+    def __init__(self):
+        import threading
+
+        super().__init__(MockConfig(ms_per_token=0))
+        self.release, self.dead = threading.Event(), None
+
+    def step(self) -> bool:
+        self.release.wait(30)
+        return super().step()
+
+    def health(self) -> str | None:
+        return self.dead

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -156,3 +157,46 @@ def test_gateway_bad_bodies_are_4xx_not_500(serve, mock_worker):
         r = c.post("/gateway/register", json={"url": w.url, "model": 5}, headers=auth)
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
         assert c.get("/health").status_code == 200
+
+
+def test_a_request_that_crashes_an_engine_is_not_sent_to_the_next_worker(serve, mock_worker):
+    # A request of death: retried on the next worker it would take every worker's engine down in turn. Draining or
+    # restarting workers (also 503) are still skipped for the next one.
+    from serving_engines import CrashingMock
+
+    from moe_offload.serving.worker import create_app
+
+    built = []
+
+    def factory():
+        built.append(1)
+        return CrashingMock()
+
+    crashing = [serve(create_app(factory, model_name="mock")) for _ in range(2)]
+    gw = serve(gateway.create_app([h.url for h in crashing], health_interval=30, seed=0))
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"prompt": "please CRASH", "max_tokens": 3})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"  # the worker's own answer
+        for _ in range(100):  # the crashed engine is rebuilt after its 503 went out
+            if all(httpx.get(h.url + "/health").status_code == 200 for h in crashing) and len(built) == 3:
+                break
+            time.sleep(0.05)
+        assert len(built) == 2 + 1  # two engines built, one rebuilt: only one worker's engine went down
+        ok = c.post("/v1/completions", json={"prompt": "fine", "max_tokens": 3})
+        assert ok.status_code == 200  # the other worker (or the rebuilt one) serves the next request
+
+
+def test_the_gateways_views_need_its_api_key_and_it_reads_affinity_with_it(serve, mock_worker):
+    w = mock_worker(api_key="k")
+    gw = serve(gateway.create_app([w.url], api_key="k", health_interval=0.1))
+    auth = {"authorization": "Bearer k"}
+    with httpx.Client(base_url=gw.url, timeout=10) as c:
+        assert c.get("/gateway/workers").status_code == 401  # the workers' addresses stay private
+        assert c.get("/v1/models").status_code == 401
+        for _ in range(100):  # the gateway seeds its scores from the worker's /affinity, sending the key
+            ws = c.get("/gateway/workers", headers=auth).json()["workers"]
+            if ws and ws[0]["healthy"] and ws[0].get("model") == "mock":
+                break
+            time.sleep(0.05)
+        assert ws[0]["model"] == "mock", ws
+        assert c.get("/v1/models", headers=auth).json()["data"][0]["id"] == "mock"

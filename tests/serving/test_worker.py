@@ -160,6 +160,8 @@ def test_body_limit_unknown_route_and_api_key(mock_worker):
         assert c.get("/v1/models", headers={"authorization": "Bearer wrong"}).status_code == 401
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=auth).status_code == 200
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200  # not under /v1
+        assert c.get("/affinity").status_code == 401  # routing statistics: behind the key
+        assert c.get("/affinity", headers=auth).json()["model"] == "mock"
         assert c.get("/v2/nothing").json()["error"]["type"] == "not_found_error"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=h.url + "/v1", api_key="nope").models.list()

@@ -235,6 +235,16 @@ class OffloadEngine(Engine):
             d["ranks"] = self.ranks.rank_stats(self.executor.stats.snapshot())
         return d
 
+    def health(self) -> str | None:
+        """A --tensor-parallel rank that exited (the others would wait on it in every collective)."""
+        ranks = self.ranks
+        if ranks is None or self._closed:
+            return None
+        for r, p in enumerate(ranks.procs, 1):
+            if p.poll() is not None:
+                return f"tensor-parallel rank {r} exited (code {p.poll()})"
+        return None
+
     def close(self) -> None:
         if self._closed:
             return

@@ -46,6 +46,18 @@ _STREAM_STATS = re.compile(rb": x-moe-offload-hit-rate=([0-9.]+) class=([a-z-]+)
 _DROP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server"}
 
 
+# A worker's 503 codes not tried on another worker: the request itself failed the engine (a request of death would
+# take every worker's engine down in turn). Draining, restarting or a queue that is full are retried elsewhere.
+NOT_RETRIED = frozenset({"engine_failed"})
+
+
+def _error_code(body: bytes) -> str | None:
+    try:
+        err = json.loads(body).get("error")
+        return err.get("code") if isinstance(err, dict) else None
+    except (ValueError, AttributeError):
+        return None
+
 class _Metrics:
     def __init__(self, pool: WorkerPool):
         r = self.registry = CollectorRegistry(auto_describe=True)
@@ -100,7 +112,8 @@ class Gateway:
             self.pool.succeeded(w)
             if not w.seed:
                 try:
-                    a = (await self.client.get(w.url + "/affinity", timeout=2.0)).json()
+                    auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+                    a = (await self.client.get(w.url + "/affinity", timeout=2.0, headers=auth)).json()
                     seed = {"all": a.get("predicted"), **{c: v.get("affinity") for c, v in a["classes"].items()}}
                     w.seed = {k: float(v) for k, v in seed.items() if v is not None}
                     w.model = w.model or a.get("model")
@@ -164,9 +177,14 @@ class Gateway:
                 req = self.client.build_request("POST", w.url + path, content=raw, headers=headers)
                 resp = await self.client.send(req, stream=True)
                 if resp.status_code in (502, 503):
+                    content = await resp.aread()
                     await resp.aclose()
                     last_error = f"{w.url} answered {resp.status_code}"
                     self.pool.failed(w, last_error)
+                    if _error_code(content) in NOT_RETRIED:  # this request crashed that engine: it would crash the next
+                        self._count(w, cls, resp.status_code, t0)
+                        return Response(content, status_code=resp.status_code,
+                                        headers=self._passthrough(resp.headers, w))
                     self.metrics.retries.labels(worker=w.url).inc()
                     continue
                 if not stream or resp.status_code != 200:
@@ -263,6 +281,7 @@ def create_app(workers: Sequence[str] = (), *, token: str | None = None, api_key
 
     @app.get("/v1/models")
     async def models(request: Request):
+        check_api_key(request, gw.api_key)
         for w in pool.rank("latin-prose"):
             try:
                 r = await gw.client.get(w.url + "/v1/models", headers=gw._headers(request))
@@ -299,7 +318,8 @@ def create_app(workers: Sequence[str] = (), *, token: str | None = None, api_key
         return {"removed": pool.remove(url)}
 
     @app.get("/gateway/workers")
-    async def workers_view():
+    async def workers_view(request: Request):
+        check_api_key(request, gw.api_key)  # the workers' addresses and routing statistics
         return {"lambda": pool.lam, "alpha": pool.alpha, "classes": list(CLASSES), "workers": pool.describe()}
 
     @app.get("/health")

@@ -97,6 +97,7 @@ class EngineRunner:
         self.draining = False
         self.restarts = 0
         self._give_up = False
+        self._step_since: float | None = None  # monotonic start of the step running now (engine thread writes)
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()
         self._active: dict[Job, Any] = {}  # job -> its Generation (engine thread only)
@@ -164,6 +165,24 @@ class EngineRunner:
 
             raise from_offload(e, param="prompt" if "context" not in str(e) else "max_tokens") from None
 
+    def health(self, hang_after: float) -> APIError | None:
+        """Why /health must fail now (503), or None: the engine thread gone, the engine restarting, one step running
+        longer than ``hang_after`` seconds (a hung kernel, a rank that stopped answering), or the engine's own
+        health() (a process or rank that exited). Any thread."""
+        if not self._thread.is_alive():
+            return APIError(503, "the engine thread is gone", code="engine_down")
+        if not self.ready:
+            return APIError(503, "the engine is down; it is being restarted", code="engine_down")
+        since = self._step_since
+        if since is not None and time.monotonic() - since > hang_after:
+            return APIError(503, f"one engine step has run for {time.monotonic() - since:.0f} s (more than "
+                                 f"--hang-timeout {hang_after:g} s): the engine is hung", code="engine_hung")
+        try:
+            why = self.engine.health()
+        except Exception as e:  # noqa: BLE001 - a probe must answer: an engine that cannot say is not healthy
+            why = f"{type(e).__name__}: {e}"
+        return APIError(503, why, code="engine_down") if why else None
+
     def drain(self) -> None:
         """Refuse new requests from now on (503, code "draining"); the ones in flight go on."""
         self.draining = True
@@ -214,9 +233,12 @@ class EngineRunner:
                     self._abandon()
                 self._reap()
                 if self._active:
+                    self._step_since = time.monotonic()
                     self.engine.step()
+                    self._step_since = None
                 self._drain()
             except Exception as e:  # noqa: BLE001 - an engine failure must not take the worker down
+                self._step_since = None
                 self._crashed(e)
         for job in list(self._active) + list(self._incoming):
             job.push(DoneEvent(None))

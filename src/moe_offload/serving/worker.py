@@ -52,7 +52,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                request_timeout: float = 600.0, max_body_bytes: int = DEFAULT_MAX_BODY, placement=None,
                tiers: Sequence = (), reasoning: bool | str = "auto", predicted_by_class: Mapping[str, float] | None = None,
                on_shutdown: Callable[[], None] | None = None, generation_config: str = "auto",
-               tool_parser: str = "auto") -> FastAPI:
+               tool_parser: str = "auto", hang_timeout: float = 300.0) -> FastAPI:
     """The worker's FastAPI app around ``engine`` (an Engine, or a zero-argument factory that builds one; with a
     factory a crashed engine is rebuilt). The app owns the engine and closes it on shutdown.
 
@@ -64,11 +64,14 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     request class predicted hit rates (fractions), where a profile provides them. ``generation_config``: default
     sampling values from "auto" (the model directory's generation_config.json), "vllm" (none) or a directory.
     ``tool_parser``: how "auto" tool calls are read from replies: hermes | qwen3_coder | auto (from the chat template).
+    ``hang_timeout``: seconds one engine step may run before /health reports the engine hung (503).
     """
     from moe_offload.errors import ConfigError
 
     if not request_timeout > 0:
         raise ConfigError(f"request_timeout: expected seconds > 0, got {request_timeout}")
+    if not hang_timeout > 0:
+        raise ConfigError(f"hang_timeout: expected seconds > 0, got {hang_timeout}")
     if max_body_bytes < 1:
         raise ConfigError(f"max_body_bytes: expected >= 1 (every request would get 413), got {max_body_bytes}")
     runner = EngineRunner(engine, max_queue=max_queue)
@@ -147,9 +150,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     @app.get("/health", response_class=Response, responses={200: {"description": "The engine is up (empty body)."},
                                                            503: {"model": R.ErrorResponse, "description": "The engine is down."}})
     async def health():
-        if runner.ready:
-            return Response(status_code=200)
-        return APIError(503, "the engine is down; it is being restarted", code="engine_down").response()
+        """Liveness: 503 while the engine restarts, when its thread, a process or a --tensor-parallel rank of it is
+        gone, or when one step has run longer than the hang timeout (Kubernetes then restarts the pod)."""
+        err = runner.health(hang_timeout)
+        return Response(status_code=200) if err is None else err.response()
 
     @app.get("/ready", response_class=Response,
              responses={200: {"description": "Taking requests (empty body)."},
@@ -171,8 +175,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         return PlainTextResponse(w.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/affinity")
-    async def affinity():
-        """What a gateway seeds and refreshes its scores from."""
+    async def affinity(request: Request):
+        """What a gateway seeds and refreshes its scores from (its routing statistics: behind the API key)."""
+        check_api_key(request, w.api_key)
         return {"model": w.model_name, "backend": w.info.backend, "policy": w.info.policy, **w.metrics.affinity_report(),
                 **runner.stats()}
 
