@@ -297,3 +297,39 @@ def test_port_in_use_is_a_clear_error(mock_worker):
     h = mock_worker()
     with pytest.raises(ConfigError, match="in use"):
         start_server(create_app(__import__("moe_offload.engines.mock", fromlist=["x"]).MockEngine()), "127.0.0.1", h.port)
+
+
+def test_a_requests_own_chat_template_needs_the_workers_trust(mock_worker):
+    # a template is a program the worker runs (vLLM refuses them unless --trust-request-chat-template)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template": "{{ messages }}"}
+    with httpx.Client(base_url=mock_worker().url) as c:
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = c.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", (path, r.text)
+    with httpx.Client(base_url=mock_worker(trust_request_chat_template=True).url) as c:
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_a_slow_request_to_prepare_leaves_the_event_loop_free(serve):
+    # tokenizing a 4 MiB prompt or rendering a template runs on the preparation thread: probes, metrics and the
+    # streams in flight are answered meanwhile (here a tokenizer that takes 1.5 s per prompt)
+    from moe_offload.backends import get_backend
+
+    engine = get_backend("mock").build_engine("mock", ms_per_token=0)
+
+    class Slow(type(engine.tokenizer)):
+        def encode(self, text, add_special_tokens=False):
+            if text.startswith("slow"):
+                time.sleep(1.5)
+            return super().encode(text, add_special_tokens)
+
+    engine.tokenizer = Slow()
+    h = serve(create_app(engine, model_name="mock"))
+    t = threading.Thread(target=lambda: httpx.post(h.url + "/v1/completions", timeout=30,
+                                                   json={"prompt": "slow prompt", "max_tokens": 2}))
+    t.start()
+    time.sleep(0.3)  # the slow prompt is being tokenized
+    t0 = time.monotonic()
+    assert httpx.get(h.url + "/health", timeout=10).status_code == 200
+    assert time.monotonic() - t0 < 0.5  # not behind the tokenizer's 1.5 s
+    t.join(30)

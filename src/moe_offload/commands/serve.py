@@ -56,6 +56,8 @@ def _worker_options(fn):
         click.option("--tensor-parallel", type=click.IntRange(min=1), metavar="N", help="cpu: " + TENSOR_PARALLEL_HELP),
         click.option("--request-timeout", default=600.0, show_default=True, type=float, help="Seconds from arrival to the last token (504 after)."),
         click.option("--max-body-bytes", default=4 * 1024 * 1024, show_default=True, type=int, help="Larger request bodies get 413."),
+        click.option("--trust-request-chat-template", is_flag=True,
+                     help="Render a request's own chat_template (a template is a program the worker runs; off: 400)."),
         click.option("--hang-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
                      help="Seconds one engine step may run before /health answers 503 (a hung engine or rank)."),
         click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
@@ -80,7 +82,8 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                 gateway_token, advertise_url, banner: bool, max_num_seqs=None, max_num_batched_tokens=None, kv_cache_memory=None, host_memory=None,
                 max_model_len=None, block_size=None, generation_config: str = "auto", tool_call_parser: str = "auto",
                 speculative=None, tail_skip=None, cold_dtype=None, devices=None, tensor_parallel=None,
-                drain_timeout: float = 30.0, hang_timeout: float = 300.0) -> None:
+                drain_timeout: float = 30.0, hang_timeout: float = 300.0,
+                trust_request_chat_template: bool = False) -> None:
     ranks_share_cores(tensor_parallel)  # before anything imports torch
     from moe_offload import backends
     from moe_offload.errors import ConfigError
@@ -113,7 +116,8 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
     app = worker.create_app(lambda: backend.build_engine(model, placement_obj, **options), model_name=name, api_key=api_key or None,
                             max_queue=max_queue, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
                             placement=placement_obj, tiers=backend.tiers(), generation_config=generation_config,
-                            tool_parser=tool_call_parser, hang_timeout=hang_timeout)
+                            tool_parser=tool_call_parser, hang_timeout=hang_timeout,
+                            trust_request_chat_template=trust_request_chat_template)
     if host not in LOOPBACK and not api_key:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     if gateway_url:

@@ -12,9 +12,11 @@ hit rate (non-streaming) or the class's affinity so far (http.py names them).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -41,8 +43,14 @@ class Worker:
 
     def __init__(self, runner: EngineRunner, *, model_name: str, api_key: str | None, request_timeout: float,
                  max_body_bytes: int, tiers: Sequence, reasoning: bool | str, predicted_by_class: Mapping[str, float] | None,
-                 root: str | None, defaults: Mapping | None = None, tool_parser: str = "auto"):
+                 root: str | None, defaults: Mapping | None = None, tool_parser: str = "auto",
+                 trust_request_chat_template: bool = False):
         self.runner, self.model_name, self.api_key = runner, model_name, api_key
+        self.trust_template = trust_request_chat_template
+        # Work a request controls (parsing a body of up to max_body_bytes, rendering a chat template, tokenizing)
+        # runs here, off the event loop, so /health, /metrics and the streams in flight never wait on it. One thread:
+        # the tokenizer is used by one caller at a time.
+        self._prep = ThreadPoolExecutor(1, thread_name_prefix="moe-offload-prep")
         self.request_timeout, self.max_body_bytes, self.root = request_timeout, max_body_bytes, root
         self.info, self.tok = runner.info, runner.tokenizer
         self.reasoning = wants_reasoning(self.tok) if reasoning == "auto" else bool(reasoning)
@@ -53,6 +61,13 @@ class Worker:
                                      predicted=dict(self.info.predicted_hit_rate), predicted_by_class=predicted_by_class,
                                      state=lambda: {"running": runner.running, "waiting": runner.waiting, "kv": runner.kv_usage},
                                      cache_info=runner.cache_info(), approximate=self.info.approximate)
+
+    async def prepare(self, fn, *args):
+        """``fn(*args)`` on the preparation thread (see __init__); its exceptions (APIError) are raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        self._prep.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, model: str | None) -> None:
         if model not in (None, "", self.model_name):
@@ -212,7 +227,8 @@ class Worker:
         self.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools or []]
-            ids = self.tok.encode(render_chat(req, self.tok, tools), add_special_tokens=req.add_special_tokens)
+            ids = self.tok.encode(render_chat(req, self.tok, tools, self.trust_template),
+                                  add_special_tokens=req.add_special_tokens)
         else:
             ids = self.tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids}

@@ -264,8 +264,13 @@ def _tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None, list[dict
     return choice, None, tools
 
 
-def render_chat(req, tok, tools: list[dict]) -> str:
-    """The prompt text from the model's chat template (400 naming ``messages`` when the template refuses)."""
+def render_chat(req, tok, tools: list[dict], trust_template: bool = False) -> str:
+    """The prompt text from the model's chat template (400 naming ``messages`` when the template refuses). A
+    request's own ``chat_template`` only where the worker trusts it (--trust-request-chat-template, as vLLM): a
+    template is a program the worker runs."""
+    if req.chat_template is not None and not trust_template:
+        raise _bad("chat_template", "this worker renders only the model's own chat template (start it with "
+                                    "--trust-request-chat-template to accept one from requests)")
     if req.add_generation_prompt and req.continue_final_message:
         raise _bad("continue_final_message", "cannot be combined with add_generation_prompt: true")
     kwargs = dict(req.chat_template_kwargs or {})
@@ -284,9 +289,10 @@ def render_chat(req, tok, tools: list[dict]) -> str:
         raise APIError(400, f"messages: the chat template rejected them: {type(e).__name__}: {e}"[:500], param="messages") from None
 
 
-def build_chat(req: ChatCompletionRequest, tok, info: EngineInfo, defaults: Mapping) -> GenRequest:
+def build_chat(req: ChatCompletionRequest, tok, info: EngineInfo, defaults: Mapping,
+               trust_template: bool = False) -> GenRequest:
     mode, named, tools = _tool_choice(req)
-    text = render_chat(req, tok, tools)
+    text = render_chat(req, tok, tools, trust_template)
     ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
     if not ids:
         raise APIError(400, "messages: the chat template produced an empty prompt", param="messages")

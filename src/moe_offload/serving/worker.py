@@ -52,7 +52,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                request_timeout: float = 600.0, max_body_bytes: int = DEFAULT_MAX_BODY, placement=None,
                tiers: Sequence = (), reasoning: bool | str = "auto", predicted_by_class: Mapping[str, float] | None = None,
                on_shutdown: Callable[[], None] | None = None, generation_config: str = "auto",
-               tool_parser: str = "auto", hang_timeout: float = 300.0) -> FastAPI:
+               tool_parser: str = "auto", hang_timeout: float = 300.0,
+               trust_request_chat_template: bool = False) -> FastAPI:
     """The worker's FastAPI app around ``engine`` (an Engine, or a zero-argument factory that builds one; with a
     factory a crashed engine is rebuilt). The app owns the engine and closes it on shutdown.
 
@@ -65,6 +66,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     sampling values from "auto" (the model directory's generation_config.json), "vllm" (none) or a directory.
     ``tool_parser``: how "auto" tool calls are read from replies: hermes | qwen3_coder | auto (from the chat template).
     ``hang_timeout``: seconds one engine step may run before /health reports the engine hung (503).
+    ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400, as vLLM).
     """
     from moe_offload.errors import ConfigError
 
@@ -87,12 +89,13 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         log.info("default sampling values from the model's generation_config.json (a request's own values win)", **defaults)
     w = Worker(runner, model_name=name, api_key=api_key or None, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
                tiers=tiers, reasoning=reasoning, predicted_by_class=predicted_by_class, root=runner.info.model,
-               defaults=defaults, tool_parser=tool_parser)
+               defaults=defaults, tool_parser=tool_parser, trust_request_chat_template=trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(_app):
         yield
         await asyncio.get_running_loop().run_in_executor(None, runner.close)
+        w.close()
         if on_shutdown:
             on_shutdown()
 
@@ -106,8 +109,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     async def completions(request: Request):
         """OpenAI completions (vLLM's extra fields). ``stream: true`` answers with server-sent CompletionChunk events."""
         check_api_key(request, w.api_key)
-        req = validate(CompletionRequest, await read_body(request, w.max_body_bytes))
-        return await w.handle(request, build_completion(req, w.tok, w.info, w.defaults), chat=False)
+        raw = await read_body(request, w.max_body_bytes)
+        gen = await w.prepare(lambda: build_completion(validate(CompletionRequest, raw), w.tok, w.info, w.defaults))
+        return await w.handle(request, gen, chat=False)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.body("ChatCompletionRequest"),
               responses=openapi.responses(R.ChatCompletionResponse, stream=True))
@@ -115,8 +119,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         """OpenAI chat completions with the model's chat template, tools and structured output. ``stream: true``
         answers with server-sent ChatCompletionChunk events."""
         check_api_key(request, w.api_key)
-        req = validate(ChatCompletionRequest, await read_body(request, w.max_body_bytes))
-        return await w.handle(request, build_chat(req, w.tok, w.info, w.defaults), chat=True)
+        raw = await read_body(request, w.max_body_bytes)
+        gen = await w.prepare(lambda: build_chat(validate(ChatCompletionRequest, raw), w.tok, w.info, w.defaults,
+                                                 w.trust_template))
+        return await w.handle(request, gen, chat=True)
 
     @app.post("/tokenize", openapi_extra=openapi.body("TokenizeCompletionRequest", "TokenizeChatRequest"),
               responses=openapi.responses(R.TokenizeResponse))
@@ -124,8 +130,12 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         """Token ids of a prompt, or of messages rendered by the chat template (vLLM's /tokenize)."""
         check_api_key(request, w.api_key)
         raw = await read_body(request, w.max_body_bytes)
-        body = parse_json(raw)
-        return w.tokenize(validate(TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest, raw))
+
+        def run():
+            body = parse_json(raw)
+            return w.tokenize(validate(TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest, raw))
+
+        return await w.prepare(run)
 
     @app.post("/detokenize", openapi_extra=openapi.body("DetokenizeRequest"),
               responses=openapi.responses(R.DetokenizeResponse))
