@@ -10,8 +10,12 @@ the same layout, so the tensors are views of the bytes just read: no copy, no pa
 buffers also allow O_DIRECT, which keeps the page cache from holding a second copy of what the host cache holds.
 Biases are not in the records: they are small and stay in memory with the model.
 
-The manifest is written last (write to a temporary name, then rename): a store without one is incomplete and is
-written again, never read. It records the data file's size and CRC-32: a data file of another size (truncated, cut
+The data file and then the manifest are written under temporary names of the writer's own and renamed into place
+(each fsynced first): a reader finds the old store whole, or the new one whole, never a file being written (a
+worker that opened the old data file keeps reading its bytes); a write that fails (a full disk) leaves no partial
+file behind. One writer per directory across processes (``locked``: every --tensor-parallel rank opens the same
+store): the others wait, then read what it wrote. A store without a manifest is incomplete and is
+written again, never read. The manifest records the data file's size and CRC-32: a data file of another size (truncated, cut
 mid-write) is found at every open and the store written again; ``verify`` reads the whole file against the CRC
 (`moe-offload convert` runs it on a store it finds).
 
@@ -26,6 +30,7 @@ another size or mtime makes the store stale: written again, never read. The mani
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import zlib
@@ -36,10 +41,15 @@ import torch
 
 from moe_offload.errors import ModelError
 
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: no lock across processes
+    fcntl = None
+
 VERSION = 2  # 2: the manifest records the data file's CRC-32
 ALIGN = 4096  # record offset, record size and buffer address: the page size, which O_DIRECT asks for
 TENSOR_ALIGN = 64  # a tensor's offset inside its record: any dtype's view is aligned
-MANIFEST, DATA = "store.json", "experts.bin"
+MANIFEST, DATA, LOCK = "store.json", "experts.bin", "store.lock"
 RECORD_TENSORS = ("up", "down", "up_scale", "down_scale")  # store.WEIGHT_NAMES without the biases
 
 
@@ -98,8 +108,35 @@ def layout(tensors: tuple[torch.Tensor | None, ...]) -> tuple[tuple[TensorEntry 
     return tuple(entries), _round(max(off, 1), ALIGN)
 
 
+@contextlib.contextmanager
+def locked(directory: Path):
+    """Hold the store directory's writer lock (an flock, which the kernel drops if its holder dies)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    with open(d / LOCK, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """``tmp`` (written and fsynced) renamed over ``final``, the rename made durable (the directory fsynced)."""
+    os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class StoreWriter:
-    """Writes experts.bin sequentially (one expert in memory at a time), then the manifest."""
+    """Writes experts.bin sequentially (one expert in memory at a time) under a temporary name, then the manifest;
+    close() renames both into place, abort() removes what it wrote. Call them under ``locked``."""
 
     def __init__(self, directory: Path, fmt: str, meta: dict | None = None, files: list[Path] | None = None):
         """``files``: a store in place over these files (add_extents, no experts.bin), else a copy (add_expert)."""
@@ -110,7 +147,8 @@ class StoreWriter:
         self.files = [Path(f).resolve() for f in files] if files is not None else None
         if self.files is not None:
             (self.dir / DATA).unlink(missing_ok=True)  # a copy written before: the checkpoint serves instead
-        self._f = open(self.dir / DATA, "wb") if self.files is None else None
+        self._tmp = self.dir / f"{DATA}.{os.getpid()}.tmp"  # its own name: never a file another writer writes
+        self._f = open(self._tmp, "wb") if self.files is None else None
         self._pos = 0
         self._crc = 0  # CRC-32 of every byte written, in order
         self.layers: list[LayerEntry] = []
@@ -164,6 +202,8 @@ class StoreWriter:
             self._f.flush()
             os.fsync(self._f.fileno())
             self._f.close()
+            self._f = None
+            _replace(self._tmp, self.dir / DATA)
             doc["crc32"] = self._crc
         else:
             doc["files"] = [{"path": str(f), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns}
@@ -175,10 +215,21 @@ class StoreWriter:
                                       for t in lay.tensors],
                           **({"extents": [[list(x) for x in ex] for ex in lay.extents]} if lay.extents is not None else {})}
                          for lay in self.layers]
-        tmp = self.dir / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.rename(self.dir / MANIFEST)
+        tmp = self.dir / f"{MANIFEST}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(json.dumps(doc, indent=1))
+            f.flush()
+            os.fsync(f.fileno())
+        _replace(tmp, self.dir / MANIFEST)
         return self.dir
+
+    def abort(self) -> None:
+        """Remove what this writer wrote (a failed write: a full disk, an error reading the checkpoint)."""
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self._tmp.unlink(missing_ok=True)
+        (self.dir / f"{MANIFEST}.{os.getpid()}.tmp").unlink(missing_ok=True)
 
 
 def write_copy(directory: Path, fmt: str, meta: dict, experts: list, layers) -> "Manifest":
@@ -186,22 +237,27 @@ def write_copy(directory: Path, fmt: str, meta: dict, experts: list, layers) -> 
     its float weights were made [out, in] rows), one per expert. The first record prices the whole copy against the
     disk's free space before any byte is written (check_disk). Returns its manifest."""
     writer, rows_layers = None, []
-    for info, records in zip(experts, layers):
-        rows = False
-        for e, (record, rows) in enumerate(records):
-            if writer is None:
-                from moe_offload.hostmem import check_disk
+    try:
+        for info, records in zip(experts, layers):
+            rows = False
+            for e, (record, rows) in enumerate(records):
+                if writer is None:
+                    from moe_offload.hostmem import check_disk
 
-                check_disk(directory, layout(record)[1] * sum(i.num_experts for i in experts))
-                writer = StoreWriter(directory, fmt, meta)
-            if e == 0:
-                writer.begin_layer(info.name, info.layer, info.num_experts)
-            writer.add_expert(record)
-        writer.end_layer()
-        if rows:
-            rows_layers.append(info.name)
-    writer.meta["rows_layers"] = rows_layers  # experts modules whose float weights are stored as [out, in] rows
-    writer.close()
+                    check_disk(directory, layout(record)[1] * sum(i.num_experts for i in experts))
+                    writer = StoreWriter(directory, fmt, meta)
+                if e == 0:
+                    writer.begin_layer(info.name, info.layer, info.num_experts)
+                writer.add_expert(record)
+            writer.end_layer()
+            if rows:
+                rows_layers.append(info.name)
+        writer.meta["rows_layers"] = rows_layers  # experts modules whose float weights are stored as [out, in] rows
+        writer.close()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
     return read_manifest(directory)
 
 

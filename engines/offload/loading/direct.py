@@ -147,6 +147,14 @@ def write_store(directory: Path, fmt: str, origin: str, experts: list, in_place,
     """Write the expert store of the checkpoint at ``origin`` (its path, kept as the manifest's "checkpoint"): in place
     (a manifest of extents of its files) when ``in_place()`` gives (files, per layer items of write_in_place), else a
     copy of ``records(info)`` per experts module (diskstore.write_copy), ``in_place()`` having said why (a str)."""
+    with diskstore.locked(directory):  # one writer per store; the others (ranks of one worker) wait for its result
+        man = diskstore.read_manifest(directory)
+        if man is not None and man.meta.get("checkpoint") == origin:
+            return man  # written by another process while this one waited
+        return _write_store(directory, fmt, origin, experts, in_place, records)
+
+
+def _write_store(directory: Path, fmt: str, origin: str, experts: list, in_place, records) -> diskstore.Manifest:
     log, t0 = get_logger("moe_offload.store"), time.perf_counter()
     log.info("writing the expert store (once per checkpoint and format)", checkpoint=origin, store=str(directory),
              format=fmt)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -385,3 +386,58 @@ def test_the_registry_names_the_expert_layout_the_modules_have(checkpoints, fami
     experts = [m for m in meta_model(AutoConfig.from_pretrained(path), torch.float32).modules()
                if hasattr(m, "is_transposed")]
     assert experts and all((family_of(family).expert_layout == "transposed") == m.is_transposed for m in experts)
+
+
+def _experts(n: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(6, 5, generator=g).bfloat16(), torch.randn(5, 3, generator=g).bfloat16(), None, None)
+            for _ in range(n)]
+
+
+def test_a_store_is_never_half_read_and_a_failed_write_leaves_nothing(tmp_path):
+    from moe_offload.engines.offload.loading.direct import write_store
+
+    info = type("Info", (), {"name": "m.experts", "layer": 1, "num_experts": 3})()
+    old = write_store(tmp_path, "bfloat16", "ckpt", [info], lambda: "a copy", lambda i: ((t, False) for t in _experts(3, 0)))
+    reader = open(old.data_path, "rb")  # a running worker's open store
+    before = reader.read()
+
+    def cut(_info):  # the disk fills after the first record
+        yield _experts(1, 1)[0], False
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        write_store(tmp_path, "bfloat16", "other ckpt", [info], lambda: "a copy", cut)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [diskstore.DATA, diskstore.LOCK]  # no partial file
+    assert diskstore.read_manifest(tmp_path) is None  # the old store is not taken for the new checkpoint's
+    new = write_store(tmp_path, "bfloat16", "other ckpt", [info], lambda: "a copy",
+                      lambda i: ((t, False) for t in _experts(3, 2)))
+    assert new.meta["checkpoint"] == "other ckpt" and diskstore.verify(new)
+    reader.seek(0)
+    assert reader.read() == before  # the reader still has the store it opened, whole: the new one was renamed in
+    reader.close()
+
+
+def test_processes_opening_one_store_at_once_write_it_once(tmp_path):
+    # every --tensor-parallel rank runs ensure_store on the same directory: one writes, the others wait and read it
+    import threading
+
+    from moe_offload.engines.offload.loading.direct import write_store
+
+    info = type("Info", (), {"name": "m.experts", "layer": 1, "num_experts": 3})()
+    writes, mans = [], []
+
+    def records(_info):
+        writes.append(1)
+        for t in _experts(3, 0):
+            time.sleep(0.05)  # a write that takes a while: the others arrive meanwhile
+            yield t, False
+
+    threads = [threading.Thread(target=lambda: mans.append(write_store(tmp_path, "bfloat16", "ckpt", [info],
+                                                                        lambda: "a copy", records))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(writes) == 1 and len(mans) == 3 and all(m.data_bytes == mans[0].data_bytes for m in mans)
+    assert diskstore.verify(mans[0])
