@@ -98,7 +98,16 @@ def test_default_is_a_cpu_worker_on_the_demo_model():
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
     assert pod["spec"]["terminationGracePeriodSeconds"] == 5 + 30 + 10
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] == 1800
-    assert "resources" not in c and "volumeMounts" not in c and "volumes" not in pod["spec"]
+    assert "resources" not in c
+    # the restricted Pod Security profile; what the worker writes goes to emptyDirs (the root filesystem is read-only)
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] and pod["spec"]["securityContext"]["seccompProfile"] == {
+        "type": "RuntimeDefault"}
+    assert c["volumeMounts"] == [{"name": "cache", "mountPath": "/var/cache/moe-offload"},
+                                 {"name": "tmp", "mountPath": "/tmp"}]
+    assert pod["spec"]["volumes"] == [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    assert env(c)["HF_HOME"]["value"].startswith("/var/cache/moe-offload/")
     assert env(c)["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert "MOE_OFFLOAD_API_KEY" not in env(c)
     labels = pod["metadata"]["labels"]
@@ -121,8 +130,8 @@ def test_cuda_requests_gpus_and_mounts_the_model_read_only():
                          "--model=/models/org/Qwen3-30B-A3B",
                          "--policy=lru", "--fraction=0.25"]
     assert c["resources"] == {"limits": {"memory": "64Gi", "nvidia.com/gpu": 1}}
-    assert c["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
-    (vol,) = objs["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    assert c["volumeMounts"][2:] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
+    vol = objs["Deployment"]["spec"]["template"]["spec"]["volumes"][2]
     assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
     assert objs["Deployment"]["spec"]["template"]["metadata"]["labels"]["llm-d.ai/model"] == "Qwen3-30B-A3B"
 
@@ -135,7 +144,7 @@ def test_rngd_requests_npus_and_runs_the_external_engine():
                          "--model=/models/gpt-oss",
                          "--engine=/opt/furiosa/bin/moe-engine"]
     assert c["resources"] == {"limits": {"furiosa.ai/rngd": 2}}
-    (vol,) = objs["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    vol = objs["Deployment"]["spec"]["template"]["spec"]["volumes"][2]
     assert vol["hostPath"] == {"path": "/data/models", "type": "Directory"}
     assert "nvidia.com/gpu" not in str(objs)
 
@@ -192,7 +201,7 @@ def test_the_default_image_is_what_the_containerfile_builds():
     assert f"-t {values['image']['repository']}:{chart['appVersion']} ." in recipe
     uid = int(re.search(r"^USER (\d+)$", recipe, re.M).group(1))
     assert uid != 0 and objs["Deployment"]["spec"]["template"]["spec"]["securityContext"] == {
-        "runAsNonRoot": True, "runAsUser": uid, "fsGroup": uid}
+        "runAsNonRoot": True, "runAsUser": uid, "fsGroup": uid, "seccompProfile": {"type": "RuntimeDefault"}}
     assert re.search(r'^ENTRYPOINT \["moe-offload"\]$', recipe, re.M) and c["command"][0] == "moe-offload"
     assert "127.0.0.1:8000/health" in recipe and c["livenessProbe"]["httpGet"]["path"] == "/health"
     # the kernels are compiled in the build stage (against the torch installed there), not at run time

@@ -232,6 +232,9 @@ def test_engine_crash_gives_503_and_restarts(serve):
     with httpx.Client(base_url=h.url) as c:
         r = c.post("/v1/completions", json={"prompt": "please CRASH", "max_tokens": 3})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+        # the exception's text stays in the log; the client gets an incident id to quote, and when to retry
+        assert "simulated" not in r.text and "incident" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "5"
         wait_healthy(c)
         r = c.post("/v1/completions", json={"prompt": "please CRASH", "max_tokens": 3, "stream": True})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"

@@ -6,6 +6,8 @@ Every failure at the API leaves through here, so a client never sees a bare
 
 from __future__ import annotations
 
+import uuid
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -81,5 +83,6 @@ def install(app: FastAPI) -> None:
     async def _any(_req: Request, e: Exception):
         from moe_offload.log import get_logger
 
-        get_logger("serving").error("unhandled error", error=f"{type(e).__name__}: {e}")
-        return APIError(500, f"internal error: {type(e).__name__}").response()
+        incident = uuid.uuid4().hex[:12]
+        get_logger("serving").error("unhandled error", incident=incident, error=f"{type(e).__name__}: {e}")
+        return APIError(500, f"internal error (incident {incident} in the worker's log)").response()

@@ -21,6 +21,7 @@ import asyncio
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from typing import Any, Callable
 
@@ -319,9 +320,13 @@ class EngineRunner:
         self._active.clear()
 
     def _crashed(self, e: BaseException) -> None:  # engine thread
-        log.error("engine failed; restarting it", error=f"{type(e).__name__}: {e}")
+        # the details (an exception's text, an engine's stderr) go to the log under an incident id; the client gets
+        # the id, never the text
+        incident = uuid.uuid4().hex[:12]
+        log.error("engine failed; restarting it", incident=incident, error=f"{type(e).__name__}: {e}")
         self.ready = False
-        err = APIError(503, f"the engine failed ({type(e).__name__}: {e}); it is being restarted"[:500], code="engine_failed")
+        err = APIError(503, f"the engine failed and is being restarted (incident {incident} in the worker's log)",
+                       code="engine_failed", retry_after=5)
         for job, gen in list(self._active.items()):
             job.push(ErrorEvent(err))
             try:
