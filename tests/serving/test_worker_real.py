@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -234,3 +235,53 @@ def test_a_worker_over_two_ranks_serves_concurrent_streams_aborts_and_scrapes(se
     finally:  # the ranks stop with the engine
         h.stop()
         engine.close()
+
+
+def test_kv_blocks_all_return_after_mixed_requests_through_http(serve, demo_model_dir):
+    # Every way a request can end early through HTTP (the client cutting a stream, a timeout, a stop string, n > 1,
+    # a full pool that preempts) must give its KV blocks back: after the mix, the pool is whole again.
+    import threading
+
+    from moe_offload.backends import get_backend
+
+    backend = get_backend("cpu")
+    # a pool of a few blocks: the 6 concurrent sequences outgrow it, so the scheduler preempts and recomputes
+    engine = backend.build_engine(str(demo_model_dir), fraction=0.5, policy="lru", kv_cache_memory=1_400_000,
+                                  max_num_seqs=6)
+    h = serve(create_app(engine, model_name="demo", request_timeout=2.0))
+    pool = engine.pool
+    statuses = []
+
+    def cut_stream(i):
+        with httpx.Client(base_url=h.url, timeout=30) as c, c.stream(
+                "POST", "/v1/completions", json={"prompt": f"cut {i}", "max_tokens": 200, "stream": True}) as r:
+            for _ in zip(range(3), r.iter_lines()):  # a few chunks, then the client goes away
+                pass
+        statuses.append("cut")
+
+    def post(body):
+        with httpx.Client(base_url=h.url, timeout=60) as c:
+            statuses.append(c.post("/v1/completions", json=body).status_code)
+
+    jobs = [(cut_stream, (i,)) for i in range(4)]
+    # far longer than the 2 s timeout allows even alone (300 steps of a batch that preempts): 504
+    jobs += [(post, ({"prompt": f"long {i}", "max_tokens": 300, "ignore_eos": True},)) for i in range(2)]
+    jobs += [(post, ({"prompt": f"stop {i}", "max_tokens": 60, "stop": [" ", "e", "a"]},)) for i in range(4)]
+    jobs += [(post, ({"prompt": f"many {i}", "max_tokens": 30, "n": 3, "temperature": 1.0, "seed": i},))
+             for i in range(3)]
+    jobs += [(post, ({"prompt": f"plain {i}", "max_tokens": 40},)) for i in range(5)]
+    threads = [threading.Thread(target=fn, args=args) for fn, args in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert statuses.count("cut") == 4 and statuses.count(504) >= 2 and 400 not in statuses, statuses
+    assert len(statuses) == len(jobs) and set(statuses) <= {"cut", 200, 504}, statuses
+    # two long sequences need 2 x 19 of the pool's 21 blocks: the scheduler preempted while requests were cut
+    assert engine.scheduler.preemptions >= 1
+    for _ in range(100):  # the engine thread reaps the last aborts at its next turn
+        if pool.free_blocks == pool.num_blocks:
+            break
+        time.sleep(0.05)
+    assert pool.free_blocks == pool.num_blocks and pool.usage == 0.0
+    assert engine.load()["running"] == 0 and engine.load()["waiting"] == 0
