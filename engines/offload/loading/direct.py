@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.engines.offload.experts import diskstore
+from moe_offload.engines.offload.experts import diskstore, store_writer
 from moe_offload.engines.offload.experts.diskstore import pread_into
 from moe_offload.engines.offload.loading import hugepages
 from moe_offload.errors import ModelError
@@ -146,8 +146,8 @@ def same_bytes(fds: list[int], extents, entries: tuple, record_bytes: int,
 def write_store(directory: Path, fmt: str, origin: str, experts: list, in_place, records) -> diskstore.Manifest:
     """Write the expert store of the checkpoint at ``origin`` (its path, kept as the manifest's "checkpoint"): in place
     (a manifest of extents of its files) when ``in_place()`` gives (files, per layer items of write_in_place), else a
-    copy of ``records(info)`` per experts module (diskstore.write_copy), ``in_place()`` having said why (a str)."""
-    with diskstore.locked(directory):  # one writer per store; the others (ranks of one worker) wait for its result
+    copy of ``records(info)`` per experts module (store_writer.write_copy), ``in_place()`` having said why (a str)."""
+    with store_writer.locked(directory):  # one writer per store; the others (ranks of one worker) wait for its result
         man = diskstore.read_manifest(directory)
         if man is not None and man.meta.get("checkpoint") == origin:
             return man  # written by another process while this one waited
@@ -160,13 +160,13 @@ def _write_store(directory: Path, fmt: str, origin: str, experts: list, in_place
              format=fmt)
     place = in_place()
     if not isinstance(place, str):
-        man = diskstore.write_in_place(directory, fmt, {"checkpoint": origin}, place[0], experts, place[1])
+        man = store_writer.write_in_place(directory, fmt, {"checkpoint": origin}, place[0], experts, place[1])
         log.info("expert store in place: the checkpoint's files are read where they are", store=str(directory),
                  seconds=round(time.perf_counter() - t0, 1), manifest_bytes=man.disk_bytes)
         return man
     log.info("expert store copied: the checkpoint's layout is not the one the engine computes from", why=place,
              store=str(directory))
-    man = diskstore.write_copy(directory, fmt, {"checkpoint": origin}, experts, (records(info) for info in experts))
+    man = store_writer.write_copy(directory, fmt, {"checkpoint": origin}, experts, (records(info) for info in experts))
     log.info("expert store written", store=str(directory), seconds=round(time.perf_counter() - t0, 1),
              gib=round(man.data_bytes / 2**30, 3))
     return man

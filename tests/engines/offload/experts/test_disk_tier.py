@@ -242,7 +242,9 @@ def test_a_copy_says_why_the_checkpoint_is_not_read_in_place(checkpoints, store_
 
 
 def test_store_records_are_aligned_views(tmp_path):
-    w = diskstore.StoreWriter(tmp_path, "bfloat16")
+    from moe_offload.engines.offload.experts.store_writer import StoreWriter
+
+    w = StoreWriter(tmp_path, "bfloat16")
     w.begin_layer("m.experts", 1, 3)
     experts = [(torch.randn(6, 5).bfloat16(), torch.randn(5, 3).bfloat16(), None, None) for _ in range(3)]
     for t in experts:
