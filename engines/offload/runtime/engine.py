@@ -289,6 +289,10 @@ class OffloadEngine(Engine):
                 self.output.emit(out, self.runner.forward(out))
         except (RuntimeError, ModelError) as e:  # torch failures (out of memory, a kernel error), an expert store that
             # vanished or was cut short under the disk tier: these requests fail, not the server
+            if self.ranks is not None and isinstance(e, RuntimeError):
+                # over --tensor-parallel ranks a failed step leaves them apart (a rank gone, a collective broken):
+                # the engine itself is broken, and the worker rebuilds it
+                raise
             for seq, _ in out.scheduled:
                 if seq.state == RUNNING:
                     req = seq.payload

@@ -58,7 +58,7 @@ def _worker_options(fn):
         click.option("--max-body-bytes", default=4 * 1024 * 1024, show_default=True, type=int, help="Larger request bodies get 413."),
         click.option("--trust-request-chat-template", is_flag=True,
                      help="Render a request's own chat_template (a template is a program the worker runs; off: 400)."),
-        click.option("--hang-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+        click.option("--hang-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
                      help="Seconds one engine step may run before /health answers 503 (a hung engine or rank)."),
         click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
                      help="On SIGTERM: seconds the requests in flight get to finish (new ones get 503, /ready fails); "
@@ -82,7 +82,7 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                 gateway_token, advertise_url, banner: bool, max_num_seqs=None, max_num_batched_tokens=None, kv_cache_memory=None, host_memory=None,
                 max_model_len=None, block_size=None, generation_config: str = "auto", tool_call_parser: str = "auto",
                 speculative=None, tail_skip=None, cold_dtype=None, devices=None, tensor_parallel=None,
-                drain_timeout: float = 30.0, hang_timeout: float = 300.0,
+                drain_timeout: float = 30.0, hang_timeout: float = 60.0,
                 trust_request_chat_template: bool = False) -> None:
     ranks_share_cores(tensor_parallel)  # before anything imports torch
     from moe_offload import backends

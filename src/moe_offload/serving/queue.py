@@ -308,7 +308,13 @@ class EngineRunner:
     def _fail(self, job: Job, e: OffloadError) -> None:
         from moe_offload.serving.errors import from_offload
 
-        job.push(ErrorEvent(from_offload(e)))
+        err = from_offload(e)
+        if err.status >= 500:  # the engine's own failure: its text (a torch or gloo message) stays in the log
+            incident = uuid.uuid4().hex[:12]
+            log.error("a request failed in the engine", incident=incident, error=f"{type(e).__name__}: {e}")
+            err = APIError(err.status, f"{str(e).split(':', 1)[0]} (incident {incident} in the worker's log)",
+                           code=err.code, type=err.type)
+        job.push(ErrorEvent(err))
 
     def _abandon(self) -> None:  # engine thread
         err = APIError(503, "the worker shut down before this request finished (its drain time ran out)",

@@ -52,7 +52,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                request_timeout: float = 600.0, max_body_bytes: int = DEFAULT_MAX_BODY, placement=None,
                tiers: Sequence = (), reasoning: bool | str = "auto", predicted_by_class: Mapping[str, float] | None = None,
                on_shutdown: Callable[[], None] | None = None, generation_config: str = "auto",
-               tool_parser: str = "auto", hang_timeout: float = 300.0,
+               tool_parser: str = "auto", hang_timeout: float = 60.0,
                trust_request_chat_template: bool = False) -> FastAPI:
     """The worker's FastAPI app around ``engine`` (an Engine, or a zero-argument factory that builds one; with a
     factory a crashed engine is rebuilt). The app owns the engine and closes it on shutdown.
