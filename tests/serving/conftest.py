@@ -43,3 +43,38 @@ def mock_worker(serve):
         return serve(create_app(engine, **kw))
 
     return start
+
+
+@pytest.fixture
+def cli_worker():
+    """cli_worker(*args) -> (process, url): a real `moe-offload worker --port 0 ARGS` process, once /ready answers;
+    killed with its process group (a tensor-parallel worker's ranks too) at teardown."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import httpx
+
+    procs = []
+
+    def start(*args):
+        code = "import sys; from moe_offload.cli import main; sys.exit(main())"
+        proc = subprocess.Popen([sys.executable, "-c", code, "worker", "--port", "0", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                env={**os.environ, "MOE_OFFLOAD_LOG": "warning"})
+        procs.append(proc)
+        line = proc.stdout.readline()  # the banner: "moe-offload worker: NAME (BACKEND) at http://127.0.0.1:PORT ..."
+        assert " at http://" in line, f"worker did not start (exit {proc.poll()}): {line!r}"
+        url = line.split(" at ", 1)[1].split()[0]
+        for _ in range(600):
+            if httpx.get(url + "/ready").status_code == 200:
+                break
+            time.sleep(0.1)
+        return proc, url
+
+    yield start
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)

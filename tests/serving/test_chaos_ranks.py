@@ -22,23 +22,8 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="ranks found thr
 
 
 @pytest.fixture
-def tp_worker():
-    code = "import sys; from moe_offload.cli import main; sys.exit(main())"
-    proc = subprocess.Popen([sys.executable, "-c", code, "worker", "--tensor-parallel", "2", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-                            env={**os.environ, "MOE_OFFLOAD_LOG": "warning"})
-    try:
-        line = proc.stdout.readline()  # the banner: "moe-offload worker: NAME (cpu) at http://127.0.0.1:PORT ..."
-        assert " at http://" in line, f"worker did not start (exit {proc.poll()}): {line!r}"
-        url = line.split(" at ", 1)[1].split()[0]
-        for _ in range(600):
-            if httpx.get(url + "/ready").status_code == 200:
-                break
-            time.sleep(0.1)
-        yield proc, url
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the worker and its ranks
-        proc.wait(30)
+def tp_worker(cli_worker):
+    return cli_worker("--tensor-parallel", "2")
 
 
 def test_a_killed_rank_ends_the_streams_with_503_and_the_worker_rebuilds(tp_worker):

@@ -11,9 +11,7 @@ The mock engine serves one request at a time at 20 ms a token, so the second str
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,28 +24,8 @@ TOKENS = 40  # 0.8 s a stream
 
 
 @pytest.fixture
-def worker():
-    procs = []
-
-    def start(*extra):
-        code = "import sys; from moe_offload.cli import main; sys.exit(main())"
-        proc = subprocess.Popen([sys.executable, "-c", code, "worker", "--backend", "mock", "--mock-ms-per-token", "20",
-                                 "--port", "0", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "MOE_OFFLOAD_LOG": "warning"})
-        procs.append(proc)
-        line = proc.stdout.readline()  # "moe-offload worker: mock (mock) at http://127.0.0.1:PORT  (...)"
-        assert " at http://" in line, f"worker did not start (exit {proc.poll()}): {line!r} {proc.stderr.read()[-500:]}"
-        url = line.split(" at ", 1)[1].split()[0]
-        for _ in range(100):
-            if httpx.get(url + "/ready").status_code == 200:
-                break
-            time.sleep(0.05)
-        return proc, url
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(10)
+def worker(cli_worker):
+    return lambda *extra: cli_worker("--backend", "mock", "--mock-ms-per-token", "20", *extra)
 
 
 def _streams(url: str, n: int) -> tuple[list[threading.Thread], dict]:
