@@ -52,6 +52,15 @@ def locked(directory: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def clean(directory: Path) -> None:
+    """Remove what writers killed mid-write left (their temporary files) and the data file of a store about to be
+    written again (its manifest is gone or of another checkpoint: never read again; a reader that has it open keeps
+    its bytes), so the new store needs the disk space of one. Call under ``locked``."""
+    d = Path(directory)
+    for f in [*d.glob(f"{DATA}.*.tmp"), *d.glob(f"{MANIFEST}.*.tmp"), d / DATA]:
+        f.unlink(missing_ok=True)
+
+
 def _replace(tmp: Path, final: Path) -> None:
     """``tmp`` (written and fsynced) renamed over ``final``, the rename made durable (the directory fsynced)."""
     os.replace(tmp, final)
@@ -193,10 +202,14 @@ def write_in_place(directory: Path, fmt: str, meta: dict, files: list[Path], exp
     """A store in place over ``files``: per experts module of ``experts`` (name, layer, num_experts) its ``layers``
     item (record entries, record bytes, per expert extents). Returns its manifest."""
     writer = StoreWriter(directory, fmt, {**meta, "rows_layers": []}, files=files)
-    for info, (entries, rb, extents) in zip(experts, layers):
-        writer.begin_layer(info.name, info.layer, info.num_experts)
-        for ex in extents:
-            writer.add_extents(entries, rb, ex)
-        writer.end_layer()
-    writer.close()
+    try:
+        for info, (entries, rb, extents) in zip(experts, layers):
+            writer.begin_layer(info.name, info.layer, info.num_experts)
+            for ex in extents:
+                writer.add_extents(entries, rb, ex)
+            writer.end_layer()
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
     return read_manifest(directory)

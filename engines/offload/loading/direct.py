@@ -151,6 +151,7 @@ def write_store(directory: Path, fmt: str, origin: str, experts: list, in_place,
         man = diskstore.read_manifest(directory)
         if man is not None and man.meta.get("checkpoint") == origin:
             return man  # written by another process while this one waited
+        store_writer.clean(directory)  # a killed writer's files; none is writing now (the lock)
         return _write_store(directory, fmt, origin, experts, in_place, records)
 
 

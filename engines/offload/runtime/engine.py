@@ -289,7 +289,7 @@ class OffloadEngine(Engine):
                 self.output.emit(out, self.runner.forward(out))
         except (RuntimeError, ModelError) as e:  # torch failures (out of memory, a kernel error), an expert store that
             # vanished or was cut short under the disk tier: these requests fail, not the server
-            if self.ranks is not None and isinstance(e, RuntimeError):
+            if self.ranks is not None:
                 # over --tensor-parallel ranks a failed step leaves them apart (a rank gone, a collective broken):
                 # the engine itself is broken, and the worker rebuilds it
                 raise

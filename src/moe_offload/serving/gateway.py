@@ -46,8 +46,9 @@ _STREAM_STATS = re.compile(rb": x-moe-offload-hit-rate=([0-9.]+) class=([a-z-]+)
 _DROP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server"}
 
 
-# A worker's 503 codes not tried on another worker: the request itself failed the engine (a request of death would
-# take every worker's engine down in turn). Draining, restarting or a queue that is full are retried elsewhere.
+# A worker's 503 codes not tried on another worker: the engine failed while running the request (which may have caused
+# it: a request of death would take every worker's engine down in turn). Draining, restarting or a full queue are
+# retried elsewhere.
 NOT_RETRIED = frozenset({"engine_failed"})
 
 
@@ -113,7 +114,10 @@ class Gateway:
             if not w.seed:
                 try:
                     auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-                    a = (await self.client.get(w.url + "/affinity", timeout=2.0, headers=auth)).json()
+                    r = await self.client.get(w.url + "/affinity", timeout=2.0, headers=auth)
+                    if r.status_code != 200:  # 401: the worker's --api-key is not the gateway's
+                        raise ValueError(f"/affinity answered {r.status_code}")
+                    a = r.json()
                     seed = {"all": a.get("predicted"), **{c: v.get("affinity") for c, v in a["classes"].items()}}
                     w.seed = {k: float(v) for k, v in seed.items() if v is not None}
                     w.model = w.model or a.get("model")

@@ -98,6 +98,7 @@ class EngineRunner:
         self.draining = False
         self.restarts = 0
         self._give_up = False
+        self._starting = 0  # jobs taken from _incoming, not yet in _active (idle must count them)
         self._step_since: float | None = None  # monotonic start of the step running now (engine thread writes)
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()
@@ -190,8 +191,21 @@ class EngineRunner:
 
     @property
     def idle(self) -> bool:
-        """No request waiting or running (read from any thread: a snapshot)."""
-        return not self._incoming and not self._active
+        """No request waiting, being started or running (any thread)."""
+        with self._cond:
+            return not self._incoming and not self._active and not self._starting
+
+    def abandon_now(self) -> None:
+        """give_up() from this thread, for an engine thread that does not come back (a hung step): each request in
+        flight gets its 503 error event now (a second one from the engine thread later is never read)."""
+        err = APIError(503, "the worker shut down before this request finished (its engine did not answer)",
+                       code="shutdown", retry_after=1)
+        try:
+            jobs = list(self._active) + list(self._incoming)
+        except RuntimeError:  # the engine thread moved after all: it answers them itself
+            return
+        for job in jobs:
+            job.push(ErrorEvent(err))
 
     def give_up(self) -> None:
         """End every request still in flight with a 503 error event, at the engine thread's next turn."""
@@ -201,7 +215,7 @@ class EngineRunner:
 
     def submit(self, ids: list[int], params: SamplingParams) -> Job:
         if self._closed:
-            raise APIError(503, "the worker is shutting down")
+            raise APIError(503, "the worker is shutting down", retry_after=1)
         if self.draining:
             raise APIError(503, "the worker is shutting down: retry on another worker", code="draining", retry_after=1)
         if not self.ready:
@@ -227,19 +241,25 @@ class EngineRunner:
                     break
                 new = list(self._incoming)
                 self._incoming.clear()
+                self._starting = len(new)
                 give_up, self._give_up = self._give_up, False
             try:
+                # the whole turn is timed: a start also waits on the ranks under --tensor-parallel
+                self._step_since = time.monotonic()
                 self._start(new)
+                with self._cond:
+                    self._starting = 0
                 if give_up:
                     self._abandon()
                 self._reap()
                 if self._active:
-                    self._step_since = time.monotonic()
                     self.engine.step()
-                    self._step_since = None
                 self._drain()
+                self._step_since = None
             except Exception as e:  # noqa: BLE001 - an engine failure must not take the worker down
                 self._step_since = None
+                with self._cond:
+                    self._starting = 0
                 self._crashed(e)
         for job in list(self._active) + list(self._incoming):
             job.push(DoneEvent(None))
@@ -248,7 +268,8 @@ class EngineRunner:
         for job in jobs:
             if job.cancelled.is_set() or not self.ready:
                 job.push(DoneEvent(None) if self.ready else
-                         ErrorEvent(APIError(503, "the engine is down and could not be restarted", code="engine_down")))
+                         ErrorEvent(APIError(503, "the engine is down and could not be restarted", code="engine_down",
+                                             retry_after=5)))
                 continue
             try:
                 self._active[job] = self.engine.start(job.ids, job.params)
@@ -318,7 +339,7 @@ class EngineRunner:
 
     def _abandon(self) -> None:  # engine thread
         err = APIError(503, "the worker shut down before this request finished (its drain time ran out)",
-                       code="shutdown")
+                       code="shutdown", retry_after=1)
         for job, gen in list(self._active.items()):
             if gen is not None:
                 gen.close()  # aborted: its KV blocks go back
@@ -369,7 +390,10 @@ class EngineRunner:
             for job in list(self._active) + list(self._incoming):
                 job.cancel()  # abort: shutdown would otherwise wait for all their tokens
             self._cond.notify()
-        self._thread.join()
+        self._thread.join(10.0)
+        if self._thread.is_alive():  # a hung step: the engine cannot be closed from here, the process exits anyway
+            log.warning("the engine thread did not stop within 10 s (a hung step); exiting without closing it")
+            return
         try:
             self.engine.close()
         except Exception as e:  # noqa: BLE001

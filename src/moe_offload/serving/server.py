@@ -8,7 +8,8 @@ In the foreground a SIGTERM drains (what Kubernetes sends before it stops a pod)
     SIGTERM --> drain.drain(): readiness (/ready) fails, new requests get 503 "draining" + Retry-After
             --> the requests in flight finish (up to ``drain_timeout`` s; then drain.give_up(): each ends with a 503
                 error event, a stream with its error chunk and [DONE])
-            --> uvicorn stops, exit status 0.    A second SIGTERM, or Ctrl-C: uvicorn's own immediate shutdown.
+            --> uvicorn stops, exit status 0.    A second SIGTERM: stop now (exit by the signal); Ctrl-C:
+                uvicorn's own shutdown.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def run_server(app, sock: socket.socket, *, log_level: str = "info", drain=None,
         draining = False
 
         def handle_exit(self, sig, frame) -> None:
+            if drain is not None and sig == signal.SIGTERM and self.draining:
+                self.force_exit = True  # a second SIGTERM: stop now (the process then ends by the signal)
             if drain is None or sig != signal.SIGTERM or self.draining:
                 return super().handle_exit(sig, frame)
             # not recorded as a captured signal: uvicorn would raise it again at exit (the process dying of it)
@@ -130,6 +133,9 @@ def run_server(app, sock: socket.socket, *, log_level: str = "info", drain=None,
                 end = time.monotonic() + 2.0  # the error events reach their streams
                 while not drain.idle and time.monotonic() < end:
                     time.sleep(0.05)
+            if not drain.idle:  # the engine thread did not come back (a hung step): the errors go from here
+                drain.abandon_now()
+                time.sleep(0.5)
             self.should_exit = True
 
     Server(_config(app, log_level)).run(sockets=[sock])
