@@ -29,10 +29,11 @@ from moe_offload.serving.detok import TextStream
 from moe_offload.serving.errors import APIError
 from moe_offload.serving.events import DoneEvent, ErrorEvent, PromptLogprobsEvent, Run, TextEvent, TokenEvent
 from moe_offload.serving.http import AFFINITY_HEADER, APPROXIMATE_HEADER, CLASS_HEADER, HIT_HEADER, watch_disconnect
+from moe_offload.serving.jobs import Job
 from moe_offload.serving.logprobs import TokenText, cumulative
 from moe_offload.serving.metrics import WorkerMetrics
 from moe_offload.serving.protocol import DetokenizeRequest, TokenizeChatRequest
-from moe_offload.serving.queue import EngineRunner, Job
+from moe_offload.serving.queue import EngineRunner
 from moe_offload.serving.reasoning import wants_reasoning
 from moe_offload.serving.requests import GenRequest, render_chat
 from moe_offload.serving.streaming import stream

@@ -22,8 +22,8 @@ from moe_offload.serving import logprobs as lpfmt
 from moe_offload.serving.errors import APIError
 from moe_offload.serving.events import DoneEvent, ErrorEvent, PromptLogprobsEvent, Run, StartedEvent, TextEvent
 from moe_offload.serving.http import HIT_HEADER, watch_disconnect
+from moe_offload.serving.jobs import Job
 from moe_offload.serving.logprobs import TokenText
-from moe_offload.serving.queue import Job
 from moe_offload.serving.requests import GenRequest
 
 if TYPE_CHECKING:
