@@ -51,6 +51,14 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
+def incident(log, event: str, e: BaseException) -> str:
+    """Log ``e``'s details under a new incident id and return the id: a 5xx body names the id, never the text (an
+    exception's message, an engine's stderr)."""
+    iid = uuid.uuid4().hex[:12]
+    log.error(event, incident=iid, error=f"{type(e).__name__}: {e}")
+    return iid
+
+
 def from_offload(e: OffloadError, param: str | None = None) -> APIError:
     """A user-facing moe_offload error as an API error (ConfigError -> 400, BackendUnavailable -> 503, ...)."""
     msg = str(e)
@@ -83,6 +91,5 @@ def install(app: FastAPI) -> None:
     async def _any(_req: Request, e: Exception):
         from moe_offload.log import get_logger
 
-        incident = uuid.uuid4().hex[:12]
-        get_logger("serving").error("unhandled error", incident=incident, error=f"{type(e).__name__}: {e}")
-        return APIError(500, f"internal error (incident {incident} in the worker's log)").response()
+        iid = incident(get_logger("serving"), "unhandled error", e)
+        return APIError(500, f"internal error (incident {iid} in the worker's log)").response()

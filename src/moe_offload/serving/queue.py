@@ -21,7 +21,6 @@ import asyncio
 import sys
 import threading
 import time
-import uuid
 from collections import deque
 from typing import Any, Callable
 
@@ -30,7 +29,7 @@ from moe_offload.engines.base import Engine
 from moe_offload.engines.params import SamplingParams
 from moe_offload.errors import ConfigError, OffloadError
 from moe_offload.log import get_logger
-from moe_offload.serving.errors import APIError
+from moe_offload.serving.errors import APIError, incident
 from moe_offload.serving.events import DoneEvent, ErrorEvent, PromptLogprobsEvent, StartedEvent, TokenEvent
 from moe_offload.serving.jobs import Job, _deliver
 
@@ -284,37 +283,31 @@ class EngineRunner:
 
         err = from_offload(e)
         if err.status >= 500:  # the engine's own failure: its text (a torch or gloo message) stays in the log
-            incident = uuid.uuid4().hex[:12]
-            log.error("a request failed in the engine", incident=incident, error=f"{type(e).__name__}: {e}")
-            err = APIError(err.status, f"{str(e).split(':', 1)[0]} (incident {incident} in the worker's log)",
+            iid = incident(log, "a request failed in the engine", e)
+            err = APIError(err.status, f"{str(e).split(':', 1)[0]} (incident {iid} in the worker's log)",
                            code=err.code, type=err.type)
         job.push(ErrorEvent(err))
 
     def _abandon(self) -> None:  # engine thread
-        err = APIError(503, "the worker shut down before this request finished (its drain time ran out)",
-                       code="shutdown", retry_after=1)
-        for job, gen in list(self._active.items()):
-            if gen is not None:
-                gen.close()  # aborted: its KV blocks go back
-            job.push(ErrorEvent(err))
-        self._active.clear()
+        self._end_all(APIError(503, "the worker shut down before this request finished (its drain time ran out)",
+                               code="shutdown", retry_after=1))
 
-    def _crashed(self, e: BaseException) -> None:  # engine thread
-        # the details (an exception's text, an engine's stderr) go to the log under an incident id; the client gets
-        # the id, never the text
-        incident = uuid.uuid4().hex[:12]
-        log.error("engine failed; restarting it", incident=incident, error=f"{type(e).__name__}: {e}")
-        self.ready = False
-        err = APIError(503, f"the engine failed and is being restarted (incident {incident} in the worker's log)",
-                       code="engine_failed", retry_after=5)
+    def _end_all(self, err: APIError) -> None:  # engine thread
+        """Every active job ends with ``err``; its generation is closed (aborted: its KV blocks go back)."""
         for job, gen in list(self._active.items()):
             job.push(ErrorEvent(err))
             try:
                 if gen is not None:
-                    gen.close()  # its blocks go back if the engine object is reused
-            except Exception:  # noqa: BLE001
+                    gen.close()
+            except Exception:  # noqa: BLE001 - a failed engine's close may raise; the job has its error already
                 pass
         self._active.clear()
+
+    def _crashed(self, e: BaseException) -> None:  # engine thread
+        iid = incident(log, "engine failed; restarting it", e)
+        self.ready = False
+        self._end_all(APIError(503, f"the engine failed and is being restarted (incident {iid} in the worker's log)",
+                               code="engine_failed", retry_after=5))  # blocks go back if the engine object is reused
         self._restart()
 
     def _restart(self) -> None:  # engine thread: nothing else touches the engine meanwhile
