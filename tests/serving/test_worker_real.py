@@ -245,8 +245,8 @@ def test_kv_blocks_all_return_after_mixed_requests_through_http(serve, demo_mode
     from moe_offload.backends import get_backend
 
     backend = get_backend("cpu")
-    # a pool of a few blocks: the 6 concurrent sequences outgrow it, so the scheduler preempts and recomputes
-    engine = backend.build_engine(str(demo_model_dir), fraction=0.5, policy="lru", kv_cache_memory=1_400_000,
+    # a pool of ~40 blocks and 6 seats: two long prompts fill it, so the scheduler must preempt whatever the speed
+    engine = backend.build_engine(str(demo_model_dir), fraction=0.5, policy="lru", kv_cache_memory=2_700_000,
                                   max_num_seqs=6)
     h = serve(create_app(engine, model_name="demo", request_timeout=2.0))
     pool = engine.pool
@@ -263,21 +263,35 @@ def test_kv_blocks_all_return_after_mixed_requests_through_http(serve, demo_mode
         with httpx.Client(base_url=h.url, timeout=60) as c:
             statuses.append(c.post("/v1/completions", json=body).status_code)
 
+    def run(jobs):
+        threads = [threading.Thread(target=fn, args=args) for fn, args in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+
+    # 1. the mix: cut streams, stop strings, n > 1 and plain requests at once
     jobs = [(cut_stream, (i,)) for i in range(4)]
-    # far longer than the 2 s timeout allows even alone (300 steps of a batch that preempts): 504
-    jobs += [(post, ({"prompt": f"long {i}", "max_tokens": 300, "ignore_eos": True},)) for i in range(2)]
     jobs += [(post, ({"prompt": f"stop {i}", "max_tokens": 60, "stop": [" ", "e", "a"]},)) for i in range(4)]
     jobs += [(post, ({"prompt": f"many {i}", "max_tokens": 30, "n": 3, "temperature": 1.0, "seed": i},))
              for i in range(3)]
     jobs += [(post, ({"prompt": f"plain {i}", "max_tokens": 40},)) for i in range(5)]
-    threads = [threading.Thread(target=fn, args=args) for fn, args in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert statuses.count("cut") == 4 and statuses.count(504) >= 2 and 400 not in statuses, statuses
+    run(jobs)
+    assert statuses.count("cut") == 4 and 400 not in statuses, statuses
     assert len(statuses) == len(jobs) and set(statuses) <= {"cut", 200, 504}, statuses
-    # two long sequences need 2 x 19 of the pool's 21 blocks: the scheduler preempted while requests were cut
+    # 2. two long prompts that hold nearly half the pool each, with cut streams beside them: the first decode steps
+    #    outgrow the pool (the scheduler preempts and recomputes, at any speed), and hundreds of decode steps plus
+    #    recomputed prefills do not fit the 2 s timeout: 504
+    statuses.clear()
+    bs, nb = pool.block_size, pool.num_blocks
+    prompt_len = (nb // 2 - 1) * bs
+    long_tokens = engine.info.max_model_len - prompt_len - 4
+    assert long_tokens >= 300, (nb, bs, engine.info.max_model_len)
+    jobs = [(post, ({"prompt": [(7 * k + i) % 900 + 10 for k in range(prompt_len)], "max_tokens": long_tokens,
+                     "ignore_eos": True},)) for i in range(2)]
+    jobs += [(cut_stream, (i,)) for i in range(2)]
+    run(jobs)
+    assert statuses.count("cut") == 2 and statuses.count(504) == 2, statuses
     assert engine.scheduler.preemptions >= 1
     for _ in range(100):  # the engine thread reaps the last aborts at its next turn
         if pool.free_blocks == pool.num_blocks:
