@@ -50,6 +50,7 @@ class GenerationStats:
     token-expert pairs served per tier; bytes_moved is host->accelerator copy volume per tier."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (OpenAI's prompt_tokens_details)
     completion_tokens: int = 0
     finish_reason: str = "length"
     prefill_ms: float = 0.0
@@ -107,6 +108,7 @@ class GenerationStats:
         """Sum one request's ``s`` into these cumulative stats (hit_rate_by_tier is left to the engine: it
         needs the pairs per tier). Only the last ``keep_token_ms`` step times are kept: a server runs for long."""
         self.prompt_tokens += s.prompt_tokens
+        self.cached_tokens += s.cached_tokens
         self.completion_tokens += s.completion_tokens
         self.prefill_ms += s.prefill_ms
         self.decode_ms += s.decode_ms
@@ -149,6 +151,7 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         out = {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "finish_reason": self.finish_reason,
             "prefill_ms": round(self.prefill_ms, 3),

@@ -82,6 +82,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
     speculative: bool = True  # False: never draft tokens for this request (an engine without speculation ignores it)
+    cache_salt: str | None = None  # prefix caching: only requests with the same salt share cached blocks (vLLM's)
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -118,6 +119,8 @@ class SamplingParams:
             object.__setattr__(self, "structured", StructuredOutput(**self.structured))
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ConfigError(f"structured: expected a StructuredOutput or null, got {self.structured!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ConfigError(f"cache_salt: expected a non-empty string or null, got {self.cache_salt!r}")
         if not isinstance(self.speculative, bool):
             raise ConfigError(f"speculative: expected true or false, got {self.speculative!r}")
 

@@ -26,7 +26,7 @@ BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "expert_dty
                  "host_memory", "prefetch",
                  "block_size",
                  "kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "speculative",
-                 "tail_skip", "cold_dtype", "devices", "tensor_parallel")
+                 "tail_skip", "cold_dtype", "devices", "tensor_parallel", "enable_prefix_caching", "kv_events")
 
 
 def _placement(path: Path, placement, fraction, policy: str, backend: str, dtype: str | None = None, devices=None):
@@ -161,6 +161,8 @@ def build_offload_engine(
     devices=None,
     tensor_parallel: int | None = None,
     expert_parallel: tuple[int, int] | None = None,
+    enable_prefix_caching: bool = False,
+    kv_events: bool = False,
     **unknown,
 ) -> OffloadEngine:
     """Load ``model_path`` (default: the demo model, built on first use) with the offload executor.
@@ -183,7 +185,9 @@ def build_offload_engine(
     a fraction's slots are split over them (loading/devices.py); the first runs the dense layers (``device`` then
     follows it). tensor_parallel: N > 1 ranks on torch.distributed (gloo on the CPU), each computing every layer's
     experts e with e mod N == its rank (runtime/parallel.py); this process is rank 0 and drives the others.
-    expert_parallel: (rank, world) of one rank (set by parallel.py, not by users).
+    expert_parallel: (rank, world) of one rank (set by parallel.py, not by users). enable_prefix_caching: keep full
+    KV blocks for later requests with the same prefix (runtime/prefix_cache.py; vLLM's --enable-prefix-caching);
+    kv_events: record the cache's BlockStored / BlockRemoved events for a publisher (serving/kv_events.py).
     """
     if unknown:
         raise ConfigError(f"unknown engine option(s) {', '.join(sorted(unknown))}; valid: {', '.join(BUILD_OPTIONS)}")
@@ -224,7 +228,7 @@ def build_offload_engine(
             kv_cache_memory=plan.kv_bytes if plan.kv_bytes is not None else kv_cache_memory,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             expert_dtype=expert_dtype, dense_dtype=dense_dtype, host_memory=host_memory, prefetch=prefetch,
-            speculative=speculative, cold_dtype=cold_dtype))
+            speculative=speculative, cold_dtype=cold_dtype, enable_prefix_caching=enable_prefix_caching))
     if plan.kv_bytes is not None:
         kv_config = dataclasses.replace(kv_config, kv_cache_memory=plan.kv_bytes)
     if (plan.host_cache is not None and plan.host_cache < sys.maxsize and fraction is None and placement is None
@@ -258,7 +262,8 @@ def build_offload_engine(
         shard_head(offloaded.model, *expert_parallel, rehome=torch.device(device).type == "cpu"
                    and plan.host_cache is None)  # as load_model rehomed the dense weights
     engine = OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache,
-                           kv_config=kv_config, scheduler=sched, speculative=speculative)
+                           kv_config=kv_config, scheduler=sched, speculative=speculative,
+                           prefix_caching=enable_prefix_caching, kv_events=kv_events)
     engine.memory_plan = plan.split()
     return engine
 

@@ -34,6 +34,7 @@ from moe_offload.engines.offload.runtime.accounting import Accounting
 from moe_offload.engines.offload.runtime.kv_budget import KVCacheConfig
 from moe_offload.engines.offload.runtime.model_runner import ModelRunner, describe_model, split_for_ranks
 from moe_offload.engines.offload.runtime.output import OutputProcessor, Request
+from moe_offload.engines.offload.runtime.prefix_cache import CacheEvent, PrefixCache
 from moe_offload.engines.offload.runtime.sampling import SequenceState
 from moe_offload.engines.offload.runtime.scheduler import RUNNING, Scheduler, SchedulerConfig
 from moe_offload.engines.offload.runtime.scheduler import Sequence as Seq
@@ -91,7 +92,7 @@ class OffloadEngine(Engine):
 
     def __init__(self, offloaded, tokenizer=None, *, model_name: str = "", backend: str = "cpu", cache: str = "paged",
                  kv_config: KVCacheConfig | None = None, scheduler: SchedulerConfig | None = None,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, prefix_caching: bool = False, kv_events: bool = False):
         if cache not in CACHES:
             raise ConfigError(f"cache: expected one of {', '.join(CACHES)}, got {cache!r}")
         self.offloaded = offloaded
@@ -123,6 +124,7 @@ class OffloadEngine(Engine):
                                                  bytes_per_token=self.kv_bytes_per_token,
                                                  max_num_seqs=sched.max_num_seqs, model_len=model_len,
                                                  device=self.device, state_bytes=self.state_bytes_per_seq)
+        self.prefix_caching_off = self._prefix_cache(prefix_caching, kv_events, model_name)
         self.scheduler = Scheduler(
             SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, chunked_prefill=self.paged), self.pool)
         self.accounting = Accounting(getattr(self.executor, "tier_names", None))
@@ -157,6 +159,32 @@ class OffloadEngine(Engine):
         self._closed = False
         self.ranks = None  # expert parallel's rank 0 (parallel.Leader): each call is replayed on the other ranks
 
+    def _prefix_cache(self, on: bool, events: bool, model_name: str) -> str | None:
+        """Prefix caching on the pool (prefix_cache.py) when asked and the layers allow it; else why not (None: on,
+        or not asked)."""
+        if not on:
+            return None
+        if not self.paged or self.state_bytes_per_seq:
+            reason = ("its layers keep a per-sequence state beyond attention KV (linear attention, Mamba), which is "
+                      "not saved at block boundaries")
+            log.warning("prefix caching off for this model", reason=reason, model_type=self.model.config.model_type)
+            return reason
+        seed = f"{model_name or getattr(self.model.config, '_name_or_path', '')}|{self.model.dtype}"
+        self.pool.cache = PrefixCache(self.pool.block_size, seed, events=events)
+        if events:  # subscribers drop what they knew of this worker's blocks: a new engine starts empty
+            self.pool.cache.events.append(CacheEvent("AllBlocksCleared"))
+        return None
+
+    def drain_kv_events(self) -> tuple[float, list]:
+        """The prefix cache's KV events since the last call (wall-clock time, events); none when caching is off."""
+        if self.pool.cache is None:
+            return time.time(), []
+        return self.pool.cache.drain_events()
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.pool.cache is not None
+
     # -- the contract ---------------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
         return self.start(prompt_ids, params)
@@ -179,7 +207,8 @@ class OffloadEngine(Engine):
                               eos_ids=self.info.eos_token_ids, matcher=self._matcher(params))
         stops = frozenset(state.stop_ids)  # stop_token_ids, and EOS unless ignore_eos
         stats = GenerationStats(prompt_tokens=len(prompt))
-        seq = Seq(self.next_sid, prompt, len(prompt), len(prompt) + params.max_tokens)
+        seq = Seq(self.next_sid, prompt, len(prompt), len(prompt) + params.max_tokens,
+                  cacheable=params.prompt_logprobs is None, salt=params.cache_salt)
         self.next_sid += 1
         gen = Generation(None, stats, [] if params.logprobs is not None else None,
                          [] if params.prompt_logprobs is not None else None,
@@ -217,7 +246,8 @@ class OffloadEngine(Engine):
     def cache_info(self) -> dict[str, Any]:
         """What vllm:cache_config_info reports."""
         return {"block_size": self.pool.block_size, "num_gpu_blocks": self.pool.num_blocks,
-                "cache_dtype": "auto", "kv_cache_memory_bytes": self.kv_cache_memory if self.paged else 0,
+                "cache_dtype": "auto", "enable_prefix_caching": self.prefix_caching,
+                "prefix_caching_off": self.prefix_caching_off, "kv_cache_memory_bytes": self.kv_cache_memory if self.paged else 0,
                 "paged": self.paged, "max_num_seqs": self.scheduler.config.max_num_seqs,
                 "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
                 "max_model_len": self.info.max_model_len, "memory_plan": self.memory_plan,
@@ -227,6 +257,8 @@ class OffloadEngine(Engine):
         d = self.accounting.total.to_dict()
         d["preemptions"] = self.scheduler.preemptions
         d["steps"] = self._steps
+        if self.pool.cache is not None:
+            d["prefix_cache"] = {"queries": self.pool.cache.queries, "hits": self.pool.cache.hits}
         if self.speculative is not None:
             d["speculative"] = self.speculative.to_dict() | self.accounting.total.spec_summary()
         if self.info.approximate:
@@ -284,9 +316,12 @@ class OffloadEngine(Engine):
         for seq, _ in out.scheduled:
             if not seq.payload.t_start:
                 seq.payload.t_start = t0
+                seq.payload.stats.cached_tokens = seq.cached_tokens or 0
         try:
             with torch.inference_mode():
-                self.output.emit(out, self.runner.forward(out))
+                logits = self.runner.forward(out)
+                self.scheduler.commit(out)
+                self.output.emit(out, logits)
         except (RuntimeError, ModelError) as e:  # torch failures (out of memory, a kernel error), an expert store that
             # vanished or was cut short under the disk tier: these requests fail, not the server
             if self.ranks is not None:

@@ -68,6 +68,8 @@ class KVPool:
             raise ValueError(f"KV pool: expected num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() hands out low block ids first
+        self.ref = [0] * num_blocks  # sequences holding each block (more than one: a shared cached prefix)
+        self.cache = None  # the PrefixCache (prefix_cache.py) when prefix caching is on
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # layers that keep a fixed-size state per sequence instead of KV rows (linear attention: a convolution window
         # and a recurrent state): one seat per running sequence, each layer's states stacked [seats, ...]
@@ -77,22 +79,50 @@ class KVPool:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: never-cached free ones and cached ones no sequence holds (evictable)."""
+        return len(self._free) + (len(self.cache.evictable) if self.cache is not None else 0)
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.free_blocks / self.num_blocks
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise MemoryError(f"KV pool: {n} blocks asked, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        """``n`` blocks, each with one reference: free ones first, then the least recently used cached ones."""
+        if n > self.free_blocks:
+            raise MemoryError(f"KV pool: {n} blocks asked, {self.free_blocks} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self.cache.evictable.popitem(last=False)
+                self.cache.forget(b)
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def share(self, blocks: list[int]) -> None:
+        """One more reference to each of ``blocks`` (cached blocks a sequence found: prefix_cache.py)."""
+        for b in blocks:
+            if self.ref[b] == 0:
+                del self.cache.evictable[b]
+            self.ref[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """One reference less to each of ``blocks``; a block nobody holds is free, or evictable while cached (the
+        last block first, so that a sequence's tail is evicted before its head)."""
+        for b in reversed(blocks):
+            if self.ref[b] < 1:
+                raise RuntimeError(f"KV pool: block {b} freed more often than it was handed out")
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if self.cache is not None and b in self.cache.hash_of:
+                    self.cache.evictable[b] = None
+                else:
+                    self._free.append(b)
 
     def seat(self, sid: int) -> int:
         """The state seat of sequence ``sid`` (the lowest free one at its first call)."""

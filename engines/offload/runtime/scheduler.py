@@ -53,6 +53,14 @@ class Sequence:
     state: str = WAITING
     preemptions: int = 0
     draft: list[int] = field(default_factory=list)  # speculative tokens after ``tokens``, verified by the next step
+    # prefix caching (prefix_cache.py): may it take cached blocks (not when every prompt position's logits are owed);
+    # its cache_salt; the hash chain of its full blocks so far; blocks of it stored in (or found in) the cache; the
+    # prompt tokens found cached at its first admission (usage.prompt_tokens_details.cached_tokens)
+    cacheable: bool = True
+    salt: str | None = None
+    hashes: list[bytes] = field(default_factory=list)
+    stored: int = 0
+    cached_tokens: int | None = None
 
     @property
     def remaining(self) -> int:
@@ -152,9 +160,12 @@ class Scheduler:
                 budget -= n
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            found = self._match(seq)
             n = self._chunk(seq, budget)
             if not n or not self._fits(seq, seq.computed + n):
+                self._unmatch(seq)
                 break
+            self._count(seq, found)
             self.waiting.popleft()
             seq.state = RUNNING
             self.running.append(seq)
@@ -162,6 +173,51 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(tuple(step), sum(n for _, n in step[:decode]), sum(n for _, n in step[decode:]),
                                tuple(preempted))
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """After a step's forward, before its tokens are emitted: every block the step filled with rows of the
+        sequence's own tokens (not its draft) goes into the prefix cache."""
+        cache = self.pool.cache
+        if cache is None:
+            return
+        bs = cache.block_size
+        for seq, n in out.scheduled:
+            full = min(seq.computed + n, len(seq.tokens)) // bs
+            if full <= seq.stored:
+                continue
+            hashes = cache.chain(seq.tokens, full * bs, seq.salt, seq.hashes)
+            for i in range(seq.stored, full):
+                cache.store(seq.blocks[i], hashes[i], hashes[i - 1] if i else None, seq.tokens[i * bs : (i + 1) * bs])
+            seq.stored = full
+
+    def _match(self, seq: Sequence) -> int:
+        """A sequence about to be admitted with nothing computed takes the cached blocks of its longest cached
+        prefix of full blocks, short of its last token (whose logits the step must give); the tokens found."""
+        cache = self.pool.cache
+        if cache is None or seq.computed or seq.blocks or not seq.cacheable:
+            return 0
+        upto = len(seq.tokens) - 1
+        found = cache.lookup(cache.chain(seq.tokens, upto, seq.salt, seq.hashes)[: upto // cache.block_size])
+        if found:
+            self.pool.share(found)
+            seq.blocks, seq.computed = list(found), len(found) * cache.block_size
+        seq.stored = len(found)
+        return seq.computed
+
+    def _unmatch(self, seq: Sequence) -> None:
+        """The sequence stays waiting: it holds no blocks there (it looks them up again at its next admission)."""
+        if seq.blocks and seq.state == WAITING:
+            self.pool.free(seq.blocks)
+            seq.blocks, seq.computed, seq.stored = [], 0, 0
+
+    def _count(self, seq: Sequence, found: int) -> None:
+        cache = self.pool.cache
+        if cache is None or not seq.cacheable:
+            return
+        cache.queries += len(seq.tokens)
+        cache.hits += found
+        if seq.cached_tokens is None:
+            seq.cached_tokens = min(found, seq.prompt_len)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         if self.config.chunked_prefill:
@@ -193,7 +249,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.free(seq.blocks)
         self.pool.release(seq.sid)
-        seq.blocks, seq.computed, seq.state = [], 0, WAITING
+        seq.blocks, seq.computed, seq.state, seq.stored = [], 0, WAITING, 0
         seq.draft.clear()
         seq.preemptions += 1
         self.preemptions += 1

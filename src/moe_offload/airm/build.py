@@ -25,8 +25,9 @@ def log_tiers(tiers: list[MemoryTier], log) -> None:
         )
 
 
-def engine_options(cfg) -> dict[str, Any]:
-    """The backend's engine options from the runner config."""
+def engine_options(cfg, serving: bool = False) -> dict[str, Any]:
+    """The backend's engine options from the runner config (``serving``: prefix caching as configured; a measured
+    decode run repeats its prompt, and a cache would measure the cache)."""
     from moe_offload.backends import engine_options as options
     from moe_offload.control.units import parse_size
 
@@ -38,10 +39,11 @@ def engine_options(cfg) -> dict[str, Any]:
                    expert_dtype=cfg.expert_dtype, dense_dtype=cfg.dense_dtype,
                    host_memory=parse_size(host, "host_memory") if host is not None else None,
                    speculative=cfg.speculative or None, tail_skip=cfg.tail_skip, cold_dtype=cfg.cold_dtype,
-                   devices=cfg.devices, tensor_parallel=cfg.tensor_parallel)
+                   devices=cfg.devices, tensor_parallel=cfg.tensor_parallel,
+                   enable_prefix_caching=cfg.enable_prefix_caching if serving else None)
 
 
-def build(cfg, log):
+def build(cfg, log, serving: bool = False):
     """Pick the backend, log its tiers, build the engine. Returns (backend, engine, tiers, model)."""
     from moe_offload import backends
     from moe_offload.errors import OffloadError
@@ -61,7 +63,7 @@ def build(cfg, log):
 
             model = str(default_model())
         placement = None if cfg.placement in (None, "", "auto") else cfg.placement
-        engine = backend.build_engine(model or "mock", placement, **engine_options(cfg))
+        engine = backend.build_engine(model or "mock", placement, **engine_options(cfg, serving))
     except OffloadError as e:
         # At the rm-core boundary every bad input is a ContractError.
         raise ContractError("config", "a configuration this machine can run", str(e)) from None

@@ -39,6 +39,7 @@ class RunConfig:
     cold_dtype: str | None = None  # cpu/cuda, APPROXIMATE: int8 | int4 copy that misses are computed from
     devices: str | None = None  # cpu/cuda: several accelerators, e.g. "cuda:0,cuda:1" (each a tier of its own)
     tensor_parallel: int | None = None  # cpu: ranks on torch.distributed, each with its share of the experts
+    enable_prefix_caching: bool = True  # cpu/cuda: reuse the KV blocks of prefixes seen before (serve role)
     engine: str | None = None  # external engine binary (rngd)
     data: str | None = None  # the external engine's input directory
     role: str = "worker"
@@ -123,6 +124,8 @@ class RunConfig:
             raise ContractError("config.tail_skip", "a rank >= 1 (the top expert is never skipped)", self.tail_skip)
         if self.cold_dtype is not None and self.cold_dtype not in ("int8", "int4"):
             raise ContractError("config.cold_dtype", "int8 | int4", self.cold_dtype)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ContractError("config.enable_prefix_caching", "true or false", self.enable_prefix_caching)
         if self.tensor_parallel is not None and (isinstance(self.tensor_parallel, bool)
                                                  or not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1):
             raise ContractError("config.tensor_parallel", "a number of ranks >= 1", self.tensor_parallel)

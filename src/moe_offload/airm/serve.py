@@ -81,12 +81,12 @@ def _worker(cfg, log, running: RunningWorkload) -> None:
     from moe_offload.airm.build import build
     from moe_offload.serving import worker
 
-    backend, engine, tiers, model = build(cfg, log)
+    backend, engine, tiers, model = build(cfg, log, serving=True)
     first = [engine]
 
     def factory():
         # The engine built (and validated) up front serves first; a crashed engine is rebuilt from the config.
-        return first.pop() if first else build(cfg, log)[1]
+        return first.pop() if first else build(cfg, log, serving=True)[1]
 
     name = os.path.basename(model.rstrip("/")) or model
     try:

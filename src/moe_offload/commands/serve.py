@@ -50,6 +50,12 @@ def _worker_options(fn):
         click.option("--block-size", type=int, help="cpu/cuda: tokens per KV block [default: 16]."),
         click.option("--speculative-config", "speculative", help="cpu/cuda: " + SPECULATIVE_HELP
                      + " A request turns it off with \"speculative\": false."),
+        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
+                     help="cpu/cuda: keep full KV blocks for later requests that share a prefix (a conversation's "
+                          "earlier turns, an agent's system prompt); a request salts its own with \"cache_salt\"."),
+        click.option("--kv-events-config", help="cpu/cuda: publish prefix cache events as vLLM does, for llm-d's "
+                     "prefix-aware routing: JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                     "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'."),
         click.option("--tail-skip", type=int, metavar="RANK", help="cpu/cuda: " + TAIL_SKIP_HELP),
         click.option("--cold-dtype", type=COLD_DTYPE_CHOICE, help="cpu/cuda: " + COLD_DTYPE_HELP),
         click.option("--devices", help="cpu/cuda: " + DEVICES_HELP),
@@ -83,7 +89,8 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                 max_model_len=None, block_size=None, generation_config: str = "auto", tool_call_parser: str = "auto",
                 speculative=None, tail_skip=None, cold_dtype=None, devices=None, tensor_parallel=None,
                 drain_timeout: float = 30.0, hang_timeout: float = 60.0,
-                trust_request_chat_template: bool = False) -> None:
+                trust_request_chat_template: bool = False, enable_prefix_caching: bool = True,
+                kv_events_config: str | None = None) -> None:
     ranks_share_cores(tensor_parallel)  # before anything imports torch
     from moe_offload import backends
     from moe_offload.errors import ConfigError
@@ -91,6 +98,9 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
 
     if gateway_url and not gateway_token:
         raise ConfigError("--gateway needs --gateway-token (or $MOE_OFFLOAD_GATEWAY_TOKEN): the gateway refuses unauthenticated workers")
+    from moe_offload.serving.kv_events import KVEventsConfig
+
+    kv_events = KVEventsConfig.parse(kv_events_config)  # checked before the model loads
     backend = backends.get_backend(backend_name)
     backend.require()
     placement_obj = None
@@ -106,6 +116,7 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                       block_size=block_size, speculative=_speculative(speculative), tail_skip=tail_skip,
                                       cold_dtype=cold_dtype, devices=devices or None, tensor_parallel=tensor_parallel,
+                                      enable_prefix_caching=enable_prefix_caching, kv_events=kv_events is not None or None,
                                       kv_cache_memory=parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None,
                                       host_memory=parse_size(host_memory, "--host-memory") if host_memory else None)
     sock = server.bind(host, port)  # before loading the model: a taken port fails fast
@@ -117,7 +128,7 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                             max_queue=max_queue, request_timeout=request_timeout, max_body_bytes=max_body_bytes,
                             placement=placement_obj, tiers=backend.tiers(), generation_config=generation_config,
                             tool_parser=tool_call_parser, hang_timeout=hang_timeout,
-                            trust_request_chat_template=trust_request_chat_template)
+                            trust_request_chat_template=trust_request_chat_template, kv_events=kv_events)
     if host not in LOOPBACK and not api_key:
         click.echo(f"warning: listening on {host} without --api-key: anyone who can reach it can use it", err=True)
     if gateway_url:

@@ -186,7 +186,7 @@ class Worker:
         by_prompt: dict[int, list] = {}
         for (pi, _, _), run in zip(queued, done):
             by_prompt.setdefault(pi, []).append(run)
-        choices, usage, hits, routed = [], {"prompt_tokens": 0, "completion_tokens": 0}, 0, 0
+        choices, usage, hits, routed, cached = [], {"prompt_tokens": 0, "completion_tokens": 0}, 0, 0, 0
         for pi, ids in enumerate(req.prompts):
             runs = by_prompt[pi]
             for run in runs:
@@ -195,11 +195,13 @@ class Worker:
             if req.best_of > req.n:  # the n runs the model found most likely, as vLLM's best_of
                 runs = sorted(runs, key=lambda r: cumulative(r.entries), reverse=True)[: req.n]
             usage["prompt_tokens"] += len(ids)
+            cached += min(run.stats.cached_tokens for run in by_prompt[pi])  # found cached for every run of it
             for j, run in enumerate(runs):
                 usage["completion_tokens"] += run.n
                 i = pi * req.n + j
                 choices.append(self._chat_choice(i, run, req, text) if chat else _completion_choice(i, run, ids, pi, req, text))
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
         if chat and req.return_token_ids:

@@ -47,13 +47,20 @@ class WorkerMetrics:
         # The engine's KV manager as it is (an engine without one: no blocks; max_model_len is still reported)
         ci = dict(cache_info or {})
         labels = {"block_size": str(ci.get("block_size", 0)), "num_gpu_blocks": str(ci.get("num_gpu_blocks", 0)),
-                  "cache_dtype": str(ci.get("cache_dtype", "auto")), "enable_prefix_caching": "False",
+                  "cache_dtype": str(ci.get("cache_dtype", "auto")),
+                  "enable_prefix_caching": str(bool(ci.get("enable_prefix_caching", False))),
                   "kv_cache_memory_bytes": str(ci.get("kv_cache_memory_bytes", 0)),
                   "max_num_seqs": str(ci.get("max_num_seqs", 1)), "max_num_batched_tokens": str(ci.get("max_num_batched_tokens", 0)),
                   "max_model_len": str(ci.get("max_model_len", max_model_len))}
         info = Gauge("vllm:cache_config_info", "Information of the KV cache config (value 1).", ["model_name", *labels], registry=r)
         info.labels(model_name=model_name, **labels).set(1)
+        self.prefix_caching = bool(ci.get("enable_prefix_caching", False))
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", ["model_name"], registry=r).labels(**m)
+        # vLLM's prefix cache counters: prompt tokens asked for, and found cached (hits / queries: the hit rate)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                                      ["model_name"], registry=r).labels(**m)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                                   ["model_name"], registry=r).labels(**m)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", ["model_name"], registry=r).labels(**m)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.", ["model_name", "finished_reason"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", ["model_name"],
@@ -155,6 +162,9 @@ class WorkerMetrics:
         the client got, when fewer than the engine made (a stop string ends the completion before the engine stops)."""
         m = self.model
         self.prompt_tokens.inc(stats.prompt_tokens)
+        if self.prefix_caching:
+            self.prefix_queries.inc(stats.prompt_tokens)
+            self.prefix_hits.inc(getattr(stats, "cached_tokens", 0))
         self.generation_tokens.inc(stats.completion_tokens if completion_tokens is None else completion_tokens)
         self.success.labels(model_name=m, finished_reason=finish_reason).inc()
         if ttft_s is not None:

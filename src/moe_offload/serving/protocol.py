@@ -79,6 +79,7 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     speculative: bool = True  # ours: false turns the worker's speculative decoding off for this request
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None  # vLLM's: prefix caching per salt
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None

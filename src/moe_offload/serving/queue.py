@@ -55,6 +55,7 @@ class EngineRunner:
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()
         self._active: dict[Job, Any] = {}  # job -> its Generation (engine thread only)
+        self.after_step: list[Callable[[Engine], None]] = []  # called on the engine thread after each turn (KV events)
         self._closed = False
         self.engine: Engine | None = engine if isinstance(engine, Engine) else None
         # The engine thread runs Python between torch ops, holding the GIL; each streamed token wakes the event
@@ -207,6 +208,7 @@ class EngineRunner:
                 if self._active:
                     self.engine.step()
                 self._drain()
+                self._after_step()
                 self._step_since = None
             except Exception as e:  # noqa: BLE001 - an engine failure must not take the worker down
                 self._step_since = None
@@ -215,6 +217,13 @@ class EngineRunner:
                 self._crashed(e)
         for job in list(self._active) + list(self._incoming):
             job.push(DoneEvent(None))
+
+    def _after_step(self) -> None:
+        for hook in self.after_step:
+            try:
+                hook(self.engine)
+            except Exception as e:  # noqa: BLE001 - a hook (a KV event publisher) must not fail the engine
+                log.warning("after-step hook failed", hook=getattr(hook, "__qualname__", repr(hook)), error=str(e))
 
     def _start(self, jobs: list[Job]) -> None:
         for job in jobs:

@@ -159,7 +159,7 @@ def _max_tokens(asked: int | None, prompt_len: int, info: EngineInfo, defaults: 
 def _common(req: SamplingFields, defaults: Mapping) -> dict:
     values = _sampling(req, defaults)
     values.update(seed=req.seed, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                  min_tokens=req.min_tokens, speculative=req.speculative)
+                  min_tokens=req.min_tokens, speculative=req.speculative, cache_salt=req.cache_salt)
     return values
 
 

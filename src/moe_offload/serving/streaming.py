@@ -1,7 +1,7 @@
 """Server-sent events for ``stream: true``: one chunk per piece of text of every choice, as vLLM sends them.
 
     Worker.submit_all (n choices at once) --first job's StartedEvent (else its HTTP status)-->
-    one task per choice: Worker.events --Chunks (chat: ChatOutput deltas)--> queue: str chunk | Run | APIError
+    one task per choice: Worker.events --Chunks (chat: ChatOutput deltas)--> queue: str chunk | (prompt, Run) | APIError
     --SSEStream.body--> data: chunk ... [data: usage] [: x-moe-offload-hit-rate=R class=C] data: [DONE]
 
 The stream's status and headers are sent before the first token, so queue-full, timeout and engine errors
@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from moe_offload.serving import logprobs as lpfmt
 from moe_offload.serving.errors import APIError
-from moe_offload.serving.events import DoneEvent, ErrorEvent, PromptLogprobsEvent, Run, StartedEvent, TextEvent
+from moe_offload.serving.events import DoneEvent, ErrorEvent, PromptLogprobsEvent, StartedEvent, TextEvent
 from moe_offload.serving.http import HIT_HEADER, watch_disconnect
 from moe_offload.serving.jobs import Job
 from moe_offload.serving.logprobs import TokenText
@@ -98,7 +98,7 @@ class SSEStream:
         self.queued, self.chunks = queued, chunks
 
     async def choice(self, pi: int, j: int, job: Job, out: asyncio.Queue) -> None:
-        """Choice (pi, j)'s SSE chunks into ``out`` (str), then its Run; an APIError instead if it fails."""
+        """Choice (pi, j)'s SSE chunks into ``out`` (str), then (pi, its Run); an APIError instead if it fails."""
         req, chunks, chat = self.req, self.chunks, self.chat
         try:
             ids, i = req.prompts[pi], pi * req.n + j
@@ -134,7 +134,7 @@ class SSEStream:
                         await out.put(chunks.chat(i, delta, carry, chat_out.finish_reason(ev.finish)))
                     else:
                         await out.put(chunks.completion(i, "", carry, offset, ev.finish, ev.stop_reason))
-                    await out.put(ev)
+                    await out.put((pi, ev))
         except APIError as e:
             await out.put(e)
 
@@ -145,20 +145,24 @@ class SSEStream:
         tasks = [asyncio.create_task(self.choice(pi, j, job, out)) for pi, j, job in self.queued]
         usage = {"prompt_tokens": sum(len(ids) for ids in req.prompts), "completion_tokens": 0}
         hits = routed = 0
+        cached: dict[int, int] = {}  # per prompt: its tokens found cached for every run of it
         try:
             left = len(tasks)
             while left:
                 item = await out.get()
                 if isinstance(item, str):
                     yield item
-                elif isinstance(item, Run):
+                elif isinstance(item, tuple):  # (prompt index, Run): one choice ended
+                    pi, item = item
                     left -= 1
                     usage["completion_tokens"] += item.n
+                    cached[pi] = min(cached.get(pi, item.stats.cached_tokens), item.stats.cached_tokens)
                     hits, routed = hits + item.stats.hits, routed + item.stats.hits + item.stats.misses
                 else:
                     raise item
             if req.include_usage:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                usage["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
                 yield self.chunks.sse([], usage=usage)
             if routed:
                 yield f": {HIT_HEADER}={hits / routed:.6f} class={self.cls}\n\n"

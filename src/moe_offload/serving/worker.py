@@ -53,7 +53,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                tiers: Sequence = (), reasoning: bool | str = "auto", predicted_by_class: Mapping[str, float] | None = None,
                on_shutdown: Callable[[], None] | None = None, generation_config: str = "auto",
                tool_parser: str = "auto", hang_timeout: float = 60.0,
-               trust_request_chat_template: bool = False) -> FastAPI:
+               trust_request_chat_template: bool = False, kv_events=None) -> FastAPI:
     """The worker's FastAPI app around ``engine`` (an Engine, or a zero-argument factory that builds one; with a
     factory a crashed engine is rebuilt). The app owns the engine and closes it on shutdown.
 
@@ -66,7 +66,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     sampling values from "auto" (the model directory's generation_config.json), "vllm" (none) or a directory.
     ``tool_parser``: how "auto" tool calls are read from replies: hermes | qwen3_coder | auto (from the chat template).
     ``hang_timeout``: seconds one engine step may run before /health reports the engine hung (503).
-    ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400, as vLLM).
+    ``trust_request_chat_template``: render a request's own ``chat_template`` (else 400, as vLLM). ``kv_events``: a
+    kv_events.KVEventsConfig: publish the engine's prefix cache events over ZMQ (the engine built with kv_events).
     """
     from moe_offload.errors import ConfigError
 
@@ -77,6 +78,15 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     if max_body_bytes < 1:
         raise ConfigError(f"max_body_bytes: expected >= 1 (every request would get 413), got {max_body_bytes}")
     runner = EngineRunner(engine, max_queue=max_queue)
+    publisher = None
+    if kv_events is not None:
+        from moe_offload.serving.kv_events import KVEventPublisher
+
+        if not runner.cache_info().get("enable_prefix_caching"):
+            log.warning("--kv-events-config: the engine caches no prefixes, so there are no KV events to publish",
+                        reason=runner.cache_info().get("prefix_caching_off") or "prefix caching is off")
+        publisher = KVEventPublisher(kv_events)
+        runner.after_step.append(publisher.after_step)
     if api_key is None:
         api_key = settings.get(API_KEY_ENV) or None
     name = model_name or runner.info.model
@@ -95,6 +105,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     async def lifespan(_app):
         yield
         await asyncio.get_running_loop().run_in_executor(None, runner.close)
+        if publisher is not None:
+            publisher.close()
         w.close()
         if on_shutdown:
             on_shutdown()
