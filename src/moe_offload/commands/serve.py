@@ -207,14 +207,18 @@ def serve_cmd(backend, model, **kw) -> None:
 @click.option("--token", envvar="MOE_OFFLOAD_GATEWAY_TOKEN", help="Shared token workers register with [env MOE_OFFLOAD_GATEWAY_TOKEN]; without it registration is refused.")
 @click.option("--api-key", envvar="MOE_OFFLOAD_API_KEY", help="Require 'Authorization: Bearer KEY' from clients (passed on to workers).")
 @click.option("--lambda", "lam", default=0.05, show_default=True, type=float, help="Load penalty per in-flight request (affinity units).")
+@click.option("--prefix-weight", default=0.5, show_default=True, type=click.FloatRange(min=0),
+              help="Bonus (affinity units) for the worker that was sent a request's whole prefix before: a "
+                   "conversation or a shared system prompt stays where its KV blocks are cached (0: off).")
 @click.option("--alpha", default=0.2, show_default=True, type=float, help="EWMA weight of each measured hit rate.")
 @click.option("--health-interval", default=2.0, show_default=True, type=float, help="Seconds between worker /health probes.")
-def gateway_cmd(host, port, workers, token, api_key, lam, alpha, health_interval) -> None:
+def gateway_cmd(host, port, workers, token, api_key, lam, prefix_weight, alpha, health_interval) -> None:
     """Route OpenAI requests to the worker whose resident experts fit them best."""
     from moe_offload.serving import gateway, server
 
     sock = server.bind(host, port)
-    app = gateway.create_app(list(workers), token=token, api_key=api_key, lam=lam, alpha=alpha, health_interval=health_interval)
+    app = gateway.create_app(list(workers), token=token, api_key=api_key, lam=lam, alpha=alpha, health_interval=health_interval,
+                             prefix_weight=prefix_weight)
     url = server.url_of(sock)
     click.echo(f"moe-offload gateway at {url}: {len(workers)} worker(s); registration {'open with the token' if token else 'disabled (no --token)'}")
     click.echo(f"workers and scores: curl {url}/gateway/workers")

@@ -31,11 +31,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from moe_offload import __version__
 from moe_offload.log import get_logger
-from moe_offload.serving import errors
+from moe_offload.serving import errors, prefix_index
 from moe_offload.serving.classify import CLASSES, classify, request_text
 from moe_offload.serving.errors import APIError
 from moe_offload.serving.http import CLASS_HEADER, DEFAULT_MAX_BODY, HIT_HEADER, check_api_key, read_body
 from moe_offload.serving.pool import WorkerEntry, WorkerPool
+from moe_offload.serving.prefix_index import prefix_text
 from moe_offload.serving.protocol import parse_json
 
 log = get_logger("serving.gateway")
@@ -171,10 +172,11 @@ class Gateway:
         except APIError:
             body = None  # the worker answers with the proper 400
         cls = classify(request_text(body))
+        chunks = prefix_index.chain(prefix_text(body), body.get("model") if isinstance(body, dict) else None)
         stream = isinstance(body, dict) and body.get("stream") is True
         headers = self._headers(request)
         last_error = "no workers are registered"
-        for w in self.pool.rank(cls):
+        for w in self.pool.rank(cls, chunks):
             w.inflight += 1
             released = False
             try:
@@ -191,6 +193,8 @@ class Gateway:
                                         headers=self._passthrough(resp.headers, w))
                     self.metrics.retries.labels(worker=w.url).inc()
                     continue
+                if resp.status_code == 200 and chunks:
+                    self.pool.prefixes.record(w.url, chunks)  # its prefix cache now holds them
                 if not stream or resp.status_code != 200:
                     content = await resp.aread()
                     await resp.aclose()
@@ -238,11 +242,14 @@ class Gateway:
 
 def create_app(workers: Sequence[str] = (), *, token: str | None = None, api_key: str | None = None, lam: float = 0.05,
                alpha: float = 0.2, fail_threshold: int = 3, health_interval: float = 2.0, connect_timeout: float = 2.0,
-               request_timeout: float = 600.0, max_body_bytes: int = DEFAULT_MAX_BODY, seed: int | None = None) -> FastAPI:
+               request_timeout: float = 600.0, max_body_bytes: int = DEFAULT_MAX_BODY, seed: int | None = None,
+               prefix_weight: float = 0.5) -> FastAPI:
     """The gateway's FastAPI app. ``workers``: worker base URLs known from the start. ``token``: the shared secret
     workers register with (None: registration refused). ``api_key``: required from clients on /v1/* (also passed
     on to workers). ``lam``: load penalty per in-flight request, in affinity units (fraction 0..1). ``alpha``: EWMA
     weight of each new measurement. ``health_interval``: seconds between /health probes. ``seed``: tie-break RNG seed.
+    ``prefix_weight``: score bonus, in affinity units, of a worker that was sent the request's whole prefix before
+    (its share of the prefix's chunks, prefix_index.py); 0 routes by affinity and load alone.
     """
     import random
 
@@ -254,7 +261,8 @@ def create_app(workers: Sequence[str] = (), *, token: str | None = None, api_key
         raise ConfigError(f"timeouts: expected seconds > 0, got request {request_timeout}, connect {connect_timeout}")
     if max_body_bytes < 1:
         raise ConfigError(f"max_body_bytes: expected >= 1, got {max_body_bytes}")
-    pool = WorkerPool(lam=lam, alpha=alpha, fail_threshold=fail_threshold, rng=random.Random(seed))
+    pool = WorkerPool(lam=lam, alpha=alpha, fail_threshold=fail_threshold, rng=random.Random(seed),
+                      prefix_weight=prefix_weight)
     for url in workers:
         pool.add(_check_url_cli(url))
     gw = Gateway(pool, token=token or None, api_key=api_key or None, health_interval=health_interval,

@@ -1,11 +1,13 @@
 """The gateway's view of its workers: health, load, and an EWMA of measured hit rate per (worker, class).
 
-    score(worker, class) = affinity(worker, class) - lam x load(worker)
+    score(worker, class, prompt) = affinity(worker, class) - lam x load(worker)
+                                   + prefix_weight x (share of the prompt's leading chunks sent there before)
 
 affinity starts at what the worker's placement predicts (its /affinity) and
 moves toward each measured hit rate the worker reports: ``a <- a + alpha (x - a)``.
 load is the requests the gateway has in flight there (queued + running).
-Ties are broken at random so equal workers share the traffic.
+The prefix term (prefix_index.py) keeps a conversation or an agent's system prompt on the worker whose prefix cache
+holds it. Ties are broken at random so equal workers share the traffic.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 from moe_offload.errors import ConfigError
 from moe_offload.serving.classify import CLASSES
+from moe_offload.serving.prefix_index import PrefixIndex
 
 DEFAULT_AFFINITY = 0.5  # before anything is known about a worker
 
@@ -41,14 +44,18 @@ class WorkerEntry:
 
 
 class WorkerPool:
-    def __init__(self, *, lam: float = 0.05, alpha: float = 0.2, fail_threshold: int = 3, rng: random.Random | None = None):
+    def __init__(self, *, lam: float = 0.05, alpha: float = 0.2, fail_threshold: int = 3, rng: random.Random | None = None,
+                 prefix_weight: float = 0.5):
         if not 0 < alpha <= 1:
             raise ConfigError(f"alpha: expected a fraction in (0, 1], got {alpha}")
         if lam < 0:
             raise ConfigError(f"lambda: expected a load penalty >= 0, got {lam}")
         if fail_threshold < 1:
             raise ConfigError(f"fail_threshold: expected >= 1, got {fail_threshold}")
+        if prefix_weight < 0:
+            raise ConfigError(f"prefix_weight: expected >= 0, got {prefix_weight}")
         self.lam, self.alpha, self.fail_threshold = lam, alpha, fail_threshold
+        self.prefix_weight, self.prefixes = prefix_weight, PrefixIndex()
         self.rng = rng or random.Random()
         self.workers: dict[str, WorkerEntry] = {}
 
@@ -64,16 +71,21 @@ class WorkerPool:
         return w
 
     def remove(self, url: str) -> bool:
+        self.prefixes.forget(url.rstrip("/"))
         return self.workers.pop(url.rstrip("/"), None) is not None
 
-    def score(self, w: WorkerEntry, cls: str) -> float:
-        return w.affinity(cls) - self.lam * w.inflight
+    def score(self, w: WorkerEntry, cls: str, chunks: list[bytes] | None = None) -> float:
+        s = w.affinity(cls) - self.lam * w.inflight
+        if chunks and self.prefix_weight:
+            s += self.prefix_weight * self.prefixes.matched(w.url, chunks) / len(chunks)
+        return s
 
-    def rank(self, cls: str) -> list[WorkerEntry]:
-        """Healthy workers, best score first (ties in random order); unhealthy ones last, as a last resort."""
+    def rank(self, cls: str, chunks: list[bytes] | None = None) -> list[WorkerEntry]:
+        """Healthy workers, best score first (ties in random order); unhealthy ones last, as a last resort.
+        ``chunks``: the request's prefix chunks (prefix_index.chain), for the prefix term."""
         ws = list(self.workers.values())
         self.rng.shuffle(ws)  # sort is stable: equal scores keep this random order
-        healthy = sorted((w for w in ws if w.healthy), key=lambda w: self.score(w, cls), reverse=True)
+        healthy = sorted((w for w in ws if w.healthy), key=lambda w: self.score(w, cls, chunks), reverse=True)
         return healthy + [w for w in ws if not w.healthy]
 
     def feedback(self, w: WorkerEntry, cls: str, hit_rate: float) -> None:
@@ -101,6 +113,7 @@ class WorkerPool:
                 "affinity": {c: round(w.affinity(c), 6) for c in CLASSES},
                 "score": {c: round(self.score(w, c), 6) for c in CLASSES},
                 "measured": sorted(w.ewma), "routed": dict(w.routed),
+                "prefix_chunks": len(self.prefixes.workers.get(w.url, ())),
             }
             for w in self.workers.values()
         ]
