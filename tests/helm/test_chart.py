@@ -207,3 +207,21 @@ def test_the_default_image_is_what_the_containerfile_builds():
     # the kernels are compiled in the build stage (against the torch installed there), not at run time
     assert "pip install -q --no-build-isolation ." in recipe and "g++" not in recipe.split("\nFROM ${BASE}\n")[-1]
     assert (CHART / "templates" / "deployment.yaml").read_text().count("readOnly: true") >= 2  # the model volume
+
+
+def test_kv_events_reach_the_endpoint_picker_with_llm_ds_topic():
+    """Prefix caching stays on; with kvEvents.endpoint the worker connects its KV event publisher there, the topic
+    naming the pod by its IP (Kubernetes expands $(POD_IP) from the env it defines) and the model clients send."""
+    default = container(render())
+    assert not any("prefix-caching" in a or "kv-events" in a for a in default["args"])
+    c = container(render({**CUDA, "kvEvents.endpoint": "tcp://moe-epp:5557"}))
+    (arg,) = [a for a in c["args"] if a.startswith("--kv-events-config=")]
+    config = json.loads(arg.split("=", 1)[1])
+    assert config == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://moe-epp:5557",
+                      "topic": "kv@$(POD_IP)@Qwen3-30B-A3B"}
+    assert env(c)["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    from moe_offload.serving.kv_events import KVEventsConfig
+
+    assert KVEventsConfig.parse(arg.split("=", 1)[1]).endpoint == "tcp://moe-epp:5557"  # what the worker accepts
+    off = container(render({"prefixCaching": "false"}))
+    assert "--no-enable-prefix-caching" in off["args"]
