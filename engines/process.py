@@ -4,8 +4,10 @@
     worker <--token / done / error lines-- [engine process stdout]
 
 The RNGD backend runs its NPU engine binary this way; any engine can be run
-isolated with ``python -m moe_offload.engines.stdio``. A process that dies is
-detected (EngineError: the API answers 503) and started again on the next request.
+isolated with ``python -m moe_offload.engines.stdio``. A process that dies, or
+that writes nothing for ``watchdog`` seconds while a generation waits on it (it is
+then killed), fails that generation with EngineDown (the API answers 503
+engine_failed) and is started again on the next request.
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ from typing import Any
 
 from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats
 from moe_offload.engines.params import ENGINE_FEATURES, SamplingParams
-from moe_offload.errors import ConfigError, EngineError
+from moe_offload.errors import ConfigError, EngineDown, EngineError
 from rm_core import MemoryTier
 
 _EOF = object()
+
+
+class _Silent(EngineError):
+    """The process wrote nothing within the wait."""
+
 SAMPLING_FEATURES = frozenset(ENGINE_FEATURES) - {"logprobs", "prompt_logprobs"}
 STDERR_TAIL_LINES = 50  # the engine's last stderr lines, quoted when it dies
 
@@ -41,6 +48,7 @@ class EngineProcess(Engine):
         env: dict[str, str] | None = None,
         start_timeout: float = 120.0,
         request_timeout: float = 600.0,
+        watchdog: float = 60.0,
     ):
         if not argv:
             raise ConfigError("engine: expected a command to start the engine process, got nothing")
@@ -50,6 +58,9 @@ class EngineProcess(Engine):
         self.backend = backend
         self.start_timeout = start_timeout
         self.request_timeout = request_timeout
+        if not watchdog > 0:
+            raise ConfigError(f"watchdog: expected seconds > 0, got {watchdog}")
+        self.watchdog = watchdog  # seconds a generation waits for the process's next line before killing it
         self.restarts = -1
         self._ids = itertools.count(1)
         self._proc: subprocess.Popen | None = None
@@ -141,7 +152,7 @@ class EngineProcess(Engine):
         if self._proc and code is not None:
             self._drainer.join(1.0)  # the last lines the process wrote
             tail = "".join(self._stderr)[-300:].strip().replace("\n", " | ")
-        return EngineError(f"engine process exited (code {code}){': ' + tail if tail else ''}")
+        return EngineDown(f"engine process exited (code {code}){': ' + tail if tail else ''}")
 
     def _send(self, obj: dict[str, Any]) -> None:
         try:
@@ -154,7 +165,7 @@ class EngineProcess(Engine):
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise EngineError(f"engine process did not answer within {timeout:.0f} s") from None
+            raise _Silent(f"engine process did not answer within {timeout:.0f} s") from None
         if line is _EOF:
             try:
                 self._proc.wait(timeout=5)
@@ -196,7 +207,7 @@ class EngineProcess(Engine):
         last = None
         try:
             while True:
-                event = self._next_event(self.request_timeout)
+                event = self._watched_event()
                 if event.get("id") != rid:
                     continue
                 kind = event.get("event")
@@ -225,6 +236,17 @@ class EngineProcess(Engine):
                             break
                 except EngineError:
                     pass
+
+    def _watched_event(self) -> dict[str, Any]:
+        """The next line while a generation waits; a process silent for ``watchdog`` seconds is hung: killed."""
+        wait = min(self.request_timeout, self.watchdog)
+        try:
+            return self._next_event(wait)
+        except _Silent:
+            pid = self._proc.pid
+            self._kill()
+            raise EngineDown(f"engine process stalled: no output for {wait:.0f} s; killed it (pid {pid}), the next "
+                             "request starts a new one") from None
 
     def stats(self) -> dict[str, Any]:
         self._ensure()

@@ -77,7 +77,8 @@ class RngdBackend(Backend):
 
         argv = [engine] + (["--model", model] if model else []) + (["--data", str(options["data"])] if options.get("data") else [])
         argv += engine_placement_args(placement, options.get("devices"))
-        return EngineProcess(argv, model=model or "", backend=self.name, env=options.get("env"))
+        return EngineProcess(argv, model=model or "", backend=self.name, env=options.get("env"),
+                             watchdog=float(options.get("watchdog") or 60.0))
 
 
 def engine_placement_args(placement, devices) -> list[str]:

@@ -66,18 +66,18 @@ BATCHING_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
 
 
 def engine_options(backend: str, *, policy=None, fraction=None, mock_ms=None, mock_hit=None, engine=None, data=None,
-                   env=None, expert_dtype=None, dense_dtype=None, **batching) -> dict:
+                   env=None, expert_dtype=None, dense_dtype=None, watchdog=None, **batching) -> dict:
     """The build_engine options each built-in backend takes, from the CLI's or the runner's settings (None: unset).
     ``batching``: the offload engine's scheduler, KV budget and speculative decoding (BATCHING_OPTIONS, vLLM's
-    names)."""
+    names). ``watchdog``: rngd: seconds a generation waits on a silent engine process before killing it."""
     unknown = set(batching) - set(BATCHING_OPTIONS)
     if unknown:
         raise TypeError(f"engine_options: unknown option(s) {sorted(unknown)}")
     if backend == "mock":
         return {k: v for k, v in (("ms_per_token", mock_ms), ("hit_rate", mock_hit)) if v is not None}
     if backend == "rngd":
-        return {k: v for k, v in (("engine", engine), ("data", data), ("env", env), ("devices", batching.get("devices")))
-                if v}
+        return {k: v for k, v in (("engine", engine), ("data", data), ("env", env), ("devices", batching.get("devices")),
+                                  ("watchdog", watchdog)) if v}
     opts = {k: v for k, v in (("policy", policy), ("fraction", fraction), ("expert_dtype", expert_dtype),
                               ("dense_dtype", dense_dtype))
             if v is not None and v != ""}

@@ -42,6 +42,14 @@ class EngineError(OffloadError):
     type = "internal_error"
 
 
+class EngineDown(EngineError):
+    """The engine's process exited or stopped answering (it was killed): the request failed, the next one starts
+    a new process. 503, as vLLM answers while its engine is dead."""
+
+    status = 503
+    type = "service_unavailable"
+
+
 __all__ = [
     "BackendUnavailable",
     "ConfigError",

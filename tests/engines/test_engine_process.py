@@ -117,3 +117,51 @@ def test_an_engine_that_fails_its_start_is_not_left_running(tmp_path):
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):  # killed and reaped, not left sleeping for a minute
         os.kill(pid, 0)
+
+
+STALLS = textwrap.dedent(
+    """
+    import json, sys, time
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "health":
+            print(json.dumps({"id": req["id"], "event": "health", "vocab_size": 100, "max_model_len": 64,
+                              "tokenizer": "byte", "tiers": []}), flush=True)
+        elif req["op"] == "generate":
+            print(json.dumps({"id": req["id"], "event": "token", "token": 7}), flush=True)
+            if len(sys.argv) > 1:
+                time.sleep(3600)  # hangs after one token (an NPU that stopped)
+            print(json.dumps({"id": req["id"], "event": "done", "stats": {"completion_tokens": 1}}), flush=True)
+    """
+)
+
+
+def test_an_engine_that_stops_answering_is_killed_by_the_watchdog_and_replaced(tmp_path):
+    """After one token the process goes silent: the watchdog kills it (its pid gone) and fails the generation with a
+    503; the next request runs on a new process."""
+    import os
+    import time
+
+    from moe_offload.errors import EngineDown
+    from moe_offload.serving.errors import from_offload
+
+    script = tmp_path / "stalls.py"
+    script.write_text(STALLS)
+    engine = EngineProcess([sys.executable, str(script), "hang"], watchdog=1.5)
+    try:
+        pid = engine._proc.pid
+        gen = engine.generate([1, 2], SamplingParams(max_tokens=5))
+        assert next(gen) == 7
+        t0 = time.monotonic()
+        with pytest.raises(EngineDown, match=r"stalled: no output for 2 s; killed it") as e:
+            next(gen)
+        assert 1.4 < time.monotonic() - t0 < 5
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone, not left running
+        err = from_offload(e.value)
+        assert (err.status, err.code, err.retry_after) == (503, "engine_failed", 5)
+        engine.argv = [sys.executable, str(script)]  # the replacement answers in full
+        assert list(engine.generate([1, 2], SamplingParams(max_tokens=5))) == [7]
+        assert engine._proc.pid != pid and engine.restarts == 1
+    finally:
+        engine.close()

@@ -65,7 +65,8 @@ def _worker_options(fn):
         click.option("--trust-request-chat-template", is_flag=True,
                      help="Render a request's own chat_template (a template is a program the worker runs; off: 400)."),
         click.option("--hang-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-                     help="Seconds one engine step may run before /health answers 503 (a hung engine or rank)."),
+                     help="Seconds one engine step may run before /health answers 503 (a hung engine or rank); "
+                          "rngd: an engine process silent this long during a generation is killed (503, restarted)."),
         click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
                      help="On SIGTERM: seconds the requests in flight get to finish (new ones get 503, /ready fails); "
                           "those still running then end with an error, and the worker exits 0."),
@@ -112,7 +113,8 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
 
     options = backends.engine_options(backend_name, policy=policy, fraction=fraction, expert_dtype=expert_dtype,
                                       dense_dtype=dense_dtype, mock_ms=mock_ms_per_token,
-                                      mock_hit=mock_hit_rate, engine=engine_bin, data=engine_data, max_num_seqs=max_num_seqs,
+                                      mock_hit=mock_hit_rate, engine=engine_bin, data=engine_data, watchdog=hang_timeout,
+                                      max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                       block_size=block_size, speculative=_speculative(speculative), tail_skip=tail_skip,
                                       cold_dtype=cold_dtype, devices=devices or None, tensor_parallel=tensor_parallel,

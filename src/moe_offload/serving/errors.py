@@ -61,8 +61,12 @@ def incident(log, event: str, e: BaseException) -> str:
 
 def from_offload(e: OffloadError, param: str | None = None) -> APIError:
     """A user-facing moe_offload error as an API error (ConfigError -> 400, BackendUnavailable -> 503, ...)."""
+    from moe_offload.errors import EngineDown
+
     msg = str(e)
     code = "context_length_exceeded" if "maximum context length" in msg else None
+    if isinstance(e, EngineDown):
+        return APIError(e.status, msg, code="engine_failed", type=e.type, retry_after=5)
     return APIError(e.status, msg, param=param, code=code, type=e.type)
 
 
