@@ -18,7 +18,10 @@ file behind. One writer per directory across processes (``locked``: every --tens
 store): the others wait, then read what it wrote. A store without a manifest is incomplete and is
 written again, never read. The manifest records the data file's size and CRC-32: a data file of another size (truncated, cut
 mid-write) is found at every open and the store written again; ``verify`` reads the whole file against the CRC
-(`moe-offload convert` runs it on a store it finds).
+(`moe-offload convert` runs it on a store it finds). Each record's CRC-32 is checked at its first read: a record
+whose bytes changed on disk (a flipped bit, a same-size overwrite) fails that read (ModelError: the request fails,
+the worker lives) and is never served; ``FAILURES_IN_ROW`` failed reads one after another make the engine unhealthy
+(``StoreFile.health``: /health answers 503).
 
 A store **in place** has no experts.bin: where the checkpoint already holds each expert's tensors as the engine keeps
 them (bf16 safetensors, GGUF expert blocks: contiguous per expert), the manifest lists, per expert, the extents of
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +45,8 @@ import torch
 
 from moe_offload.errors import ModelError
 
-VERSION = 2  # 2: the manifest records the data file's CRC-32
+VERSION = 3  # 2: the manifest records the data file's CRC-32; 3: and each record's
+FAILURES_IN_ROW = 3  # reads failing one after another (EIO, a corrupt record) that make the store unhealthy
 ALIGN = 4096  # record offset, record size and buffer address: the page size, which O_DIRECT asks for
 TENSOR_ALIGN = 64  # a tensor's offset inside its record: any dtype's view is aligned
 MANIFEST, DATA, LOCK = "store.json", "experts.bin", "store.lock"
@@ -75,6 +80,7 @@ class LayerEntry:
     tensors: tuple[TensorEntry | None, ...]  # RECORD_TENSORS order; None: the format has no such tensor
     # in place: per expert the ((file, offset, nbytes, record offset), ...) its record is read from; None: experts.bin
     extents: tuple[tuple[tuple[int, int, int, int], ...], ...] | None = None
+    crcs: tuple[int, ...] | None = None  # a copy: each record's CRC-32 (padding included), checked at its first read
 
     def record_offset(self, e: int) -> int:
         return self.offset + e * self.record_bytes
@@ -139,10 +145,11 @@ def read_manifest(directory: Path) -> Manifest | None:
         for d in doc["layers"]:
             tensors = tuple(None if t is None else TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["offset"],
                                                                t["nbytes"]) for t in d["tensors"])
-            ext = d.get("extents")
+            ext, crcs = d.get("extents"), d.get("record_crc32")
             layers[d["name"]] = LayerEntry(d["name"], d["layer"], d["num_experts"], d["offset"], d["record_bytes"],
                                            tensors, None if ext is None else tuple(tuple(tuple(x) for x in e)
-                                                                                   for e in ext))
+                                                                                   for e in ext),
+                                           None if crcs is None else tuple(int(c) for c in crcs))
         known = {"version", "format", "data_bytes", "layers", "files"}
         files = [(Path(f["path"]), int(f["size"]), int(f["mtime_ns"])) for f in doc.get("files", ())]
         man = Manifest(Path(directory), doc["format"], int(doc["data_bytes"]), {k: v for k, v in doc.items() if k not in known},
@@ -194,6 +201,9 @@ class StoreFile:
 
     def __init__(self, manifest: Manifest, direct: bool = True):
         self.manifest = manifest
+        self.verified: set[tuple[str, int]] = set()  # records whose CRC matched at their first read
+        self.failed_in_row, self.last_error = 0, ""
+        self._lock = threading.Lock()  # the I/O threads count failures
         path = str(manifest.data_path)
         self.direct = False
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
@@ -211,7 +221,24 @@ class StoreFile:
 
     def read(self, entry: LayerEntry, e: int, buf: torch.Tensor) -> int:
         """Bytes read (= entry.record_bytes; in place, the record's payload); ModelError naming the layer and expert
-        when the file is short or gone."""
+        when the file is short or gone, a read fails (EIO) or the record's bytes are not those written."""
+        try:
+            n = self._read(entry, e, buf)
+        except ModelError as err:
+            with self._lock:
+                self.failed_in_row, self.last_error = self.failed_in_row + 1, str(err)
+            raise
+        with self._lock:
+            self.failed_in_row = 0
+        return n
+
+    def health(self) -> str | None:
+        """Why the store cannot be trusted now (reads failing one after another), or None."""
+        if self.failed_in_row >= FAILURES_IN_ROW:
+            return f"the expert store failed {self.failed_in_row} reads in a row (last: {self.last_error})"
+        return None
+
+    def _read(self, entry: LayerEntry, e: int, buf: torch.Tensor) -> int:
         view = memoryview(buf.numpy()).cast("B")
         if entry.extents is not None:
             return self._read_extents(entry, e, view)
@@ -225,6 +252,12 @@ class StoreFile:
                              "bytes (the expert store is truncated)")
         if not self.direct and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)  # the host cache holds it: no second copy
+        if entry.crcs is not None and (entry.name, e) not in self.verified:
+            if zlib.crc32(view[:n]) != entry.crcs[e]:
+                raise ModelError(f"{self.manifest.data_path}: {entry.name} expert {e} does not match its checksum (the "
+                                 f"expert store is corrupt); delete {self.manifest.dir} or run `moe-offload convert` "
+                                 "to write it again")
+            self.verified.add((entry.name, e))
         return n
 
     def _read_extents(self, entry: LayerEntry, e: int, view: memoryview) -> int:

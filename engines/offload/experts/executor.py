@@ -99,7 +99,7 @@ class Executor:
         # nothing is fetched or touched, so the slot caches start the first request as the placement left them
         self.dry = False
         # the disk tier (loader, when experts live in the expert store file): its stats, I/O threads, prefetcher
-        self.disk = self.io = self.prefetcher = None
+        self.disk = self.io = self.prefetcher = self.store_file = None
         # approximate (opt-in): a token's routed pairs ranked tail_skip or lower (0-based, by router weight) are
         # dropped when their expert is not in a slot (the NPU design's TAIL_SKIP); None: exact
         self.tail_skip: int | None = None

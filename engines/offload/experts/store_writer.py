@@ -89,10 +89,11 @@ class StoreWriter:
         self._pos = 0
         self._crc = 0  # CRC-32 of every byte written, in order
         self.layers: list[LayerEntry] = []
-        self._cur: list | None = None  # [name, layer, num_experts, offset, entries, record bytes, written, extents]
+        self._cur: list | None = None  # [name, layer, num_experts, offset, entries, record bytes, written, extents,
+        #                                 record CRCs]
 
     def begin_layer(self, name: str, layer: int, num_experts: int) -> None:
-        self._cur = [name, layer, num_experts, self._pos, None, None, 0, []]
+        self._cur = [name, layer, num_experts, self._pos, None, None, 0, [], []]
 
     def add_expert(self, tensors: tuple[torch.Tensor | None, ...]) -> None:
         """The next expert's (up, down, up_scale, down_scale), as the host store holds them."""
@@ -109,6 +110,7 @@ class StoreWriter:
                 record[e.offset: e.offset + e.nbytes] = raw
         self._f.write(record)
         self._crc = zlib.crc32(record, self._crc)
+        cur[8].append(zlib.crc32(record))
         self._pos += rb
         cur[6] += 1
 
@@ -127,10 +129,11 @@ class StoreWriter:
         cur[6] += 1
 
     def end_layer(self) -> None:
-        name, layer, n, off, entries, rb, written, extents = self._cur
+        name, layer, n, off, entries, rb, written, extents, crcs = self._cur
         if written != n:
             raise ValueError(f"{name}: {written} experts written, expected {n}")
-        self.layers.append(LayerEntry(name, layer, n, off, rb, entries, tuple(extents) if self.files is not None else None))
+        self.layers.append(LayerEntry(name, layer, n, off, rb, entries, tuple(extents) if self.files is not None else None,
+                                      tuple(crcs) if self.files is None else None))
         self._cur = None
 
     def close(self) -> Path:
@@ -150,7 +153,8 @@ class StoreWriter:
                           "tensors": [None if t is None else {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
                                                                "offset": t.offset, "nbytes": t.nbytes}
                                       for t in lay.tensors],
-                          **({"extents": [[list(x) for x in ex] for ex in lay.extents]} if lay.extents is not None else {})}
+                          **({"extents": [[list(x) for x in ex] for ex in lay.extents]} if lay.extents is not None else {}),
+                          **({"record_crc32": list(lay.crcs)} if lay.crcs is not None else {})}
                          for lay in self.layers]
         tmp = self.dir / f"{MANIFEST}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:

@@ -210,6 +210,7 @@ def load_model(
         cached, executor.disk, executor.io = disk_stores(modules, experts, manifest, host_slots, pinned,
                                                          pin=dev.type == "cuda")
         stores = [(info, modules[info.name], st) for info, st in zip(experts, cached)]
+        executor.store_file = cached[0].file if cached else None  # its health: reads failing in a row
     else:
         for info in experts:
             module = modules[info.name]

@@ -268,9 +268,15 @@ class OffloadEngine(Engine):
         return d
 
     def health(self) -> str | None:
-        """A --tensor-parallel rank that exited (the others would wait on it in every collective)."""
+        """A --tensor-parallel rank that exited (the others would wait on it in every collective), or an expert
+        store whose reads fail one after another (a bad disk, a corrupt file: diskstore.StoreFile.health)."""
+        if self._closed:
+            return None
+        store = getattr(self.executor, "store_file", None)
+        if store is not None and store.health():
+            return store.health()
         ranks = self.ranks
-        if ranks is None or self._closed:
+        if ranks is None:
             return None
         for r, p in enumerate(ranks.procs, 1):
             if p.poll() is not None:

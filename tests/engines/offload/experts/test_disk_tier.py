@@ -443,3 +443,75 @@ def test_processes_opening_one_store_at_once_write_it_once(tmp_path):
         t.join(30)
     assert len(writes) == 1 and len(mans) == 3 and all(m.data_bytes == mans[0].data_bytes for m in mans)
     assert diskstore.verify(mans[0])
+
+
+def test_a_flipped_byte_or_an_io_error_fails_the_read_never_serves_it(tmp_path, monkeypatch):
+    """A same-size experts.bin with one byte changed keeps its size (the open finds nothing wrong): the record's
+    CRC-32 fails its first read, every time, so its bytes are never computed with; EIO fails the read too. Reads
+    failing in a row make the store unhealthy; a good read in between resets the count."""
+    import errno
+
+    from moe_offload.engines.offload.loading.direct import write_store
+
+    info = type("Info", (), {"name": "m.experts", "layer": 1, "num_experts": 3})()
+    man = write_store(tmp_path, "bfloat16", "ckpt", [info], lambda: "a copy", lambda i: ((t, False) for t in _experts(3, 0)))
+    entry = man.layers["m.experts"]
+    with open(man.data_path, "r+b") as f:  # one bit of expert 1's up weights
+        f.seek(entry.record_offset(1) + 5)
+        b = f.read(1)
+        f.seek(entry.record_offset(1) + 5)
+        f.write(bytes([b[0] ^ 0x10]))
+    man = diskstore.read_manifest(tmp_path)
+    assert man is not None and not diskstore.verify(man)  # same size: found, but not what was written
+    file = diskstore.StoreFile(man, direct=False)
+    buf = diskstore.aligned_empty(entry.record_bytes)
+    try:
+        assert file.read(entry, 0, buf) == entry.record_bytes and file.health() is None
+        for _ in range(2):
+            with pytest.raises(ModelError, match="m.experts expert 1 does not match its checksum"):
+                file.read(entry, 1, buf)
+        assert file.health() is None  # two in a row: not yet
+        file.read(entry, 2, buf)
+        assert file.failed_in_row == 0  # a good read resets the count
+
+        def eio(fd, views, offset):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(diskstore.os, "preadv", eio)
+        for _ in range(diskstore.FAILURES_IN_ROW):
+            with pytest.raises(ModelError, match="reading m.experts expert 0 failed: .*Input/output error"):
+                file.read(entry, 0, buf)
+        assert "failed 3 reads in a row" in file.health() and "Input/output error" in file.health()
+    finally:
+        file.close()
+
+
+def test_an_engine_over_a_corrupt_store_fails_requests_and_then_its_health(checkpoints, tmp_path):
+    """Every record of the store changed in place (same size): requests fail (the engine lives, no token computed
+    from the bad bytes), and the engine reports itself unhealthy, naming the checksum (the reads at start fail
+    already)."""
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+    from moe_offload.engines.params import SamplingParams
+
+    path = checkpoints("qwen3_moe")
+    budget = records(path, dtype="bfloat16") * (TOP_K + 1)
+    build_offload_engine(path, dtype="bfloat16", host_memory=budget).close()  # fp32 -> bf16: a store copy written
+    (man,) = [diskstore.read_manifest(d) for d in Path(os.environ["MOE_OFFLOAD_STORE_DIR"]).iterdir()
+              if diskstore.read_manifest(d) is not None and not diskstore.read_manifest(d).in_place]
+    with open(man.data_path, "r+b") as f:
+        for entry in man.layers.values():
+            for e in range(entry.num_experts):
+                f.seek(entry.record_offset(e))
+                b = f.read(1)
+                f.seek(entry.record_offset(e))
+                f.write(bytes([b[0] ^ 0x01]))
+    engine = build_offload_engine(path, dtype="bfloat16", host_memory=budget)
+    try:
+        assert engine.executor.disk is not None
+        for _ in range(2):
+            gen = engine.generate(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+            with pytest.raises(Exception, match="generation failed"):
+                list(gen)
+        assert "does not match its checksum" in engine.health()
+    finally:
+        engine.close()
