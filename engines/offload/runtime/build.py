@@ -88,10 +88,13 @@ def kv_floor(path: Path, dtype: str | None, max_model_len: int | None) -> tuple[
     return size, tokens
 
 
-def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheConfig, device: str, cold_dtype=None):
+def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheConfig, device: str, cold_dtype=None,
+               ranks: int = 1):
     """hostmem.plan_host for this checkpoint, weights first: its experts' and dense weights' bytes as the engine will
     hold them (with ``cold_dtype``, their lower-precision copy too), the KV budget bounded below by one full-context
-    sequence (kv_floor)."""
+    sequence (kv_floor). ``ranks`` > 1 (--tensor-parallel): the ranks share the process's memory limit (one container),
+    so each plans its share of the experts (e mod ranks) in its share of the limit and of --host-memory."""
+    from moe_offload import hostmem
     from moe_offload.engines.offload.loading.inspection import inspect_checkpoint
     from moe_offload.hostmem import plan_host, runtime_reserve
 
@@ -106,7 +109,13 @@ def _host_plan(path: Path, dtype, expert_dtype, host_memory, kv_config: KVCacheC
         except ConfigError as e:  # e.g. MXFP4 experts: quantized already
             raise ConfigError(f"cold_dtype {cold_dtype}: {e}; it lowers float experts only") from None
         expert_bytes += sum(i.expert_bytes * i.num_experts for i in cold)
-    plan = plan_host(expert_bytes, dense, host_memory=host_memory,
+    limit = None
+    if ranks > 1:
+        whole = hostmem.host_memory_limit()
+        limit = hostmem.HostMemory(whole.bytes // ranks, f"{whole.source} / {ranks} tensor-parallel ranks")
+        expert_bytes = -(-expert_bytes // ranks)
+        host_memory = host_memory // ranks if host_memory is not None else None
+    plan = plan_host(expert_bytes, dense, host_memory=host_memory, limit=limit,
                      kv_asked=kv_config.kv_cache_memory, dense_on_host=on_cpu, kv_default=DEFAULT_KV_HOST if on_cpu else 0,
                      kv_floor=floor, reserve=runtime_reserve())
     if plan.host_cache is None and on_cpu and cold_dtype is None:  # (a cold copy is made from experts in memory)
@@ -218,7 +227,8 @@ def build_offload_engine(
 
         model_path = default_model()
     path = check_checkpoint(str(Path(model_path).expanduser()))
-    plan = _host_plan(path, dtype, expert_dtype, host_memory, kv_config, device, cold_dtype)
+    plan = _host_plan(path, dtype, expert_dtype, host_memory, kv_config, device, cold_dtype,
+                      ranks=expert_parallel[1] if expert_parallel is not None else world)
     if world > 1 and expert_parallel is None:  # rank 0: start the others, each with this process's KV budget
         from moe_offload.engines.offload.runtime import parallel
 

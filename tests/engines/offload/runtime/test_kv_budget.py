@@ -65,3 +65,23 @@ def test_a_rank_whose_own_probe_failed_still_joins_the_agreement(model, monkeypa
     monkeypatch.setattr(parallel, "agree", lambda ok: asked.append(ok) or ok)
     assert kv_budget.probe_kv_bytes(model, _Rank(), torch.device("cpu")) is None
     assert asked == [False]
+
+
+def test_tensor_parallel_ranks_plan_their_share_of_the_container(checkpoints, monkeypatch):
+    """N ranks in one container share its memory limit: each plans 1/N of the limit for its 1/N of the experts (and
+    of --host-memory), so together they fit where one process would."""
+    from pathlib import Path
+
+    from moe_offload import hostmem
+    from moe_offload.engines.offload.runtime.build import _host_plan
+    from moe_offload.engines.offload.runtime.kv_budget import KVCacheConfig
+
+    path = Path(checkpoints("qwen3_moe"))
+    monkeypatch.setattr(hostmem, "host_memory_limit", lambda: hostmem.HostMemory(8 << 30, "cgroup limit"))
+    one = _host_plan(path, None, None, None, KVCacheConfig(), "cpu")
+    two = _host_plan(path, None, None, None, KVCacheConfig(), "cpu", ranks=2)
+    assert one.split()["limit_bytes"] == 8 << 30 and two.split()["limit_bytes"] == 4 << 30
+    assert "2 tensor-parallel ranks" in two.split()["limit_source"]
+    assert two.experts == -(-one.experts // 2)
+    given = _host_plan(path, None, None, 1000, KVCacheConfig(), "cpu", ranks=2)
+    assert given.host_cache == 500  # --host-memory 1000 bytes for the worker: 500 a rank (experts on disk)
