@@ -8,6 +8,11 @@
         rank 1 of `--tensor-parallel 2` (the trained demo model) killed or stopped under 4 streams: how each stream
         ended and when, when /health first answered 503 and what it said, when 200 again, whether a new request was
         then served
+    python bench/chaos.py hostile
+        the demo model on the cpu backend, one 300-token stream alone (its inter-token gaps), then the same stream while
+        8 clients send 4 MiB prompts, request chat templates with a 100,000-iteration loop, a pathological regex
+        grammar and 16 stop strings of 100,000 characters: what each hostile request got, /health's latency (p50, p99,
+        max, polled every 50 ms) and the stream's gaps against the quiet run
 
 One JSON line per run.
 """
@@ -124,6 +129,88 @@ def ranks(a) -> dict:
     return out
 
 
+def _gaps(url: str) -> list[float]:
+    """Inter-token gaps (s) of one 300-token stream."""
+    body = {"prompt": "def main():", "max_tokens": 300, "stream": True, "ignore_eos": True}
+    times = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
+    return [b - a for a, b in zip(times[1:], times[2:])]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else 0.0
+
+
+def hostile(a) -> dict:
+    proc, url = start_worker(a.port)
+    out: dict = {}
+    try:
+        _gaps(url)  # warm
+        quiet = _gaps(url)
+        stop = threading.Event()
+        got: dict = {}
+        big = "word " * (4 * 1024 * 1024 // 5 - 200)  # a prompt of ~4 MiB, under the body limit
+        loop = "{% for i in range(100000) %}{{ i }}{% endfor %}"
+        bodies = {
+            "4MiB prompt": ("/v1/completions", {"prompt": big, "max_tokens": 4}),
+            "chat template loop": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                            "chat_template": loop, "max_tokens": 4}),
+            "pathological regex": ("/v1/completions", {"prompt": "x", "max_tokens": 8,
+                                                       "structured_outputs": {"regex": "(a|aa|aaa|aaaa)*(b|bb)*" * 40}}),
+            "16 x 100k-char stops": ("/v1/completions", {"prompt": "x", "max_tokens": 8,
+                                                         "stop": ["s" * 100_000 + str(i) for i in range(16)]}),
+        }
+        names = list(bodies)
+
+        def client(i):
+            with httpx.Client(base_url=url, timeout=120) as c:
+                while not stop.is_set():
+                    name = names[i % len(names)]
+                    path, body = bodies[name]
+                    try:
+                        r = c.post(path, json=body)
+                        got.setdefault(name, {}).setdefault(r.status_code, 0)
+                        got[name][r.status_code] += 1
+                        if r.status_code >= 400:
+                            got.setdefault(name + " says", r.json()["error"]["message"][:160])
+                    except httpx.HTTPError as e:
+                        got.setdefault(name, {}).setdefault(type(e).__name__, 0)
+                        got[name][type(e).__name__] += 1
+
+        health: list[float] = []
+
+        def poll():
+            with httpx.Client(base_url=url, timeout=30) as c:
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    c.get("/health")
+                    health.append(time.perf_counter() - t)
+                    time.sleep(0.05)
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
+        threads.append(threading.Thread(target=poll, daemon=True))
+        for t in threads:
+            t.start()
+        time.sleep(2)
+        loaded = _gaps(url)
+        stop.set()
+        for t in threads:
+            t.join(150)
+        out = {"hostile": got, "health_s": {"p50": _pct(health, 0.5), "p99": _pct(health, 0.99),
+                                              "max": round(max(health), 4), "n": len(health)},
+               "gap_s_quiet": {"p50": _pct(quiet, 0.5), "p90": _pct(quiet, 0.9)},
+               "gap_s_loaded": {"p50": _pct(loaded, 0.5), "p90": _pct(loaded, 0.9)},
+               "gap_ratio_p50": round(_pct(loaded, 0.5) / _pct(quiet, 0.5), 2),
+               "worker_alive": proc.poll() is None}
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    return out
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -136,8 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--signal", default="SIGKILL", choices=("SIGKILL", "SIGSTOP"))
     r.add_argument("--hang-timeout", type=float, default=60.0)
     r.add_argument("--watch", type=float, default=40.0, help="seconds to watch /health after the signal")
+    h = sub.add_parser("hostile", help="hostile requests beside a stream")
+    h.add_argument("--port", type=int, default=8751)
     a = ap.parse_args(argv)
-    print(json.dumps((drain if a.fault == "drain" else ranks)(a)))
+    print(json.dumps({"drain": drain, "ranks": ranks, "hostile": hostile}[a.fault](a)))
     return 0
 
 

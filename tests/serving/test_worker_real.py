@@ -300,3 +300,21 @@ def test_kv_blocks_all_return_after_mixed_requests_through_http(serve, demo_mode
     assert pool.free_blocks == pool.num_blocks and pool.usage == 0.0 and sum(pool.ref) == 0
     assert len(pool.cache.evictable) > 0  # the long prompts' blocks stay cached, held by nobody
     assert engine.load()["running"] == 0 and engine.load()["waiting"] == 0
+
+
+def test_a_checkpoint_without_a_tokenizer_is_refused_at_start(tmp_path, demo_model_dir):
+    """Every endpoint reads or writes text: a worker over weights without tokenizer files would answer each request
+    with a 500; it refuses to start instead, naming what is missing (one line and exit 1 at the CLI)."""
+    import shutil
+    import subprocess
+    import sys
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in demo_model_dir.iterdir():
+        if f.is_file() and not f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, bare / f.name)
+    code = "import sys; from moe_offload.cli import main; sys.exit(main())"
+    r = subprocess.run([sys.executable, "-c", code, "worker", "--port", "0", "--model", str(bare)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0 and "has no tokenizer" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

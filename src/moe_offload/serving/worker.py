@@ -78,6 +78,11 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     if max_body_bytes < 1:
         raise ConfigError(f"max_body_bytes: expected >= 1 (every request would get 413), got {max_body_bytes}")
     runner = EngineRunner(engine, max_queue=max_queue)
+    if runner.tokenizer is None:  # every endpoint reads or writes text: refused at start, not a 500 per request
+        runner.close()
+        raise ConfigError(f"{runner.info.model}: the checkpoint has no tokenizer (tokenizer.json, tokenizer_config.json "
+                          "or tokenizer.model); the worker serves text and needs one: put the model's tokenizer files "
+                          "beside its weights")
     publisher = None
     if kv_events is not None:
         from moe_offload.serving.kv_events import KVEventPublisher
