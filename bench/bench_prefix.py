@@ -39,7 +39,7 @@ WORDS = ("catalogue part resistor capacitor inductor connector voltage rail tole
 
 
 def system_prompt(words: int) -> str:
-    """A deterministic instruction-like text of ``words`` words (~1.3 tokens each with the demo tokenizer)."""
+    """A deterministic instruction-like text of about ``words`` words (~4 tokens each with the demo tokenizer)."""
     out = ["You are the support agent of an electronics parts catalogue. Follow these rules."]
     for i in range(words // 12):
         w = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(10)]
@@ -92,11 +92,17 @@ def stop(proc) -> None:
 
 
 def counters(url: str, ours: bool) -> dict:
-    """The worker's cumulative expert traffic (bytes moved host -> accelerator, bytes read from disk)."""
+    """The worker's cumulative expert traffic from /metrics (booked as each request ends): bytes read from the disk
+    tier's store, and experts read from it (on demand and prefetched)."""
     if not ours:
         return {}
-    s = httpx.get(url + "/affinity", timeout=30).json()
-    return {"moved": sum((s.get("bytes_moved") or {}).values()), "disk": (s.get("disk") or {}).get("disk_bytes", 0)}
+    out = {"disk_bytes": 0.0, "disk_reads": 0.0}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("moe_offload_expert_bytes_moved_total{") and 'tier="disk"' in line:
+            out["disk_bytes"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(("moe_offload_disk_demand_reads_total{", "moe_offload_disk_prefetch_reads_total{")):
+            out["disk_reads"] += float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def ask(url: str, prompt: str, ours: bool, max_tokens: int = 8) -> dict:
@@ -110,7 +116,8 @@ def ask(url: str, prompt: str, ours: bool, max_tokens: int = 8) -> dict:
     t0 = time.perf_counter()
     ttft, usage, timings = None, {}, {}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: {r.status_code} {r.read()[:300]!r}")
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -163,12 +170,13 @@ def run_server(name: str, url: str, system: str, turns: int, ours: bool) -> dict
 
 def table(results: list[dict]) -> str:
     lines = ["| server | turn 1 TTFT s | turns 2-8 TTFT s (median) | ratio 2-8 / 1 | cached tokens turn 8 | "
-             "agents TTFT s (median, max) | disk bytes turns 2-8 |", "|---|---|---|---|---|---|---|"]
+             "agents TTFT s (median, max) | read from disk: turn 1 / turns 2-8 |", "|---|---|---|---|---|---|---|"]
     for r in results:
         t = r["turns"]
         first, rest = t[0]["ttft_s"], statistics.median(x["ttft_s"] for x in t[1:])
         ag = [x["ttft_s"] for x in r["agents"]]
-        disk = sum(x.get("disk", 0) for x in t[1:]) if "disk" in t[0] else "-"
+        disk = (f"{t[0]['disk_bytes'] / 1e9:.2f} GB / {sum(x['disk_bytes'] for x in t[1:]) / 1e9:.2f} GB"
+                if "disk_bytes" in t[0] else "-")
         lines.append(f"| {r['server']} | {first:.2f} | {rest:.2f} | {rest / first:.2f} | {t[-1]['cached_tokens']} | "
                      f"{statistics.median(ag):.2f}, {max(ag):.2f} | {disk} |")
     return "\n".join(lines)
@@ -177,7 +185,7 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", help="HF checkpoint (default: the demo model)")
-    ap.add_argument("--words", type=int, default=1500, help="system prompt words (~2,000 tokens)")
+    ap.add_argument("--words", type=int, default=480, help="system prompt words (~1,950 tokens with the demo tokenizer)")
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server")
@@ -187,7 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the results as JSON here")
     a = ap.parse_args(argv)
     if a.quick:
-        a.words, a.turns, a.no_llama = 150, 3, True
+        a.words, a.turns, a.no_llama = 60, 3, True
     system = system_prompt(a.words)
     results = []
     configs = [("moe-offload, prefix caching on", ())]

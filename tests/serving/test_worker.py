@@ -113,6 +113,13 @@ BAD = [
      "chat_template_kwargs"),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, 400,
      "stream_options.include_usage"),
+    # caps on what a request makes the worker scan or apply every token
+    ("/v1/completions", {"prompt": "x", "stop": ["s" * 100_000]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": "s" * 4097}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(2049)}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(129)]},
+     400, "tools"),
 ]
 
 

@@ -67,13 +67,21 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}"[:500], param=param)
 
 
+# Caps on what a request makes the worker hold or scan per token (each a 400 naming the limit): stop strings are
+# matched against the text after every token, logit_bias is applied to every step's logits, tools are rendered into
+# the prompt. OpenAI's own limits where it has them (128 tools); far above what real requests send otherwise.
+MAX_STOP, MAX_STOP_CHARS, MAX_LOGIT_BIAS, MAX_TOOLS = 16, 4096, 2048, 128
+
+
 def _stop(v) -> tuple[str, ...]:
     if v is None:
         return ()
-    if isinstance(v, str):
-        return (v,) if v else ()
-    if len(v) > 16:
-        raise _bad("stop", f"expected at most 16 strings, got {len(v)}")
+    v = [v] if isinstance(v, str) else v
+    if len(v) > MAX_STOP:
+        raise _bad("stop", f"expected at most {MAX_STOP} strings, got {len(v)}")
+    long = max((len(s) for s in v), default=0)
+    if long > MAX_STOP_CHARS:
+        raise _bad("stop", f"expected strings of at most {MAX_STOP_CHARS} characters, got one of {long}")
     return tuple(s for s in v if s)
 
 
@@ -116,6 +124,8 @@ def _sampling(req: SamplingFields, defaults: Mapping) -> dict:
         values[name] = v if v is not None else defaults.get(name, neutral)
     values["top_k"] = max(int(values["top_k"]), 0)  # vLLM: -1 means "off", like 0
     values["logit_bias"] = {}
+    if len(req.logit_bias or {}) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"expected at most {MAX_LOGIT_BIAS} token ids, got {len(req.logit_bias)}")
     for k, b in (req.logit_bias or {}).items():
         if not k.lstrip("-").isdigit():
             raise _bad("logit_bias", f"expected token ids as keys, got {k!r}")
@@ -252,6 +262,8 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
 
 
 def _tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None, list[dict]]:
+    if len(req.tools or []) > MAX_TOOLS:
+        raise _bad("tools", f"expected at most {MAX_TOOLS} tools, got {len(req.tools)}")
     tools = [t.model_dump(by_alias=True, exclude_none=True) for t in req.tools or []]
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if not isinstance(choice, str):
