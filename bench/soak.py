@@ -1,6 +1,6 @@
 """A soak of the worker: mixed requests for a long time, then what leaked and what failed.
 
-    python bench/soak.py --model-dir /tmp/benchmodel --minutes 30      # the issue's run (benchmark model)
+    python bench/soak.py --model-dir /tmp/bmtok --minutes 30           # the issue's run (benchmark model + tokenizer)
     python bench/soak.py --minutes 2                                   # the demo model: the pipeline
 
     a fresh `moe-offload worker` (prefix caching on, prompt-lookup speculative decoding) <-- 4 client threads, each
@@ -38,11 +38,11 @@ TOOLS = [{"type": "function", "function": {"name": "stock", "description": "unit
                                                           "required": ["part"]}}}]
 
 
-def start_worker(model: str | None) -> tuple[subprocess.Popen, str]:
+def start_worker(model: str | None, extra: list[str]) -> tuple[subprocess.Popen, str]:
     code = "import sys; from moe_offload.cli import main; sys.exit(main())"
     args = [sys.executable, "-c", code, "worker", "--port", "0", "--max-queue", "256",
             "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
-            *(["--model", model] if model else [])]
+            *(["--model", model] if model else []), *extra]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
                             env={**os.environ, "MOE_OFFLOAD_LOG": "warning"})
     line = proc.stdout.readline()
@@ -127,9 +127,13 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir")
     ap.add_argument("--minutes", type=float, default=30)
     ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--kv-cache-memory", default="128MiB",
+                    help="the worker's KV budget: small, so that the pool's pages are all touched during the warm-up "
+                         "(the pool commits pages as blocks are first written, and prefix caching keeps blocks: "
+                         "RSS grows until the pool is full, by design)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
-    proc, url = start_worker(a.model_dir)
+    proc, url = start_worker(a.model_dir, ["--kv-cache-memory", a.kv_cache_memory])
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     stop = threading.Event()
     clients = [Client(url, model, stop, i) for i in range(a.clients)]

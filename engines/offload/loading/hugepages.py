@@ -113,6 +113,47 @@ def rehome_module(module: torch.nn.Module) -> int:
     return total
 
 
+def file_ranges(paths) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of the files ``paths`` (/proc/self/maps; [] where unknown)."""
+    names = {str(p) for p in paths}
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].strip() in names:
+                    a, b = parts[0].split("-")
+                    out.append((int(a, 16), int(b, 16)))
+    except OSError:
+        pass
+    return out
+
+
+def copy_out_of_files(module: torch.nn.Module, paths) -> int:
+    """Every parameter and buffer of ``module`` that still lies in a memory map of the files ``paths`` (safetensors
+    loads tensors as views of the file) copied into anonymous memory, in place (shared storages stay shared). A file
+    truncated or replaced under a running process would otherwise kill it with SIGBUS at the next touch of a page
+    that left the page cache. Returns the bytes copied."""
+    ranges = file_ranges(paths)
+    if not ranges:
+        return 0
+    copied: dict[int, torch.Tensor] = {}
+    total = 0
+    for t in [*module.parameters(), *module.buffers()]:
+        key = t.data_ptr()
+        if key in copied:
+            if copied[key].shape == t.shape and copied[key].dtype == t.dtype:
+                t.data = copied[key]
+            continue
+        if t.device.type != "cpu" or not any(a <= key < b for a, b in ranges):
+            continue
+        new = t.data.clone()
+        total += new.numel() * new.element_size()
+        t.data = new
+        copied[key] = new
+    return total
+
+
 def huge_bytes() -> int:
     """Bytes of this process's anonymous memory in huge pages now (/proc/self/smaps_rollup), 0 where unknown."""
     try:

@@ -17,6 +17,7 @@ pinned memory and its unpinned original freed, one layer at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -248,6 +249,9 @@ def load_model(
     # copies raised the peak RSS by ~0.2 GiB under a 1.8 GiB cgroup limit (bench_disk.py)
     if dev.type == "cpu" and host_cache is None:
         hugepages.rehome_module(model)
+    if dev.type == "cpu":  # what still lies in the checkpoint's memory map (the disk tier's dense weights, small
+        # tensors): copied out, so a checkpoint truncated under the running worker cannot SIGBUS it
+        hugepages.copy_out_of_files(model, [f.resolve() for f in Path(root).glob("*.safetensors")])
     from moe_offload.log import get_logger
 
     get_logger("moe_offload.loader").info("experts_loaded", checkpoint=str(root), checkpoint_format=method or ("gguf" if gguf_file else "float"),

@@ -515,3 +515,40 @@ def test_an_engine_over_a_corrupt_store_fails_requests_and_then_its_health(check
         assert "does not match its checksum" in engine.health()
     finally:
         engine.close()
+
+
+def test_a_checkpoint_truncated_under_a_running_engine_fails_requests_not_the_process(checkpoints, tmp_path):
+    """safetensors loads tensors as views of its memory map: a file truncated under a running worker would kill it
+    with SIGBUS at the next touch of a dense weight. The loader copies them out of the map, and the disk tier reads
+    experts with pread, so the truncation fails requests (a short read) and the process lives."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = Path(checkpoints("qwen3_moe"))
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    budget = records(str(src)) * (TOP_K + 1)  # 3 slots a layer: nearly every step reads experts from the file
+    code = f"""
+import os, sys
+from moe_offload.engines.offload.runtime.build import build_offload_engine
+from moe_offload.engines.params import SamplingParams
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+path = {str(ckpt)!r}
+engine = build_offload_engine(path, host_memory={budget})
+p = SamplingParams(max_tokens=4, ignore_eos=True)
+assert len(list(engine.generate([3, 17, 42], p))) == 4
+f = os.path.join(path, "model.safetensors")
+os.truncate(f, os.path.getsize(f) // 4)
+for _ in range(3):
+    gen = engine.generate([5, 6, 7, 8], p)
+    try:
+        list(gen)
+    except Exception as e:
+        print("request failed:", type(e).__name__)
+print("alive", engine.health() is not None)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "MOE_OFFLOAD_STORE_DIR": str(tmp_path / "stores")})
+    assert r.returncode == 0, (r.returncode, r.stderr[-1500:])  # -7 would be SIGBUS
+    assert r.stdout.count("request failed") == 3 and "alive True" in r.stdout, r.stdout
