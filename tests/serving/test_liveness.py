@@ -4,6 +4,8 @@ An exited --tensor-parallel rank is what OffloadEngine.health reports: checked o
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -62,6 +64,19 @@ def test_the_offload_engine_reports_an_exited_rank():
         me.ranks.procs = [alive, gone]
         assert OffloadEngine.health(me) == "tensor-parallel rank 2 exited (code 3)"
         assert OffloadEngine.health(types.SimpleNamespace(_closed=False, ranks=None)) is None  # one process
+        me.ranks.procs = [alive]
+        os.kill(alive.pid, signal.SIGSTOP)  # a stopped rank: found at once, not after the hang timeout
+        for _ in range(50):
+            if OffloadEngine.health(me) is not None:
+                break
+            time.sleep(0.02)
+        assert OffloadEngine.health(me) == f"tensor-parallel rank 1 is stopped (pid {alive.pid}: SIGSTOP or a debugger)"
+        os.kill(alive.pid, signal.SIGCONT)
+        for _ in range(50):
+            if OffloadEngine.health(me) is None:
+                break
+            time.sleep(0.02)
+        assert OffloadEngine.health(me) is None
     finally:
         alive.kill()
         alive.wait()

@@ -67,6 +67,15 @@ def _smallest_over_ranks(n: int) -> int:
     return int(t)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T or t in /proc/PID/stat); False where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def seeded(params):
     """``params`` with a seed when it samples without one (every rank must draw the same tokens)."""
     if params.temperature and params.temperature > 0 and params.seed is None:
@@ -268,11 +277,12 @@ class OffloadEngine(Engine):
         return d
 
     def health(self) -> str | None:
-        """A --tensor-parallel rank that exited (the others would wait on it in every collective), or an expert
-        store whose reads fail one after another (a bad disk, a corrupt file: diskstore.StoreFile.health)."""
+        """A --tensor-parallel rank that exited or was stopped (SIGSTOP: the others would wait on it in every
+        collective), or an expert store whose reads fail one after another (a bad disk, a corrupt file:
+        diskstore.StoreFile.health)."""
         if self._closed:
             return None
-        store = getattr(self.executor, "store_file", None)
+        store = getattr(getattr(self, "executor", None), "store_file", None)
         if store is not None and store.health():
             return store.health()
         ranks = self.ranks
@@ -281,6 +291,8 @@ class OffloadEngine(Engine):
         for r, p in enumerate(ranks.procs, 1):
             if p.poll() is not None:
                 return f"tensor-parallel rank {r} exited (code {p.poll()})"
+            if _stopped(p.pid):
+                return f"tensor-parallel rank {r} is stopped (pid {p.pid}: SIGSTOP or a debugger)"
         return None
 
     def close(self) -> None:
