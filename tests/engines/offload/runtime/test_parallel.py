@@ -103,11 +103,12 @@ def test_what_tensor_parallel_refuses(checkpoints):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_two_ranks_over_the_disk_tier(checkpoints, family, tmp_path, monkeypatch):
-    # host memory for a few experts: each rank caches its own experts over the checkpoint read in place
+    # host memory for a few experts: each rank caches its own experts over the checkpoint read in place, in its half
+    # of --host-memory (the ranks share the worker's memory)
     monkeypatch.setenv("MOE_OFFLOAD_STORE_DIR", str(tmp_path / "stores"))
     path = checkpoints(family)
     expected = shared_references(path, PROMPTS, LENGTHS)
-    engine = build_offload_engine(path, fraction=0.0, host_memory=60_000, tensor_parallel=2)
+    engine = build_offload_engine(path, fraction=0.0, host_memory=80_000, tensor_parallel=2)
     try:
         assert engine.memory_plan["experts_tier"] == "disk"
         gens = [engine.generate(p, _params(n)) for p, n in zip(PROMPTS, LENGTHS)]
