@@ -343,3 +343,49 @@ def test_a_slow_request_to_prepare_leaves_the_event_loop_free(serve):
     assert httpx.get(h.url + "/health", timeout=10).status_code == 200
     assert time.monotonic() - t0 < 0.5  # not behind the tokenizer's 1.5 s
     t.join(30)
+
+
+def test_a_crash_loop_stops_the_worker_with_a_non_zero_exit(monkeypatch):
+    """An engine that crashes and then cannot be rebuilt (the device gone): after the rebuilds the worker stops
+    serving and exits non-zero with one line, so the orchestrator restarts the process with its backoff."""
+    import threading
+
+    from serving_engines import CrashingMock
+
+    from moe_offload.serving import queue, server
+
+    monkeypatch.setattr(queue, "BACKOFF", (0, 0, 0))
+    built = []
+
+    def factory():
+        built.append(1)
+        if len(built) > 1:
+            raise RuntimeError("the device is gone")
+        return CrashingMock()
+
+    app = create_app(factory, model_name="mock")
+    runner = app.state.worker.runner
+    sock = server.bind("127.0.0.1", 0)
+    url = server.url_of(sock)
+    ended = {}
+
+    def run():
+        try:
+            server.run_server(app, sock, drain=runner)
+            ended["exit"] = 0
+        except SystemExit as e:
+            ended["exit"] = e.code
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    for _ in range(100):
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "please CRASH", "max_tokens": 3})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+    t.join(30)
+    assert not t.is_alive() and len(built) == 1 + 3
+    assert isinstance(ended["exit"], str) and "could not be rebuilt (3 attempts failed" in ended["exit"]

@@ -34,6 +34,7 @@ from moe_offload.serving.events import DoneEvent, ErrorEvent, PromptLogprobsEven
 from moe_offload.serving.jobs import Job, _deliver
 
 log = get_logger("serving.queue")
+BACKOFF = (1, 2, 4, 8, 10)  # seconds after each failed rebuild of an engine; then the worker gives up and exits 1
 SWITCH_ENV = "MOE_OFFLOAD_SWITCH_INTERVAL"  # seconds (settings.py); for A/B runs
 
 
@@ -50,6 +51,8 @@ class EngineRunner:
         self.draining = False
         self.restarts = 0
         self._give_up = False
+        self.fatal: str | None = None  # set when the engine cannot be rebuilt: the worker then exits non-zero
+        self.on_fatal: Callable[[], None] | None = None  # run_server's: stop serving
         self._starting = 0  # jobs taken from _incoming, not yet in _active (idle must count them)
         self._step_since: float | None = None  # monotonic start of the step running now (engine thread writes)
         self._cond = threading.Condition()
@@ -329,7 +332,7 @@ class EngineRunner:
             self.engine.close()
         except Exception as e:  # noqa: BLE001
             log.warning("closing the failed engine raised", error=str(e))
-        for attempt in range(5):
+        for attempt in range(len(BACKOFF)):
             try:
                 self.engine = self.factory()
                 self.ready = True
@@ -337,7 +340,12 @@ class EngineRunner:
                 return
             except Exception as e:  # noqa: BLE001
                 log.error("engine restart failed", attempt=attempt + 1, error=f"{type(e).__name__}: {e}")
-                time.sleep(min(2**attempt, 10))
+                time.sleep(BACKOFF[attempt])
+        # a crash loop: the process exits non-zero (run_server), so the orchestrator restarts it with backoff
+        self.fatal = f"the engine could not be rebuilt ({len(BACKOFF)} attempts failed; the log has each error)"
+        log.error("giving up on the engine", reason=self.fatal)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def close(self) -> None:
         with self._cond:

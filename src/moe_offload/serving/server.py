@@ -108,7 +108,8 @@ DRAIN_TIMEOUT = 30.0  # seconds a SIGTERM leaves the requests in flight (Kuberne
 def run_server(app, sock: socket.socket, *, log_level: str = "info", drain=None,
                drain_timeout: float = DRAIN_TIMEOUT) -> None:
     """Serve in the foreground on an already bound socket (the CLI: Ctrl-C stops it). ``drain``: what a SIGTERM
-    drains (an object with drain(), idle and give_up(): the worker's EngineRunner), else SIGTERM stops at once."""
+    drains (an object with drain(), idle and give_up(): the worker's EngineRunner), else SIGTERM stops at once. An
+    EngineRunner that gives up on its engine (``fatal``: a crash loop) stops the server, and the process exits 1."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -138,4 +139,9 @@ def run_server(app, sock: socket.socket, *, log_level: str = "info", drain=None,
                 time.sleep(0.5)
             self.should_exit = True
 
-    Server(_config(app, log_level)).run(sockets=[sock])
+    server = Server(_config(app, log_level))
+    if drain is not None and hasattr(drain, "on_fatal"):
+        drain.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine cannot be rebuilt: stop serving
+    server.run(sockets=[sock])
+    if getattr(drain, "fatal", None):
+        raise SystemExit(f"moe-offload worker: {drain.fatal}")  # non-zero: the orchestrator restarts the process
