@@ -282,8 +282,7 @@ def test_kv_blocks_all_return_after_mixed_requests_through_http(serve, demo_mode
     assert statuses.count("cut") == 4 and 400 not in statuses, statuses
     assert len(statuses) == len(jobs) and set(statuses) <= {"cut", 200, 504}, statuses
     # 2. two long prompts that hold nearly half the pool each, with cut streams beside them: the first decode steps
-    #    outgrow the pool (the scheduler preempts and recomputes, at any speed), and hundreds of decode steps plus
-    #    recomputed prefills do not fit the 2 s timeout: 504
+    #    outgrow the pool (the scheduler preempts and recomputes, at any speed)
     statuses.clear()
     bs, nb = pool.block_size, pool.num_blocks
     prompt_len = (nb // 2 - 1) * bs
@@ -293,7 +292,9 @@ def test_kv_blocks_all_return_after_mixed_requests_through_http(serve, demo_mode
                      "ignore_eos": True},)) for i in range(2)]
     jobs += [(cut_stream, (i,)) for i in range(2)]
     run(jobs)
-    assert statuses.count("cut") == 2 and statuses.count(504) == 2, statuses
+    # each long request ends by the 2 s timeout (504) or, on a machine fast enough, in full (200): either way its
+    # blocks must come back (the 504 path itself: test_worker.py's timeout test)
+    assert statuses.count("cut") == 2 and statuses.count(504) + statuses.count(200) == 2, statuses
     assert engine.scheduler.preemptions >= 1
     for _ in range(100):  # the engine thread reaps the last aborts at its next turn
         if pool.free_blocks == pool.num_blocks:
