@@ -246,10 +246,8 @@ def test_kv_blocks_all_return_after_mixed_requests_through_http(serve, demo_mode
 
     backend = get_backend("cpu")
     # a pool of ~40 blocks and 6 seats: two long prompts fill it, so the scheduler must preempt whatever the speed
-    # prefix caching off: a preempted long request would find its own blocks again and could finish inside the
-    # timeout; the cache's own preemption, abort and no-leak checks are tests/engines/offload/runtime/test_prefix_cache.py
     engine = backend.build_engine(str(demo_model_dir), fraction=0.5, policy="lru", kv_cache_memory=2_700_000,
-                                  max_num_seqs=6)
+                                  max_num_seqs=6, enable_prefix_caching=True)  # as the worker runs by default
     h = serve(create_app(engine, model_name="demo", request_timeout=2.0))
     pool = engine.pool
     statuses = []
