@@ -96,6 +96,12 @@ def rehome_module(module: torch.nn.Module) -> int:
     """Every parameter and buffer of ``module`` rehomed in place (``.data`` swapped, so every holder of the
     parameter sees the new memory; tensors sharing one storage, as tied embeddings, share the new one). Returns
     the bytes moved."""
+    return _swap_data(module, rehome)
+
+
+def _swap_data(module: torch.nn.Module, make) -> int:
+    """``make(t)`` (a new tensor, or t itself) for every parameter and buffer of ``module``, swapped in as ``.data``;
+    tensors sharing one storage get the one new tensor. Returns the bytes of the new tensors."""
     moved: dict[int, torch.Tensor] = {}
     total = 0
     for t in [*module.parameters(), *module.buffers()]:
@@ -105,7 +111,7 @@ def rehome_module(module: torch.nn.Module) -> int:
                 t.data = moved[key]
             continue
         old = t.data  # a new tensor object per access: compare with this one
-        new = rehome(old)
+        new = make(old)
         if new is not old:
             total += new.numel() * new.element_size()
             t.data = new
@@ -137,21 +143,11 @@ def copy_out_of_files(module: torch.nn.Module, paths) -> int:
     ranges = file_ranges(paths)
     if not ranges:
         return 0
-    copied: dict[int, torch.Tensor] = {}
-    total = 0
-    for t in [*module.parameters(), *module.buffers()]:
-        key = t.data_ptr()
-        if key in copied:
-            if copied[key].shape == t.shape and copied[key].dtype == t.dtype:
-                t.data = copied[key]
-            continue
-        if t.device.type != "cpu" or not any(a <= key < b for a, b in ranges):
-            continue
-        new = t.data.clone()
-        total += new.numel() * new.element_size()
-        t.data = new
-        copied[key] = new
-    return total
+    def out_of_files(t: torch.Tensor) -> torch.Tensor:
+        mapped = t.device.type == "cpu" and any(a <= t.data_ptr() < b for a, b in ranges)
+        return t.clone() if mapped else t
+
+    return _swap_data(module, out_of_files)
 
 
 def huge_bytes() -> int:

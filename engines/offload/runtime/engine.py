@@ -283,8 +283,9 @@ class OffloadEngine(Engine):
         if self._closed:
             return None
         store = getattr(getattr(self, "executor", None), "store_file", None)
-        if store is not None and store.health():
-            return store.health()
+        why = store.health() if store is not None else None
+        if why:
+            return why
         ranks = self.ranks
         if ranks is None:
             return None

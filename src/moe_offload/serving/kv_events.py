@@ -90,10 +90,10 @@ class KVEventPublisher:
     an optional ROUTER for replays, and a thread that sends what ``publish`` queues, so the engine never waits on a
     socket. A full queue drops the batch and logs it (subscribers see the gap in the sequence numbers and replay)."""
 
-    def __init__(self, config: KVEventsConfig):
+    def __init__(self, config: KVEventsConfig, block_size: int):
         import zmq
 
-        self.config = config
+        self.config, self.block_size = config, block_size
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
@@ -133,7 +133,7 @@ class KVEventPublisher:
             return
         ts, events = drain()
         if events:
-            self.publish(encode(ts, events, engine.cache_info()["block_size"]))
+            self.publish(encode(ts, events, self.block_size))
 
     def _loop(self) -> None:
         while self._running or not self._queue.empty():

@@ -87,10 +87,11 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     if kv_events is not None:
         from moe_offload.serving.kv_events import KVEventPublisher
 
-        if not runner.cache_info().get("enable_prefix_caching"):
+        info = runner.cache_info()
+        if not info.get("enable_prefix_caching"):
             log.warning("--kv-events-config: the engine caches no prefixes, so there are no KV events to publish",
-                        reason=runner.cache_info().get("prefix_caching_off") or "prefix caching is off")
-        publisher = KVEventPublisher(kv_events)
+                        reason=info.get("prefix_caching_off") or "prefix caching is off")
+        publisher = KVEventPublisher(kv_events, int(info.get("block_size", 0)))  # a rebuilt engine keeps the config
         runner.after_step.append(publisher.after_step)
     if api_key is None:
         api_key = settings.get(API_KEY_ENV) or None
