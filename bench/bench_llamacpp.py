@@ -326,14 +326,15 @@ def to_gguf(model_dir, outtype: str = "bf16", *, cache: Path = CACHE, tools: Lla
 
 
 def llama_bench(gguf, tokens: int, *, depth: int = 0, threads: int = 2, repetitions: int = 1,
-                tools: LlamaCpp | None = None, cache: Path = CACHE) -> dict:
-    """llama-bench text generation of ``tokens`` tokens after ``depth`` tokens of context, ``threads`` threads.
+                tools: LlamaCpp | None = None, cache: Path = CACHE, extra=()) -> dict:
+    """llama-bench text generation of ``tokens`` tokens after ``depth`` tokens of context, ``threads`` threads
+    (``extra``: more llama-bench arguments, e.g. the KV cache's types).
     Returns {"ms_per_token": [one per repetition], "tok_s", "raw": llama-bench's JSON record}."""
     tools = tools or ensure_llamacpp(cache)
     cmd = [tools.bench, "-m", gguf, "-p", "0", "-n", tokens, "-t", threads, "-r", repetitions, "-o", "json"]
     if depth:
         cmd += ["-d", depth]
-    r = _run(cmd)
+    r = _run([*cmd, *extra])
     records = json.loads(r.stdout)
     tg = [x for x in records if x.get("n_gen", 0) > 0]
     if not tg:

@@ -62,7 +62,7 @@ class Backend:
 
 BATCHING_OPTIONS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len", "block_size", "host_memory",
                     "speculative", "tail_skip", "cold_dtype", "devices", "tensor_parallel", "enable_prefix_caching",
-                    "kv_events")
+                    "kv_events", "kv_cache_dtype")
 
 
 def engine_options(backend: str, *, policy=None, fraction=None, mock_ms=None, mock_hit=None, engine=None, data=None,

@@ -38,6 +38,7 @@ def test_gateway_defaults_from_environment(monkeypatch):
         ({"mock_hit": 2}, "config.mock_hit"),
         ({"host_memory": "lots"}, "config.host_memory"),
         ({"kv_cache_memory": "2 parsecs"}, "config.kv_cache_memory"),
+        ({"kv_cache_dtype": "fp4"}, "config.kv_cache_dtype"),
     ],
 )
 def test_bad_config(config, field):
@@ -58,6 +59,8 @@ def test_host_memory_reaches_the_engine_options():
 
     cfg = RunConfig.parse({"backend": "cpu", "host_memory": "6GiB"})
     assert engine_options(cfg)["host_memory"] == 6 * 2**30
+    assert "kv_cache_dtype" not in engine_options(cfg)  # the model dtype unless asked
+    assert engine_options(RunConfig.parse({"backend": "cpu", "kv_cache_dtype": "fp8"}))["kv_cache_dtype"] == "fp8"
 
 
 def test_devices_and_ranks_reach_the_engine_and_the_tiers():

@@ -119,11 +119,12 @@ def test_a_shared_system_prompt_is_found_cached_and_published(events_worker):
 
 
 def test_prefix_caching_off_and_a_bad_events_config(cli_worker):
-    proc, url = cli_worker("--no-enable-prefix-caching")
+    proc, url = cli_worker("--no-enable-prefix-caching", "--kv-cache-dtype", "fp8")  # and an fp8 KV cache
     _chat(url, QUESTIONS[0])
     again = _chat(url, QUESTIONS[0])
     assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-    assert 'enable_prefix_caching="False"' in httpx.get(url + "/metrics").text
+    metrics = httpx.get(url + "/metrics").text
+    assert 'enable_prefix_caching="False"' in metrics and 'cache_dtype="fp8"' in metrics
     code = "import sys; from moe_offload.cli import main; sys.exit(main())"
     r = subprocess.run([sys.executable, "-c", code, "worker", "--port", "0", "--kv-events-config",
                         '{"enable_kv_cache_events": true, "endpoint": 5557}'], capture_output=True, text=True, timeout=120)

@@ -10,4 +10,5 @@
       speculative.py  drafts (prompt lookup, a draft model) carried into a step and verified by it
       accounting.py   executor counters per forward --> each request's stats (hits, bytes, ms) --> engine totals
     kv_budget.py    KVCacheConfig, bytes per token (probe), the pool's bytes --> KVPool (kv.py) + max_model_len
+      kv_quant.py     --kv-cache-dtype int8 | fp8: rows as codes with a scale per (row, head), and back
 """

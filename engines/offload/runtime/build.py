@@ -26,7 +26,8 @@ BUILD_OPTIONS = ("device", "backend", "policy", "fraction", "dtype", "expert_dty
                  "host_memory", "prefetch",
                  "block_size",
                  "kv_cache_memory", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "speculative",
-                 "tail_skip", "cold_dtype", "devices", "tensor_parallel", "enable_prefix_caching", "kv_events")
+                 "tail_skip", "cold_dtype", "devices", "tensor_parallel", "enable_prefix_caching", "kv_events",
+                 "kv_cache_dtype")
 
 
 def _placement(path: Path, placement, fraction, policy: str, backend: str, dtype: str | None = None, devices=None):
@@ -172,6 +173,7 @@ def build_offload_engine(
     expert_parallel: tuple[int, int] | None = None,
     enable_prefix_caching: bool = False,
     kv_events: bool = False,
+    kv_cache_dtype: str = "auto",
     **unknown,
 ) -> OffloadEngine:
     """Load ``model_path`` (default: the demo model, built on first use) with the offload executor.
@@ -197,13 +199,15 @@ def build_offload_engine(
     expert_parallel: (rank, world) of one rank (set by parallel.py, not by users). enable_prefix_caching: keep full
     KV blocks for later requests with the same prefix (runtime/prefix_cache.py; vLLM's --enable-prefix-caching);
     kv_events: record the cache's BlockStored / BlockRemoved events for a publisher (serving/kv_events.py).
+    kv_cache_dtype: APPROXIMATE unless "auto": "int8" | "fp8" (e4m3) KV rows with a scale per (token, head), about
+    half the bytes of bf16 (runtime/kv.py; vLLM's --kv-cache-dtype).
     """
     if unknown:
         raise ConfigError(f"unknown engine option(s) {', '.join(sorted(unknown))}; valid: {', '.join(BUILD_OPTIONS)}")
     check_policy(policy)
     if cache not in CACHES:
         raise ConfigError(f"cache: expected one of {', '.join(CACHES)}, got {cache!r}")
-    kv_config = KVCacheConfig(block_size, kv_cache_memory, max_model_len)  # validated before the model loads
+    kv_config = KVCacheConfig(block_size, kv_cache_memory, max_model_len, kv_cache_dtype)  # validated before loading
     sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens)
     speculative = SpeculativeConfig.parse(speculative)
     if cold_dtype is not None and cold_dtype not in ("int8", "int4"):
@@ -238,7 +242,8 @@ def build_offload_engine(
             kv_cache_memory=plan.kv_bytes if plan.kv_bytes is not None else kv_cache_memory,
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             expert_dtype=expert_dtype, dense_dtype=dense_dtype, host_memory=host_memory, prefetch=prefetch,
-            speculative=speculative, cold_dtype=cold_dtype, enable_prefix_caching=enable_prefix_caching))
+            speculative=speculative, cold_dtype=cold_dtype, enable_prefix_caching=enable_prefix_caching,
+            kv_cache_dtype=kv_cache_dtype))
     if plan.kv_bytes is not None:
         kv_config = dataclasses.replace(kv_config, kv_cache_memory=plan.kv_bytes)
     if (plan.host_cache is not None and plan.host_cache < sys.maxsize and fraction is None and placement is None

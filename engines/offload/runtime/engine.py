@@ -83,11 +83,13 @@ def seeded(params):
     return params
 
 
-def approximate_label(executor) -> str:
+def approximate_label(executor, kv_cache_dtype: str = "auto") -> str:
     """The engine's opt-in approximate modes as one label ("cold_dtype=int8,tail_skip=3"), "" when exact."""
     parts = [f"cold_dtype={executor.cold_dtype}"] if getattr(executor, "cold_dtype", None) else []
     if getattr(executor, "tail_skip", None):
         parts.append(f"tail_skip={executor.tail_skip}")
+    if kv_cache_dtype != "auto":
+        parts.append(f"kv_cache_dtype={kv_cache_dtype}")
     return ",".join(parts)
 
 
@@ -119,13 +121,19 @@ class OffloadEngine(Engine):
         self.deltanet_layers = deltanet.install(self.model, self.description.linear)
         # ranks that decode through the modules split their heads and dense MLPs first: the probe counts theirs
         split = split_for_ranks(self.model, self.executor, self.description)
-        probed = kv_budget.probe_kv_bytes(self.model, self.executor, self.device) if cache == "paged" else None
+        probed = kv_budget.probe_kv_bytes(self.model, self.executor, self.device, kv_config.codes) if cache == "paged" else None
         # bytes of KV per token, and of fixed-size per-sequence state (linear attention) per sequence
         self.kv_bytes_per_token, self.state_bytes_per_seq = probed if probed is not None else (None, 0)
         self.paged = self.kv_bytes_per_token is not None
         if cache == "paged" and not self.paged:
             log.info("model keeps per-layer state beyond attention KV: each sequence runs in its own forward",
                      model_type=self.model.config.model_type)
+        # a quantized cache only where the pool holds the KV (the model's own caches keep the model dtype)
+        self.kv_cache_dtype = kv_config.cache_dtype if self.paged else "auto"
+        if kv_config.cache_dtype != self.kv_cache_dtype:
+            log.warning("kv_cache_dtype ignored: this model's layers keep their KV in their own caches",
+                        kv_cache_dtype=kv_config.cache_dtype, model_type=self.model.config.model_type)
+            kv_config = dataclasses.replace(kv_config, cache_dtype="auto")
         self.kv_cache_memory = kv_budget.budget_bytes(kv_config.kv_cache_memory, self.device)
         if getattr(self.executor, "ep", None) is not None:  # expert parallel: one pool size on every rank (lockstep)
             self.kv_cache_memory = _smallest_over_ranks(self.kv_cache_memory)
@@ -159,7 +167,7 @@ class OffloadEngine(Engine):
             policy=str(getattr(offloaded, "policy", "") or ""),
             predicted_hit_rate=dict(getattr(placement, "predicted_hit_rate", {}) or {}),
             features=frozenset(ENGINE_FEATURES),
-            approximate=approximate_label(self.executor),
+            approximate=approximate_label(self.executor, self.kv_cache_dtype),
         )
         self.memory_plan: dict[str, Any] | None = None  # the host memory split (hostmem.HostPlan.split; build.py)
         self._llg = None  # llguidance's tokenizer, built at the first structured-output request
@@ -178,7 +186,7 @@ class OffloadEngine(Engine):
                       "not saved at block boundaries")
             log.warning("prefix caching off for this model", reason=reason, model_type=self.model.config.model_type)
             return reason
-        seed = f"{model_name or getattr(self.model.config, '_name_or_path', '')}|{self.model.dtype}"
+        seed = f"{model_name or getattr(self.model.config, '_name_or_path', '')}|{self.model.dtype}|{self.kv_cache_dtype}"
         self.pool.cache = PrefixCache(self.pool.block_size, seed, events=events)
         if events:  # subscribers drop what they knew of this worker's blocks: a new engine starts empty
             self.pool.cache.events.append(CacheEvent("AllBlocksCleared"))
@@ -255,7 +263,7 @@ class OffloadEngine(Engine):
     def cache_info(self) -> dict[str, Any]:
         """What vllm:cache_config_info reports."""
         return {"block_size": self.pool.block_size, "num_gpu_blocks": self.pool.num_blocks,
-                "cache_dtype": "auto", "enable_prefix_caching": self.prefix_caching,
+                "cache_dtype": self.kv_cache_dtype, "enable_prefix_caching": self.prefix_caching,
                 "prefix_caching_off": self.prefix_caching_off, "kv_cache_memory_bytes": self.kv_cache_memory if self.paged else 0,
                 "paged": self.paged, "max_num_seqs": self.scheduler.config.max_num_seqs,
                 "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,

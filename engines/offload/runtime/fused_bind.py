@@ -60,6 +60,8 @@ def _attention(k, layer, attn, mixer: Attention, pool, idx: int, hd: int) -> Non
     k.output(w_of(attn.o_proj), attn.o_proj.bias, attn.o_proj.weight_scale if q8 else None)
     kp, vp = pool.layer_of(idx, wk.shape[0] // hd, hd, wv.shape[0] // hd, hd, torch.bfloat16)
     k.pools(kp, vp, pool.block_size)
+    if pool.codes is not None:  # a quantized cache (kv.py): codes in the pools, their scales beside them
+        k.kv_scales(*pool.scales[idx])
 
 
 def head_dim(inner) -> int | None:
@@ -87,6 +89,8 @@ class Layer:
 def bind(model, desc: ModelDescription, pool) -> tuple[list[Layer], float] | str:
     """Each layer's weights as the kernels read them, per the description: (layers, eps), or why not (the module
     layout does not hold what the description says). Attention layers' KV pools come from ``pool``."""
+    if desc.attention == "mla" and pool.codes is not None:
+        return "a quantized KV cache with MLA layers (the fused MLA kernel reads bf16 latents)"
     eps = _eps(model.model.norm)
     hd = head_dim(model.model)
     layers = []

@@ -10,6 +10,9 @@ function that reads them. Memory grows with the sequences, never with the model'
 Legend: N tokens in the step, B sequences, L a sequence's context length, Hq/Hkv query/KV heads,
 D head dim (Dv for values), bs block size.
 
+A quantized cache (``--kv-cache-dtype int8 | fp8``, kv_quant.py): PagedCache.update quantizes the step's new rows and
+hands back the dequantized context; the fused decode kernel (decode.cpp) does the same with the same roundings.
+
 The attention implementation is registered with transformers as ``moe_offload_paged``; transformers
 then builds no mask (it does not know the name) and every layer's ``cache.update`` lands here. A model
 whose layers keep other state (Mamba, linear attention, convolutions) fails the probe in ``probe_paged``
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from moe_offload.engines.offload.runtime.kv_quant import dequantize, quantize
 
 ATTENTION = "moe_offload_paged"
 _active = threading.local()  # .step: the StepContext of the forward running on this thread
@@ -61,9 +66,11 @@ class StepContext:
 
 class KVPool:
     """Blocks of ``block_size`` token rows, shared by every attention layer (layer tensors are created at first
-    use from the shapes the layer writes). ``num_blocks`` bounds the memory; ``usage`` is the fraction in use."""
+    use from the shapes the layer writes). ``num_blocks`` bounds the memory; ``usage`` is the fraction in use.
+    ``codes``: a quantized cache's storage dtype (kv_quant.CACHE_DTYPES), None for rows in the model dtype."""
 
-    def __init__(self, num_blocks: int, block_size: int, device: torch.device, seats: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, device: torch.device, seats: int = 0,
+                 codes: torch.dtype | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV pool: expected num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
@@ -71,6 +78,8 @@ class KVPool:
         self.ref = [0] * num_blocks  # sequences holding each block (more than one: a shared cached prefix)
         self.cache = None  # the PrefixCache (prefix_cache.py) when prefix caching is on
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.codes = codes
+        self.scales: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # quantized: layer -> (key, value) [rows, heads]
         # layers that keep a fixed-size state per sequence instead of KV rows (linear attention: a convolution window
         # and a recurrent state): one seat per running sequence, each layer's states stacked [seats, ...]
         self.seats: dict[int, int] = {}  # sequence id -> seat
@@ -155,18 +164,24 @@ class KVPool:
         return self.layer_of(idx, k.shape[1], k.shape[3], v.shape[1], v.shape[3], k.dtype)
 
     def layer_of(self, idx: int, k_heads: int, k_dim: int, v_heads: int, v_dim: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``idx``'s (key, value) pools [rows, heads, dim], created at first use (the fused path asks by shape)."""
+        """Layer ``idx``'s (key, value) pools [rows, heads, dim], created at first use (the fused path asks by shape);
+        a quantized cache's hold codes (``self.codes``), their scales in ``self.scales[idx]``."""
         pools = self.layers.get(idx)
         if pools is None:
             rows = self.num_blocks * self.block_size
+            store = self.codes or dtype
             # torch.empty commits no pages: resident memory grows with the rows actually written
-            pools = (torch.empty(rows, k_heads, k_dim, dtype=dtype, device=self.device),
-                     torch.empty(rows, v_heads, v_dim, dtype=dtype, device=self.device))
+            pools = (torch.empty(rows, k_heads, k_dim, dtype=store, device=self.device),
+                     torch.empty(rows, v_heads, v_dim, dtype=store, device=self.device))
             self.layers[idx] = pools
+            if self.codes is not None:
+                self.scales[idx] = (torch.ones(rows, k_heads, device=self.device),
+                                    torch.ones(rows, v_heads, device=self.device))
         return pools
 
     def close(self) -> None:
         self.layers.clear()
+        self.scales.clear()
         self.states.clear()
 
 
@@ -189,6 +204,8 @@ class PagedCache:
             self.seen[layer_idx] = (tuple(key_states.shape), tuple(value_states.shape), key_states.dtype)
             return key_states, value_states
         kp, vp = self.pool.layer(layer_idx, key_states, value_states)
+        if self.pool.codes is not None:
+            return self._update_quantized(kp, vp, key_states, value_states, layer_idx, step)
         kp.index_copy_(0, step.slot_mapping, key_states[0].transpose(0, 1))  # [N, Hkv, D]
         vp.index_copy_(0, step.slot_mapping, value_states[0].transpose(0, 1))
         if step.view is not None:
@@ -197,6 +214,22 @@ class PagedCache:
         else:
             k, v = kp.index_select(0, step.gather), vp.index_select(0, step.gather)  # [X, Hkv, D]
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+    def _update_quantized(self, kp, vp, key_states, value_states, layer_idx: int, step: StepContext):
+        """``update`` over a quantized pool: the new rows' codes and scales in, the context dequantized out."""
+        ks, vs = self.pool.scales[layer_idx]
+        out = []
+        for pool, scales, new in ((kp, ks, key_states), (vp, vs, value_states)):
+            q, s = quantize(new[0].transpose(0, 1), pool.dtype)  # [N, H, D], [N, H]
+            pool.index_copy_(0, step.slot_mapping, q)
+            scales.index_copy_(0, step.slot_mapping, s)
+            if step.view is not None:
+                first, n = step.view
+                rows = dequantize(pool[first : first + n], scales[first : first + n], new.dtype)
+            else:
+                rows = dequantize(pool.index_select(0, step.gather), scales.index_select(0, step.gather), new.dtype)
+            out.append(rows.transpose(0, 1).unsqueeze(0))
+        return out[0], out[1]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always given explicitly

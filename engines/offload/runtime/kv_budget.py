@@ -3,6 +3,7 @@
     model --probe_kv_bytes (one 2-token forward on a shape-recording cache)--> (bytes / token, state bytes /
       sequence), or None (None: a layer keeps state the pool cannot hold; each sequence then runs on the model's own
       cache). State: a linear-attention layer's conv window and recurrent state (runtime/deltanet.py), fixed-size.
+      (a quantized cache, cache_dtype int8 | fp8: one byte a value plus a 4-byte scale per (token, head): kv.py)
     KVCacheConfig.kv_cache_memory | 80 % of free CUDA memory | 4 GiB on cpu --budget_bytes--> bytes
     (bytes - max_num_seqs * state bytes) / (bytes per token * block_size), capped at max_num_seqs full-length
       sequences --make_pool--> KVPool (+ max_num_seqs state seats) + max_model_len (capped to what the pool holds)
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_offload.engines.offload.runtime import kv
+from moe_offload.engines.offload.runtime import kv, kv_quant
 from moe_offload.errors import ConfigError, require_count
 from moe_offload.hostmem import DEFAULT_KV_HOST  # the KV budget on a cpu device when memory allows
 from moe_offload.log import get_logger
@@ -26,20 +27,30 @@ log = get_logger("engine.offload")
 class KVCacheConfig:
     """KV memory, in vLLM's terms. ``kv_cache_memory``: bytes for the block pool (None: 4 GiB on a cpu device,
     80 % of the free memory after loading on cuda). ``max_model_len``: longest sequence (prompt + output) served
-    (None: the model's, capped to what the pool holds). ``block_size``: tokens per block."""
+    (None: the model's, capped to what the pool holds). ``block_size``: tokens per block. ``cache_dtype``: "auto"
+    (the model dtype) or a quantized cache, "int8" | "fp8" (e4m3; "fp8_e4m3" alike): APPROXIMATE, about half the
+    bytes of bf16 (vLLM's --kv-cache-dtype)."""
 
     block_size: int = 16
     kv_cache_memory: int | None = None
     max_model_len: int | None = None
+    cache_dtype: str = "auto"
 
     def __post_init__(self):
+        if self.cache_dtype not in kv_quant.CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype: expected one of {', '.join(kv_quant.CACHE_DTYPES)}, got {self.cache_dtype!r}")
         require_count("block_size", self.block_size, optional=False)
         require_count("kv_cache_memory", self.kv_cache_memory)
         require_count("max_model_len", self.max_model_len)
 
+    @property
+    def codes(self) -> torch.dtype | None:
+        """The quantized cache's storage dtype (kv_quant.CACHE_DTYPES), None for the model dtype."""
+        return kv_quant.CACHE_DTYPES[self.cache_dtype]
 
-def probe_kv_bytes(model, executor, device: torch.device) -> tuple[int, int] | None:
-    """(KV bytes per token, state bytes per sequence) of the paged path, or None when a layer needs more than
+
+def probe_kv_bytes(model, executor, device: torch.device, codes: torch.dtype | None = None) -> tuple[int, int] | None:
+    """(KV bytes per token, state bytes per sequence) of the paged path (``codes``: a quantized cache's storage), or None when a layer needs more than
     ``cache.update`` or a seat of per-sequence state, on this rank or (``--tensor-parallel``) on any. Leaves the paged
     attention set on the model when it returns bytes, the model's own otherwise. A torch.distributed error (a rank
     gone, a collective timed out) is raised, not taken for a layer the pool cannot hold; gloo's, plain RuntimeErrors,
@@ -76,7 +87,11 @@ def probe_kv_bytes(model, executor, device: torch.device) -> tuple[int, int] | N
         return None
     total = 0
     for kshape, vshape, dtype in cache.seen.values():  # [1, Hkv, 2, D]
-        total += (kshape[1] * kshape[3] + vshape[1] * vshape[3]) * torch.empty((), dtype=dtype).element_size()
+        values, heads = kshape[1] * kshape[3] + vshape[1] * vshape[3], kshape[1] + vshape[1]
+        if codes is None:
+            total += values * torch.empty((), dtype=dtype).element_size()
+        else:  # one byte a value, an fp32 scale a head
+            total += values + 4 * heads
     return total, sum(cache.stateful.values())
 
 
@@ -110,7 +125,7 @@ def make_pool(config: KVCacheConfig, *, budget: int, bytes_per_token: int | None
             raise ConfigError(f"kv_cache_memory: {budget} bytes hold no block of {bs} tokens "
                               f"({bytes_per_token * bs} bytes); give more")
         blocks = min(fit, blocks)
-    pool = kv.KVPool(int(blocks), bs, device, seats=max_num_seqs)
+    pool = kv.KVPool(int(blocks), bs, device, seats=max_num_seqs, codes=config.codes)
     max_len = min(want_len, pool.num_blocks * bs)
     if max_len < want_len:
         log.warning("max_model_len capped to what the KV budget holds", max_model_len=max_len, asked=want_len,

@@ -40,7 +40,8 @@ def engine_options(cfg, serving: bool = False) -> dict[str, Any]:
                    host_memory=parse_size(host, "host_memory") if host is not None else None,
                    speculative=cfg.speculative or None, tail_skip=cfg.tail_skip, cold_dtype=cfg.cold_dtype,
                    devices=cfg.devices, tensor_parallel=cfg.tensor_parallel,
-                   enable_prefix_caching=cfg.enable_prefix_caching if serving else None)
+                   enable_prefix_caching=cfg.enable_prefix_caching if serving else None,
+                   kv_cache_dtype=cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else None)
 
 
 def build(cfg, log, serving: bool = False):

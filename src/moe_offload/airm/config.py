@@ -40,6 +40,7 @@ class RunConfig:
     devices: str | None = None  # cpu/cuda: several accelerators, e.g. "cuda:0,cuda:1" (each a tier of its own)
     tensor_parallel: int | None = None  # cpu: ranks on torch.distributed, each with its share of the experts
     enable_prefix_caching: bool = True  # cpu/cuda: reuse the KV blocks of prefixes seen before (serve role)
+    kv_cache_dtype: str = "auto"  # cpu/cuda: auto | int8 | fp8 (APPROXIMATE: half the KV bytes, twice the tokens)
     engine: str | None = None  # external engine binary (rngd)
     data: str | None = None  # the external engine's input directory
     role: str = "worker"
@@ -124,6 +125,8 @@ class RunConfig:
             raise ContractError("config.tail_skip", "a rank >= 1 (the top expert is never skipped)", self.tail_skip)
         if self.cold_dtype is not None and self.cold_dtype not in ("int8", "int4"):
             raise ContractError("config.cold_dtype", "int8 | int4", self.cold_dtype)
+        if self.kv_cache_dtype not in vocab.KV_CACHE_DTYPES:
+            raise ContractError("config.kv_cache_dtype", " | ".join(vocab.KV_CACHE_DTYPES), self.kv_cache_dtype)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ContractError("config.enable_prefix_caching", "true or false", self.enable_prefix_caching)
         if self.tensor_parallel is not None and (isinstance(self.tensor_parallel, bool)

@@ -13,6 +13,8 @@ from moe_offload.commands.options import (
     DENSE_DTYPE_CHOICE,
     DEVICES_HELP,
     EXPERT_DTYPE_CHOICE,
+    KV_DTYPE_CHOICE,
+    KV_DTYPE_HELP,
     POLICY_CHOICE,
     SPECULATIVE_HELP,
     TAIL_SKIP_HELP,
@@ -84,7 +86,7 @@ def _build(model: Path, backend: str, policy: str, fraction: float | None, place
            expert_dtype: str | None = None, dense_dtype: str | None = None, host_memory: str | None = None,
            no_prefetch: bool = False, kv_cache_memory: str | None = None, max_model_len: int | None = None,
            speculative: str | None = None, tail_skip: int | None = None, cold_dtype: str | None = None,
-           devices: str | None = None, tensor_parallel: int | None = None):
+           devices: str | None = None, tensor_parallel: int | None = None, kv_cache_dtype: str = "auto"):
     from moe_offload.backends import get_backend
 
     if fraction is not None and not 0.0 <= fraction <= 1.0:
@@ -108,6 +110,8 @@ def _build(model: Path, backend: str, policy: str, fraction: float | None, place
         options["kv_cache_memory"] = parse_size(kv_cache_memory, "--kv-cache-memory")
     if max_model_len:
         options["max_model_len"] = max_model_len
+    if kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = kv_cache_dtype
     if speculative:
         from moe_offload.engines.params import SpeculativeConfig
 
@@ -163,10 +167,11 @@ def demo_model(out: str | None, seed: int) -> None:
 @click.option("--cold-dtype", type=COLD_DTYPE_CHOICE, help=COLD_DTYPE_HELP)
 @click.option("--devices", help=DEVICES_HELP)
 @click.option("--tensor-parallel", type=click.IntRange(min=1), metavar="N", help=TENSOR_PARALLEL_HELP)
+@click.option("--kv-cache-dtype", type=KV_DTYPE_CHOICE, default="auto", show_default=True, help=KV_DTYPE_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the token ids, text and stats as JSON.")
 def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype,
              host_memory, no_prefetch, kv_cache_memory, max_model_len, temperature, top_p, top_k, seed, ignore_eos,
-             speculative_config, tail_skip, cold_dtype, devices, tensor_parallel, as_json) -> None:
+             speculative_config, tail_skip, cold_dtype, devices, tensor_parallel, kv_cache_dtype, as_json) -> None:
     """Generate text with the offload engine; stats go to stderr (or into --json)."""
     ranks_share_cores(tensor_parallel)  # before anything imports torch
     from moe_offload.engines.params import SamplingParams
@@ -177,7 +182,8 @@ def generate(model, prompt, chat, max_tokens, backend, policy, fraction, placeme
     path = _model_dir(model)
     _require_tokenizer(path)
     engine = _build(path, backend, policy, fraction, placement, dtype, expert_dtype, dense_dtype, host_memory, no_prefetch,
-                    kv_cache_memory, max_model_len, speculative_config, tail_skip, cold_dtype, devices, tensor_parallel)
+                    kv_cache_memory, max_model_len, speculative_config, tail_skip, cold_dtype, devices, tensor_parallel,
+                    kv_cache_dtype)
     try:
         ids = _encode(engine, prompt, chat)
         gen = engine.generate(ids, params)

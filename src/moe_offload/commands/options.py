@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from moe_offload.control.vocab import DENSE_DTYPES, EXPERT_DTYPES, MISS_POLICIES
+from moe_offload.control.vocab import DENSE_DTYPES, EXPERT_DTYPES, KV_CACHE_DTYPES, MISS_POLICIES
 from moe_offload.errors import ConfigError
 
 MODEL_HELP = "Checkpoint directory, config.json, or a GGUF file (or a directory holding one)."
@@ -20,6 +20,9 @@ PROFILE_HELP = "a built-in name (`moe-offload hardware` lists them) or a JSON fi
 EXPERT_DTYPE_CHOICE = click.Choice(list(EXPERT_DTYPES))
 DENSE_DTYPE_CHOICE = click.Choice(list(DENSE_DTYPES))
 POLICY_CHOICE = click.Choice(list(MISS_POLICIES))
+KV_DTYPE_CHOICE = click.Choice(list(KV_CACHE_DTYPES))
+KV_DTYPE_HELP = ("KV cache storage: auto (the model dtype), or APPROXIMATE int8 / fp8 (e4m3) rows with a scale per "
+                 "token and head, about half the bytes of bf16: twice the tokens in the same budget.")
 PRICE_EXPERT_DTYPE_HELP = ("Price the experts as the engine's --expert-dtype holds them: int8 | fp8 (quantized at load) "
                            "or bf16 (default: as the checkpoint stores them, e.g. MXFP4 or FP8).")
 

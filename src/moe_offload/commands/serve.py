@@ -14,6 +14,8 @@ from moe_offload.commands.options import (
     DENSE_DTYPE_CHOICE,
     DEVICES_HELP,
     EXPERT_DTYPE_CHOICE,
+    KV_DTYPE_CHOICE,
+    KV_DTYPE_HELP,
     SPECULATIVE_HELP,
     TAIL_SKIP_HELP,
     TENSOR_PARALLEL_HELP,
@@ -53,6 +55,8 @@ def _worker_options(fn):
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True,
                      help="cpu/cuda: keep full KV blocks for later requests that share a prefix (a conversation's "
                           "earlier turns, an agent's system prompt); a request salts its own with \"cache_salt\"."),
+        click.option("--kv-cache-dtype", type=KV_DTYPE_CHOICE, default="auto", show_default=True,
+                     help="cpu/cuda: " + KV_DTYPE_HELP),
         click.option("--kv-events-config", help="cpu/cuda: publish prefix cache events as vLLM does, for llm-d's "
                      "prefix-aware routing: JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                      "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'."),
@@ -91,7 +95,7 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                 speculative=None, tail_skip=None, cold_dtype=None, devices=None, tensor_parallel=None,
                 drain_timeout: float = 30.0, hang_timeout: float = 60.0,
                 trust_request_chat_template: bool = False, enable_prefix_caching: bool = True,
-                kv_events_config: str | None = None) -> None:
+                kv_events_config: str | None = None, kv_cache_dtype: str = "auto") -> None:
     ranks_share_cores(tensor_parallel)  # before anything imports torch
     from moe_offload import backends
     from moe_offload.errors import ConfigError
@@ -119,6 +123,7 @@ def _run_worker(backend_name: str, model: str | None, *, host, port, placement, 
                                       block_size=block_size, speculative=_speculative(speculative), tail_skip=tail_skip,
                                       cold_dtype=cold_dtype, devices=devices or None, tensor_parallel=tensor_parallel,
                                       enable_prefix_caching=enable_prefix_caching, kv_events=kv_events is not None or None,
+                                      kv_cache_dtype=kv_cache_dtype if kv_cache_dtype != "auto" else None,
                                       kv_cache_memory=parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None,
                                       host_memory=parse_size(host_memory, "--host-memory") if host_memory else None)
     sock = server.bind(host, port)  # before loading the model: a taken port fails fast

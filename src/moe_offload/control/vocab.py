@@ -36,6 +36,8 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 EXPERT_DTYPES = {"int8": "int8", "fp8": "fp8", "int4": "q4_0", "bf16": "bfloat16"}
 # --dense-dtype choices: the dense linears (attention, shared experts, dense MLPs) and LM head as int8 rows, or bf16.
 DENSE_DTYPES = ("int8", "bf16")
+# --kv-cache-dtype: the model dtype, or a quantized cache (engines/offload/runtime/kv.py's CACHE_DTYPES)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 # Stored bytes per parameter of a routed expert, scales included, for the cost model's `expert_dtype`: a checkpoint
 # whose experts are stored in another format than its config's dtype, or "what if the experts were int8".

@@ -75,6 +75,11 @@ def test_generate_takes_the_kv_budget_and_context(demo_dir, capsys):
     assert mem["kv_bytes"] == 32 * 2**20 and "as asked" in mem["reason"]
     rc, _, err = cli(capsys, "generate", "--model", str(demo_dir), "--prompt", "x", "--kv-cache-memory", "1KiB")
     assert rc != 0 and err.startswith("error: kv_cache_memory") and err.count("\n") == 1
+    # an int8 cache: labelled approximate in what the user sees
+    rc, out, _ = cli(capsys, "generate", "--model", str(demo_dir), "--prompt", "The river runs", "--max-tokens", "3",
+                     "--kv-cache-dtype", "int8", "--ignore-eos", "--json")
+    assert rc == 0 and json.loads(out)["approximate"]["mode"] == "kv_cache_dtype=int8"
+    assert len(json.loads(out)["token_ids"]) == 3
 
 
 def test_generate_text_sampled_and_chat(demo_dir, capsys):

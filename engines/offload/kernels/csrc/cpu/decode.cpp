@@ -24,6 +24,8 @@
 // bs block size, E experts, K top-k.
 #include "layer.h"
 
+#include <c10/util/Float8_e4m3fn.h>
+
 namespace moe_cpu {
 
 namespace {
@@ -267,6 +269,59 @@ int64_t router_code(const std::string& order) {
   return order == "topk_then_score";
 }
 
+// A quantized KV cache's rows (runtime/kv.py quantize / dequantize, the same float operations in the same order, so
+// the module path and this one read the same numbers): per (row, head) s = amax * (1 / QMAX) (1 for an all-zero head),
+// codes = clamp(x / s, +-QMAX) rounded (int8: to nearest even; fp8: e4m3fn), values = bf16(code * s).
+enum KvKind : int { KV_BF16 = 0, KV_INT8 = 1, KV_FP8 = 2 };
+
+static float kv_qmax(int kind) { return kind == KV_INT8 ? 127.0f : 448.0f; }
+
+static const float* fp8_values() {  // the 256 e4m3fn codes as floats
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = float(c10::Float8_e4m3fn(uint8_t(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+static void kv_quantize(const uint16_t* x, int64_t D, int kind, uint8_t* codes, float* scale) {
+  const float qmax = kv_qmax(kind);
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(bf2f(x[d])));
+  float s = amax * float(1.0 / double(qmax));  // as torch multiplies by a Python float
+  if (s == 0.0f) s = 1.0f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float y = std::min(std::max(bf2f(x[d]) / s, -qmax), qmax);
+    codes[d] = kind == KV_INT8 ? uint8_t(int8_t(std::nearbyint(y))) : c10::Float8_e4m3fn(y).x;
+  }
+  *scale = s;
+}
+
+static const uint16_t* kv_dequantize(const uint8_t* q, float s, int64_t D, int kind, uint16_t* out) {
+  if (kind == KV_INT8) {
+    for (int64_t d = 0; d < D; ++d) out[d] = f2bf(float(int8_t(q[d])) * s);
+  } else {
+    const float* f = fp8_values();
+    for (int64_t d = 0; d < D; ++d) out[d] = f2bf(f[q[d]] * s);
+  }
+  return out;
+}
+
+static int kv_kind(const at::Tensor& pool, const std::optional<at::Tensor>& scale, int64_t R, int64_t Hkv, const char* what) {
+  TORCH_CHECK(pool.is_contiguous(), what, ": expected a contiguous pool");
+  const auto t = pool.scalar_type();
+  if (t == at::kBFloat16) {
+    TORCH_CHECK(!scale.has_value(), what, ": bf16 rows take no scales");
+    return KV_BF16;
+  }
+  TORCH_CHECK(t == at::kChar || t == at::kByte, what, ": expected bf16 rows, int8 codes or fp8 bits (uint8), got ", t);
+  TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->dim() == 2 &&
+                  scale->size(0) == R && scale->size(1) == Hkv,
+              what, ": a quantized pool needs fp32 scales [", R, ", ", Hkv, "] (Layer.kv_scales)");
+  return t == at::kChar ? KV_INT8 : KV_FP8;
+}
+
 int64_t rope_code(const std::string& kind) {  // halves and partial: rotate_half over cos / sin as the caller lays them
   if (kind == "rotate_half" || kind == "halves" || kind == "partial") return 0;
   TORCH_CHECK(kind == "interleaved_fp32", "rotary: expected rotate_half, halves, partial or interleaved_fp32, got ", kind);
@@ -282,11 +337,11 @@ std::vector<at::Tensor> Layer::decode(const T& h, const OT& add, const T& cos, c
   const int64_t M = h.size(0), H = h.size(1);
   check_bf16(ln2, H, "ln2");
   TORCH_CHECK(kpool.dim() == 3 && vpool.dim() == 3, "kpool/vpool: expected [R, Hkv, D]");
-  check_bf16(kpool, -1, "kpool");
-  check_bf16(vpool, -1, "vpool");
   const int64_t R = kpool.size(0), Hkv = kpool.size(1), D = kpool.size(2), Dv = vpool.size(2);
   TORCH_CHECK(vpool.size(0) == R && vpool.size(1) == Hkv && Dv == D, "vpool: expected the shape of kpool ", kpool.sizes(),
               ", got ", vpool.sizes());
+  const int kind = kv_kind(kpool, kscale, R, Hkv, "kpool");
+  TORCH_CHECK(kv_kind(vpool, vscale, R, Hkv, "vpool") == kind, "vpool: expected the dtype of kpool");
   const bool q8 = sq.has_value();  // int8 q/k/v/o with per-row scales, or ggml blocks (empty scales): all four, or none
   TORCH_CHECK(q8 == sk.has_value() && q8 == sv.has_value() && q8 == so.has_value(),
               "sq/sk/sv/so: expected all four scales (int8 or ggml-block q/k/v/o) or none");
@@ -356,8 +411,12 @@ std::vector<at::Tensor> Layer::decode(const T& h, const OT& add, const T& cos, c
   }
 
   // q/k norms, rotary (q*cos + rotate_half(q)*sin, each product and the sum rounded), k/v into the pool
-  uint16_t* kp = reinterpret_cast<uint16_t*>(kpool.data_ptr());
+  uint16_t* kp = reinterpret_cast<uint16_t*>(kpool.data_ptr());  // bf16 rows (kind KV_BF16)
   uint16_t* vp = reinterpret_cast<uint16_t*>(vpool.data_ptr());
+  uint8_t* kc = reinterpret_cast<uint8_t*>(kpool.data_ptr());  // codes (a quantized cache)
+  uint8_t* vc = reinterpret_cast<uint8_t*>(vpool.data_ptr());
+  float* ksp = kind != KV_BF16 ? kscale->data_ptr<float>() : nullptr;
+  float* vsp = kind != KV_BF16 ? vscale->data_ptr<float>() : nullptr;
   const int64_t half = RD / 2;
   std::vector<uint16_t> tmp(RD);
   auto rope_half = [&](uint16_t* v, const uint16_t* c, const uint16_t* s) {
@@ -390,8 +449,15 @@ std::vector<at::Tensor> Layer::decode(const T& h, const OT& add, const T& cos, c
       rope(k + a * D, t);
     }
     const int64_t p = lp[t] - 1, row = bp[t * NB + p / bs] * bs + p % bs;
-    std::memcpy(kp + row * Nk, k, Nk * sizeof(uint16_t));
-    std::memcpy(vp + row * Nk, v, Nk * sizeof(uint16_t));
+    if (kind == KV_BF16) {
+      std::memcpy(kp + row * Nk, k, Nk * sizeof(uint16_t));
+      std::memcpy(vp + row * Nk, v, Nk * sizeof(uint16_t));
+    } else {
+      for (int64_t a = 0; a < Hkv; ++a) {
+        kv_quantize(k + a * D, D, kind, kc + (row * Hkv + a) * D, ksp + row * Hkv + a);
+        kv_quantize(v + a * D, D, kind, vc + (row * Hkv + a) * D, vsp + row * Hkv + a);
+      }
+    }
   }
 
   // attention: one task per (token, KV head, slice of its query heads), so each key and value row is read once for
@@ -406,6 +472,7 @@ std::vector<at::Tensor> Layer::decode(const T& h, const OT& add, const T& cos, c
   const int64_t per = (groups + slices - 1) / slices;
   at::parallel_for(0, M * Hkv * slices, 1, [&](int64_t b, int64_t e) {
     std::vector<float> sc, o, qbuf;
+    std::vector<uint16_t> rbuf(D);  // a quantized cache: the row dequantized
     for (int64_t u = b; u < e; ++u) {
       const int64_t t = u / (Hkv * slices), g = (u / slices) % Hkv, a0 = g * groups + (u % slices) * per;
       const int64_t a1 = std::min(a0 + per, (g + 1) * groups), G = a1 - a0, L = lp[t];
@@ -418,9 +485,20 @@ std::vector<at::Tensor> Layer::decode(const T& h, const OT& add, const T& cos, c
       // KV rows of one head are D values every Hkv * D: a stride the hardware prefetcher follows badly, so each
       // row PF_ROWS positions ahead is requested in software (2048 positions from DRAM: 530 -> 233 us per layer)
       auto row_of = [&](int64_t l) { return (tb[l / bs] * bs + l % bs) * Hkv + g; };
+      // row l of a KV pool: bf16 as stored, or a quantized cache's codes dequantized into rbuf
+      auto kv_row = [&](uint16_t* bf, uint8_t* codes, const float* sp, int64_t l) -> const uint16_t* {
+        const int64_t r = row_of(l);
+        if (kind == KV_BF16) return bf + r * D;
+        return kv_dequantize(codes + r * D, sp[r], D, kind, rbuf.data());
+      };
+      auto ahead = [&](uint16_t* bf, uint8_t* codes, int64_t l) {  // prefetch PF_ROWS positions ahead
+        if (l + PF_ROWS >= L) return;
+        if (kind == KV_BF16) prefetch_row(bf + row_of(l + PF_ROWS) * D, D);
+        else prefetch_row(reinterpret_cast<const uint16_t*>(codes + row_of(l + PF_ROWS) * D), (D + 1) / 2);
+      };
       for (int64_t l = lo; l < L; ++l) {
-        if (l + PF_ROWS < L) prefetch_row(kp + row_of(l + PF_ROWS) * D, D);
-        const uint16_t* kr = kp + row_of(l) * D;
+        ahead(kp, kc, l);
+        const uint16_t* kr = kv_row(kp, kc, ksp, l);
         for (int64_t h = 0; h < G; ++h) sc[h * n + l - lo] = dot_row_x(kr, q + h * D, D) * score_mul;
       }
       if (skp == nullptr) {
@@ -440,8 +518,8 @@ std::vector<at::Tensor> Layer::decode(const T& h, const OT& add, const T& cos, c
         }
       }
       for (int64_t l = lo; l < L; ++l) {
-        if (l + PF_ROWS < L) prefetch_row(vp + row_of(l + PF_ROWS) * D, D);
-        const uint16_t* vr = vp + row_of(l) * D;
+        ahead(vp, vc, l);
+        const uint16_t* vr = kv_row(vp, vc, vsp, l);
         for (int64_t h = 0; h < G; ++h) axpy_bf16(o.data() + h * D, sc[h * n + l - lo], vr, D);
       }
       uint16_t* out = attn.data() + t * Nq + a0 * D;

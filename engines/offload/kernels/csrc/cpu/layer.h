@@ -109,6 +109,9 @@ class Layer : public torch::CustomClassHolder {
     TORCH_CHECK(bs_ >= 1, "Layer.pools: expected a block size >= 1, got ", bs_);
     kpool = kpool_; vpool = vpool_; bs = bs_;
   }
+  // a quantized KV cache (runtime/kv.py): the pools hold int8 codes or fp8 e4m3 bits (uint8), these their fp32 scales
+  // [R, Hkv], one per (row, head)
+  void kv_scales(T ks_, T vs_) { kscale = ks_; vscale = vs_; }
   // o_proj (out_proj), its bias and scales; q/k/v's scales (int8 rows with per-row scales, or ggml blocks: empty)
   void output(T wo_, OT bo_, OT so_) { wo = wo_; bo = bo_; so = so_; }
   void scales(OT sq_, OT sk_, OT sv_) { sq = sq_; sk = sk_; sv = sv_; }
@@ -186,6 +189,7 @@ class Layer : public torch::CustomClassHolder {
   int64_t window = 0;
   bool gated = false;  // attention with an output gate in wq (Qwen3-Next)
   T kpool, vpool;
+  OT kscale, vscale;
   int64_t bs = 0;
   T wo;
   OT bo, so;

@@ -267,6 +267,7 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
       .def("attention", &Layer::attention)
       .def("extras", &Layer::extras)
       .def("pools", &Layer::pools)
+      .def("kv_scales", &Layer::kv_scales)
       .def("output", &Layer::output)
       .def("scales", &Layer::scales)
       .def("linear", &Layer::linear)
