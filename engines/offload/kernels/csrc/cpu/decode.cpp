@@ -299,11 +299,12 @@ static void kv_quantize(const uint16_t* x, int64_t D, int kind, uint8_t* codes, 
 }
 
 static const uint16_t* kv_dequantize(const uint8_t* q, float s, int64_t D, int kind, uint16_t* out) {
+  const int64_t done = codes_to_bf16(q, kind == KV_FP8, s, D, out);  // vec.h: 16 at a time where the ISA has it
   if (kind == KV_INT8) {
-    for (int64_t d = 0; d < D; ++d) out[d] = f2bf(float(int8_t(q[d])) * s);
+    for (int64_t d = done; d < D; ++d) out[d] = f2bf(float(int8_t(q[d])) * s);
   } else {
     const float* f = fp8_values();
-    for (int64_t d = 0; d < D; ++d) out[d] = f2bf(f[q[d]] * s);
+    for (int64_t d = done; d < D; ++d) out[d] = f2bf(f[q[d]] * s);
   }
   return out;
 }
@@ -485,21 +486,23 @@ std::vector<at::Tensor> Layer::decode(const T& h, const OT& add, const T& cos, c
       // KV rows of one head are D values every Hkv * D: a stride the hardware prefetcher follows badly, so each
       // row PF_ROWS positions ahead is requested in software (2048 positions from DRAM: 530 -> 233 us per layer)
       auto row_of = [&](int64_t l) { return (tb[l / bs] * bs + l % bs) * Hkv + g; };
-      // row l of a KV pool: bf16 as stored, or a quantized cache's codes dequantized into rbuf
-      auto kv_row = [&](uint16_t* bf, uint8_t* codes, const float* sp, int64_t l) -> const uint16_t* {
+      // a quantized cache: row l's codes dequantized into rbuf (bf16, as the module path reads them)
+      auto deq = [&](const uint8_t* codes, const float* sp, int64_t l) -> const uint16_t* {
         const int64_t r = row_of(l);
-        if (kind == KV_BF16) return bf + r * D;
+        if (l + PF_ROWS < L) prefetch_row(reinterpret_cast<const uint16_t*>(codes + row_of(l + PF_ROWS) * D), (D + 1) / 2);
         return kv_dequantize(codes + r * D, sp[r], D, kind, rbuf.data());
       };
-      auto ahead = [&](uint16_t* bf, uint8_t* codes, int64_t l) {  // prefetch PF_ROWS positions ahead
-        if (l + PF_ROWS >= L) return;
-        if (kind == KV_BF16) prefetch_row(bf + row_of(l + PF_ROWS) * D, D);
-        else prefetch_row(reinterpret_cast<const uint16_t*>(codes + row_of(l + PF_ROWS) * D), (D + 1) / 2);
-      };
-      for (int64_t l = lo; l < L; ++l) {
-        ahead(kp, kc, l);
-        const uint16_t* kr = kv_row(kp, kc, ksp, l);
-        for (int64_t h = 0; h < G; ++h) sc[h * n + l - lo] = dot_row_x(kr, q + h * D, D) * score_mul;
+      if (kind == KV_BF16) {
+        for (int64_t l = lo; l < L; ++l) {
+          if (l + PF_ROWS < L) prefetch_row(kp + row_of(l + PF_ROWS) * D, D);
+          const uint16_t* kr = kp + row_of(l) * D;
+          for (int64_t h = 0; h < G; ++h) sc[h * n + l - lo] = dot_row_x(kr, q + h * D, D) * score_mul;
+        }
+      } else {
+        for (int64_t l = lo; l < L; ++l) {
+          const uint16_t* kr = deq(kc, ksp, l);
+          for (int64_t h = 0; h < G; ++h) sc[h * n + l - lo] = dot_row_x(kr, q + h * D, D) * score_mul;
+        }
       }
       if (skp == nullptr) {
         for (int64_t h = 0; h < G; ++h) softmax_row(sc.data() + h * n, n);
@@ -517,10 +520,17 @@ std::vector<at::Tensor> Layer::decode(const T& h, const OT& add, const T& cos, c
           for (int64_t i = 0; i < n; ++i) sh[i] = rbf(sh[i] / sum);
         }
       }
-      for (int64_t l = lo; l < L; ++l) {
-        ahead(vp, vc, l);
-        const uint16_t* vr = kv_row(vp, vc, vsp, l);
-        for (int64_t h = 0; h < G; ++h) axpy_bf16(o.data() + h * D, sc[h * n + l - lo], vr, D);
+      if (kind == KV_BF16) {
+        for (int64_t l = lo; l < L; ++l) {
+          if (l + PF_ROWS < L) prefetch_row(vp + row_of(l + PF_ROWS) * D, D);
+          const uint16_t* vr = vp + row_of(l) * D;
+          for (int64_t h = 0; h < G; ++h) axpy_bf16(o.data() + h * D, sc[h * n + l - lo], vr, D);
+        }
+      } else {
+        for (int64_t l = lo; l < L; ++l) {
+          const uint16_t* vr = deq(vc, vsp, l);
+          for (int64_t h = 0; h < G; ++h) axpy_bf16(o.data() + h * D, sc[h * n + l - lo], vr, D);
+        }
       }
       uint16_t* out = attn.data() + t * Nq + a0 * D;
       for (int64_t i = 0; i < G * D; ++i) out[i] = f2bf(o[i]);

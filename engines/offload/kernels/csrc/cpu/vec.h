@@ -276,6 +276,35 @@ inline void axpy_bf16(float* o, float a, const uint16_t* v, int64_t D) {
   for (; d < D; ++d) o[d] += a * bf2f(v[d]);
 }
 
+// A quantized KV row (decode.cpp, runtime/kv_quant.py): out[d] = bf16(value(q[d]) * s), rounded to nearest even;
+// value = the int8 code, or (fp8) the e4m3fn code's value: sign, 4 exponent bits biased by 7, 3 mantissa bits, the
+// codes with a zero exponent subnormal (m x 2^-9). Returns the number of values done (the rest: the caller's loop).
+inline int64_t codes_to_bf16(const uint8_t* q, bool fp8, float s, int64_t D, uint16_t* out) {
+  int64_t d = 0;
+#if defined(MOE_AVX512BF16)
+  const __m512 sv = _mm512_set1_ps(s);
+  const __m512i low7 = _mm512_set1_epi32(0x7F), bias = _mm512_set1_epi32(120 << 23), eight = _mm512_set1_epi32(8);
+  for (; d + 16 <= D; d += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + d));
+    __m512 v;
+    if (!fp8) {
+      v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    } else {
+      const __m512i x = _mm512_cvtepu8_epi32(b), mag = _mm512_and_si512(x, low7);
+      const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), bias));
+      const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512.0f));
+      v = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, eight), normal, sub);
+      v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v),
+                                              _mm512_slli_epi32(_mm512_andnot_si512(low7, x), 24)));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sv)));
+  }
+#else
+  (void)q; (void)fp8; (void)s; (void)out;
+#endif
+  return d;
+}
+
 // ---- MLA decode (mla.cpp): fp32 vectors against bf16 rows -----------------------------------------------------
 
 // sum_j w[j] * x[j], w bf16, x fp32 (AVX2 FMA on widened bf16; the AVX-512 machines run it too)
