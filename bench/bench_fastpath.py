@@ -13,7 +13,7 @@
 
 Both runs use the same weights, KV pool, executor and kernels: the difference is transformers' modules (the
 module path) against one compiled call per layer for attention, norms and (where the family's router is covered)
-routing (the fused path). ``--against layers``: the fused path's whole-step call (runtime/decode_step.py, one C++
+routing (the fused path). ``--against layers``: the fused path's whole-step call (model/decode_step.py, one C++
 call per step) against its per-layer loop (plan.step_call = None), same engine. Run on an idle machine.
 """
 

@@ -29,7 +29,7 @@ opts = json.loads(sys.argv[2])
 threads = opts.pop("threads")
 torch.set_num_threads(threads)
 if opts.get("tensor_parallel"):
-    from moe_offload.engines.offload.runtime import parallel
+    from moe_offload.engines.offload.ranks import parallel
     parallel.THREADS = threads
 e = build_offload_engine(sys.argv[1], dtype="bfloat16", fraction=1.0, **opts)
 t1 = time.perf_counter()
@@ -62,7 +62,7 @@ for name, x in (("all_reduce fp32 [8, 1024] (a decode layer's rows)", torch.rand
     for _ in range(500):
         dist.all_reduce(x)
     out[name] = (time.perf_counter() - t) / 500 * 1e6
-from moe_offload.engines.offload.runtime.parallel import over_ranks
+from moe_offload.engines.offload.ranks.parallel import over_ranks
 x = torch.randn(8, 1024).to(torch.bfloat16)
 for _ in range(50):
     over_ranks(x)

@@ -14,7 +14,7 @@ glue, decoder-layer glue (residual adds), model glue (masks, positions), LM head
 and the engine loop (the rest of the step: stats, the generator, Python between forwards). Hooks cost time
 themselves: the step is also measured without them, and the difference is printed.
 
-The stages are the module path's: the fused decode path (engines/offload/runtime/fastpath.py) calls no modules, so the
+The stages are the module path's: the fused decode path (engines/offload/model/fastpath.py) calls no modules, so the
 stage run switches it off; its step time is measured in the same run and printed beside, and --torch-profiler
 profiles what the engine runs (the fused path where the family is covered).
 

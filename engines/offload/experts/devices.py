@@ -43,6 +43,6 @@ def count_tokens(ex, cache, top_k_index: torch.Tensor, hits, host_experts: list[
 def all_ranks(proj: torch.Tensor) -> torch.Tensor:
     """``proj`` [S, H] summed over the ranks of expert parallel (each row is non-zero on one rank only, so the sum is
     that rank's row, bit for bit)."""
-    from moe_offload.engines.offload.runtime.parallel import over_ranks
+    from moe_offload.engines.offload.ranks.parallel import over_ranks
 
     return over_ranks(proj)

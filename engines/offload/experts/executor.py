@@ -105,7 +105,7 @@ class Executor:
         self.tail_skip: int | None = None
         self.cold_dtype: str | None = None  # the format of the layers' cold copies (LayerState.cold), when they have one
         self.skipped = 0  # pairs dropped so far
-        # expert parallel (runtime/parallel.py): (rank, world); this rank computes experts e with e % world == rank,
+        # expert parallel (ranks/parallel.py): (rank, world); this rank computes experts e with e % world == rank,
         # every layer's rows are summed over the ranks (parallel.over_ranks: the others' rows are zero here)
         self.ep: tuple[int, int] | None = None
 
@@ -257,7 +257,7 @@ class Executor:
         return result
 
     def book_resident(self, states: list[LayerState], ids: torch.Tensor, experts_s: float) -> None:
-        """Book a decode step that ran every layer in one call with all experts resident (runtime/decode_step.py):
+        """Book a decode step that ran every layer in one call with all experts resident (model/decode_step.py):
         ids [L, T, K] the routes of ``states``' layers; each pair a slot hit, as ``forward`` books it."""
         L, T, K = ids.shape
         multi = len(self.device_tiers) > 1

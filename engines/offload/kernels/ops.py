@@ -17,7 +17,7 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
   shared_expert_bf16(x [M, H], gate_up [2I, H], down [H, I], gate [1, H], gate_up_scale?, down_scale?) -> [M, H]
       Qwen2-MoE's gated shared expert: bf16(sigmoid(gate . x) * expert(x)) rounded as the module's bf16 ops; the
       expert as moe_experts_bf16, or (int8 rows + scales, ggml blocks: --dense-dtype int8, a GGUF file) as
-      moe_experts_q, one expert taking every token (runtime/fastpath.py's loop and the whole-step call)    moe.cpp
+      moe_experts_q, one expert taking every token (model/fastpath.py's loop and the whole-step call)    moe.cpp
   gemv_q(x [N, K], w, w_scale, bias [R]?, split=0) -> [N, R]    bf16|fp32 x, N <= MAX_TOKENS;        moe_quant.cpp
       the format from w.dtype: int8 [R, K] + fp32 [R] | float8_e4m3fn [R, K] + fp32 block scales [RB, ceil(K/128)]
       (rows >= split read the second half's blocks) | uint8 mxfp4 blocks [R, K/2] + E8M0 scales [R, K/32]
@@ -34,7 +34,7 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       bf16((x / rms) * (1 + w)) (zero-centred weights: Qwen3-Next, the q/k norms too)                     decode.cpp
   mla_decode_bf16(q [B, Hq, N + P], lat [B * L, R], rope [B * L, P], lens [B] int64, wkv_b [Hq * (N + V), R], nope N,
                   scaling) -> [B, Hq, V]
-      MLA decode attention over the latent cache with kv_b_proj absorbed into q and o (runtime/mla.py)     mla.cpp
+      MLA decode attention over the latent cache with kv_b_proj absorbed into q and o (model/mla.py)     mla.cpp
       sequence b attends to its first lens[b] of the L latent rows it owns; fp32 inside, bf16 out. rows [B * L] int64?:
       lat / rope are then the layer's pools [pool rows, 1, R | P] and rows picks each position's row (no gather copy)
   mla_prologue_bf16(q [M, Hq, N + P] (mutated), ckv [M, R + P], kv_norm [R], eps, cos [M, P], sin [M, P], interleave,
@@ -45,11 +45,11 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
                           fp32, conv_b [C]?, state [B, Hv, Dk, Dv] fp32 (mutated), A_log [Hv] fp32, dt_bias [Hv] fp32,
                           norm_w [Dv], eps, Hk, Hv, Dk, Dv, slots [B]?, plain) -> [B, Hv*Dv]
       a gated-DeltaNet layer's decode step from its input projections' outputs to its out_proj's input: the causal
-      conv update, the gated delta rule on the recurrent state, the gated RMSNorm (runtime/deltanet.py); slots: the
+      conv update, the gated delta rule on the recurrent state, the gated RMSNorm (model/deltanet.py); slots: the
       states are pools of seats [S, ...], row b's in seat slots[b] (the paged engine's); plain: Qwen3.5's
       separate projections, qkvz = [q | k | v | z], ba = [b | a] (else Qwen3-Next's per-key-head groups)   deltanet.cpp
   grouped_topk(scores [M, E] fp32, bias [E] fp32?, n_group, topk_group, top_k, norm_topk, scale) -> [ids [M, K] int64,
-               w [M, K] fp32]   DeepSeek-V3's grouped selection from sigmoid scores (runtime/moe_blocks.py)  router.cpp
+               w [M, K] fp32]   DeepSeek-V3's grouped selection from sigmoid scores (model/moe_blocks.py)  router.cpp
 Class moe_offload.Layer (torch.classes; layer.h lists its setters): one decoder layer as the kernels read it, its
   parts set by name (norms, attention, extras, pools, output, scales | linear | mla, router | grouped_router, experts,
   expert_gate, shared | mlp), its kinds by the model description's names (norm kind, rotary kind, router order)
@@ -63,7 +63,7 @@ Class moe_offload.Layer (torch.classes; layer.h lists its setters): one decoder 
       if norm_topk; topk_then_score: softmax over the top-k logits). No router: ids and w empty. w bf16 or fp32 as the
       family's router leaves it. int8 / ggml-block q/k/v/o (.scales, .output's so): as gemv_q computes them.
   .decode_mla(h, add?, cos [M, P], sin [M, P], slots [M], rows [M * lmax], lens [M]) -> decode()'s (ids, w empty)
-      an MLA layer's attention half (mla.cpp; runtime/mla_plan.py binds it)
+      an MLA layer's attention half (mla.cpp; model/mla_plan.py binds it)
   .decode_linear(h, add?, conv [S, C, K] (mutated), state [S, Hv, Dk, Dv] (mutated), slots [M]?) -> decode()'s
       a gated-DeltaNet layer likewise: the input projections stacked (their first n_qkvz outputs are
       gated_delta_decode_bf16's qkvz, the rest its ba), that step on the seats' states, out_proj          deltanet.cpp
@@ -74,9 +74,9 @@ Class moe_offload.DecodeStep() (torch.classes)                                  
       a whole decode step: per layer decode() (cos[i], sin[i]: the i-th rotary table, .rotary_table) or
       decode_linear() (states: the linear layers' (conv, state) pools in layer order), the routed pairs through
       moe_experts_q | moe_experts_bf16, the combine as the executor computes it; then the final norm
-  .step_mla(h, cos, sin, slots [M], rows [M * lmax], lens, norm, eps) -> step()'s, for MLA layers (mla_plan.py)
+  .step_mla(h, cos, sin, slots [M], rows [M * lmax], lens, norm, eps) -> step()'s, for MLA layers (model/mla_plan.py)
   .ranks(group, rank, world)   expert parallel: the rank's pairs only (e % world == rank), each MoE layer's rows
-      [S, H] summed over the group's ranks (c10d send/recv) before the combine (runtime/parallel.py)
+      [S, H] summed over the group's ranks (c10d send/recv) before the combine (ranks/parallel.py)
 Legend (MLA): N/P/V the nope/rope/value head dims, R kv_lora_rank, L key rows per sequence (padded).
 Legend: H hidden (input features), N output rows (gemv) or tokens (gemv_q), M / T tokens, I expert intermediate,
 K experts of a token (top-k) or input features (gemv_q), J experts of a layer, S routed pairs, R output rows or pool

@@ -91,7 +91,7 @@ def load_model(
     computed on the host read (resident experts stay as stored); not with the disk tier.
     ``devices``: several accelerators ("cuda:0,cuda:1", "cpu,cpu"; loading/devices.py), each a tier holding its share
     of each layer's experts as the placement says; the first runs the rest of the model (``device`` is ignored).
-    ``expert_parallel``: (rank, world): a float checkpoint's experts of other ranks are not read (parallel.py).
+    ``expert_parallel``: (rank, world): a float checkpoint's experts of other ranks are not read (ranks/parallel.py).
     Raises ModelError (bad checkpoint, dense model), PlacementError (placement for another model, slots that do
     not fit), ConfigError (bad option) before any large allocation.
     """

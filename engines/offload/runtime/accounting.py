@@ -45,7 +45,7 @@ def _all_ranks(hits, misses, host, copied, disk: dict, token_stats, n_tok: int, 
     this rank's (the ranks wait together). The other ranks keep their own numbers: only rank 0 reports them (each
     rank's own executor numbers travel with engine.stats()["ranks"])."""
     from moe_offload.engines.offload.experts.hostcache import COUNTERS
-    from moe_offload.engines.offload.runtime.parallel import to_leader
+    from moe_offload.engines.offload.ranks.parallel import to_leader
 
     if n_seq > 1 and token_stats is None:
         token_stats = torch.zeros(n_tok, 2, dtype=torch.int64)
@@ -86,7 +86,7 @@ class Accounting:
         per_copied = {k: v - before[7].get(k, 0) for k, v in after[7].items()}  # and bytes copied into each
         acc = executor.tier_names[0]
         n_seq, n_tok = len(scheduled), sum(n for _, n in scheduled)
-        if getattr(executor, "ep", None) is not None:  # expert parallel: every rank's pairs (parallel.py)
+        if getattr(executor, "ep", None) is not None:  # expert parallel: every rank's pairs (ranks/parallel.py)
             hits, misses, host, copied, disk, token_stats = _all_ranks(hits, misses, host, copied, disk, token_stats,
                                                                        n_tok, n_seq)
         q = 0

@@ -195,8 +195,8 @@ def build_offload_engine(
     devices: several accelerators ("cuda:0,cuda:1", "cpu,cpu" to exercise it on the CPU), each a tier of its own:
     a fraction's slots are split over them (loading/devices.py); the first runs the dense layers (``device`` then
     follows it). tensor_parallel: N > 1 ranks on torch.distributed (gloo on the CPU), each computing every layer's
-    experts e with e mod N == its rank (runtime/parallel.py); this process is rank 0 and drives the others.
-    expert_parallel: (rank, world) of one rank (set by parallel.py, not by users). enable_prefix_caching: keep full
+    experts e with e mod N == its rank (ranks/parallel.py); this process is rank 0 and drives the others.
+    expert_parallel: (rank, world) of one rank (set by ranks/parallel.py, not by users). enable_prefix_caching: keep full
     KV blocks for later requests with the same prefix (runtime/prefix_cache.py; vLLM's --enable-prefix-caching);
     kv_events: record the cache's BlockStored / BlockRemoved events for a publisher (serving/kv_events.py).
     kv_cache_dtype: APPROXIMATE unless "auto": "int8" | "fp8" (e4m3) KV rows with a scale per (token, head), about
@@ -234,7 +234,7 @@ def build_offload_engine(
     plan = _host_plan(path, dtype, expert_dtype, host_memory, kv_config, device, cold_dtype,
                       ranks=expert_parallel[1] if expert_parallel is not None else world)
     if world > 1 and expert_parallel is None:  # rank 0: start the others, each with this process's KV budget
-        from moe_offload.engines.offload.runtime import parallel
+        from moe_offload.engines.offload.ranks import parallel
 
         return parallel.launch(world, build_offload_engine, str(path), placement, dict(
             device=device, backend=backend, policy=policy, fraction=fraction, dtype=dtype,
@@ -251,7 +251,7 @@ def build_offload_engine(
         fraction = 0.0  # a CPU accelerator's pinned experts would hold host slots for good: the cache decides
     resolved = _placement(path, placement, fraction, policy, backend, dtype, devices)
     if expert_parallel is not None:
-        from moe_offload.engines.offload.runtime.parallel import share
+        from moe_offload.engines.offload.ranks.parallel import share
 
         resolved = share(resolved, *expert_parallel)
     offloaded = load_model(
@@ -271,7 +271,7 @@ def build_offload_engine(
     if tail_skip is not None:
         offloaded.executor.tail_skip = tail_skip
     if expert_parallel is not None:
-        from moe_offload.engines.offload.runtime.dense_split import shard_head
+        from moe_offload.engines.offload.ranks.dense_split import shard_head
 
         offloaded.executor.ep = tuple(expert_parallel)
         shard_head(offloaded.model, *expert_parallel, rehome=torch.device(device).type == "cpu"

@@ -29,7 +29,8 @@ import torch
 
 from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats
 from moe_offload.engines.offload.kernels import jit
-from moe_offload.engines.offload.runtime import deltanet, kv_budget
+from moe_offload.engines.offload.model import deltanet
+from moe_offload.engines.offload.runtime import kv_budget
 from moe_offload.engines.offload.runtime.accounting import Accounting
 from moe_offload.engines.offload.runtime.kv_budget import KVCacheConfig
 from moe_offload.engines.offload.runtime.model_runner import ModelRunner, describe_model, split_for_ranks
@@ -60,7 +61,7 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
 def _smallest_over_ranks(n: int) -> int:
     import torch.distributed as dist
 
-    from moe_offload.engines.offload.runtime.parallel import cpu_group
+    from moe_offload.engines.offload.ranks.parallel import cpu_group
 
     t = torch.tensor([n], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cpu_group())
@@ -117,7 +118,7 @@ class OffloadEngine(Engine):
         model_len = int(getattr(text_config, "max_position_embeddings", 0) or 2048)
         # what each layer computes, from the config and the family registry (control/description.py), once
         self.description = describe_model(self.model)
-        # gated-DeltaNet layers: their state in the pool's seats, one-token steps in one kernel call (deltanet.py)
+        # gated-DeltaNet layers: their state in the pool's seats, one-token steps in one kernel call (model/deltanet.py)
         self.deltanet_layers = deltanet.install(self.model, self.description.linear)
         # ranks that decode through the modules split their heads and dense MLPs first: the probe counts theirs
         split = split_for_ranks(self.model, self.executor, self.description)

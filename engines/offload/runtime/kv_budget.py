@@ -2,7 +2,7 @@
 
     model --probe_kv_bytes (one 2-token forward on a shape-recording cache)--> (bytes / token, state bytes /
       sequence), or None (None: a layer keeps state the pool cannot hold; each sequence then runs on the model's own
-      cache). State: a linear-attention layer's conv window and recurrent state (runtime/deltanet.py), fixed-size.
+      cache). State: a linear-attention layer's conv window and recurrent state (model/deltanet.py), fixed-size.
       (a quantized cache, cache_dtype int8 | fp8: one byte a value plus a 4-byte scale per (token, head): kv.py)
     KVCacheConfig.kv_cache_memory | 80 % of free CUDA memory | 4 GiB on cpu --budget_bytes--> bytes
     (bytes - max_num_seqs * state bytes) / (bytes per token * block_size), capped at max_num_seqs full-length
@@ -79,7 +79,7 @@ def probe_kv_bytes(model, executor, device: torch.device, codes: torch.dtype | N
         executor.stats.reset()  # the probe is not a request
     ok = bool(cache.seen) and len(cache.seen) + len(cache.stateful) == layers
     if getattr(executor, "ep", None) is not None and executor.ep[1] > 1:
-        from moe_offload.engines.offload.runtime.parallel import agree
+        from moe_offload.engines.offload.ranks.parallel import agree
 
         ok = agree(ok)  # every rank pages or none: their steps must run the same collectives
     if not ok:

@@ -5,7 +5,7 @@
               of the new KV), the key layout (layout(): decode sequences first, each padded to the longest, then
               each prefill chunk's context) --model + PagedCache (kv.py)--> logits of the kept rows [R, V]
       fused:  a step where every sequence computes one token (+ its draft: rows at consecutive positions), on a
-              model whose description (control/description.py) the fused path computes --DecodePlan (fastpath.py;
+              model whose description (control/description.py) the fused path computes --DecodePlan (model/fastpath.py;
               MLA layers: mla_plan.py), chosen once in decode_plan()--> logits [B, V]
       each:   a model with state beyond attention KV: one forward per sequence on its own cache
     around each forward: the executor's counters before and after --Accounting.book--> each sequence's stats
@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from moe_offload.control.description import ModelDescription, describe
-from moe_offload.engines.offload.runtime import fastpath, kv, mla
+from moe_offload.engines.offload.model import fastpath, mla
+from moe_offload.engines.offload.runtime import kv
 from moe_offload.engines.offload.runtime.accounting import Accounting, snapshot
 from moe_offload.engines.offload.runtime.scheduler import SchedulerOutput
 from moe_offload.errors import OffloadError
@@ -39,7 +40,7 @@ def describe_model(model) -> ModelDescription:
 
 def decode_plan(model, executor, pool, desc: ModelDescription):
     """The one place the decode path is chosen, from the description: its decode-only steps skip transformers' modules
-    (fastpath.py: softmax, linear and MLA attention) where every layer is a kind it computes;
+    (model/fastpath.py: softmax, linear and MLA attention) where every layer is a kind it computes;
     None: every step runs the modules. Tests replace this function to run the module path as the reference."""
     if desc.path != "fused":
         log.info("decode steps run transformers' modules", model_type=desc.model_type, reason=desc.why)
@@ -59,7 +60,7 @@ def split_for_ranks(model, executor, desc: ModelDescription) -> bool:
     holds N times the tokens of one process's budget. True when split; every rank or none (their exchanges match)."""
     if not _ranks(executor) or desc.attention == "mla":
         return False  # MLA: its latent cache does not split; the runner decides once mla.prepare has absorbed it
-    from moe_offload.engines.offload.runtime import fused_bind
+    from moe_offload.engines.offload.model import fused_bind
 
     try:
         fused = (desc.path == "fused" and executor.device.type == "cpu"
@@ -77,8 +78,8 @@ def _ranks(executor) -> bool:
 def _split_unless(fused: bool, model, executor, **note) -> bool:
     """Attention heads and dense MLPs split (dense_split.split_dense) on every rank unless ``fused`` holds on every
     rank (parallel.agree: the ranks' exchanges must match); True when split."""
-    from moe_offload.engines.offload.runtime.dense_split import split_dense
-    from moe_offload.engines.offload.runtime.parallel import agree
+    from moe_offload.engines.offload.ranks.dense_split import split_dense
+    from moe_offload.engines.offload.ranks.parallel import agree
 
     if agree(fused):
         return False

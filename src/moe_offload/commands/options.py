@@ -82,7 +82,7 @@ TENSOR_PARALLEL_HELP = ("N ranks on torch.distributed (gloo on the CPU), each co
 def ranks_share_cores(tensor_parallel: int | None) -> None:
     """--tensor-parallel N > 1: OpenMP threads that sleep when idle (OMP_WAIT_POLICY=PASSIVE, unless the user set a
     policy), so a rank that waits for the others' rows leaves its cores to them and every rank can use every core
-    (runtime/parallel.py); spinning ranks sharing cores run several times slower (docs/benchmarks/parallel.md).
+    (ranks/parallel.py); spinning ranks sharing cores run several times slower (docs/benchmarks/parallel.md).
     OpenMP reads the policy when torch loads it: only before torch is imported does this take effect."""
     from moe_offload import settings
 

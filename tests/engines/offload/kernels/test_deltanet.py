@@ -1,4 +1,4 @@
-"""The gated-DeltaNet decode kernel (kernels/csrc/cpu/deltanet.cpp, runtime/deltanet.py) against the module it
+"""The gated-DeltaNet decode kernel (kernels/csrc/cpu/deltanet.cpp, model/deltanet.py) against the module it
 replaces: Qwen3-Next's linear-attention layer, stepped one token at a time from the same cached state.
 
 Why it could fail: q/k/v/z or b/a taken from the wrong place of the projections' per-key-head layout, a value head
@@ -15,7 +15,8 @@ import torch
 
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.loader import load_model
-from moe_offload.engines.offload.runtime import deltanet, model_runner
+from moe_offload.engines.offload.model import deltanet
+from moe_offload.engines.offload.runtime import model_runner
 
 pytestmark = pytest.mark.skipif(not jit.load(), reason="the CPU kernels cannot be built here")
 

@@ -1,5 +1,5 @@
 """moe_offload::grouped_topk (kernels/csrc/cpu/router.cpp) against DeepSeek-V3's router module, and the block that
-uses it (runtime/moe_blocks.py) against the MoE module it replaces.
+uses it (model/moe_blocks.py) against the MoE module it replaces.
 
 Why it could fail: the bias used for the weights (it must only select), groups scored by their best one instead of
 their best two, the wrong groups masked, weights not renormalised or not scaled: each picks other experts or moves
@@ -14,7 +14,7 @@ from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, DeepseekV3TopkRouter
 
 from moe_offload.engines.offload.kernels import jit
-from moe_offload.engines.offload.runtime import moe_blocks
+from moe_offload.engines.offload.model import moe_blocks
 
 pytestmark = pytest.mark.skipif(not jit.load(), reason="the CPU kernels cannot be built here")
 

@@ -74,7 +74,7 @@ def test_image_token_experts_stay_resident_and_run_as_transformers(family_checkp
                                            ("qwen3_5_moe", True), ("deepseek_v32", False), ("minimax", False)])
 def test_paged_kv_only_where_every_layer_keeps_just_attention_kv(family_checkpoints, family, paged):
     """The load-time probe: a model whose layers all store through cache.update, or keep their state in the pool's
-    seats (Qwen3-Next's and Qwen3.5's gated-DeltaNet linear attention, runtime/deltanet.py), gets the paged block pool; a
+    seats (Qwen3-Next's and Qwen3.5's gated-DeltaNet linear attention, model/deltanet.py), gets the paged block pool; a
     sparse-attention indexer (DeepSeek-V3.2) or lightning-attention state (MiniMax) take the per-sequence path on the
     model's own cache."""
     engine = build_offload_engine(_path(family_checkpoints, family))

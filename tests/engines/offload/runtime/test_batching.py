@@ -134,7 +134,7 @@ def test_scheduler_options_are_checked_before_loading():
 @pytest.mark.parametrize("policy", ["static", "lru"])
 def test_a_family_with_linear_attention_state_batches_paged(tmp_path, policy):
     """Qwen3-Next keeps gated-delta-rule state in its linear-attention layers: it runs paged, each sequence's conv
-    window and recurrent state in a seat of the pool (runtime/deltanet.py), and batched sequences still get
+    window and recurrent state in a seat of the pool (model/deltanet.py), and batched sequences still get
     transformers' greedy tokens (fp32: the module's own code on each sequence's state), prefills chunked and mixed with
     other sequences' decode rows, a preempted sequence recomputed from a fresh state; the per-sequence path too."""
     import torch

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moe_offload.engines.offload.runtime import kv, kv_budget, parallel
+from moe_offload.engines.offload.ranks import parallel
+from moe_offload.engines.offload.runtime import kv, kv_budget
 
 
 class _Rank:

@@ -194,7 +194,7 @@ __attribute__((optimize("fp-contract=off"))) at::Tensor gated_delta_decode_bf16(
 }
 
 // A gated-DeltaNet decoder layer's decode step in one call (Qwen3-Next's linear-attention layers in the fused decode
-// path, runtime/fastpath.py), as Layer.decode is a softmax-attention layer's:
+// path, model/fastpath.py), as Layer.decode is a softmax-attention layer's:
 //   h (+ add) -> residual, norm -> the input projections w_in stacked (Qwen3-Next: in_proj_qkvz, in_proj_ba; plain:
 //   in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; their first n_qkvz columns are qkvz, the rest ba) -> the step above
 //   -> out_proj -> residual, norm, the fused router -> {h2, x2, ids, weights}

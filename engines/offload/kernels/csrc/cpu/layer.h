@@ -6,7 +6,7 @@
 //   layer_tail:    h2 = bf16(h_in + o), x2 = the second norm of h2, the fused router's top-k    (the layer's tail)
 //
 // and the layer itself (class Layer, torch.classes.moe_offload.Layer), built once per model from Python
-// (runtime/fused_bind.py, mla_plan.py, decode_step.py) with one setter per part, kinds by the model description's
+// (model/fused_bind.py, mla_plan.py, decode_step.py) with one setter per part, kinds by the model description's
 // names; its decode / decode_linear / decode_mla run the per-layer path, DecodeStep.add(layer) the whole step.
 //
 // Numbers: those of Layer.decode (decode.cpp), whose parts these are. Arguments and shapes: kernels/ops.py.

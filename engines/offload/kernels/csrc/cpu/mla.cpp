@@ -15,7 +15,7 @@
 //
 // Numbers: fp32 throughout (the query's latent, the scores, the softmax, the latent output), one rounding to bf16 at
 // the end. The module path rounds the expanded keys and values to bf16 first: results agree to bf16 rounding, not bit
-// for bit (tested against it and against an fp32 reference: tests/engines/offload/runtime/test_mla.py).
+// for bit (tested against it and against an fp32 reference: tests/engines/offload/model/test_mla.py).
 // Legend: B sequences, H heads, N qk_nope_head_dim, P qk_rope_head_dim, V v_head_dim, R kv_lora_rank, L positions
 // per sequence in the key layout (padded), t a position.
 #include <ATen/ops/add.h>

@@ -1,6 +1,6 @@
 // A whole decode step in one call: every layer's attention half and router (Layer.decode), its routed experts
 // (moe_experts_q | moe_experts_bf16) and the combine, then the final norm, for a model whose experts are all resident
-// in host memory (runtime/fastpath.py decides when; the Python loop over layers is the fallback).
+// in host memory (model/fastpath.py decides when; the Python loop over layers is the fallback).
 //
 //   DecodeStep()
 //     .add(layer)   a moe_offload.Layer (layer.h) with its experts by id (.experts), once per layer, at build
@@ -9,7 +9,7 @@
 //        layer i rotates by cos[rot_i], sin[rot_i] (.rotary_table: a table per layer type, the identity for NoPE);
 //        gated-DeltaNet layers take each token's seat and their (conv, state) pools, in layer order, from states
 //     .step_mla(h, cos, sin, slots [M], rows [M * lmax], lens, norm, eps)   the same for MLA layers (mla_plan.py)
-//     .ranks(group, rank, world)   expert parallel (runtime/parallel.py): this rank computes the pairs of experts e with
+//     .ranks(group, rank, world)   expert parallel (ranks/parallel.py): this rank computes the pairs of experts e with
 //        e % world == rank, the others' rows stay zero, and every MoE layer's rows [S, H] are summed over the ranks
 //        (torch.distributed's send/recv on the group, CPU tensors: gloo) before the combine, so every rank combines the
 //        one-process rows bit for bit (x + 0 = x); routes, dense layers and the rest are computed on every rank
@@ -24,7 +24,7 @@
 // expert over every token, as moe_blocks.py calls them); combine is the
 // executor's `(proj * w).view(M, K, H).sum(1).to(bf16)` as torch computes it on the CPU for K <= 16: each product
 // rounded to the promoted dtype (bf16 weights: bf16; fp32 weights: fp32), summed in fp32 over k in order, rounded
-// once. Tested bit for bit against the per-layer path (tests/engines/offload/runtime/test_decode_step.py).
+// once. Tested bit for bit against the per-layer path (tests/engines/offload/model/test_decode_step.py).
 // Legend: M tokens, H hidden, L layers, K top-k, E experts, S = M*K routed pairs, J experts routed to this step.
 #include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>

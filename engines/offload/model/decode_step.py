@@ -22,7 +22,7 @@ placement pinning all) and, over the expert store file, held in a host slot that
 in (until the background reads land, on every rank under expert parallel, the loop runs and waits for what it routes
 to); experts the one-call kernels
 take (experts/fused.kind: "bf16" or "q"); top-k <= 16, at most KERNEL_MAX_GROUP tokens, not the load-time probe
-(dry). Expert parallel (runtime/parallel.py): each rank's call computes its experts' pairs and sums the rows over
+(dry). Expert parallel (ranks/parallel.py): each rank's call computes its experts' pairs and sums the rows over
 the ranks itself (DecodeStep.ranks), so a rank needs only its own experts pinned.
 """
 
@@ -51,7 +51,7 @@ def _guarded(build, plan):
     except Exception as e:  # raised once the ranks agreed
         err = e
     if plan.executor.ep is not None:
-        from moe_offload.engines.offload.runtime.parallel import agree
+        from moe_offload.engines.offload.ranks.parallel import agree
 
         if not agree(call is not None) and call is not None:
             log.info("whole-step decode off: the per-layer loop runs", reason="another rank cannot build the call")
@@ -66,7 +66,7 @@ class StepCall:
 
     def __init__(self, obj, executor, states):
         if executor.ep is not None:  # expert parallel: this rank's pairs, the rows summed over the ranks in the call
-            from moe_offload.engines.offload.runtime.parallel import step_group
+            from moe_offload.engines.offload.ranks.parallel import step_group
 
             obj.ranks(step_group(), *executor.ep)
         self.obj, self.executor, self.states = obj, executor, states
@@ -123,7 +123,7 @@ class StepCall:
         if not self.ready:
             done = all(f.done() for store in self.reading for f in list(store.pending.values()))
             if self.executor.ep is not None:
-                from moe_offload.engines.offload.runtime.parallel import agree
+                from moe_offload.engines.offload.ranks.parallel import agree
 
                 done = agree(done)
             if not done:

@@ -21,9 +21,9 @@ from offload_helpers import FAMILIES, staggered
 from offload_helpers import references as shared_references
 from transformers import AutoConfig
 
+from moe_offload.engines.offload.ranks.dense_split import split
+from moe_offload.engines.offload.ranks.parallel import share
 from moe_offload.engines.offload.runtime.build import build_offload_engine
-from moe_offload.engines.offload.runtime.dense_split import split
-from moe_offload.engines.offload.runtime.parallel import share
 from moe_offload.engines.params import SamplingParams
 from moe_offload.errors import ConfigError
 
@@ -197,7 +197,8 @@ def test_ranks_agree_on_the_whole_step_call(monkeypatch):
     # whose build raised still takes part in the agreement before raising (the others would wait for it forever)
     from types import SimpleNamespace
 
-    from moe_offload.engines.offload.runtime import decode_step, parallel
+    from moe_offload.engines.offload.model import decode_step
+    from moe_offload.engines.offload.ranks import parallel
 
     votes = []
     plan = SimpleNamespace(executor=SimpleNamespace(ep=(0, 2)))
@@ -235,7 +236,7 @@ def test_the_cli_lets_ranks_share_cores_only_before_torch_loads():
 
 
 def test_ranks_take_every_core_only_when_their_threads_sleep(monkeypatch):
-    from moe_offload.engines.offload.runtime import parallel
+    from moe_offload.engines.offload.ranks import parallel
 
     cores = os.cpu_count()
     monkeypatch.setattr(parallel, "PASSIVE", False)
@@ -249,7 +250,7 @@ import sys, torch, torch.distributed as dist
 from moe_offload.engines.offload.kernels import dispatch
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
 from moe_offload.engines.offload.loading import ggml
-from moe_offload.engines.offload.runtime.dense_split import VocabShard, shard_head
+from moe_offload.engines.offload.ranks.dense_split import VocabShard, shard_head
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
 torch.manual_seed(0)
@@ -289,7 +290,7 @@ def test_each_rank_reads_its_rows_of_the_lm_head_and_gathers_the_one_process_log
     # three ranks, a vocabulary that does not split evenly (13, 12, 12 rows), an LM head of bf16 (with a bias, or
     # tied to the embeddings: then the rank's rows are a view, not a copy), int8 rows or ggml blocks: the gathered
     # logits are the whole head's bit for bit, in vocabulary order (a part placed at the wrong offset fails it)
-    from moe_offload.engines.offload.runtime.parallel import _free_port
+    from moe_offload.engines.offload.ranks.parallel import _free_port
 
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-c", _HEAD_RANK, str(r), str(port)], stdout=subprocess.PIPE,
@@ -306,7 +307,7 @@ def test_ranks_split_heads_and_dense_mlps_where_the_modules_decode(checkpoints, 
     # heads alone; OLMoE's q/k norms span the whole projection (not one head): its attention stays whole, its
     # pools whole. The split comes before the KV pool is sized: a budget of 4 blocks of one process's KV holds 8 of
     # the rank's. The tokens (transformers', both ways) are test_two_ranks_give_transformers_tokens_solo_and_batched's.
-    from moe_offload.engines.offload.runtime.dense_split import RankSum
+    from moe_offload.engines.offload.ranks.dense_split import RankSum
 
     path = checkpoints(family)
     cfg = AutoConfig.from_pretrained(path)
@@ -333,7 +334,7 @@ def test_ranks_split_heads_and_dense_mlps_where_the_modules_decode(checkpoints, 
 def test_attention_with_another_per_head_part_stays_whole():
     # a gate projection per head beside q/k/v/o (AFMoE's gate_proj, Step3p7's g_proj) would no longer line up with
     # the rank's heads: such attention is left whole; plain q/k/v/o is cut to rank 1's heads (GQA: 4 heads, 2 KV)
-    from moe_offload.engines.offload.runtime.dense_split import RankSum, _split_heads
+    from moe_offload.engines.offload.ranks.dense_split import RankSum, _split_heads
 
     def attention(gated):
         a = torch.nn.Module()
@@ -358,7 +359,7 @@ def test_a_vision_towers_attention_stays_whole():
     # vision tower's self_attn (2 heads of 16 where the text has 4 of 8, KV 2) keeps every head on every rank
     from types import SimpleNamespace
 
-    from moe_offload.engines.offload.runtime.dense_split import RankSum, split_dense
+    from moe_offload.engines.offload.ranks.dense_split import RankSum, split_dense
 
     def block(heads, kv_heads, head_dim):
         a = torch.nn.Module()

@@ -1,4 +1,4 @@
-"""MLA decode over the latent cache with kv_b_proj absorbed (runtime/mla.py, kernels/csrc/cpu/mla.cpp).
+"""MLA decode over the latent cache with kv_b_proj absorbed (model/mla.py, kernels/csrc/cpu/mla.cpp).
 
 The absorbed attention is the expanded one with the products reassociated: W_uk^T q_nope dotted with a latent is
 q_nope dotted with W_uk latent, and W_uv applied after the weighted sum of latents is the weighted sum of W_uv
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_offload.engines.offload.kernels import jit
-from moe_offload.engines.offload.runtime import mla
+from moe_offload.engines.offload.model import mla
 from moe_offload.engines.offload.runtime.build import build_offload_engine
 from moe_offload.engines.params import SamplingParams
 

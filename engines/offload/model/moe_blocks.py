@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe_offload.engines.offload.kernels.dispatch import scale_arg
 from moe_offload.engines.offload.kernels import ops
+from moe_offload.engines.offload.kernels.dispatch import scale_arg
 from moe_offload.engines.offload.kernels.ops import experts
-from moe_offload.engines.offload.runtime.weights import mlp_args
+from moe_offload.engines.offload.model.weights import mlp_args
 
 
 def mlp_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None = None,

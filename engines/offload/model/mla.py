@@ -22,7 +22,7 @@ DSA: its mask selects keys) or a sliding window.
 
 Numbers: the absorbed sums run in fp32 and round once, where the module path rounds the expanded keys and values to
 the model dtype first; fp32 models agree to float rounding (greedy tokens identical in the exactness tests), bf16
-within the bf16 tolerance (tests/engines/offload/runtime/test_mla.py).
+within the bf16 tolerance (tests/engines/offload/model/test_mla.py).
 Legend: H heads, N/P/V nope/rope/value head dims, R kv_lora_rank, L cached positions, Bd decode sequences.
 """
 

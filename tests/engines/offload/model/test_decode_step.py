@@ -1,4 +1,4 @@
-"""The whole-step decode call (runtime/decode_step.py, kernels/csrc/cpu/step.cpp) against the per-layer loop it
+"""The whole-step decode call (model/decode_step.py, kernels/csrc/cpu/step.cpp) against the per-layer loop it
 replaces: the same kernels in the same order and the executor's combine as torch computes it, so the logits must be
 identical bit for bit, the routes the same, and the executor's books (hits, per-token attribution) the same.
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_offload.engines.offload.kernels import jit
-from moe_offload.engines.offload.runtime import decode_step
+from moe_offload.engines.offload.model import decode_step
 from moe_offload.engines.offload.runtime.build import build_offload_engine
 from moe_offload.engines.params import SamplingParams
 
@@ -158,7 +158,7 @@ def _every_dense_linear_int8(engine) -> None:
     bf16 = {n.rsplit(".", 1)[-1] for n, m in engine.model.named_modules() if type(m) is torch.nn.Linear}
     assert bf16 <= {"gate", "shared_expert_gate", "kv_b_proj"}, bf16
     assert sum(isinstance(m, QuantLinear) for m in engine.model.modules()) > 0
-    from moe_offload.engines.offload.runtime.decode_step import StepCall
+    from moe_offload.engines.offload.model.decode_step import StepCall
 
     plan = engine.runner.fast
     assert StepCall.build(plan) is not None
@@ -189,7 +189,7 @@ def test_whole_step_equals_the_layer_loop_gguf(tmp_path, family):
                 assert all(isinstance(getattr(a, n), BlockLinear) for n in ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj",
                                                                             "o_proj"))
                 assert type(a.kv_b_proj) is torch.nn.Linear
-        from moe_offload.engines.offload.runtime.decode_step import StepCall
+        from moe_offload.engines.offload.model.decode_step import StepCall
 
         plan = engine.runner.fast  # the call takes every block linear (a refused one would mean the loop alone)
         assert StepCall.build(plan) is not None
@@ -265,7 +265,7 @@ def test_decode_step_rejects_bad_layers():
 def test_a_layer_the_call_refuses_leaves_the_loop(checkpoints):
     # weights the C++ checks refuse at build (here a router of 3 experts for a layer of 8) mean the per-layer loop,
     # with a log line, never a failed request
-    from moe_offload.engines.offload.runtime.decode_step import StepCall
+    from moe_offload.engines.offload.model.decode_step import StepCall
 
     engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16", fraction=1.0)
     try:

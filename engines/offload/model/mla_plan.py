@@ -10,7 +10,7 @@ attention to a kernel layer and lays out the step's pool rows.
          the same call the whole-step call makes per layer
          -> DeepSeek-V3's MoE block as moe_blocks.py runs it (fused selection, the executor, shared experts), a dense
             silu MLP in one call (mlp_rows), any other MLP as its module (a MoE module's experts still go to the executor)
-      (every expert resident: all of this for every layer in one C++ call instead, runtime/decode_step.py)
+      (every expert resident: all of this for every layer in one C++ call instead, model/decode_step.py)
       -> final norm -> LM head -> logits [M, V]
 
 Why: in the module path a DeepSeek-V3-layout decode step spends about a third of its time in ~2000 small torch
@@ -21,7 +21,7 @@ Which models: those whose description (control/description.py) has MLA attention
 with DeepSeek-V3's layers (control/families.py; tests/engines/offload/test_family_registry.py checks each against the
 installed transformers' source), in bf16 on the CPU with the kernels built and the paged cache.
 Each step computes what the module path computes, at the same roundings, through the same kernels (logits equal
-where the routes agree; tests/engines/offload/runtime/test_mla.py); a step of more than 16 sequences takes the
+where the routes agree; tests/engines/offload/model/test_mla.py); a step of more than 16 sequences takes the
 few-token GEMM (each row as the GEMV's) where the patched modules take torch's.
 Legend: M sequences (one token each), H hidden, Hh heads, N/P/V nope/rope/value head dims, R kv_lora_rank.
 """
@@ -32,7 +32,7 @@ import torch
 
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
-from moe_offload.engines.offload.runtime.weights import fuse_linears, weight_and_scale
+from moe_offload.engines.offload.model.weights import fuse_linears, weight_and_scale
 
 
 def refuse(model) -> str:

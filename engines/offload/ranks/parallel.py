@@ -4,7 +4,7 @@ experts, in lockstep with rank 0.
     worker / generate process = rank 0: the API, the scheduler, sampling
         --("step", aborted sids): a header of int64s (send/recv) | ("start", prompt, params) | ("stats",) |
           ("close",): the header, then broadcast_object_list-->
-    ranks 1..N-1 (python -m moe_offload.engines.offload.runtime.rank): the same engine calls in the same order
+    ranks 1..N-1 (python -m moe_offload.engines.offload.ranks.rank): the same engine calls in the same order
     every MoE layer, on every rank: its own experts' rows of [S, H] (the others zero)
         --sum over the ranks (over_ranks: send/recv on gloo, all_reduce on NCCL)--> the full rows on every rank
         --> the same combine as one process (the whole-step call does it in C++: DecodeStep.ranks)
@@ -225,7 +225,7 @@ def launch(world: int, build, model_path: str, placement, options: dict[str, Any
                        "placement": placement.to_json() if hasattr(placement, "to_json") else None,
                        "placement_file": str(placement) if placement is not None and not hasattr(placement, "to_json")
                        else None})
-    cmd = [sys.executable, "-m", "moe_offload.engines.offload.runtime.rank", "--world", str(world), "--port", str(port), "--threads", str(threads)]
+    cmd = [sys.executable, "-m", "moe_offload.engines.offload.ranks.rank", "--world", str(world), "--port", str(port), "--threads", str(threads)]
     from moe_offload.log import chosen
 
     env = {**os.environ, **chosen()}  # the ranks log as this process does (quiet for generate, JSON for a worker)

@@ -1,4 +1,4 @@
-"""The dense layers of a rank of ``--tensor-parallel`` (runtime/parallel.py): what each rank reads of them.
+"""The dense layers of a rank of ``--tensor-parallel`` (ranks/parallel.py): what each rank reads of them.
 
     LM head (every path):   x [.., H] --its rows [lo, lo + n) of the vocabulary (the kernel one process uses)-->
         [.., n] --gathered in rank order (send/recv on gloo; all_gather, padded, on NCCL)--> logits [.., V]
@@ -24,7 +24,7 @@ import gc
 import torch
 import torch.distributed as dist
 
-from moe_offload.engines.offload.runtime.parallel import exchange, over_ranks
+from moe_offload.engines.offload.ranks.parallel import exchange, over_ranks
 
 
 def split(n: int, world: int) -> list[int]:

@@ -9,7 +9,7 @@
          -> the offload executor with those top-k ids and weights (tiers, fetches, statistics: unchanged)
          (+ Qwen2-MoE's gated shared expert in one call, moe_offload::shared_expert_bf16; a dense layer's silu MLP in
           one call, moe_blocks.mlp_rows; any other shared expert or MLP through its own modules)
-      (every expert resident: all of this for every layer in one C++ call instead, runtime/decode_step.py)
+      (every expert resident: all of this for every layer in one C++ call instead, model/decode_step.py)
       -> final norm (moe_offload::rmsnorm_bf16) -> LM head -> logits [M, V]
 
 Why: the module path spends about as long in small torch ops as in reading weights (docs/benchmarks/engine.md,
@@ -32,9 +32,9 @@ import torch
 
 from moe_offload.control.description import ModelDescription
 from moe_offload.engines.offload.kernels import ops
-from moe_offload.engines.offload.runtime import fused_bind, mla_plan
-from moe_offload.engines.offload.runtime.decode_step import StepCall
-from moe_offload.engines.offload.runtime.moe_blocks import mlp_rows
+from moe_offload.engines.offload.model import fused_bind, mla_plan
+from moe_offload.engines.offload.model.decode_step import StepCall
+from moe_offload.engines.offload.model.moe_blocks import mlp_rows
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")

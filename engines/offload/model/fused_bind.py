@@ -20,9 +20,9 @@ import torch
 from moe_offload.control.description import Attention, LinearMixer, ModelDescription, MoEBlock, Rotary
 from moe_offload.engines.offload.kernels import jit, ops
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear, RowsLinear
-from moe_offload.engines.offload.runtime import deltanet, mla_plan
-from moe_offload.engines.offload.runtime.moe_blocks import block_for
-from moe_offload.engines.offload.runtime.weights import mlp_args
+from moe_offload.engines.offload.model import deltanet, mla_plan
+from moe_offload.engines.offload.model.moe_blocks import block_for
+from moe_offload.engines.offload.model.weights import mlp_args
 
 
 def _shared_args(se, gate) -> tuple | None:

@@ -1,6 +1,6 @@
 """One rank of --tensor-parallel, started by rank 0 (parallel.launch) as torchrun would start it.
 
-    python -m moe_offload.engines.offload.runtime.rank --rank R --world N --port P --threads T  < spec JSON
+    python -m moe_offload.engines.offload.ranks.rank --rank R --world N --port P --threads T  < spec JSON
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import argparse
 import json
 import sys
 
+from moe_offload.engines.offload.ranks.parallel import follow
 from moe_offload.engines.offload.runtime.build import build_offload_engine
-from moe_offload.engines.offload.runtime.parallel import follow
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moe_offload.engines.offload.runtime.rank",
+    ap = argparse.ArgumentParser(prog="python -m moe_offload.engines.offload.ranks.rank",
                                  description="one rank of --tensor-parallel (started by rank 0)")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
