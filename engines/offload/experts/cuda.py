@@ -80,27 +80,33 @@ def check_device(device: torch.device) -> None:
 GATHER_MAX_BYTES = 256 << 20
 
 
-def gathered_hits(executor, state, module, x: torch.Tensor, ids: list[int], K: int, proj) -> bool:
+def gathered_hits(executor, state, module, x: torch.Tensor, ids: list[int], K: int, proj,
+                  top_k_index: torch.Tensor | None = None) -> bool:
     """Compute a layer's slot hits in one gathered call (dispatch.experts_gathered) when its slots are one device's
-    float buffers: each hit pair's weights are gathered by slot, its token's row by pair. Places the rows as the
-    per-expert loop does (``proj`` by pair) and returns True; False when the layer
-    does not qualify (several devices, quantized or aliased slots, too many pairs), leaving the loop to run."""
+    float buffers: every (token, k) pair of the step in fixed shapes, its slot read from the device's slot table
+    (slot_table.py; a miss's clamped to slot 0), its weights gathered by slot and its token's row by pair; the hit
+    pairs' rows are placed in ``proj`` as the per-expert loop places them (misses' rows are left to the miss paths).
+    Returns True; False when the layer does not qualify (several devices, quantized or aliased slots, too many pairs),
+    leaving the loop to run."""
     cache = state.cache
     stacked = cache.stacked
     if stacked is None or stacked[0].dtype in quant.FORMAT_OF_DTYPE or stacked[0].device != x.device:
         return False
-    slot_of = cache.slot_of
-    pairs = [i for i, e in enumerate(ids) if slot_of[e] >= 0]
-    if len(pairs) * state.expert_bytes > GATHER_MAX_BYTES:
+    if len(ids) * state.expert_bytes > GATHER_MAX_BYTES:
         return False
-    slots = [slot_of[ids[i]] for i in pairs]
-    index = torch.tensor([slots, [i // K for i in pairs], pairs], dtype=torch.long).to(x.device, non_blocking=True)
-    sl = index[0]
-    up, down, up_bias, down_bias = (t.index_select(0, sl) if t is not None else None for t in stacked[:4])
-    y = experts_gathered(module, x.index_select(0, index[1]), up, down, up_bias, down_bias)  # [P, H]
-    proj.index_copy_(0, index[2], y.to(proj.dtype))
+    table = executor.slot_table()
+    table.sync(state.pos)  # what this step's fetches and evictions so far changed
+    routed = top_k_index if top_k_index is not None else torch.tensor(ids, device=x.device).view(-1, K)
+    slots = table.slots_of(state.pos, routed.to(x.device)).reshape(-1)  # [T * K] on the device, -1: a miss
+    hit = slots >= 0
+    up, down, up_bias, down_bias = (t.index_select(0, slots.clamp(min=0)) if t is not None else None
+                                    for t in stacked[:4])
+    y = experts_gathered(module, x.repeat_interleave(K, dim=0), up, down, up_bias, down_bias)  # [T * K, H]
+    proj.copy_(torch.where(hit.unsqueeze(1), y.to(proj.dtype), proj))
     if executor._cuda:  # the slots' last use, before a fetch may overwrite one
         ev = executor._copiers[x.device].record()
-        for s in slots:
-            state.events[s] = ev
+        slot_of = cache.slot_of
+        for e in ids:
+            if slot_of[e] >= 0:
+                state.events[slot_of[e]] = ev
     return True

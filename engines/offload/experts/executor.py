@@ -108,6 +108,15 @@ class Executor:
         # expert parallel (ranks/parallel.py): (rank, world); this rank computes experts e with e % world == rank,
         # every layer's rows are summed over the ranks (parallel.over_ranks: the others' rows are zero here)
         self.ep: tuple[int, int] | None = None
+        self._slot_table = None  # slot_table.SlotTable of the layers' caches, built at its first use
+
+    def slot_table(self):
+        """The expert-to-slot table of every layer's cache on the executor's device (experts/slot_table.py)."""
+        if self._slot_table is None:
+            from moe_offload.engines.offload.experts.slot_table import SlotTable
+
+            self._slot_table = SlotTable([s.cache for s in self.layers], self.device)
+        return self._slot_table
 
     # ---- set-up (loader) ----
     def attach(self, module: torch.nn.Module, layer: int, store: LayerStore, cache: SlotCache) -> LayerState:
@@ -217,7 +226,7 @@ class Executor:
             for i, (g, _) in enumerate(hits):
                 proj[g[1]] = grouped[i]
         elif not (hits and self.gather_hits and self.ep is None
-                  and cuda.gathered_hits(self, state, module, hidden_states, ids, K, proj)):
+                  and cuda.gathered_hits(self, state, module, hidden_states, ids, K, proj, top_k_index)):
             for g, s in hits:
                 self._compute(state, module, rows, g, cache.weights[s], proj, slot=s)
         t2 = time.perf_counter()

@@ -26,6 +26,7 @@ class TierSlots:
         for s, e in enumerate(self.pinned):
             self.slot_of[e], self.expert_in[s] = s, e
         self.lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(len(self.pinned), slots))
+        self.version = 0  # moves with every change of slot_of (slot_table.SlotTable copies a row when it moved)
 
     @property
     def num_slots(self) -> int:
@@ -54,6 +55,7 @@ class TierSlots:
             self.slot_of[old] = -1
         self.expert_in[s], self.slot_of[e] = e, s
         self.lru[s] = None
+        self.version += 1
         return s, old
 
     def release(self, slot: int) -> None:
@@ -62,6 +64,7 @@ class TierSlots:
         if e >= 0:
             self.slot_of[e] = -1
         self.expert_in[slot] = -1
+        self.version += 1
         if slot in self.lru:
             self.lru.move_to_end(slot, last=False)
 

@@ -57,3 +57,32 @@ def test_gathered_hits_leave_oversized_steps_to_the_loop(checkpoints, monkeypatc
     tokens, _, calls, _ = _run(path, "static", 1.0, True, monkeypatch)
     assert calls and not any(calls)
     assert tokens == _run(path, "static", 1.0, False, monkeypatch)[0]
+
+
+def test_the_slot_table_follows_every_fetch_and_eviction(checkpoints, monkeypatch):
+    # lru at 0.25: every decode step fetches and evicts; after each step the device table, synced, is the host's
+    # bookkeeping, and the gathered path read its hits from it (a stale row would gather a wrong expert's weights and
+    # move the logits: test_gathered_hits_match_the_per_expert_loop)
+    from moe_offload.engines.offload.experts.slot_table import SlotTable
+
+    path = checkpoints("qwen3_moe")
+    monkeypatch.setattr(loader, "SlotCache", lambda *a, **kw: SlotCache(*a, **{**kw, "alias_pinned": False}))
+    om = loader.load_model(path, fraction_placement(path, 0.25, "lru"), policy="lru", device="cpu")
+    ex = om.executor
+    ex.gather_hits = True
+    table = ex.slot_table()
+    versions = []
+    with torch.no_grad():
+        for n in range(1, 6):
+            greedy(om.model, PROMPT[:n] + [n * 7], 1)
+            versions.append([s.cache.version for s in ex.layers])
+            table.sync()
+            for i, st in enumerate(ex.layers):
+                assert table.table[i].tolist() == st.cache.slot_of
+                ids = torch.tensor([[e, (e + 3) % len(st.cache.slot_of)] for e in range(len(st.cache.slot_of))])
+                assert table.slots_of(i, ids).tolist() == [[st.cache.slot_of[a], st.cache.slot_of[b]]
+                                                           for a, b in ids.tolist()]
+    assert versions[-1] != versions[0], "no fetch moved a slot: the test did not exercise the table"
+    assert table.sync() == 0  # nothing changed since: no row copied
+    with pytest.raises(ValueError, match="expert count"):
+        SlotTable([ex.layers[0].cache, type("C", (), {"slot_of": [-1], "version": 0})()], torch.device("cpu"))
