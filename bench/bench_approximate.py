@@ -28,6 +28,21 @@ MODES = (("exact", {}), ("tail skip 3", {"tail_skip": 3}), ("tail skip 2", {"tai
          ("int8 experts (all)", {"expert_dtype": "int8"}))
 
 
+def teacher_forced(engine, evals: list[list[int]]) -> tuple[list[list[int]], list[float]]:
+    """Each window's argmax at every position after its first, and the log-probability of every actual next token,
+    from the engine's prompt logprobs (one prefill per window)."""
+    from moe_offload.engines.params import SamplingParams
+
+    top, lps = [], []
+    for ids in evals:
+        g = engine.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=1))
+        list(g)
+        ent = g.prompt_logprobs[1:]
+        top.append([x.top[0][0] for x in ent])
+        lps += [x.logprob for x in ent]
+    return top, lps
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -69,13 +84,7 @@ def main(argv=None) -> int:
         placement = pl.from_fraction(spec, tiers, fraction, policy="top", profile=profile)
         e = backend.build_engine(str(path), placement, policy="static", **opts)
         try:
-            top, lps = [], []
-            for ids in evals:
-                g = e.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=1))
-                list(g)
-                ent = g.prompt_logprobs[1:]
-                top.append([x.top[0][0] for x in ent])
-                lps += [x.logprob for x in ent]
+            top, lps = teacher_forced(e, evals)
             e.executor.stats.reset()
             skipped0 = e.executor.skipped
             ms, n = 0.0, 0

@@ -32,12 +32,12 @@ CACHES = ("auto", "int8", "fp8")
 def quality(n: int, length: int) -> dict:
     """Per cache dtype: top-1 argmax at each position and the perplexity over ``n`` held-out windows."""
     import train_demo
+    from bench_approximate import teacher_forced
     from bench_routing import windows
     from transformers import AutoTokenizer
 
     from moe_offload import demo
     from moe_offload.engines.offload.runtime.build import build_offload_engine
-    from moe_offload.engines.params import SamplingParams
 
     path = demo.trained_dir()
     tok = AutoTokenizer.from_pretrained(path)
@@ -47,13 +47,7 @@ def quality(n: int, length: int) -> dict:
     for c in CACHES:
         e = build_offload_engine(str(path), dtype="bfloat16", kv_cache_dtype=c, max_num_batched_tokens=length)
         try:
-            top, lps = [], []
-            for ids in evals:
-                g = e.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=1))
-                list(g)
-                ent = g.prompt_logprobs[1:]
-                top.append([x.top[0][0] for x in ent])
-                lps += [x.logprob for x in ent]
+            top, lps = teacher_forced(e, evals)
             out[c] = {"top": top, "ppl": math.exp(-sum(lps) / len(lps))}
         finally:
             e.close()

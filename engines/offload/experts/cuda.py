@@ -80,14 +80,14 @@ def check_device(device: torch.device) -> None:
 GATHER_MAX_BYTES = 256 << 20
 
 
-def gathered_hits(executor, state, module, x: torch.Tensor, ids: list[int], K: int, proj,
-                  top_k_index: torch.Tensor | None = None) -> bool:
+def gathered_hits(executor, state, module, x: torch.Tensor, top_k_index: torch.Tensor, ids: list[int],
+                  proj) -> bool:
     """Compute a layer's slot hits in one gathered call (dispatch.experts_gathered) when its slots are one device's
     float buffers: every (token, k) pair of the step in fixed shapes, its slot read from the device's slot table
     (slot_table.py; a miss's clamped to slot 0), its weights gathered by slot and its token's row by pair; the hit
     pairs' rows are placed in ``proj`` as the per-expert loop places them (misses' rows are left to the miss paths).
-    Returns True; False when the layer does not qualify (several devices, quantized or aliased slots, too many pairs),
-    leaving the loop to run."""
+    ``ids``: top_k_index as the host's list (the CUDA slots' last-use events). Returns True; False when the layer does
+    not qualify (several devices, quantized or aliased slots, too many pairs), leaving the loop to run."""
     cache = state.cache
     stacked = cache.stacked
     if stacked is None or stacked[0].dtype in quant.FORMAT_OF_DTYPE or stacked[0].device != x.device:
@@ -96,8 +96,8 @@ def gathered_hits(executor, state, module, x: torch.Tensor, ids: list[int], K: i
         return False
     table = executor.slot_table()
     table.sync(state.pos)  # what this step's fetches and evictions so far changed
-    routed = top_k_index if top_k_index is not None else torch.tensor(ids, device=x.device).view(-1, K)
-    slots = table.slots_of(state.pos, routed.to(x.device)).reshape(-1)  # [T * K] on the device, -1: a miss
+    K = top_k_index.shape[1]
+    slots = table.slots_of(state.pos, top_k_index.to(x.device)).reshape(-1)  # [T * K] on the device, -1: a miss
     hit = slots >= 0
     up, down, up_bias, down_bias = (t.index_select(0, slots.clamp(min=0)) if t is not None else None
                                     for t in stacked[:4])

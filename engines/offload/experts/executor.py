@@ -226,7 +226,7 @@ class Executor:
             for i, (g, _) in enumerate(hits):
                 proj[g[1]] = grouped[i]
         elif not (hits and self.gather_hits and self.ep is None
-                  and cuda.gathered_hits(self, state, module, hidden_states, ids, K, proj, top_k_index)):
+                  and cuda.gathered_hits(self, state, module, hidden_states, top_k_index, ids, proj)):
             for g, s in hits:
                 self._compute(state, module, rows, g, cache.weights[s], proj, slot=s)
         t2 = time.perf_counter()
