@@ -191,12 +191,12 @@ def decode(engine, prompt: list[int], tokens: int, timer: StageTimer | None = No
 
 def profile(engine, prompt: list[int], tokens: int) -> dict:
     """Per-stage medians (ms per decode step) with and without hooks, on the module path (hooks see modules; the
-    fused decode path calls none), and the fused path's step where the engine has one."""
-    runner = getattr(engine, "runner", None)  # the offload engine's model runner holds the fused plan
-    plan = getattr(runner, "fast", None)
+    fused decode path and the owned graph call none), and the fused path's step where the engine has one."""
+    runner = getattr(engine, "runner", None)  # the offload engine's model runner holds the fused plan and the graph
+    plan, graph = getattr(runner, "fast", None), getattr(runner, "graph", None)
     fused_ms = statistics.median(decode(engine, prompt, tokens)[0]) if plan is not None else None
-    if plan is not None:
-        runner.fast = None
+    if runner is not None:  # the modules' steps: the hooks time each module
+        runner.fast = runner.graph = None
     try:
         plain_ms, _ = decode(engine, prompt, tokens)
         timer = StageTimer(engine.model, stage_map(engine.model))
@@ -209,8 +209,8 @@ def profile(engine, prompt: list[int], tokens: int) -> dict:
             if unpatch:
                 unpatch()
     finally:
-        if plan is not None:
-            runner.fast = plan
+        if runner is not None:
+            runner.fast, runner.graph = plan, graph
     steps = timer.steps
     med = {s: statistics.median(st.get(s, 0.0) for st in steps) * 1000 for s in STAGES}
     mean = {s: statistics.fmean(st.get(s, 0.0) for st in steps) * 1000 for s in STAGES}

@@ -67,7 +67,7 @@ def test_every_name_used_anywhere_is_declared():
 
 def test_at_most_three_code_path_switches():
     switches = [s.name for s in settings.DECLARED if s.switch]
-    assert switches == ["MOE_OFFLOAD_KERNELS", "MOE_OFFLOAD_HUGEPAGES"]
+    assert switches == ["MOE_OFFLOAD_KERNELS", "MOE_OFFLOAD_GRAPH", "MOE_OFFLOAD_HUGEPAGES"]
 
 
 def test_every_setting_is_documented_for_users():

@@ -5,7 +5,7 @@
 
 Nothing else in the package reads the environment (tests/test_settings.py scans the code and fails on a read
 elsewhere, or on a MOE_OFFLOAD_* name not declared here). Two variables choose a code path, both because a user
-needs them: the kernels' ISA (or none), and huge pages off. Everything else is a place, a secret, or a log option;
+needs them: the kernels' ISA (or none), the owned graph off (transformers' modules), and huge pages off. Everything else is a place, a secret, or a log option;
 the default path is the path. docs/settings.md lists them for users (a test keeps it complete).
 """
 
@@ -45,6 +45,10 @@ DECLARED: tuple[Setting, ...] = (
             "The CPU kernels' ISA variant: empty picks the best the CPU has (CPUID); avx512bf16, avx2 or portable picks "
             "a lesser one (never one the CPU lacks); 0/off runs without the compiled kernels (slow, and said so at start).",
             choices=("", "avx512bf16", "avx2", "portable") + OFF + ON, switch=True),
+    Setting("MOE_OFFLOAD_GRAPH", "bool", True,
+            "The model graph of our own for every step the fused decode call does not take; 0 runs transformers' "
+            "modules instead (the explicit fallback, e.g. to tell a graph mistake from a model's own behaviour).",
+            switch=True),
     Setting("MOE_OFFLOAD_HUGEPAGES", "bool", True,
             "Host weights in transparent huge pages (Linux, THP always/madvise); 0 keeps 4 KiB pages.", switch=True),
     # places

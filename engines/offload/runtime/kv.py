@@ -196,10 +196,11 @@ class PagedCache:
         self.seen: dict[int, tuple] = {}  # probe: layer -> (k shape, v shape, dtype)
         self.stateful: dict[int, int] = {}  # probe: layer -> bytes of per-sequence state it keeps in the pool's seats
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def update(self, key_states, value_states, layer_idx, *args, step: StepContext | None = None, **kwargs):
         """Store the step's new rows [1, Hkv, N, D]; return every scheduled sequence's whole context in the
-        step's key layout [1, Hkv, X, D]. The model may transform them further (MLA expands its latents)."""
-        step: StepContext = _active.step
+        step's key layout [1, Hkv, X, D]. The model may transform them further (MLA expands its latents). ``step``:
+        the owned graph passes it (model/graph.py); transformers' modules find it on the thread (``active``)."""
+        step = step if step is not None else _active.step
         if step.probe:
             self.seen[layer_idx] = (tuple(key_states.shape), tuple(value_states.shape), key_states.dtype)
             return key_states, value_states
@@ -263,11 +264,17 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
         return latent(query, key, value, scaling), None
     # the layer's window: passed by most families; Qwen2-MoE keeps it on the module only (its mask applies it)
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
-    sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
+    return attend(step, query, key, value, scaling, window, kwargs.get("s_aux"), kwargs.get("softcap")), None
+
+
+def attend(step: StepContext, query, key, value, scaling, window=None, sinks=None, softcap=None) -> torch.Tensor:
+    """The step's attention: query [1, Hq, N, D] over key/value [1, Hk, X, D] in the step's key layout (what
+    ``PagedCache.update`` handed back) -> [1, N, Hq, Dv]. Decode rows of every sequence in one padded call, each
+    prefill chunk its own (causal from its offset); ``window`` keys, ``sinks`` [Hq] (one extra logit per head)."""
     q = query[0]  # [Hq, N, D]
     if step.probe:
         out = _attend(query, key, value, None, scaling, sinks, softcap, causal=True)  # [1, Hq, N, Dv]
-        return out.transpose(1, 2), None
+        return out.transpose(1, 2)
     out = query.new_empty(1, q.shape[1], q.shape[0], value.shape[-1])  # [1, N, Hq, Dv]
     if step.decode:
         Bd, L = len(step.decode), step.lmax
@@ -301,7 +308,7 @@ def paged_attention(module, query, key, value, attention_mask=None, scaling=None
             mask = mask[None, None]
         o = _attend(qs, k, v, mask, scaling, sinks, softcap, causal=causal)  # [1, Hq, q, Dv]
         out[0, s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
-    return out, None
+    return out
 
 
 def _attend(q, k, v, mask, scaling, sinks, softcap, causal):

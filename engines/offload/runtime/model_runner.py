@@ -4,6 +4,9 @@
       paged:  every token of the step packed into one forward [1, N]: ids, positions, slot_mapping [N] (pool rows
               of the new KV), the key layout (layout(): decode sequences first, each padded to the longest, then
               each prefill chunk's context) --model + PagedCache (kv.py)--> logits of the kept rows [R, V]
+      graph:  the same packed step through the model graph of our own (model/graph.py), built from the description:
+              ids, positions, the step's layout passed in --> logits of the kept rows [R, V]; where the graph has no
+              block for a layer kind, transformers' modules run the step over the same PagedCache (kv.active)
       fused:  a step where every sequence computes one token (+ its draft: rows at consecutive positions), on a
               model whose description (control/description.py) the fused path computes --DecodePlan (model/fastpath.py;
               MLA layers: mla_plan.py), chosen once in decode_plan()--> logits [B, V]
@@ -17,8 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from moe_offload import settings
 from moe_offload.control.description import ModelDescription, describe
 from moe_offload.engines.offload.model import fastpath, mla
+from moe_offload.engines.offload.model.graph import ModelGraph
 from moe_offload.engines.offload.runtime import kv
 from moe_offload.engines.offload.runtime.accounting import Accounting, snapshot
 from moe_offload.engines.offload.runtime.scheduler import SchedulerOutput
@@ -102,6 +107,13 @@ class ModelRunner:
         # MLA layers decode over their latent cache with kv_b_proj absorbed (mla.py)
         self.mla_layers = mla.prepare(model) if paged else 0
         self.fast = decode_plan(model, executor, pool, self.desc) if paged and not split else None
+        # every other paged step: the owned graph, or (None) transformers' modules
+        self.graph = None
+        if paged and not split and settings.get("MOE_OFFLOAD_GRAPH"):
+            self.graph = ModelGraph.build(model, executor, self.desc, self.paged_cache)
+        elif paged:
+            log.info("owned graph off: steps run transformers' modules", reason="split ranks" if split else
+                     "MOE_OFFLOAD_GRAPH=0")
         # ranks whose plan failed to bind on some rank split now (the pool is sized for whole heads)
         if not split and _ranks(executor) and _split_unless(self.fast is not None, model, executor,
                                                             kv="sized for whole heads"):
@@ -134,6 +146,10 @@ class ModelRunner:
             self.executor.per_token = len(sched) > 1
         before = snapshot(self.executor)
         kept = torch.tensor(keep or [len(ids) - 1], device=dev)  # [R]
+        if self.graph is not None:
+            logits = self.graph.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), step, kept)
+            self.accounting.book(self.executor, sched, before, getattr(self.executor, "token_stats", None))
+            return logits if keep else None
         with kv.active(step):
             res = self.model(input_ids=torch.tensor([ids], device=dev), position_ids=torch.tensor([pos], device=dev),
                              cache=self.paged_cache, use_cache=True, logits_to_keep=kept)

@@ -22,6 +22,8 @@ EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_k", "num_experts_per_token", "moe_topk", "top_k_experts")
 # Families whose q/k/v projections take a bias but whose o_proj never does.
 _QKV_ONLY_BIAS = {"glm4_moe", "solar_open", "qwen2_moe"}
+# families whose attention always norms q and k per head (others say so with use_qk_norm)
+_HEAD_QK_NORM = {"qwen3_moe", "qwen3_next", "qwen3_vl_moe_text", "qwen3_5_moe_text", "dots1", "hy_v3", "mellum", "exaone_moe"}
 
 
 def load_config(source: str | os.PathLike) -> dict[str, Any]:
@@ -184,8 +186,8 @@ def _dtype(cfg: Mapping[str, Any], where: str) -> tuple[str, int]:
 # every family against the model transformers builds, and fails when this list claims too much or too little.
 # Other types are priced by the same rules, and the spec says so in ``estimated``.
 PRICED = frozenset({
-    "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "ernie4_5_moe", "flex_olmo", "flint", "glm4_moe",
-    "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "glm4_moe",
+    "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hy_v3",
     "jamba", "kimi_linear", "lfm2_moe", "mellum", "minimax", "minimax_m2", "mistral4", "mixtral", "nemotron_h",
     "olmoe", "phimoe", "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen3_vl_moe_text", "solar_open",
 })
@@ -266,7 +268,7 @@ def parse(cfg: dict[str, Any], name: str | None) -> dict[str, Any]:
     qk_norm = ""
     if cfg.get("qk_norm_type") == "per_layer" or model_type in ("olmoe", "flex_olmo", "minimax_m2"):  # over all heads
         qk_norm = "full"
-    elif model_type in ("qwen3_moe", "qwen3_next", "qwen3_vl_moe_text", "qwen3_5_moe_text") or cfg.get("use_qk_norm"):
+    elif model_type in _HEAD_QK_NORM or cfg.get("use_qk_norm"):
         qk_norm = "head"
     dtype, dtype_bytes = _dtype(cfg, where)
     quant = cfg.get("quantization_config")

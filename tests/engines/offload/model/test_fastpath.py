@@ -73,11 +73,11 @@ def _compare_steps(engine, steps: int) -> list[tuple[float, bool]]:
                 for i, ts in states.items():
                     for live, saved in zip(engine.pool.states[i], ts):
                         live[: saved.shape[0]].copy_(saved)
-                runner.fast = None
+                graph, runner.fast, runner.graph = runner.graph, None, None  # the reference: transformers' modules
                 try:
                     ref = runner.forward_paged(sched).float()
                 finally:
-                    runner.fast = plan
+                    runner.fast, runner.graph = plan, graph
                 routes = ex.captured()
                 ex.capture(False)
                 assert fast.shape == ref.shape == (len(sched.scheduled), ref.shape[1])
@@ -231,7 +231,7 @@ def test_one_token_prefill_chunks_in_a_fused_step(checkpoints):
         engine = build_offload_engine(checkpoints("qwen3_moe"), dtype="bfloat16", max_num_batched_tokens=2,
                                       max_num_seqs=2)
         if not fused:
-            engine.runner.fast = None
+            engine.runner.fast = engine.runner.graph = None
         try:
             a = engine.start([5, 6], SamplingParams(max_tokens=12, ignore_eos=True))
             engine.step()

@@ -113,11 +113,11 @@ def test_fused_kernel_writes_and_reads_the_module_paths_codes(checkpoints, famil
                     continue
                 fast = runner.forward_fast(sched).float()
                 written = {i: [t.clone() for t in (*pool.layers[i], *pool.scales[i])] for i in pool.layers}
-                runner.fast = None
+                graph, runner.fast, runner.graph = runner.graph, None, None  # the reference: transformers' modules
                 try:
                     ref = runner.forward_paged(sched).float()
                 finally:
-                    runner.fast = plan
+                    runner.fast, runner.graph = plan, graph
                 for i, saved in written.items():
                     for a, b in zip(saved, (*pool.layers[i], *pool.scales[i])):
                         assert torch.equal(a, b), (i, "the fused kernel's KV codes differ from the module path's")

@@ -1,0 +1,140 @@
+"""The owned graph's blocks (graph.py builds a model out of them): what one decoder layer computes, as torch ops on
+the rows of a step, each block holding the weights it reads, bound by name once.
+
+    x [N, H] --rms_norm(kind)--> AttentionBlock: q/k/v (+ biases), q/k norms (per head | over the projection),
+        rotary (rotate_half | partial | halves | interleaved_fp32 | none), the paged KV cache (kv.PagedCache.update:
+        the step's rows in, its sequences' context out), kv.attend (window, sinks; the step passed in), o_proj
+      --rms_norm(kind)--> MoEBlock: SoftmaxRouter (softmax over experts then top-k, or top-k logits then softmax;
+        renormalise, weights' dtype) or a MoE block's selection (moe_blocks.RouterBlock: sigmoid, correction bias,
+        groups, scale) -> the offload executor (tiers, fetches, statistics) (+ a shared expert, gated or not)
+      | MLPBlock: silu(x . gate) * (x . up) -> down
+
+N rows of the step (any mix of prefill chunks, decode rows and draft rows), H hidden, Hq/Hkv query/KV heads,
+D head dim, E experts, K top-k. Every op is the one the family's own module computes, in the same order and dtype,
+so fp32 logits equal transformers' and bf16 ones round where its modules round (tests/engines/offload/model/
+test_graph.py). Nothing here runs a transformers module or reads one's source: the description (control/
+description.py) says what each block computes; the modules are only where the weights are found.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_offload.control.description import Attention, Router
+from moe_offload.engines.offload.runtime import kv
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kind: str) -> torch.Tensor:
+    """RMSNorm of the rows of x as each norm kind of description.NormKind rounds it."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if kind == "rms":
+        return weight * h.to(x.dtype)
+    if kind == "rms_fp32_scale":
+        return (weight * h).to(x.dtype)
+    return (h * (1.0 + weight.float())).type_as(x)  # rms_one_plus
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:  # (2j, 2j+1) -> (-x[2j+1], x[2j])
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kind: str) -> torch.Tensor:
+    """x [N, heads, D] rotated by cos/sin [N, 1, D'] (the rotary module's table, as it returns it) per kind."""
+    if kind == "rotate_half":
+        return (x * cos) + (_rotate_half(x) * sin)
+    if kind == "partial":  # the first D' dims rotate, the rest pass
+        d = cos.shape[-1]
+        r, p = x[..., :d], x[..., d:]
+        return torch.cat([(r * cos) + (_rotate_half(r) * sin), p], dim=-1)
+    if kind == "halves":  # gpt-oss: cos/sin of D/2 over the two halves
+        a, b = torch.chunk(x, 2, dim=-1)
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    # interleaved_fp32 (Ernie 4.5): pair j's angle is the table's first half, in fp32
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
+    return ((x.float() * c) + (_rotate_pairs(x).float() * s)).to(x.dtype)
+
+
+class AttentionBlock:
+    """Softmax attention over the paged KV cache for the rows of a step (description.Attention)."""
+
+    def __init__(self, attn, desc: Attention, idx: int, norm_kind: str):
+        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.desc, self.idx, self.hd, self.scaling = desc, idx, int(attn.head_dim), float(attn.scaling)
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.norm_kind = norm_kind
+        self.sinks = getattr(attn, "sinks", None) if desc.sinks else None
+
+    def _norm(self, norm, t: torch.Tensor) -> torch.Tensor:
+        return t if norm is None else rms_norm(t, norm.weight, _eps(norm), self.norm_kind)
+
+    def __call__(self, x: torch.Tensor, rot: tuple | None, step: kv.StepContext, cache: kv.PagedCache) -> torch.Tensor:
+        N, d = x.shape[0], self.desc
+        q, k, v = self.q(x), self.k(x), self.v(x)  # [N, Hq*D], [N, Hkv*D] x 2
+        if d.qk_norm == "full":  # over the whole projection, before the heads are split (OLMoE, MiniMax-M2)
+            q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
+        q, k, v = q.view(N, -1, self.hd), k.view(N, -1, self.hd), v.view(N, -1, self.hd)  # [N, heads, D]
+        if d.qk_norm == "head":
+            q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
+        if rot is not None:  # None: NoPE
+            cos, sin = rot
+            q, k = rotate(q, cos, sin, d.rotary.kind), rotate(k, cos, sin, d.rotary.kind)
+        # [1, heads, N, D] as the cache and attention take them
+        key, value = cache.update(k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), self.idx, step=step)
+        out = kv.attend(step, q.transpose(0, 1).unsqueeze(0), key, value, self.scaling, d.window, self.sinks)
+        return self.o(out.reshape(N, -1))  # [N, H]
+
+
+class SoftmaxRouter:
+    """A softmax router (description.Router without a correction bias or groups): (ids [N, K], weights [N, K])."""
+
+    def __init__(self, gate, r: Router):
+        self.weight, self.bias, self.r = gate.weight, getattr(gate, "bias", None), r
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.r
+        logits = F.linear(x, self.weight, self.bias if r.logits_bias else None)  # [N, E]
+        if r.order == "topk_then_score":  # gpt-oss: the top-k logits, then a softmax over them in their dtype
+            top, ids = torch.topk(logits, r.top_k, dim=-1)
+            return ids, F.softmax(top, dim=1, dtype=top.dtype)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        top, ids = torch.topk(probs, r.top_k, dim=-1)  # [N, K]
+        if r.renormalise:
+            top /= top.sum(dim=-1, keepdim=True)
+        return ids, (top.to(logits.dtype) if r.weights_dtype == "model" else top)
+
+
+def mlp(m, x: torch.Tensor) -> torch.Tensor:
+    """A silu MLP's (gate_proj, up_proj, down_proj) on the rows x [N, H]."""
+    return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+
+
+class MoEBlock:
+    """Routed experts through the offload executor, + the shared expert (with Qwen2-MoE's sigmoid gate)."""
+
+    def __init__(self, executor, experts, router: SoftmaxRouter, shared=None, shared_gate=None):
+        self.executor, self.experts, self.router = executor, experts, router
+        self.state = experts._moe_offload
+        self.shared, self.shared_gate = shared, shared_gate
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.router(x)
+        out = self.executor.forward(self.state, self.experts, x, ids, weights)  # [N, H]
+        if self.shared is None:
+            return out
+        s = mlp(self.shared, x)
+        if self.shared_gate is not None:
+            s = F.sigmoid(self.shared_gate(x)) * s
+        return out + s
+
+
+def _eps(norm) -> float:
+    """An RMSNorm's epsilon (``variance_epsilon``; Qwen3-Next's zero-centred norm calls it ``eps``)."""
+    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)

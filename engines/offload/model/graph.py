@@ -1,0 +1,172 @@
+"""The owned model graph: one forward for every paged step, built from the model description out of shared blocks.
+
+    ModelGraph.build(model, executor, desc) --per layer, the description's kinds--> blocks.py
+      AttentionBlock (q/k/v, q/k norms, rotary, paged KV, window, sinks) | MoEBlock (router -> executor, shared
+      expert) | a MoE block's selection (moe_blocks.RouterBlock) | MLPBlock
+    forward(ids [N], pos [N], step, keep [R]):  any mix of prefill chunks, decode rows and draft rows
+      embed -> rotary tables (one per rotary kind and table) ->
+      per layer: h += attention(norm(h)); h += ffn(norm(h))   -> final norm of the kept rows -> head -> logits [R, V]
+
+The step's layout (kv.StepContext: where each new KV row goes, which rows each sequence reads) is passed to every
+attention block, never found on the thread. Decode-only steps of bf16 models take the fused C++ call instead
+(fastpath.py: the same computation in few calls); everything else runs here. transformers is where the weights
+are found (the modules' parameters, by name) and computes the rotary tables (its rotary module knows every rope
+scaling); no transformers module runs a layer, except a MoE block whose router the description cannot express
+(``runs_as_module``), which runs as its module.
+
+Not yet here (their models run transformers' modules, the reason logged once; test_graph.py lists them): MLA and
+gated-DeltaNet layers, tensor-parallel ranks, an accelerator other than the CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moe_offload.control.description import ModelDescription
+from moe_offload.control.description import MoEBlock as MoEDesc
+from moe_offload.engines.offload.loading.quant import RowsLinear
+from moe_offload.engines.offload.model import blocks
+from moe_offload.engines.offload.model.fused_bind import cos_sin
+from moe_offload.engines.offload.model.moe_blocks import block_for
+from moe_offload.engines.offload.runtime import kv
+from moe_offload.log import get_logger
+
+log = get_logger("moe_offload.graph")
+
+_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+
+
+@dataclass
+class _Layer:
+    norms: tuple  # (input norm, post-attention norm) modules: their weight and eps
+    attention: blocks.AttentionBlock
+    rotary: object  # description.Rotary, or None (NoPE)
+    ffn: object  # rows [N, H] -> [N, H]
+
+
+class ModelGraph:
+    """Built once per engine by ``build``; ``forward`` runs one step of any shape over the paged KV cache."""
+
+    def __init__(self, model, executor, desc: ModelDescription, layers: list[_Layer], cache: kv.PagedCache):
+        inner = model.model
+        self.embed, self.rotary_emb, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
+        self.executor, self.desc, self.layers, self.cache = executor, desc, layers, cache
+        self.kind = desc.norm.kind
+        self.rotaries = [r for r in dict.fromkeys(lay.rotary for lay in layers) if r is not None]
+        self.steps = 0
+
+    @classmethod
+    def build(cls, model, executor, desc: ModelDescription, cache: kv.PagedCache) -> "ModelGraph | None":
+        """The graph for this model, or None (the reason logged) where transformers' modules must run."""
+        try:
+            why = refuse(model, executor, desc)
+            layers = [] if why else [_layer(model, executor, desc, i) for i in range(len(desc.layers))]
+        except (AttributeError, TypeError, ValueError) as e:
+            why = f"{type(e).__name__}: {e}"
+        if why or any(isinstance(lay, str) for lay in layers):
+            why = why or next(lay for lay in layers if isinstance(lay, str))
+            log.info("owned graph off: steps run transformers' modules", model_type=desc.model_type, reason=why)
+            return None
+        log.info("owned graph on", model_type=desc.model_type, layers=len(layers))
+        return cls(model, executor, desc, layers, cache)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, step: kv.StepContext, keep: torch.Tensor) -> torch.Tensor:
+        """ids, pos [N] (the step's tokens and their positions, packed as the step lays them out), ``step`` its KV
+        layout, keep [R] the rows whose logits are wanted -> logits [R, V]."""
+        ex = self.executor
+        t0 = time.perf_counter()
+        ex.begin_forward()
+        h = self.embed(ids)  # [N, H]
+        rot = {}
+        for r in self.rotaries:
+            cos, sin = cos_sin(self.rotary_emb, h.unsqueeze(0), pos.unsqueeze(0), r, raw=True)  # [1, N, D']
+            rot[r] = (cos[0].unsqueeze(1), sin[0].unsqueeze(1))  # [N, 1, D']: every head
+        kind = self.kind
+        for lay in self.layers:
+            n1, n2 = lay.norms
+            h = h + lay.attention(blocks.rms_norm(h, n1.weight, blocks._eps(n1), kind), rot.get(lay.rotary), step,
+                                  self.cache)
+            h = h + lay.ffn(blocks.rms_norm(h, n2.weight, blocks._eps(n2), kind))
+        x = blocks.rms_norm(h.index_select(0, keep), self.norm.weight, blocks._eps(self.norm), kind)
+        logits = self.head(x)  # [R, V]
+        ex.end_forward(t0)
+        self.steps += 1
+        return logits
+
+
+def refuse(model, executor, desc: ModelDescription) -> str:
+    """Why the graph cannot run this model ("" when it can): the parts its blocks lack, or a module layout that does
+    not hold what the description says."""
+    if desc.path != "fused":
+        return desc.why
+    if desc.attention != "gqa":
+        return f"{desc.attention or 'no softmax'} attention: the graph has no block for it yet"
+    if desc.linear:
+        return f"{desc.linear} layers: the graph has no block for them yet"
+    if executor is None:
+        return "no offload executor"
+    if executor.device.type != "cpu":
+        return f"the graph has not yet run on {executor.device.type}"
+    if executor.ep is not None:
+        return "tensor-parallel ranks split the modules' layers"
+    cfg = model.config
+    if getattr(cfg, "clip_qkv", None) is not None:
+        return "clip_qkv"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
+        return "unexpected module layout"
+    if type(inner.embed_tokens) is not torch.nn.Embedding:
+        return "an embedding other than a plain lookup"
+    if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, RowsLinear)):
+        return "no linear LM head"
+    if len(inner.layers) != len(desc.layers):
+        return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
+    for i, layer in enumerate(inner.layers):
+        parts = {n for n, m in layer.named_children() if not isinstance(m, torch.nn.Dropout)}
+        if parts != _LAYER_PARTS:
+            return f"layer {i}: parts {sorted(parts - _LAYER_PARTS) or sorted(_LAYER_PARTS - parts)} beyond a norm-attention-norm-ffn layer"
+        mixer = desc.layers[i].mixer
+        if mixer.output_gate:
+            return f"layer {i}: an output-gated attention"
+        attn = layer.self_attn
+        if (getattr(attn, "q_norm", None) is not None) != bool(mixer.qk_norm) or (
+                getattr(attn, "sinks", None) is not None) != mixer.sinks:
+            return f"layer {i}: q/k norms or sinks the description does not name"
+    return ""
+
+
+def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
+    layer, d = model.model.layers[i], desc.layers[i]
+    attn = blocks.AttentionBlock(layer.self_attn, d.mixer, i, desc.norm.kind)
+    mlp = layer.mlp
+    if not isinstance(d.ffn, MoEDesc):
+        ffn = lambda x, m=mlp: blocks.mlp(m, x)  # noqa: E731
+    else:
+        experts = getattr(mlp, "experts", None)
+        if getattr(experts, "_moe_offload", None) is None:
+            return f"layer {i}: experts not served by the executor"
+        r = d.ffn.router
+        if d.ffn.runs_as_module:  # a router the description cannot express: the block's module (experts offloaded)
+            ffn = lambda x, m=mlp: _module_rows(m, x)  # noqa: E731
+        elif r.scoring == "softmax" and not r.correction_bias and r.groups is None:
+            gate = mlp.router if hasattr(mlp, "router") else mlp.gate
+            shared = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)
+            if (shared is None) != (d.ffn.shared_experts == 0 and not d.ffn.shared_gate):
+                return f"layer {i}: the description and the modules disagree on a shared expert"
+            ffn = blocks.MoEBlock(executor, experts, blocks.SoftmaxRouter(gate, r), shared,
+                                  getattr(mlp, "shared_expert_gate", None) if d.ffn.shared_gate else None)
+        else:
+            block = block_for(mlp, d.ffn)
+            if block is None:
+                return f"layer {i}: a router the selection call does not take"
+            ffn = lambda x, b=block: b(executor, x)  # noqa: E731
+    return _Layer((layer.input_layernorm, layer.post_attention_layernorm), attn, d.mixer.rotary, ffn)
+
+
+def _module_rows(module, x: torch.Tensor) -> torch.Tensor:
+    """A block run as its module on the rows x [N, H] (it takes [1, N, H]; some return (out, router scores))."""
+    out = module(x.unsqueeze(0))
+    return (out[0] if isinstance(out, tuple) else out)[0]
