@@ -3,7 +3,11 @@
 
     for each round, for each prompt length N (held-out text of the demo tokenizer, --model-dir must carry it):
         moe-offload generate --max-tokens 1 --json   (graph on | off; the order rotated)  -> N / prefill_ms
-        llama-bench -p N -n 0 -t 2 (llama.cpp from the llama-cpp-python sdist; ik_llama.cpp with --ik-bench)
+            a fresh process's first prompt: it also waits for the experts it routes to, which the engine reads from
+            the expert store in the background after start (a server's later prompts do not)
+        a warm engine in this process (a server's later prompts): the same prompt, graph on | off
+        llama-bench -p N -n 0 -t 2 (llama.cpp from the llama-cpp-python sdist; ik_llama.cpp with --ik-bench; its
+            own warm-up run first, as llama-bench does)
     -> a table per length: tok/s per round, median, ratio to ik_llama.cpp (or llama.cpp without it)
 
 Usage:
@@ -40,6 +44,23 @@ def generate_prefill(model: str, prompt: str, graph: bool) -> tuple[float, int]:
     return n / out["stats"]["prefill_ms"] * 1000, n
 
 
+def warm(engine, ids: list[int], graph: bool = True) -> float:
+    """Prefill tok/s of ``ids`` on an engine already serving (the runner's graph on, or off: transformers' modules)."""
+    from moe_offload.engines.params import SamplingParams
+
+    runner = engine.runner
+    keep = runner.graph
+    if not graph:
+        runner.graph = None
+    try:
+        gen = engine.generate(ids, SamplingParams(max_tokens=1, ignore_eos=True))
+        for _ in gen:
+            pass
+    finally:
+        runner.graph = keep
+    return len(ids) / gen.stats.prefill_ms * 1000
+
+
 def bench_prefill(binary, gguf, n: int) -> float:
     """`llama-bench -p n -n 0 -t 2`: tok/s (llama.cpp's or ik_llama.cpp's binary)."""
     r = subprocess.run([str(binary), "-m", str(gguf), "-p", str(n), "-n", "0", "-t", "2", "-r", "1", "-o", "json"],
@@ -74,15 +95,26 @@ def main(argv=None) -> int:
         gguf = to_gguf(a.model_dir, "bf16", tools=tools)
     print(f"# Prefill, as a user runs it\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{read_bandwidth() / 1e9:.1f} GB/s memory read bandwidth, kernels {jit.info().get('variant')}, 2 threads\n")
+    import torch
+
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+
+    torch.set_num_threads(2)
+    engine = build_offload_engine(model, dtype="bfloat16")
+    warm(engine, engine.tokenizer.encode(long_prompt(model, 600)))
     for length in (int(x) for x in a.lengths.split(",")):
         prompt = long_prompt(model, length)
+        ids = engine.tokenizer.encode(prompt)
         runs: dict[str, list[float]] = {}
         n = 0
         for r in range(a.rounds):
             for graph in ((True, False) if r % 2 == 0 else (False, True)):
                 tok_s, n = generate_prefill(model, prompt, graph)
-                runs.setdefault("moe-offload generate, owned graph" if graph else
-                                "moe-offload generate, MOE_OFFLOAD_GRAPH=0 (transformers' modules)", []).append(tok_s)
+                runs.setdefault("moe-offload generate (fresh process), owned graph" if graph else
+                                "moe-offload generate (fresh process), MOE_OFFLOAD_GRAPH=0", []).append(tok_s)
+            for graph in ((True, False) if r % 2 == 0 else (False, True)):
+                runs.setdefault("warm engine, owned graph" if graph else "warm engine, transformers' modules",
+                                []).append(warm(engine, ids, graph))
             if gguf is not None:
                 runs.setdefault("llama.cpp llama-bench bf16", []).append(bench_prefill(tools.bench, gguf, n))
                 if a.ik_bench:
@@ -96,6 +128,7 @@ def main(argv=None) -> int:
             med = statistics.median(v)
             print(f"| {k} | {' / '.join(f'{x:.1f}' for x in v)} | {med:.1f} | "
                   f"{f'{med / bar:.2f}' if bar else '-'} |", flush=True)
+    engine.close()
     return 0
 
 

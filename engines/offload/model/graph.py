@@ -14,8 +14,11 @@ are found (the modules' parameters, by name) and computes the rotary tables (its
 scaling); no transformers module runs a layer, except a MoE block whose router the description cannot express
 (``runs_as_module``), which runs as its module.
 
+Tensor-parallel ranks (ranks/parallel.py) run it where the fused decode path keeps attention whole on every rank:
+the executor sums each MoE layer's rows over the ranks, a rank's LM head (VocabShard) gathers the vocabulary.
+
 Not yet here (their models run transformers' modules, the reason logged once; test_graph.py lists them): MLA and
-gated-DeltaNet layers, tensor-parallel ranks, an accelerator other than the CPU.
+gated-DeltaNet layers, ranks that split attention heads (dense_split.py), an accelerator other than the CPU.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class ModelGraph:
 
     def __init__(self, model, executor, desc: ModelDescription, layers: list[_Layer], cache: kv.PagedCache):
         inner = model.model
-        self.embed, self.rotary_emb, self.norm, self.head = inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head
+        self.model, self.embed, self.rotary_emb, self.norm = model, inner.embed_tokens, inner.rotary_emb, inner.norm
         self.executor, self.desc, self.layers, self.cache = executor, desc, layers, cache
         self.kind = desc.norm.kind
         self.rotaries = [r for r in dict.fromkeys(lay.rotary for lay in layers) if r is not None]
@@ -66,8 +69,14 @@ class ModelGraph:
             layers = [] if why else [_layer(model, executor, desc, i) for i in range(len(desc.layers))]
         except (AttributeError, TypeError, ValueError) as e:
             why = f"{type(e).__name__}: {e}"
-        if why or any(isinstance(lay, str) for lay in layers):
-            why = why or next(lay for lay in layers if isinstance(lay, str))
+        if not why and any(isinstance(lay, str) for lay in layers):
+            why = next(lay for lay in layers if isinstance(lay, str))
+        if executor is not None and executor.ep is not None:  # ranks: every rank takes the graph, or none does
+            from moe_offload.engines.offload.ranks.parallel import agree
+
+            if not agree(not why) and not why:
+                why = "another rank cannot build the graph"
+        if why:
             log.info("owned graph off: steps run transformers' modules", model_type=desc.model_type, reason=why)
             return None
         log.info("owned graph on", model_type=desc.model_type, layers=len(layers))
@@ -91,7 +100,7 @@ class ModelGraph:
                                   self.cache)
             h = h + lay.ffn(blocks.rms_norm(h, n2.weight, blocks._eps(n2), kind))
         x = blocks.rms_norm(h.index_select(0, keep), self.norm.weight, blocks._eps(self.norm), kind)
-        logits = self.head(x)  # [R, V]
+        logits = self.model.lm_head(x)  # [R, V] (a rank's VocabShard gathers every rank's rows)
         ex.end_forward(t0)
         self.steps += 1
         return logits
@@ -110,8 +119,6 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return "no offload executor"
     if executor.device.type != "cpu":
         return f"the graph has not yet run on {executor.device.type}"
-    if executor.ep is not None:
-        return "tensor-parallel ranks split the modules' layers"
     cfg = model.config
     if getattr(cfg, "clip_qkv", None) is not None:
         return "clip_qkv"
@@ -120,7 +127,8 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return "unexpected module layout"
     if type(inner.embed_tokens) is not torch.nn.Embedding:
         return "an embedding other than a plain lookup"
-    if not isinstance(getattr(model, "lm_head", None), (torch.nn.Linear, RowsLinear)):
+    head = getattr(model, "lm_head", None)
+    if not isinstance(getattr(head, "part", head), (torch.nn.Linear, RowsLinear)):  # a rank's rows: VocabShard
         return "no linear LM head"
     if len(inner.layers) != len(desc.layers):
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"

@@ -117,7 +117,7 @@ class ModelRunner:
         # ranks whose plan failed to bind on some rank split now (the pool is sized for whole heads)
         if not split and _ranks(executor) and _split_unless(self.fast is not None, model, executor,
                                                             kv="sized for whole heads"):
-            self.fast = None
+            self.fast = self.graph = None
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Logits [R, V] of the step (rows as output.py reads them), or None when no sequence has a row."""
