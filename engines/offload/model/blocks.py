@@ -92,6 +92,53 @@ class AttentionBlock:
         return self.o(out.reshape(N, -1))  # [N, H]
 
 
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved rotary: pairs (2j, 2j+1) by angle j (the table's first half), laid out as halves."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+
+
+class MLABlock:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash) for the rows of a step: the latents
+    (kv_lora_rank values, normed, + the shared rotary key) go to the paged cache, kv_b_proj expands the sequences'
+    cached latents into every head's key and value, attention, o_proj. Decode-only bf16 steps take the absorbed
+    kernel instead (mla_plan.py: the same cache rows)."""
+
+    def __init__(self, attn, idx: int, norm_kind: str):
+        self.a, self.idx, self.norm_kind = attn, idx, norm_kind
+        self.nope, self.rope, self.vd = int(attn.qk_nope_head_dim), int(attn.qk_rope_head_dim), int(attn.v_head_dim)
+        self.rank, self.scaling = int(attn.kv_lora_rank), float(attn.scaling)
+        self.interleave = bool(getattr(attn.config, "rope_interleave", False))
+
+    def _norm(self, norm, t: torch.Tensor) -> torch.Tensor:
+        return rms_norm(t, norm.weight, _eps(norm), self.norm_kind)
+
+    def __call__(self, x: torch.Tensor, rot: tuple, step: kv.StepContext, cache: kv.PagedCache) -> torch.Tensor:
+        a, N = self.a, x.shape[0]
+        q = a.q_proj(x) if a.q_lora_rank is None else a.q_b_proj(self._norm(a.q_a_layernorm, a.q_a_proj(x)))
+        q_pass, q_rot = torch.split(q.view(N, -1, self.nope + self.rope), [self.nope, self.rope], dim=-1)
+        lat, k_rot = torch.split(a.kv_a_proj_with_mqa(x), [self.rank, self.rope], dim=-1)  # [N, R], [N, P]
+        lat, k_rot = self._norm(a.kv_a_layernorm, lat), k_rot.view(N, 1, self.rope)
+        cos, sin = rot
+        if self.interleave:
+            q_rot, k_rot = _rotate_interleaved(q_rot, cos, sin), _rotate_interleaved(k_rot, cos, sin)
+        else:
+            q_rot, k_rot = rotate(q_rot, cos, sin, "rotate_half"), rotate(k_rot, cos, sin, "rotate_half")
+        # the cache holds the latents: [1, 1, N, R] and [1, 1, N, P] in, the sequences' context [1, 1, X, .] out
+        lat_x, rot_x = cache.update(lat.view(1, 1, N, self.rank), k_rot.transpose(0, 1).unsqueeze(0), self.idx,
+                                    step=step)
+        X = lat_x.shape[2]
+        kvx = a.kv_b_proj(lat_x[0, 0]).view(X, -1, self.nope + self.vd)  # [X, H, N + V]
+        k_nope, value = torch.split(kvx, [self.nope, self.vd], dim=-1)
+        key = torch.cat([k_nope, rot_x[0, 0].unsqueeze(1).expand(-1, k_nope.shape[1], -1)], dim=-1)  # [X, H, N + P]
+        query = torch.cat([q_pass, q_rot], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, H, N, N + P]
+        out = kv.attend(step, query, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
+                        self.scaling)
+        return a.o_proj(out.reshape(N, -1))  # [N, H]
+
+
 class SoftmaxRouter:
     """A softmax router (description.Router without a correction bias or groups): (ids [N, K], weights [N, K])."""
 

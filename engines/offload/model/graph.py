@@ -17,8 +17,8 @@ scaling); no transformers module runs a layer, except a MoE block whose router t
 Tensor-parallel ranks (ranks/parallel.py) run it where the fused decode path keeps attention whole on every rank:
 the executor sums each MoE layer's rows over the ranks, a rank's LM head (VocabShard) gathers the vocabulary.
 
-Not yet here (their models run transformers' modules, the reason logged once; test_graph.py lists them): MLA and
-gated-DeltaNet layers, ranks that split attention heads (dense_split.py), an accelerator other than the CPU.
+Not yet here (their models run transformers' modules, the reason logged once; test_graph.py lists them):
+gated-DeltaNet layers, MLA with a sparse indexer (DeepSeek-V3.2), ranks that split attention heads (dense_split.py), an accelerator other than the CPU.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from moe_offload.control.description import ModelDescription
 from moe_offload.control.description import MoEBlock as MoEDesc
 from moe_offload.engines.offload.loading.quant import RowsLinear
-from moe_offload.engines.offload.model import blocks
+from moe_offload.engines.offload.model import blocks, mla
 from moe_offload.engines.offload.model.fused_bind import cos_sin
 from moe_offload.engines.offload.model.moe_blocks import block_for
 from moe_offload.engines.offload.runtime import kv
@@ -111,8 +111,8 @@ def refuse(model, executor, desc: ModelDescription) -> str:
     not hold what the description says."""
     if desc.path != "fused":
         return desc.why
-    if desc.attention != "gqa":
-        return f"{desc.attention or 'no softmax'} attention: the graph has no block for it yet"
+    if desc.attention not in ("gqa", "mla"):
+        return "no softmax attention: the graph has no block for it yet"
     if desc.linear:
         return f"{desc.linear} layers: the graph has no block for them yet"
     if executor is None:
@@ -137,6 +137,10 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         if parts != _LAYER_PARTS:
             return f"layer {i}: parts {sorted(parts - _LAYER_PARTS) or sorted(_LAYER_PARTS - parts)} beyond a norm-attention-norm-ffn layer"
         mixer = desc.layers[i].mixer
+        if mixer.kind == "mla":
+            if not mla.eligible(layer.self_attn):
+                return f"layer {i}: an MLA attention of another kind (a sparse indexer, a window)"
+            continue
         if mixer.output_gate:
             return f"layer {i}: an output-gated attention"
         attn = layer.self_attn
@@ -148,7 +152,10 @@ def refuse(model, executor, desc: ModelDescription) -> str:
 
 def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
     layer, d = model.model.layers[i], desc.layers[i]
-    attn = blocks.AttentionBlock(layer.self_attn, d.mixer, i, desc.norm.kind)
+    if d.mixer.kind == "mla":
+        attn = blocks.MLABlock(layer.self_attn, i, desc.norm.kind)
+    else:
+        attn = blocks.AttentionBlock(layer.self_attn, d.mixer, i, desc.norm.kind)
     mlp = layer.mlp
     if not isinstance(d.ffn, MoEDesc):
         ffn = lambda x, m=mlp: blocks.mlp(m, x)  # noqa: E731
