@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_offload.control.description import Attention, Router
+from moe_offload.engines.offload.model import mla
 from moe_offload.engines.offload.runtime import kv
 
 
@@ -73,7 +74,7 @@ class AttentionBlock:
         self.sinks = getattr(attn, "sinks", None) if desc.sinks else None
 
     def _norm(self, norm, t: torch.Tensor) -> torch.Tensor:
-        return t if norm is None else rms_norm(t, norm.weight, _eps(norm), self.norm_kind)
+        return t if norm is None else rms_norm(t, norm.weight, eps_of(norm), self.norm_kind)
 
     def __call__(self, x: torch.Tensor, rot: tuple | None, step: kv.StepContext, cache: kv.PagedCache) -> torch.Tensor:
         N, d = x.shape[0], self.desc
@@ -103,8 +104,8 @@ def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
 class MLABlock:
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash) for the rows of a step: the latents
     (kv_lora_rank values, normed, + the shared rotary key) go to the paged cache, kv_b_proj expands the sequences'
-    cached latents into every head's key and value, attention, o_proj. Decode-only bf16 steps take the absorbed
-    kernel instead (mla_plan.py: the same cache rows)."""
+    cached latents into every head's key and value, attention, o_proj. Decode-only steps attend over the latents
+    with kv_b_proj absorbed instead (mla.py; bf16 ones take the fused call, mla_plan.py: the same cache rows)."""
 
     def __init__(self, attn, idx: int, norm_kind: str):
         self.a, self.idx, self.norm_kind = attn, idx, norm_kind
@@ -113,7 +114,7 @@ class MLABlock:
         self.interleave = bool(getattr(attn.config, "rope_interleave", False))
 
     def _norm(self, norm, t: torch.Tensor) -> torch.Tensor:
-        return rms_norm(t, norm.weight, _eps(norm), self.norm_kind)
+        return rms_norm(t, norm.weight, eps_of(norm), self.norm_kind)
 
     def __call__(self, x: torch.Tensor, rot: tuple, step: kv.StepContext, cache: kv.PagedCache) -> torch.Tensor:
         a, N = self.a, x.shape[0]
@@ -129,11 +130,13 @@ class MLABlock:
         # the cache holds the latents: [1, 1, N, R] and [1, 1, N, P] in, the sequences' context [1, 1, X, .] out
         lat_x, rot_x = cache.update(lat.view(1, 1, N, self.rank), k_rot.transpose(0, 1).unsqueeze(0), self.idx,
                                     step=step)
+        query = torch.cat([q_pass, q_rot], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, H, N, N + P]
+        if mla.latent_step(step):  # decode rows only: attention over the latents, kv_b_proj absorbed (mla.py)
+            return a.o_proj(mla.attend(a, step, query, lat_x, rot_x, self.scaling).reshape(N, -1))
         X = lat_x.shape[2]
         kvx = a.kv_b_proj(lat_x[0, 0]).view(X, -1, self.nope + self.vd)  # [X, H, N + V]
         k_nope, value = torch.split(kvx, [self.nope, self.vd], dim=-1)
         key = torch.cat([k_nope, rot_x[0, 0].unsqueeze(1).expand(-1, k_nope.shape[1], -1)], dim=-1)  # [X, H, N + P]
-        query = torch.cat([q_pass, q_rot], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, H, N, N + P]
         out = kv.attend(step, query, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
                         self.scaling)
         return a.o_proj(out.reshape(N, -1))  # [N, H]
@@ -182,6 +185,6 @@ class MoEBlock:
         return out + s
 
 
-def _eps(norm) -> float:
+def eps_of(norm) -> float:
     """An RMSNorm's epsilon (``variance_epsilon``; Qwen3-Next's zero-centred norm calls it ``eps``)."""
     return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)

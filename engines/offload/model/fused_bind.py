@@ -21,6 +21,7 @@ from moe_offload.control.description import Attention, LinearMixer, ModelDescrip
 from moe_offload.engines.offload.kernels import jit, ops
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear, RowsLinear
 from moe_offload.engines.offload.model import deltanet, mla_plan
+from moe_offload.engines.offload.model.blocks import eps_of
 from moe_offload.engines.offload.model.moe_blocks import block_for
 from moe_offload.engines.offload.model.weights import mlp_args
 
@@ -37,11 +38,6 @@ def _shared_args(se, gate) -> tuple | None:
         return None
     gate_up, down, gate_up_scale, down_scale = args
     return gate_up, down, gate.weight, gate_up_scale, down_scale
-
-
-def _eps(norm) -> float:
-    """An RMSNorm's epsilon (``variance_epsilon``; Qwen3-Next's zero-centred norm calls it ``eps``)."""
-    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
 
 
 def _attention(k, layer, attn, mixer: Attention, pool, idx: int, hd: int) -> None:
@@ -91,14 +87,14 @@ def bind(model, desc: ModelDescription, pool) -> tuple[list[Layer], float] | str
     layout does not hold what the description says). Attention layers' KV pools come from ``pool``."""
     if desc.attention == "mla" and pool.codes is not None:
         return "a quantized KV cache with MLA layers (the fused MLA kernel reads bf16 latents)"
-    eps = _eps(model.model.norm)
+    eps = eps_of(model.model.norm)
     hd = head_dim(model.model)
     layers = []
     for i, (layer, d) in enumerate(zip(model.model.layers, desc.layers)):
         attn = getattr(layer, "self_attn", None)
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (qn, kn) if n is not None]
-        if any(_eps(n) != eps for n in norms):
+        if any(eps_of(n) != eps for n in norms):
             return "norms with different eps"
         mlp = layer.mlp
         experts = getattr(mlp, "experts", None)

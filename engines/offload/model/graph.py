@@ -45,7 +45,7 @@ _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm
 @dataclass
 class _Layer:
     norms: tuple  # (input norm, post-attention norm) modules: their weight and eps
-    attention: blocks.AttentionBlock
+    attention: blocks.AttentionBlock | blocks.MLABlock
     rotary: object  # description.Rotary, or None (NoPE)
     ffn: object  # rows [N, H] -> [N, H]
 
@@ -96,10 +96,10 @@ class ModelGraph:
         kind = self.kind
         for lay in self.layers:
             n1, n2 = lay.norms
-            h = h + lay.attention(blocks.rms_norm(h, n1.weight, blocks._eps(n1), kind), rot.get(lay.rotary), step,
+            h = h + lay.attention(blocks.rms_norm(h, n1.weight, blocks.eps_of(n1), kind), rot.get(lay.rotary), step,
                                   self.cache)
-            h = h + lay.ffn(blocks.rms_norm(h, n2.weight, blocks._eps(n2), kind))
-        x = blocks.rms_norm(h.index_select(0, keep), self.norm.weight, blocks._eps(self.norm), kind)
+            h = h + lay.ffn(blocks.rms_norm(h, n2.weight, blocks.eps_of(n2), kind))
+        x = blocks.rms_norm(h.index_select(0, keep), self.norm.weight, blocks.eps_of(self.norm), kind)
         logits = self.model.lm_head(x)  # [R, V] (a rank's VocabShard gathers every rank's rows)
         ex.end_forward(t0)
         self.steps += 1
