@@ -155,6 +155,12 @@ def shared_expert(x: torch.Tensor, gate_up, down, gate, gate_up_scale=None, down
     return _op("shared_expert_bf16")(x, gate_up, down, gate, gate_up_scale, down_scale)
 
 
+def prefill_attention(q, k, v, scale: float, window: int = 0) -> torch.Tensor:
+    """Causal attention of a prefill chunk: q [T, Hq, D] over its context k [L, Hk, D], v [L, Hk, Dv] (query row t at
+    position L - T + t; ``window`` > 0: only the last ``window`` positions) -> [T, Hq, Dv], bf16 (attention.cpp)."""
+    return _op("prefill_attention_bf16")(q, k, v, scale, window)
+
+
 def mla_decode(q, lat, rope, lens, wkv_b, nope: int, scaling: float, rows=None) -> torch.Tensor:
     return _op("mla_decode_bf16")(q, lat, rope, lens, wkv_b, nope, scaling, rows)
 
@@ -227,6 +233,10 @@ def _mla(q, lat, rope, lens, wkv_b, nope, scaling, rows=None):
     return q.new_empty((q.shape[0], q.shape[1], wkv_b.shape[0] // q.shape[1] - nope))
 
 
+def _prefill_attention(q, k, v, scale, window=0):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+
+
 def _mla_prologue(q, ckv, kv_norm, eps, cos, sin, interleave, kpool, vpool, slots, nope):
     return None
 
@@ -247,6 +257,7 @@ FAKES = {
     "dequant_blocks": _dequant_blocks,
     "rmsnorm_bf16": _rmsnorm,
     "mla_decode_bf16": _mla,
+    "prefill_attention_bf16": _prefill_attention,
     "grouped_topk": _grouped_topk,
     "mla_prologue_bf16": _mla_prologue,
     "gated_delta_decode_bf16": _delta,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from moe_offload.engines.offload.kernels import jit, ops
 from moe_offload.engines.offload.runtime.kv_quant import dequantize, quantize
 
 ATTENTION = "moe_offload_paged"
@@ -292,8 +293,15 @@ def attend(step: StepContext, query, key, value, scaling, window=None, sinks=Non
                 mask = w[:, None, None, :] if mask is None else mask & w[:, None, None, :]
         o = _attend(qd, kd, vd, mask, scaling, sinks, softcap, causal=False)  # [Bd, Hq, 1, Dv]
         out[0].index_copy_(0, step.decode_rows, o[:, :, 0, :])
+    tiled = _tiled(query, value, sinks, softcap)
     for s in step.seqs:
         if s.q_len == 1 and step.decode:
+            continue
+        if tiled and s.q_len > 1:  # the tiled bf16 kernel over the chunk's context (attention.cpp)
+            ks = slice(s.k_start, s.k_start + s.ctx_len)
+            out[0, s.q_start : s.q_start + s.q_len] = ops.prefill_attention(
+                _rows(q[:, s.q_start : s.q_start + s.q_len]), _rows(key[0, :, ks]), _rows(value[0, :, ks]),
+                scaling if scaling is not None else q.shape[-1] ** -0.5, window or 0)
             continue
         qs = q[:, s.q_start : s.q_start + s.q_len].unsqueeze(0)  # [1, Hq, q, D]
         k = key[:, :, s.k_start : s.k_start + s.ctx_len]  # [1, Hk, L, D]
@@ -339,6 +347,21 @@ def _attend(q, k, v, mask, scaling, sinks, softcap, causal):
     else:
         p = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(p.to(v.dtype), v)
+
+
+def _tiled(query, value, sinks, softcap) -> bool:
+    """bf16 prefill chunks without sinks or softcap go to the tiled kernel where it is AVX512-BF16 (not a scalar build)."""
+    if sinks is not None or softcap is not None or query.dtype != torch.bfloat16 or not query.is_cpu:
+        return False
+    if query.shape[-1] % 2 or value.shape[-1] % 16 or not jit.load():
+        return False
+    return jit.info()["variant"] == "avx512bf16"
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[heads, rows, D] -> [rows, heads, D] with each row's heads contiguous (a view where they are already)."""
+    r = t.transpose(0, 1)
+    return r if r.stride(2) == 1 and r.stride(1) == r.shape[2] else r.contiguous()
 
 
 def _decode_fp32(q, k, v, mask, scaling):

@@ -20,8 +20,9 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
         "Tensor[]? down_biases=None, int gate=0, float alpha=0., float limit=0.) -> ()");
   // decode.cpp (the layer kernels: the class moe_offload.Layer, layer.h / step.cpp)
   m.def("rmsnorm_bf16(Tensor h, Tensor? add, Tensor w, float eps, str norm=\"rms\") -> Tensor");
-  // mla.cpp
-  // router.cpp
+  // attention.cpp
+  m.def("prefill_attention_bf16(Tensor q, Tensor k, Tensor v, float scale, int window=0) -> Tensor");
+  // deltanet.cpp, router.cpp, mla.cpp
   m.def("gated_delta_decode_bf16(Tensor qkvz, Tensor ba, Tensor(a!) conv_state, Tensor conv_w, Tensor? conv_b, "
         "Tensor(b!) state, Tensor a_log, Tensor dt_bias, Tensor norm_w, float eps, int Hk, int Hv, int Dk, int Dv, "
         "Tensor? slots=None, bool plain=False) -> Tensor");
@@ -42,6 +43,7 @@ TORCH_LIBRARY_IMPL(moe_offload, CPU, m) {
   m.impl("moe_experts_q", &moe_quant::moe_experts_q);
   m.impl("dequant_blocks", &moe_quant::dequant_blocks);
   m.impl("rmsnorm_bf16", &moe_cpu::rmsnorm_bf16);
+  m.impl("prefill_attention_bf16", &moe_cpu::prefill_attention_bf16);
   m.impl("mla_decode_bf16", &moe_cpu::mla_decode_bf16);
   m.impl("mla_prologue_bf16", &moe_cpu::mla_prologue_bf16);
   m.impl("gated_delta_decode_bf16", &moe_cpu::gated_delta_decode_bf16);

@@ -118,6 +118,10 @@ void moe_experts_bf16(const at::Tensor& x, at::TensorList ups, at::TensorList do
 at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
                         const std::string& norm);
 
+// attention.cpp
+at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                  int64_t window);
+
 // mla.cpp
 at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& lat, const at::Tensor& rope, const at::Tensor& lens,
                            const at::Tensor& wkv_b, int64_t nope, double scaling, const std::optional<at::Tensor>& rows);
