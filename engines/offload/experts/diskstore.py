@@ -197,10 +197,14 @@ def discard(directory: Path) -> None:
 class StoreFile:
     """experts.bin (or, in place, the checkpoint's files) open for reads: ``read(entry, e, buf)`` reads expert
     ``e``'s record into ``buf`` (uint8, record bytes, ALIGN-aligned address when O_DIRECT is on). Thread-safe (pread
-    has no shared file position)."""
+    has no shared file position). ``keep_cache``: every expert has a host slot for the whole run (the memory plan's
+    "every expert fits"): reads go through the page cache and leave it be, as a memory-mapped file's would, so a
+    restarted worker reads from memory what the last one read (else: O_DIRECT, or pages dropped after the read)."""
 
-    def __init__(self, manifest: Manifest, direct: bool = True):
+    def __init__(self, manifest: Manifest, direct: bool = True, keep_cache: bool = False):
         self.manifest = manifest
+        self.keep_cache = keep_cache
+        direct = direct and not keep_cache
         self.verified: set[tuple[str, int]] = set()  # records whose CRC matched at their first read
         self.failed_in_row, self.last_error = 0, ""
         self._lock = threading.Lock()  # the I/O threads count failures
@@ -250,7 +254,7 @@ class StoreFile:
         if n != entry.record_bytes:
             raise ModelError(f"{self.manifest.data_path}: {entry.name} expert {e}: read {n} of {entry.record_bytes} "
                              "bytes (the expert store is truncated)")
-        if not self.direct and hasattr(os, "posix_fadvise"):
+        if not self.direct and not self.keep_cache and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)  # the host cache holds it: no second copy
         if entry.crcs is not None and (entry.name, e) not in self.verified:
             if zlib.crc32(view[:n]) != entry.crcs[e]:
@@ -270,7 +274,7 @@ class StoreFile:
             if got != n:
                 raise ModelError(f"{self.manifest.files[f]}: {entry.name} expert {e}: read {got} of {n} bytes at "
                                  f"{off} (the checkpoint file is truncated)")
-            if hasattr(os, "posix_fadvise"):
+            if not self.keep_cache and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(self.fds[f], off, n, os.POSIX_FADV_DONTNEED)  # the host cache holds it: no 2nd copy
             total += n
         return total

@@ -16,6 +16,7 @@ pinned memory and its unpinned original freed, one layer at a time.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,7 +210,7 @@ def load_model(
         pinned = {layer: sorted(set(p if dev.type == "cpu" else []) | set(pins.get(layer, [])))
                   for layer, (p, _) in layout.items()}
         cached, executor.disk, executor.io = disk_stores(modules, experts, manifest, host_slots, pinned,
-                                                         pin=dev.type == "cuda")
+                                                         pin=dev.type == "cuda", keep_cache=host_cache == sys.maxsize)
         stores = [(info, modules[info.name], st) for info, st in zip(experts, cached)]
         executor.store_file = cached[0].file if cached else None  # its health: reads failing in a row
     else:

@@ -76,10 +76,12 @@ def load_split(root: Path, config, experts: list, method: str | None, read_as: s
 
 
 def disk_stores(modules: dict, experts: list, manifest: Manifest, slots: dict[int, int], pinned: dict[int, list[int]],
-                threads: int = 8, pin: bool = False) -> tuple[list[CachedLayerStore], DiskStats, IOPool]:
+                threads: int = 8, pin: bool = False, keep_cache: bool = False
+                ) -> tuple[list[CachedLayerStore], DiskStats, IOPool]:
     """Per experts module a CachedLayerStore of ``slots[layer]`` host slots (``pinned[layer]`` kept) over its records;
-    the modules lose their placeholder weights and keep their biases, as take_from_module leaves them."""
-    file = StoreFile(manifest)
+    the modules lose their placeholder weights and keep their biases, as take_from_module leaves them.
+    ``keep_cache``: every expert has a slot; reads leave the page cache be (StoreFile)."""
+    file = StoreFile(manifest, keep_cache=keep_cache)
     stats, io = DiskStats(), IOPool(threads)
     rows = set(manifest.meta.get("rows_layers", ()))
     out = []

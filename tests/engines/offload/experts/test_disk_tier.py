@@ -70,6 +70,7 @@ def test_every_host_budget_gives_the_same_tokens(checkpoints, extra):
     path = checkpoints("qwen3_moe")
     ref = greedy(load_model(path, None).model, PROMPT, N_TOKENS)
     om = load_tight(path, 0.0, "static", extra=extra)
+    assert om.executor.store_file.keep_cache is False  # a budget (even a large one): the host cache is the only copy
     tokens, logits = greedy(om.model, PROMPT, N_TOKENS)
     assert tokens == ref[0]
     assert torch.equal(logits, ref[1])  # same bytes, same kernels: bit for bit
@@ -301,7 +302,7 @@ def test_engine_reports_the_disk_tier_and_survives_a_store_cut_mid_run(checkpoin
         engine.close()
 
 
-def test_a_written_store_is_read_lazily_when_every_expert_fits(checkpoints):
+def test_a_written_store_is_read_lazily_when_every_expert_fits(checkpoints, monkeypatch):
     """With an expert store on disk and room for every expert, the engine reads them in the background from the
     store (one copy in memory, a forward waits only for what it routes to): same tokens, every expert read once."""
     from moe_offload.engines.offload.loading.convert import convert_checkpoint
@@ -316,12 +317,17 @@ def test_a_written_store_is_read_lazily_when_every_expert_fits(checkpoints):
     plain.close()
     man, written = convert_checkpoint(path)
     assert written and convert_checkpoint(path)[1] is False  # written once, found after
+    dropped = []
+    monkeypatch.setattr(diskstore.os, "posix_fadvise", lambda *a: dropped.append(a), raising=False)
     engine = build_offload_engine(path)
     layers = engine.executor.layers
     assert all(s.store.num_slots == s.store.num_experts == len(s.cache.pinned) for s in layers)
+    # every expert has its slot for the run: reads leave the page cache be (a restart reads from memory, as mmap)
+    assert engine.executor.store_file.keep_cache and not engine.executor.store_file.direct
     assert list(engine.generate(PROMPT, params)) == ref
     stores = [s.store for s in layers]
     engine.close()  # waits for the background reads
+    assert dropped == []
     # every slot holds its expert's record: the bytes the in-memory engine computed with
     mem = load_model(path, None)
     for st, ref_layer in zip(stores, mem.executor.layers):
