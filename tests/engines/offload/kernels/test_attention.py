@@ -88,3 +88,23 @@ def test_paged_attention_takes_it_for_bf16_prefill_chunks(monkeypatch):
         exact = _sdpa(query[0, :, rows].transpose(0, 1), key[0, :, ks].transpose(0, 1), value[0, :, ks].transpose(0, 1),
                       D ** -0.5)
         assert (got[0, rows].float() - exact).abs().max() <= 2 ** -7 * exact.abs().max()
+
+
+@pytest.mark.parametrize("variant", [v[0] for v in jit.VARIANTS[1:]])
+def test_lesser_isa_variants(variant):
+    # the scalar blocks of AVX2 and portable builds, in their own process: a chunk after cached positions, a window
+    from offload_helpers import run_in_variant
+
+    run_in_variant(variant, """
+import torch.nn.functional as F
+g = torch.Generator().manual_seed(3)
+for T, L, w in ((21, 70, 0), (40, 40, 9)):
+    q = torch.randn(T, 4, 32, generator=g).bfloat16(); k = torch.randn(L, 2, 32, generator=g).bfloat16()
+    v = torch.randn(L, 2, 16, generator=g).bfloat16()
+    got = ops.prefill_attention_bf16(q, k, v, 0.2, w)
+    qp, kp = torch.arange(L - T, L)[:, None], torch.arange(L)[None]
+    m = (kp <= qp) & ((kp > qp - w) if w else True)
+    ref = F.scaled_dot_product_attention(*(t.float().transpose(0, 1)[None] for t in (q, k, v)), attn_mask=m[None, None],
+                                         scale=0.2, enable_gqa=True)[0].transpose(0, 1)
+    assert (got.float() - ref).abs().max() <= 2 ** -7 * ref.abs().max(), (T, L, w)
+""")
