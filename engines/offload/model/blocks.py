@@ -79,6 +79,10 @@ class AttentionBlock:
     def __call__(self, x: torch.Tensor, rot: tuple | None, step: kv.StepContext, cache: kv.PagedCache) -> torch.Tensor:
         N, d = x.shape[0], self.desc
         q, k, v = self.q(x), self.k(x), self.v(x)  # [N, Hq*D], [N, Hkv*D] x 2
+        gate = None
+        if d.output_gate:  # Qwen3-Next: per head [query | gate], a sigmoid gate on the attention's output
+            q, gate = torch.chunk(q.view(N, -1, 2 * self.hd), 2, dim=-1)
+            q, gate = q.reshape(N, -1), gate.reshape(N, -1)
         if d.qk_norm == "full":  # over the whole projection, before the heads are split (OLMoE, MiniMax-M2)
             q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
         q, k, v = q.view(N, -1, self.hd), k.view(N, -1, self.hd), v.view(N, -1, self.hd)  # [N, heads, D]
@@ -90,7 +94,8 @@ class AttentionBlock:
         # [1, heads, N, D] as the cache and attention take them
         key, value = cache.update(k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), self.idx, step=step)
         out = kv.attend(step, q.transpose(0, 1).unsqueeze(0), key, value, self.scaling, d.window, self.sinks)
-        return self.o(out.reshape(N, -1))  # [N, H]
+        out = out.reshape(N, -1)
+        return self.o(out if gate is None else out * torch.sigmoid(gate))  # [N, H]
 
 
 def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

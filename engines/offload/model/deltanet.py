@@ -111,9 +111,25 @@ def _seat_pools(pool: kv.KVPool, layer, dtype, seats: int) -> tuple[torch.Tensor
     return pool.states_of(layer.layer_idx, *_state_layout(layer, dtype), seats)
 
 
-def _paged(layer, module_forward, hidden_states, cache: kv.PagedCache) -> torch.Tensor:
-    """The paged engine's step: hidden_states [1, N, H] packed by sequence (kv.StepContext.seqs)."""
-    step = kv.current()
+class DeltaNetBlock:
+    """A gated-DeltaNet layer on the owned graph (graph.py): the rows of a step [N, H] -> [N, H], the step's layout
+    passed in. Decode rows take the kernel on the pool's seats; a prefill chunk runs the module's own forward on its
+    sequence's seat (the chunked delta rule is the module's: transformers' code, its weights)."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        fwd = layer.__dict__.get("forward")
+        self.module_forward = fwd.args[1] if isinstance(fwd, functools.partial) else layer.forward  # install()'s
+
+    def __call__(self, x: torch.Tensor, rot, step: kv.StepContext, cache: kv.PagedCache) -> torch.Tensor:
+        return _paged(self.layer, self.module_forward, x.unsqueeze(0), cache, step)[0]
+
+
+def _paged(layer, module_forward, hidden_states, cache: kv.PagedCache, step: kv.StepContext | None = None
+           ) -> torch.Tensor:
+    """The paged engine's step: hidden_states [1, N, H] packed by sequence (kv.StepContext.seqs); ``step`` the
+    step's layout (the graph passes it; the modules' path finds it on the thread)."""
+    step = step if step is not None else kv.current()
     if step.probe:
         shapes, dtypes = _state_layout(layer, hidden_states.dtype)
         cache.stateful[layer.layer_idx] = sum(math.prod(s) * torch.empty((), dtype=d).element_size()

@@ -17,8 +17,9 @@ scaling); no transformers module runs a layer, except a MoE block whose router t
 Tensor-parallel ranks (ranks/parallel.py) run it where the fused decode path keeps attention whole on every rank:
 the executor sums each MoE layer's rows over the ranks, a rank's LM head (VocabShard) gathers the vocabulary.
 
-Not yet here (their models run transformers' modules, the reason logged once; test_graph.py lists them):
-gated-DeltaNet layers, MLA with a sparse indexer (DeepSeek-V3.2), ranks that split attention heads (dense_split.py), an accelerator other than the CPU.
+Gated-DeltaNet layers (Qwen3-Next) run as deltanet.DeltaNetBlock: the kernel for decode rows, the module's own
+chunked rule for prefill chunks. Not yet here (their models run transformers' modules, the reason logged once;
+test_graph.py lists them): MLA with a sparse indexer (DeepSeek-V3.2), ranks that split attention heads (dense_split.py), an accelerator other than the CPU.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_offload.control.description import ModelDescription
+from moe_offload.control.description import Attention, ModelDescription
 from moe_offload.control.description import MoEBlock as MoEDesc
 from moe_offload.engines.offload.loading.quant import RowsLinear
 from moe_offload.engines.offload.model import blocks, mla
+from moe_offload.engines.offload.model.deltanet import DeltaNetBlock
 from moe_offload.engines.offload.model.fused_bind import cos_sin
 from moe_offload.engines.offload.model.moe_blocks import block_for
 from moe_offload.engines.offload.runtime import kv
@@ -40,12 +42,13 @@ from moe_offload.log import get_logger
 log = get_logger("moe_offload.graph")
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_LINEAR_PARTS = {"linear_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 
 
 @dataclass
 class _Layer:
     norms: tuple  # (input norm, post-attention norm) modules: their weight and eps
-    attention: blocks.AttentionBlock | blocks.MLABlock
+    attention: blocks.AttentionBlock | blocks.MLABlock | DeltaNetBlock
     rotary: object  # description.Rotary, or None (NoPE)
     ffn: object  # rows [N, H] -> [N, H]
 
@@ -113,7 +116,7 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return desc.why
     if desc.attention not in ("gqa", "mla"):
         return "no softmax attention: the graph has no block for it yet"
-    if desc.linear:
+    if desc.linear and desc.linear != "gated_deltanet":
         return f"{desc.linear} layers: the graph has no block for them yet"
     if executor is None:
         return "no offload executor"
@@ -134,15 +137,16 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
     for i, layer in enumerate(inner.layers):
         parts = {n for n, m in layer.named_children() if not isinstance(m, torch.nn.Dropout)}
-        if parts != _LAYER_PARTS:
-            return f"layer {i}: parts {sorted(parts - _LAYER_PARTS) or sorted(_LAYER_PARTS - parts)} beyond a norm-attention-norm-ffn layer"
         mixer = desc.layers[i].mixer
+        want = _LAYER_PARTS if isinstance(mixer, Attention) else _LINEAR_PARTS
+        if parts != want:
+            return f"layer {i}: parts {sorted(parts - want) or sorted(want - parts)} beyond a norm-mixer-norm-ffn layer"
+        if not isinstance(mixer, Attention):
+            continue  # a gated-DeltaNet layer: deltanet.DeltaNetBlock
         if mixer.kind == "mla":
             if not mla.eligible(layer.self_attn):
                 return f"layer {i}: an MLA attention of another kind (a sparse indexer, a window)"
             continue
-        if mixer.output_gate:
-            return f"layer {i}: an output-gated attention"
         attn = layer.self_attn
         if (getattr(attn, "q_norm", None) is not None) != bool(mixer.qk_norm) or (
                 getattr(attn, "sinks", None) is not None) != mixer.sinks:
@@ -152,7 +156,9 @@ def refuse(model, executor, desc: ModelDescription) -> str:
 
 def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
     layer, d = model.model.layers[i], desc.layers[i]
-    if d.mixer.kind == "mla":
+    if not isinstance(d.mixer, Attention):
+        attn = DeltaNetBlock(layer.linear_attn)
+    elif d.mixer.kind == "mla":
         attn = blocks.MLABlock(layer.self_attn, i, desc.norm.kind)
     else:
         attn = blocks.AttentionBlock(layer.self_attn, d.mixer, i, desc.norm.kind)
@@ -178,7 +184,7 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
             if block is None:
                 return f"layer {i}: a router the selection call does not take"
             ffn = lambda x, b=block: b(executor, x)  # noqa: E731
-    return _Layer((layer.input_layernorm, layer.post_attention_layernorm), attn, d.mixer.rotary, ffn)
+    return _Layer((layer.input_layernorm, layer.post_attention_layernorm), attn, getattr(d.mixer, "rotary", None), ffn)
 
 
 def _module_rows(module, x: torch.Tensor) -> torch.Tensor:
