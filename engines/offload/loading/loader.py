@@ -16,7 +16,6 @@ pinned memory and its unpinned original freed, one layer at a time.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +73,7 @@ def load_model(
     cold_dtype: str | None = None,
     devices=None,
     expert_parallel: tuple[int, int] | None = None,
+    keep_page_cache: bool = False,
 ) -> OffloadedModel:
     """Load checkpoint ``path`` with ``placement`` (None: every expert resident) under miss ``policy``.
 
@@ -93,6 +93,8 @@ def load_model(
     ``devices``: several accelerators ("cuda:0,cuda:1", "cpu,cpu"; loading/devices.py), each a tier holding its share
     of each layer's experts as the placement says; the first runs the rest of the model (``device`` is ignored).
     ``expert_parallel``: (rank, world): a float checkpoint's experts of other ranks are not read (ranks/parallel.py).
+    ``keep_page_cache``: the store's reads leave the page cache be (diskstore.StoreFile ``keep_cache``): the engine's
+    choice where every expert has a host slot and no host-memory budget was given.
     Raises ModelError (bad checkpoint, dense model), PlacementError (placement for another model, slots that do
     not fit), ConfigError (bad option) before any large allocation.
     """
@@ -210,7 +212,7 @@ def load_model(
         pinned = {layer: sorted(set(p if dev.type == "cpu" else []) | set(pins.get(layer, [])))
                   for layer, (p, _) in layout.items()}
         cached, executor.disk, executor.io = disk_stores(modules, experts, manifest, host_slots, pinned,
-                                                         pin=dev.type == "cuda", keep_cache=host_cache == sys.maxsize)
+                                                         pin=dev.type == "cuda", keep_cache=keep_page_cache)
         stores = [(info, modules[info.name], st) for info, st in zip(experts, cached)]
         executor.store_file = cached[0].file if cached else None  # its health: reads failing in a row
     else:

@@ -24,6 +24,7 @@ test_graph.py lists them): MLA with a sparse indexer (DeepSeek-V3.2), ranks that
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -157,6 +158,8 @@ def refuse(model, executor, desc: ModelDescription) -> str:
 def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
     layer, d = model.model.layers[i], desc.layers[i]
     if not isinstance(d.mixer, Attention):
+        if not isinstance(layer.linear_attn.__dict__.get("forward"), functools.partial):
+            return f"layer {i}: a gated-DeltaNet layer without the engine's forward (deltanet.install)"
         attn = DeltaNetBlock(layer.linear_attn)
     elif d.mixer.kind == "mla":
         attn = blocks.MLABlock(layer.self_attn, i, desc.norm.kind)

@@ -258,6 +258,8 @@ def build_offload_engine(
         str(path), resolved, policy=policy, device=device, dtype=dtype, hybrid_threshold=hybrid_threshold,
         expert_dtype=expert_dtype, dense_dtype=dense_dtype, host_cache=plan.host_cache, prefetch=prefetch,
         cold_dtype=cold_dtype, devices=devices, expert_parallel=expert_parallel,
+        # every expert has a slot and no --host-memory budget was set: reads go through the page cache, as mmap's
+        keep_page_cache=plan.host_cache == sys.maxsize and host_memory is None,
     )
     if torch.device(device).type == "cpu":
         from moe_offload.engines.offload.kernels import jit

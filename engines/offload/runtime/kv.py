@@ -351,7 +351,7 @@ def _attend(q, k, v, mask, scaling, sinks, softcap, causal):
 
 def _tiled(query, value, sinks, softcap) -> bool:
     """bf16 prefill chunks without sinks or softcap go to the tiled kernel where it is AVX512-BF16 (not a scalar build)."""
-    if sinks is not None or softcap is not None or query.dtype != torch.bfloat16 or not query.is_cpu:
+    if sinks is not None or softcap is not None or not query.is_cpu or {query.dtype, value.dtype} != {torch.bfloat16}:
         return False
     if query.shape[-1] % 2 or value.shape[-1] % 16 or not jit.load():
         return False

@@ -70,7 +70,6 @@ def test_every_host_budget_gives_the_same_tokens(checkpoints, extra):
     path = checkpoints("qwen3_moe")
     ref = greedy(load_model(path, None).model, PROMPT, N_TOKENS)
     om = load_tight(path, 0.0, "static", extra=extra)
-    assert om.executor.store_file.keep_cache is False  # a budget (even a large one): the host cache is the only copy
     tokens, logits = greedy(om.model, PROMPT, N_TOKENS)
     assert tokens == ref[0]
     assert torch.equal(logits, ref[1])  # same bytes, same kernels: bit for bit
@@ -328,6 +327,12 @@ def test_a_written_store_is_read_lazily_when_every_expert_fits(checkpoints, monk
     stores = [s.store for s in layers]
     engine.close()  # waits for the background reads
     assert dropped == []
+    # a --host-memory budget (here one that holds every expert) keeps the host cache the only copy: pages dropped
+    budgeted = build_offload_engine(path, host_memory=10 * 2**30)
+    assert budgeted.executor.store_file.keep_cache is False
+    assert list(budgeted.generate(PROMPT, params)) == ref
+    budgeted.close()
+    assert dropped
     # every slot holds its expert's record: the bytes the in-memory engine computed with
     mem = load_model(path, None)
     for st, ref_layer in zip(stores, mem.executor.layers):

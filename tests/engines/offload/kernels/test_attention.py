@@ -62,6 +62,14 @@ def test_rows_with_strides_and_bad_shapes():
         ops.prefill_attention(q, k, v, 0.125)
     got = ops.prefill_attention(q.contiguous(), k, v, 0.125)
     assert (got.float() - _sdpa(q, k, v, 0.125)).abs().max() < 0.02
+    # rows with a stride beyond their heads (q, k, v cut from wider rows), one KV head whose stride is anything
+    wide = torch.randn(24, 7 * 64, generator=g).bfloat16()
+    qs = wide[:16, : 3 * 64].view(16, 3, 64)  # stride (448, 64, 1)
+    ks = wide[:, 3 * 64 : 4 * 64].unsqueeze(0).contiguous().transpose(0, 1)  # [24, 1, 64], stride (64, 1536, 1)
+    vs = wide[:, 5 * 64 :].reshape(24, 2, 64)[:, :1]  # [24, 1, 64], stride (448, 64, 1)
+    assert qs.stride(0) != 3 * 64 and ks.stride(1) != 64 and vs.stride(0) != 64
+    ref = _sdpa(qs, ks, vs, 0.125)
+    assert (ops.prefill_attention(qs, ks, vs, 0.125).float() - ref).abs().max() <= 2 ** -7 * ref.abs().max()
     with pytest.raises(RuntimeError, match="1 <= T <= L"):
         ops.prefill_attention(torch.zeros(30, 3, 64).bfloat16(), k, v, 0.125)
     with pytest.raises(RuntimeError, match="do not fit"):
@@ -81,13 +89,19 @@ def test_paged_attention_takes_it_for_bf16_prefill_chunks(monkeypatch):
     calls = []
     real = ops.prefill_attention
     monkeypatch.setattr(ops, "prefill_attention", lambda *a: calls.append(a[0].shape) or real(*a))
-    got = kv.attend(step, query, key, value, D ** -0.5)
-    assert calls == [(20, Hq, D), (6, Hq, D)]
-    for s in seqs:
-        rows, ks = slice(s.q_start, s.q_start + s.q_len), slice(s.k_start, s.k_start + s.ctx_len)
-        exact = _sdpa(query[0, :, rows].transpose(0, 1), key[0, :, ks].transpose(0, 1), value[0, :, ks].transpose(0, 1),
-                      D ** -0.5)
-        assert (got[0, rows].float() - exact).abs().max() <= 2 ** -7 * exact.abs().max()
+    for window in (0, 7):
+        calls.clear()
+        got = kv.attend(step, query, key, value, D ** -0.5, window or None)
+        assert calls == [(20, Hq, D), (6, Hq, D)]
+        for s in seqs:
+            rows, ks = slice(s.q_start, s.q_start + s.q_len), slice(s.k_start, s.k_start + s.ctx_len)
+            exact = _sdpa(query[0, :, rows].transpose(0, 1), key[0, :, ks].transpose(0, 1),
+                          value[0, :, ks].transpose(0, 1), D ** -0.5, window)
+            assert (got[0, rows].float() - exact).abs().max() <= 2 ** -7 * exact.abs().max(), window
+    # fp32 rows (and sinks) keep SDPA
+    calls.clear()
+    kv.attend(step, query.float(), key.float(), value.float(), D ** -0.5)
+    assert calls == []
 
 
 @pytest.mark.parametrize("variant", [v[0] for v in jit.VARIANTS[1:]])

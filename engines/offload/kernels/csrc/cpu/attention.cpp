@@ -189,7 +189,7 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
                                   int64_t window) {
   for (const auto* t : {&q, &k, &v})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->stride(2) == 1 &&
-                    t->stride(1) == t->size(2),
+                    (t->stride(1) == t->size(2) || t->size(1) == 1),
                 "prefill_attention_bf16: expected bf16 CPU tensors [rows, heads, dim] with rows of whole heads, got ",
                 t->scalar_type(), " ", t->sizes(), " strides ", t->strides());
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), L = k.size(0), Hk = k.size(1), Dv = v.size(2);
