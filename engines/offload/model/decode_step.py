@@ -34,6 +34,7 @@ from moe_offload.engines.offload.experts import fused
 from moe_offload.engines.offload.experts.tiercache import TierSlots
 from moe_offload.engines.offload.kernels import dispatch, ops
 from moe_offload.engines.offload.loading.quant import RowsLinear
+from moe_offload.engines.offload.model.weights import decoder
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -91,12 +92,12 @@ class StepCall:
         items = [(lay.idx, lay.state, glue_ok(lay), lay.dense) for lay in plan.layers]
         why = _refuse(plan.executor, items) or next(
             (f"layer {i}: attention projections not all the patched bf16 linears" for i, layer in
-             enumerate(plan.model.model.layers) if plan.mla and not _mla_linears_ok(layer.self_attn)), "")
+             enumerate(decoder(plan.model).layers) if plan.mla and not _mla_linears_ok(layer.self_attn)), "")
         if why:
             log.debug("whole-step decode off", reason=why)
             return None
         obj = ops.decode_step()
-        probe = torch.empty(1, plan.model.config.hidden_size, dtype=torch.bfloat16)
+        probe = torch.empty(1, plan.model.config.get_text_config().hidden_size, dtype=torch.bfloat16)
         for lay in plan.layers:
             if not _add_experts(lay.kernel, lay.state, lay.experts, probe, lay.idx):
                 return None

@@ -33,6 +33,7 @@ import torch
 from moe_offload.control.description import ModelDescription
 from moe_offload.engines.offload.kernels import ops
 from moe_offload.engines.offload.model import fused_bind, mla_plan
+from moe_offload.engines.offload.model.weights import decoder
 from moe_offload.engines.offload.model.decode_step import StepCall
 from moe_offload.engines.offload.model.moe_blocks import mlp_rows
 from moe_offload.log import get_logger
@@ -46,7 +47,7 @@ class DecodePlan:
     def __init__(self, model, executor, desc: ModelDescription, layers: list, eps: float, pool):
         self.model, self.executor, self.desc = model, executor, desc
         self.layers, self.eps, self.pool = layers, eps, pool
-        inner = model.model
+        inner = decoder(model)
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
         self.lm_head = model.lm_head
         self.head_dim = fused_bind.head_dim(inner)
@@ -73,7 +74,7 @@ class DecodePlan:
             why, bound = bound, None
         if bound is None:
             # a family the registry puts on this path falls back: loud (a warning reaches every command's output)
-            log.warning("fused decode path off: decode steps run transformers' modules (slower)", reason=why,
+            log.warning("fused decode path off: decode steps take the slower per-op path", reason=why,
                         model_type=desc.model_type)
             return None
         layers, eps = bound

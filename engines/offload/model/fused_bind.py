@@ -23,7 +23,7 @@ from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear, 
 from moe_offload.engines.offload.model import deltanet, mla_plan
 from moe_offload.engines.offload.model.blocks import eps_of
 from moe_offload.engines.offload.model.moe_blocks import block_for
-from moe_offload.engines.offload.model.weights import mlp_args
+from moe_offload.engines.offload.model.weights import decoder, mlp_args
 
 
 def _shared_args(se, gate) -> tuple | None:
@@ -87,10 +87,11 @@ def bind(model, desc: ModelDescription, pool) -> tuple[list[Layer], float] | str
     layout does not hold what the description says). Attention layers' KV pools come from ``pool``."""
     if desc.attention == "mla" and pool.codes is not None:
         return "a quantized KV cache with MLA layers (the fused MLA kernel reads bf16 latents)"
-    eps = eps_of(model.model.norm)
-    hd = head_dim(model.model)
+    inner = decoder(model)
+    eps = eps_of(inner.norm)
+    hd = head_dim(inner)
     layers = []
-    for i, (layer, d) in enumerate(zip(model.model.layers, desc.layers)):
+    for i, (layer, d) in enumerate(zip(inner.layers, desc.layers)):
         attn = getattr(layer, "self_attn", None)
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (qn, kn) if n is not None]
@@ -150,10 +151,10 @@ def refuse(model, executor, desc: ModelDescription) -> str:
     and devices, the rotary tables' widths, the kernels."""
     if desc.path != "fused":
         return desc.why
-    cfg = model.config
+    cfg = model.config.get_text_config()  # a wrapper's text decoder's
     if executor is None:
         return "no offload executor"
-    inner = getattr(model, "model", None)
+    inner = decoder(model)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
         return "unexpected module layout"
     if len(inner.layers) != len(desc.layers):

@@ -37,6 +37,7 @@ from moe_offload.engines.offload.model import blocks, mla
 from moe_offload.engines.offload.model.deltanet import DeltaNetBlock
 from moe_offload.engines.offload.model.fused_bind import cos_sin
 from moe_offload.engines.offload.model.moe_blocks import block_for
+from moe_offload.engines.offload.model.weights import decoder
 from moe_offload.engines.offload.runtime import kv
 from moe_offload.log import get_logger
 
@@ -58,7 +59,7 @@ class ModelGraph:
     """Built once per engine by ``build``; ``forward`` runs one step of any shape over the paged KV cache."""
 
     def __init__(self, model, executor, desc: ModelDescription, layers: list[_Layer], cache: kv.PagedCache):
-        inner = model.model
+        inner = decoder(model)
         self.model, self.embed, self.rotary_emb, self.norm = model, inner.embed_tokens, inner.rotary_emb, inner.norm
         self.executor, self.desc, self.layers, self.cache = executor, desc, layers, cache
         self.kind = desc.norm.kind
@@ -123,10 +124,10 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return "no offload executor"
     if executor.device.type != "cpu":
         return f"the graph has not yet run on {executor.device.type}"
-    cfg = model.config
+    cfg = model.config.get_text_config()  # a wrapper's text decoder's
     if getattr(cfg, "clip_qkv", None) is not None:
         return "clip_qkv"
-    inner = getattr(model, "model", None)
+    inner = decoder(model)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "rotary_emb", "norm", "layers")):
         return "unexpected module layout"
     if type(inner.embed_tokens) is not torch.nn.Embedding:
@@ -156,7 +157,7 @@ def refuse(model, executor, desc: ModelDescription) -> str:
 
 
 def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
-    layer, d = model.model.layers[i], desc.layers[i]
+    layer, d = decoder(model).layers[i], desc.layers[i]
     if not isinstance(d.mixer, Attention):
         if not isinstance(layer.linear_attn.__dict__.get("forward"), functools.partial):
             return f"layer {i}: a gated-DeltaNet layer without the engine's forward (deltanet.install)"

@@ -32,13 +32,13 @@ import torch
 
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear
-from moe_offload.engines.offload.model.weights import fuse_linears, weight_and_scale
+from moe_offload.engines.offload.model.weights import decoder, fuse_linears, weight_and_scale
 
 
 def refuse(model) -> str:
     """Why the fused path cannot run this MLA model ("" when it can), past fused_bind.refuse's checks of the executor
     and the module layout: absorbed attention, the projections' kinds, dtypes and devices, the kernels."""
-    inner = model.model
+    inner = decoder(model)
     for layer in inner.layers:
         attn = getattr(layer, "self_attn", None)
         if not getattr(attn, "_moe_offload_mla", False):

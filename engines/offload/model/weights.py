@@ -5,6 +5,7 @@
     fuse_linears(*linears) -> (rows, scales | None), whichever of the two takes them
     weight_and_scale(linear) -> (weight, scale | None) as a kernel takes one linear
     silu_mlp(mlp) / mlp_args(mlp) -> a silu MLP's (gate|up rows, down, scales) for moe_blocks.mlp_rows
+    decoder(model) -> the text decoder whose layers every path binds (a vision-language wrapper's language model)
 
 Surgery, not compute: a row's dot product does not depend on its neighbours, so outputs are bit-identical after a
 fusion. Compute lives in moe_blocks.py, fastpath.py, mla_plan.py and the kernels.
@@ -15,6 +16,15 @@ from __future__ import annotations
 import torch
 
 from moe_offload.engines.offload.loading.quant import RowsLinear
+
+
+def decoder(model):
+    """The text decoder (embed_tokens, rotary_emb, layers, norm) of a causal LM: ``model.model``, or, where that is
+    a vision-language wrapper (Qwen3-VL, Qwen3.5, GLM-4.5V), its ``language_model``: the text path the engine
+    serves. The LM head stays ``model.lm_head``. None where the model has neither."""
+    inner = getattr(model, "model", None)
+    text = getattr(inner, "language_model", None)
+    return text if isinstance(text, torch.nn.Module) else inner
 
 
 def fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor | None:

@@ -118,6 +118,9 @@ class ModelRunner:
         if not split and _ranks(executor) and _split_unless(self.fast is not None, model, executor,
                                                             kv="sized for whole heads"):
             self.fast = self.graph = None
+        if paged:  # the paths, once: decode-only steps, and every other step (prefill chunks, mixed, verification)
+            log.info("step paths", model_type=self.desc.model_type, other="graph" if self.graph else "modules",
+                     decode="fused" if self.fast else ("graph" if self.graph else "modules"))
 
     def forward(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Logits [R, V] of the step (rows as output.py reads them), or None when no sequence has a row."""

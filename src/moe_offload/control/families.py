@@ -67,9 +67,13 @@ FAMILIES: dict[str, Family] = {
     # registered by one line each: their layers are a registered family's parts
     "mellum": QWEN3_MOE.but(window="layer_types", rotary_tables="per_layer_type"),
     "exaone_moe": GLM4_MOE.but(rotary="rotate_half", window="layer_types", rotary_on="sliding_layers"),
-    # the module path, with the kernels where a layer kind has one (gated DeltaNet: deltanet.py)
-    "qwen3_5_moe": Family("module", linear="gated_deltanet",
-                          why="a vision-language wrapper: the text layers sit under model.language_model"),
+    # vision-language wrappers: their text decoders (model.language_model) are a registered family's layers; for
+    # text the multimodal rotary's three position axes are one, so its table is the 1-D one
+    "qwen3_vl_moe": QWEN3_MOE.but(renormalise="always"),
+    "qwen3_5_moe": QWEN3_NEXT.but(renormalise="always"),
+    "glm4v_moe": GLM4_MOE,
+    "aria": QWEN3_MOE.but(router="topk_softmax", expert_layout="transposed"),
+    "deepseek_ocr2": QWEN3_MOE.but(router="module"),
 }
 
 

@@ -21,7 +21,7 @@ from moe_offload.errors import ConfigError, ModelError
 EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_k", "num_experts_per_token", "moe_topk", "top_k_experts")
 # Families whose q/k/v projections take a bias but whose o_proj never does.
-_QKV_ONLY_BIAS = {"glm4_moe", "solar_open", "qwen2_moe"}
+_QKV_ONLY_BIAS = {"glm4_moe", "glm4v_moe_text", "solar_open", "qwen2_moe"}
 # families whose attention always norms q and k per head (others say so with use_qk_norm)
 _HEAD_QK_NORM = {"qwen3_moe", "qwen3_next", "qwen3_vl_moe_text", "qwen3_5_moe_text", "dots1", "hy_v3", "mellum", "exaone_moe"}
 
