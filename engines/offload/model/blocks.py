@@ -106,17 +106,29 @@ def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return torch.cat([a * c - b * s, b * c + a * s], dim=-1)
 
 
+def _rotate_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V2's rotary: pairs (2j, 2j+1) in fp32 times the complex table (cos + i sin [N, 1, D/2], its real and
+    imaginary parts), the result left pair-interleaved and rounded once. The complex product on x viewed [1, heads,
+    N, D] with the module's strides: torch rounds (a c - b s, a s + b c) differently in its vectorized and scalar
+    complex loops, and the memory layout decides which one runs."""
+    xq = x.transpose(0, 1).unsqueeze(0)  # [1, heads, N, D]
+    pairs = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    table = torch.complex(cos, sin).transpose(0, 1).unsqueeze(0)  # [1, 1, N, D/2]
+    return torch.view_as_real(pairs * table).flatten(3).type_as(x)[0].transpose(0, 1)  # [N, heads, D]
+
+
 class MLABlock:
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash) for the rows of a step: the latents
     (kv_lora_rank values, normed, + the shared rotary key) go to the paged cache, kv_b_proj expands the sequences'
     cached latents into every head's key and value, attention, o_proj. Decode-only steps attend over the latents
     with kv_b_proj absorbed instead (mla.py; bf16 ones take the fused call, mla_plan.py: the same cache rows)."""
 
-    def __init__(self, attn, idx: int, norm_kind: str):
+    def __init__(self, attn, desc: Attention, idx: int, norm_kind: str):
         self.a, self.idx, self.norm_kind = attn, idx, norm_kind
         self.nope, self.rope, self.vd = int(attn.qk_nope_head_dim), int(attn.qk_rope_head_dim), int(attn.v_head_dim)
         self.rank, self.scaling = int(attn.kv_lora_rank), float(attn.scaling)
-        self.interleave = bool(getattr(attn.config, "rope_interleave", False))
+        self.complex = desc.rotary is not None and desc.rotary.kind == "complex_fp32"  # DeepSeek-V2
+        self.interleave = not self.complex and bool(getattr(attn.config, "rope_interleave", False))
 
     def _norm(self, norm, t: torch.Tensor) -> torch.Tensor:
         return rms_norm(t, norm.weight, eps_of(norm), self.norm_kind)
@@ -128,7 +140,9 @@ class MLABlock:
         lat, k_rot = torch.split(a.kv_a_proj_with_mqa(x), [self.rank, self.rope], dim=-1)  # [N, R], [N, P]
         lat, k_rot = self._norm(a.kv_a_layernorm, lat), k_rot.view(N, 1, self.rope)
         cos, sin = rot
-        if self.interleave:
+        if self.complex:
+            q_rot, k_rot = _rotate_complex(q_rot, cos, sin), _rotate_complex(k_rot, cos, sin)
+        elif self.interleave:
             q_rot, k_rot = _rotate_interleaved(q_rot, cos, sin), _rotate_interleaved(k_rot, cos, sin)
         else:
             q_rot, k_rot = rotate(q_rot, cos, sin, "rotate_half"), rotate(k_rot, cos, sin, "rotate_half")

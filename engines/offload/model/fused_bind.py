@@ -160,6 +160,9 @@ def refuse(model, executor, desc: ModelDescription) -> str:
     if len(inner.layers) != len(desc.layers):
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
     if desc.attention == "mla":
+        if any(getattr(lay.mixer, "rotary", None) is not None and lay.mixer.rotary.kind == "complex_fp32"
+               for lay in desc.layers):
+            return "MLA rotated by a complex fp32 table: the fused MLA call rotates bf16 halves (the graph decodes)"
         return mla_plan.refuse(model)
     head = getattr(model, "lm_head", None)
     head = getattr(head, "part", head)  # a rank's rows of it (parallel.VocabShard): those are what it reads
@@ -230,7 +233,8 @@ def cos_sin(module, h: torch.Tensor, pos: torch.Tensor, rotary: Rotary, raw: boo
     """cos, sin [M, RD] of ``rotary`` at positions pos [1, M] from the model's own rotary module (every rope scaling it
     knows; a table per layer type where the family keeps one), laid out as Layer.decode reads them. ``raw``: as
     the module returns them ([1, M, D'])."""
-    cos, sin = module(h, pos, rotary.table) if rotary.table else module(h, pos)  # [1, M, D']
+    out = module(h, pos, rotary.table) if rotary.table else module(h, pos)  # [1, M, D']
+    cos, sin = (out.real, out.imag) if torch.is_tensor(out) and out.is_complex() else out  # complex: DeepSeek-V2's
     if raw:
         return cos, sin
     if rotary.kind == "halves":  # gpt-oss: cos/sin of D/2 over the two halves = rotate_half over [cos, cos], [sin, sin]

@@ -163,7 +163,7 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
             return f"layer {i}: a gated-DeltaNet layer without the engine's forward (deltanet.install)"
         attn = DeltaNetBlock(layer.linear_attn)
     elif d.mixer.kind == "mla":
-        attn = blocks.MLABlock(layer.self_attn, i, desc.norm.kind)
+        attn = blocks.MLABlock(layer.self_attn, d.mixer, i, desc.norm.kind)
     else:
         attn = blocks.AttentionBlock(layer.self_attn, d.mixer, i, desc.norm.kind)
     mlp = layer.mlp

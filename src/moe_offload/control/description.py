@@ -24,9 +24,10 @@ from typing import Any, Literal, Mapping
 NormKind = Literal["rms", "rms_fp32_scale", "rms_one_plus"]
 # rms: bf16(w * bf16(x / rms)); rms_fp32_scale: bf16(w * (x / rms)) (gpt-oss scales in fp32);
 # rms_one_plus: zero-centred weights, bf16((1 + w) * (x / rms)) in fp32 (Qwen3-Next)
-RotaryKind = Literal["rotate_half", "halves", "partial", "interleaved_fp32"]
+RotaryKind = Literal["rotate_half", "halves", "partial", "interleaved_fp32", "complex_fp32"]
 # rotate_half over the whole head; halves: cos/sin of D/2 over the two halves (gpt-oss); partial: rotate_half over
-# the first dims, the rest passes (partial_rotary_factor); interleaved_fp32: pairs (2j, 2j+1) in fp32 (Ernie 4.5)
+# the first dims, the rest passes (partial_rotary_factor); interleaved_fp32: pairs (2j, 2j+1) in fp32 (Ernie 4.5);
+# complex_fp32: pairs (2j, 2j+1) times the module's complex table in fp32, left interleaved (DeepSeek-V2's MLA)
 RouterScoring = Literal["softmax", "sigmoid"]
 RouterOrder = Literal["score_then_topk", "topk_then_score"]
 Activation = Literal["silu", "clamped_swiglu"]

@@ -21,7 +21,7 @@ class Family:
 
     attention: str  # gqa | mla | module (a kind the description cannot express: the module path)
     norm: str = "rms"  # rms | rms_fp32_scale | rms_one_plus
-    rotary: str = "rotate_half"  # rotate_half | halves | partial | interleaved_fp32
+    rotary: str = "rotate_half"  # rotate_half | halves | partial | interleaved_fp32 | complex_fp32 (MLA only)
     rotary_tables: str = "one"  # one | per_layer_type (the rotary module keeps a table per layer type)
     rotary_on: str = "every_layer"  # every_layer | sliding_layers (global layers NoPE when a window is set)
     window: str = "every_layer"  # every_layer (config.sliding_window) | layer_types (sliding_attention layers only)
@@ -64,6 +64,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_next": QWEN3_NEXT,
     "deepseek_v3": DEEPSEEK_V3,
     "glm4_moe_lite": DEEPSEEK_V3,
+    # DeepSeek-V2 (and -Lite, V2.5, Coder-V2): V3's MLA rotated by a complex table, its greedy router as its module
+    "deepseek_v2": DEEPSEEK_V3.but(rotary="complex_fp32", router="module"),
     # registered by one line each: their layers are a registered family's parts
     "mellum": QWEN3_MOE.but(window="layer_types", rotary_tables="per_layer_type"),
     "exaone_moe": GLM4_MOE.but(rotary="rotate_half", window="layer_types", rotary_on="sliding_layers"),

@@ -40,7 +40,6 @@ ON_THE_FALLBACK = {
     "bailing_hybrid": LINEAR,
     "beam": "post-feedforward norms, depth-scaled residuals, a soft-capped LM head",
     "cohere2_moe": "attention and MLP in parallel on one norm",
-    "deepseek_v2": "MLA rotated by a complex (polar) table; a greedy softmax router scaled, never renormalised",
     "deepseek_v32": SPARSE,
     "deepseek_v4": "compressed sparse attention",
     "dots3_note": SPARSE,
