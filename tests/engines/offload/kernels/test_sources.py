@@ -41,7 +41,7 @@ def test_cache_key_follows_every_source_byte(tmp_path, monkeypatch):
 
 
 def test_sources_are_the_translation_units():
-    assert [p.name for p in jit.sources()] == ["bindings.cpp", "decode.cpp", "deltanet.cpp", "gemm.cpp", "mla.cpp", "moe.cpp", "moe_quant.cpp", "router.cpp", "step.cpp"]
+    assert [p.name for p in jit.sources()] == ["attention.cpp", "bindings.cpp", "decode.cpp", "deltanet.cpp", "gemm.cpp", "mla.cpp", "moe.cpp", "moe_quant.cpp", "router.cpp", "step.cpp"]
 
 
 def test_every_source_file_is_package_data():
@@ -57,7 +57,7 @@ def test_every_source_file_is_package_data():
 
 
 def test_isa_ifs_live_in_headers_only():
-    # the .cpp files are ISA-neutral: each variant's code is chosen in vec.h / quant.h
+    # the .cpp files are ISA-neutral: each variant's code is chosen in vec.h / quant.h / attention_tiles.h
     for f in sorted(CPU.glob("*.cpp")):
         assert not re.search(r"^\s*#\s*(el)?if.*MOE_AVX", f.read_text(), re.MULTILINE), f.name
 

@@ -16,26 +16,19 @@
 // Numbers: the scores, the running max and sum (of the fp32 p) and the output accumulate in fp32; p is rounded to
 // bf16 before the product with v, as torch's own CPU flash attention does for bf16; one rounding of the output. Results agree with
 // SDPA to bf16 rounding, not bit for bit (tests/engines/offload/kernels/test_attention.py). Builds without
-// AVX512-BF16 run the same blocks as scalar loops (correct, not fast: kv.py calls the kernel only where it is fast).
+// AVX512-BF16 run the same blocks as scalar loops (attention_tiles.h; correct, not fast: kv.py calls the kernel only
+// where it is fast).
 // Legend: T query rows, L context positions, Hq/Hk query/KV heads, D/Dv key/value head dims, QB/KB block sizes.
+#include "attention_tiles.h"
 #include "common.h"
 
 namespace moe_cpu {
 
 namespace {
 
-constexpr int64_t QB = 32;  // query rows per task (8 groups of 4)
-constexpr int64_t KB = 64;  // keys per block (4 groups of 16 lanes)
+using namespace attn;
 
-#if defined(MOE_AVX512BF16)
-inline __m512 exp16(__m512 x) {
-  if (Sleef_expf16_u10 != nullptr) return Sleef_expf16_u10(x);
-  alignas(64) float t[16];
-  _mm512_store_ps(t, x);
-  for (float& f : t) f = std::exp(f);
-  return _mm512_load_ps(t);
-}
-#endif
+constexpr int64_t QB = 32;  // query rows per task (8 groups of 4)
 
 // keys of one kv head packed for the score kernel: kp[(b * D/2 + j) * 32 + 2 * i + c] = k[b * 16 + i, 2 * j + c]
 // (b a group of 16 keys, j a pair of dims); values for the output kernel: vp[(j * Dv + d) * 2 + c] = v[2 * j + c, d]
@@ -59,85 +52,6 @@ void pack(const uint16_t* k, int64_t ks, const uint16_t* v, int64_t vs, int64_t 
       }
 }
 
-// s[r][0..KB) = q_r . k_(k0 + i) for 4 rows; q rows are D bf16 each (a local copy, zero rows past the chunk)
-void scores(const uint16_t* q, int64_t D, const uint16_t* kp, int64_t k0, float s[4][KB]) {
-  const int64_t P = D / 2;
-#if defined(MOE_AVX512BF16)
-  __m512 a[4][4];
-  for (auto& row : a)
-    for (auto& x : row) x = _mm512_setzero_ps();
-  const uint16_t* kb = kp + (k0 / 16) * P * 32;
-  for (int64_t j = 0; j < P; ++j) {
-    __m512bh kv[4];
-    for (int g = 0; g < 4; ++g) kv[g] = (__m512bh)_mm512_loadu_si512(kb + (g * P + j) * 32);
-    for (int r = 0; r < 4; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, q + r * D + 2 * j, 4);
-      const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
-      for (int g = 0; g < 4; ++g) a[r][g] = _mm512_dpbf16_ps(a[r][g], qb, kv[g]);
-    }
-  }
-  for (int r = 0; r < 4; ++r)
-    for (int g = 0; g < 4; ++g) _mm512_storeu_ps(s[r] + g * 16, a[r][g]);
-#else
-  for (int r = 0; r < 4; ++r)
-    for (int64_t i = 0; i < KB; ++i) {
-      const int64_t b = (k0 + i) / 16, l = (k0 + i) % 16;
-      float acc = 0.0f;
-      for (int64_t j = 0; j < P; ++j) {
-        const uint16_t* kk = kp + (b * P + j) * 32 + 2 * l;
-        acc += bf2f(q[r * D + 2 * j]) * bf2f(kk[0]) + bf2f(q[r * D + 2 * j + 1]) * bf2f(kk[1]);
-      }
-      s[r][i] = acc;
-    }
-#endif
-}
-
-#if defined(MOE_AVX512BF16)
-// accumulate() over N groups of 16 value dims starting at d0 (N a constant: the accumulators stay in registers)
-template <int N>
-inline void accumulate_dims(const uint16_t p[4][KB], const uint16_t* vp, int64_t k0, int64_t Dv, int64_t d0,
-                            const float* corr, float* o) {
-  __m512 a[4][N];
-  for (int r = 0; r < 4; ++r) {
-    const __m512 c = _mm512_set1_ps(corr[r]);
-    for (int g = 0; g < N; ++g) a[r][g] = _mm512_mul_ps(_mm512_loadu_ps(o + r * Dv + d0 + g * 16), c);
-  }
-  for (int64_t j = 0; j < KB / 2; ++j) {
-    const uint16_t* vb = vp + ((k0 / 2 + j) * Dv + d0) * 2;
-    __m512bh vv[N];
-    for (int g = 0; g < N; ++g) vv[g] = (__m512bh)_mm512_loadu_si512(vb + g * 32);
-    for (int r = 0; r < 4; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, p[r] + 2 * j, 4);
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32(pair);
-      for (int g = 0; g < N; ++g) a[r][g] = _mm512_dpbf16_ps(a[r][g], pb, vv[g]);
-    }
-  }
-  for (int r = 0; r < 4; ++r)
-    for (int g = 0; g < N; ++g) _mm512_storeu_ps(o + r * Dv + d0 + g * 16, a[r][g]);
-}
-#endif
-
-// o_r = o_r * corr_r + sum_i p_r[i] v_(k0 + i) for 4 rows; p [4][KB] bf16, o [4][Dv] fp32
-void accumulate(const uint16_t p[4][KB], const uint16_t* vp, int64_t k0, int64_t Dv, const float* corr, float* o) {
-#if defined(MOE_AVX512BF16)
-  int64_t d0 = 0;
-  for (; d0 + 64 <= Dv; d0 += 64) accumulate_dims<4>(p, vp, k0, Dv, d0, corr, o);
-  for (; d0 < Dv; d0 += 16) accumulate_dims<1>(p, vp, k0, Dv, d0, corr, o);
-#else
-  for (int r = 0; r < 4; ++r)
-    for (int64_t d = 0; d < Dv; ++d) {
-      float acc = o[r * Dv + d] * corr[r];
-      for (int64_t j = 0; j < KB / 2; ++j) {
-        const uint16_t* vv = vp + ((k0 / 2 + j) * Dv + d) * 2;
-        acc += bf2f(p[r][2 * j]) * bf2f(vv[0]) + bf2f(p[r][2 * j + 1]) * bf2f(vv[1]);
-      }
-      o[r * Dv + d] = acc;
-    }
-#endif
-}
-
 // p = exp(s * scale - m') (bf16) for keys inside [lo, hi] of each row, with the running max m and sum l updated;
 // corr = exp(m - m'). A row that sees no key of the block keeps its state (corr 1, p 0).
 void online_softmax(float s[4][KB], int64_t k0, const int64_t* lo, const int64_t* hi, float scale, float* m, float* l,
@@ -152,31 +66,8 @@ void online_softmax(float s[4][KB], int64_t k0, const int64_t* lo, const int64_t
     }
     for (int64_t i = 0; i < a; ++i) s[r][i] = NEG;
     for (int64_t i = b; i < KB; ++i) s[r][i] = NEG;
-    float mx = m[r], sum = 0.0f;
-#if defined(MOE_AVX512BF16)
-    const __m512 vs = _mm512_set1_ps(scale);
-    __m512 x[4], vmx = _mm512_set1_ps(mx);
-    for (int g = 0; g < 4; ++g) {
-      x[g] = _mm512_mul_ps(_mm512_loadu_ps(s[r] + g * 16), vs);
-      vmx = _mm512_max_ps(vmx, x[g]);
-    }
-    mx = _mm512_reduce_max_ps(vmx);
-    const __m512 vm = _mm512_set1_ps(mx);
-    __m512 acc = _mm512_setzero_ps();
-    for (int g = 0; g < 4; ++g) {
-      const __m512 e = exp16(_mm512_sub_ps(x[g], vm));  // exp(-inf) = 0: keys outside [a, b)
-      _mm256_storeu_si256((__m256i*)(p[r] + g * 16), (__m256i)_mm512_cvtneps_pbh(e));  // round to nearest even
-      acc = _mm512_add_ps(acc, e);
-    }
-    sum = _mm512_reduce_add_ps(acc);
-#else
-    for (int64_t i = a; i < b; ++i) mx = std::max(mx, s[r][i] * scale);
-    for (int64_t i = 0; i < KB; ++i) {
-      const float e = i >= a && i < b ? std::exp(s[r][i] * scale - mx) : 0.0f;
-      p[r][i] = f2bf(e);
-      sum += e;
-    }
-#endif
+    float mx = m[r];
+    const float sum = exp_tile(s[r], a, b, scale, mx, p[r]);
     corr[r] = m[r] == NEG ? 0.0f : std::exp(m[r] - mx);
     l[r] = l[r] * corr[r] + sum;
     m[r] = mx;

@@ -1,6 +1,6 @@
 // ISA helpers of the bf16 kernels: bf16 <-> fp32, the dot products, prefetches, and the vector loops of the fused
-// decode layer. With quant.h, the only place with ISA #ifs: MOE_AVX512BF16 (vdpbf16ps), MOE_AVX2 (FMA on widened
-// bf16), else a portable loop; jit.py defines one of them from /proc/cpuinfo at build time.
+// decode layer. With quant.h and attention_tiles.h, the only place with ISA #ifs: MOE_AVX512BF16 (vdpbf16ps),
+// MOE_AVX2 (FMA on widened bf16), else a portable loop; jit.py defines one of them from /proc/cpuinfo at build time.
 //
 //   x [H] bf16 --(one pass over W [N, H], fp32 accumulation)--> y [N] fp32, rounded to bf16 by the callers
 //
