@@ -185,6 +185,17 @@ def mlp(m, x: torch.Tensor) -> torch.Tensor:
     return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
 
 
+def chunked_mlp(m, x: torch.Tensor) -> torch.Tensor:
+    """A silu MLP with gate|up in one linear (Granite's shared MLP: input_linear [2I, H], output_linear [H, I])."""
+    gate, up = m.input_linear(x).chunk(2, dim=-1)
+    return m.output_linear(F.silu(gate) * up)
+
+
+def silu(act) -> bool:
+    """``act`` is a SiLU module (torch's, or transformers' activation of that name)."""
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
 class MoEBlock:
     """Routed experts through the offload executor, + the shared expert (with Qwen2-MoE's sigmoid gate)."""
 

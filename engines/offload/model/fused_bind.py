@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_offload.control.description import Attention, LinearMixer, ModelDescription, MoEBlock, Rotary
+from moe_offload.control.description import Attention, LinearMixer, ModelDescription, MoEBlock, Rotary, Scales
 from moe_offload.engines.offload.kernels import jit, ops
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear, RowsLinear
 from moe_offload.engines.offload.model import deltanet, mla_plan
@@ -159,6 +159,8 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return "unexpected module layout"
     if len(inner.layers) != len(desc.layers):
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
+    if desc.scales != Scales():
+        return "embedding, residual or logits multipliers: the fused call has none (the graph decodes)"
     if desc.attention == "mla":
         if any(getattr(lay.mixer, "rotary", None) is not None and lay.mixer.rotary.kind == "complex_fp32"
                for lay in desc.layers):

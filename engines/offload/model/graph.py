@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_offload.control.description import Attention, ModelDescription
+from moe_offload.control.description import Attention, ModelDescription, Scales
 from moe_offload.control.description import MoEBlock as MoEDesc
 from moe_offload.engines.offload.loading.quant import RowsLinear
 from moe_offload.engines.offload.model import blocks, mla
@@ -45,6 +45,9 @@ log = get_logger("moe_offload.graph")
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _LINEAR_PARTS = {"linear_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+# Granite's layers: the MoE block under another name, and a shared MLP beside it (GraniteMoeShared)
+_GRANITE_PARTS = ({"self_attn", "block_sparse_moe", "input_layernorm", "post_attention_layernorm"},
+                  {"self_attn", "block_sparse_moe", "shared_mlp", "input_layernorm", "post_attention_layernorm"})
 
 
 @dataclass
@@ -93,19 +96,26 @@ class ModelGraph:
         ex = self.executor
         t0 = time.perf_counter()
         ex.begin_forward()
+        sc = self.desc.scales
         h = self.embed(ids)  # [N, H]
+        if sc.embedding != 1.0:
+            h = h * sc.embedding
         rot = {}
         for r in self.rotaries:
             cos, sin = cos_sin(self.rotary_emb, h.unsqueeze(0), pos.unsqueeze(0), r, raw=True)  # [1, N, D']
             rot[r] = (cos[0].unsqueeze(1), sin[0].unsqueeze(1))  # [N, 1, D']: every head
-        kind = self.kind
+        kind, res = self.kind, sc.residual
         for lay in self.layers:
             n1, n2 = lay.norms
-            h = h + lay.attention(blocks.rms_norm(h, n1.weight, blocks.eps_of(n1), kind), rot.get(lay.rotary), step,
-                                  self.cache)
-            h = h + lay.ffn(blocks.rms_norm(h, n2.weight, blocks.eps_of(n2), kind))
+            a = lay.attention(blocks.rms_norm(h, n1.weight, blocks.eps_of(n1), kind), rot.get(lay.rotary), step,
+                              self.cache)
+            h = h + (a if res == 1.0 else a * res)
+            f = lay.ffn(blocks.rms_norm(h, n2.weight, blocks.eps_of(n2), kind))
+            h = h + (f if res == 1.0 else f * res)
         x = blocks.rms_norm(h.index_select(0, keep), self.norm.weight, blocks.eps_of(self.norm), kind)
         logits = self.model.lm_head(x)  # [R, V] (a rank's VocabShard gathers every rank's rows)
+        if sc.logits != 1.0:
+            logits = logits / sc.logits
         ex.end_forward(t0)
         self.steps += 1
         return logits
@@ -141,6 +151,8 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         parts = {n for n, m in layer.named_children() if not isinstance(m, torch.nn.Dropout)}
         mixer = desc.layers[i].mixer
         want = _LAYER_PARTS if isinstance(mixer, Attention) else _LINEAR_PARTS
+        if parts in _GRANITE_PARTS and desc.scales != Scales():
+            want = parts
         if parts != want:
             return f"layer {i}: parts {sorted(parts - want) or sorted(want - parts)} beyond a norm-mixer-norm-ffn layer"
         if not isinstance(mixer, Attention):
@@ -166,7 +178,7 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
         attn = blocks.MLABlock(layer.self_attn, d.mixer, i, desc.norm.kind)
     else:
         attn = blocks.AttentionBlock(layer.self_attn, d.mixer, i, desc.norm.kind)
-    mlp = layer.mlp
+    mlp = getattr(layer, "mlp", None) or layer.block_sparse_moe  # Granite's name for its MoE block
     if not isinstance(d.ffn, MoEDesc):
         ffn = lambda x, m=mlp: blocks.mlp(m, x)  # noqa: E731
     else:
@@ -174,7 +186,17 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
         if getattr(experts, "_moe_offload", None) is None:
             return f"layer {i}: experts not served by the executor"
         r = d.ffn.router
-        if d.ffn.runs_as_module:  # a router the description cannot express: the block's module (experts offloaded)
+        beside = getattr(layer, "shared_mlp", None)  # GraniteMoeShared: a shared MLP beside the block, the same input
+        if (beside is not None) != (d.ffn.shared_experts > 0 and not hasattr(mlp, "shared_experts")
+                                    and not hasattr(mlp, "shared_expert")):
+            return f"layer {i}: the description and the modules disagree on a shared MLP beside the MoE block"
+        if beside is not None and not d.ffn.runs_as_module:
+            return f"layer {i}: a shared MLP beside a MoE block that does not run as its module"
+        if beside is not None:
+            if not blocks.silu(beside.activation):
+                return f"layer {i}: a shared MLP of another activation"
+            ffn = lambda x, m=mlp, s=beside: _module_rows(m, x) + blocks.chunked_mlp(s, x)  # noqa: E731
+        elif d.ffn.runs_as_module:  # a router the description cannot express: the block's module (experts offloaded)
             ffn = lambda x, m=mlp: _module_rows(m, x)  # noqa: E731
         elif r.scoring == "softmax" and not r.correction_bias and r.groups is None:
             gate = mlp.router if hasattr(mlp, "router") else mlp.gate

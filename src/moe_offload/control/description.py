@@ -5,6 +5,7 @@
       --> ModelDescription
             path: fused (every layer a kind the whole-step executor computes) | module (transformers' modules)
             norm: Norm (the final norm; every layer's norms are of the same kind)
+            scales: Scales (the embedding, residual and logits multipliers; Granite's, else 1)
             layers[i]: mixer    Attention (gqa | mla; window, sinks, output gate, q/k norm, biases, rotary or NoPE)
                               | LinearMixer (gated_deltanet)
                        ffn      MoEBlock (Router: scoring, order, bias, groups, top-k, renormalise, scale, dtypes;
@@ -96,6 +97,16 @@ class DenseMLP:
 
 
 @dataclass(frozen=True)
+class Scales:
+    """Multipliers around the layers (Granite): the embedding's rows times ``embedding``, each sub-layer's output
+    times ``residual`` before it joins the residual, the logits divided by ``logits``."""
+
+    embedding: float = 1.0
+    residual: float = 1.0
+    logits: float = 1.0
+
+
+@dataclass(frozen=True)
 class Layer:
     index: int
     mixer: Attention | LinearMixer
@@ -110,6 +121,7 @@ class ModelDescription:
     norm: Norm | None
     layers: tuple[Layer, ...]
     linear: str = ""  # the family's linear-attention kind (gated_deltanet: its kernel runs on either path), else ""
+    scales: Scales = Scales()
 
     @property
     def attention(self) -> str:
@@ -156,7 +168,11 @@ def describe(config: Mapping[str, Any] | Any, name: str | None = None) -> ModelD
             return ModelDescription(model_type, "module", f"layer {i}: a {kind} layer", None, (), fam.linear)
         ffn = _moe_block(fam, f, text) if i in moe else DenseMLP()
         layers.append(Layer(i, mixer, ffn))
-    return ModelDescription(model_type, "fused", "", Norm(fam.norm, eps), tuple(layers), fam.linear)
+    scales = Scales()
+    if fam.multipliers == "config":
+        scales = Scales(*(float(text.get(k, 1.0) or 1.0) for k in ("embedding_multiplier", "residual_multiplier",
+                                                                    "logits_scaling")))
+    return ModelDescription(model_type, "fused", "", Norm(fam.norm, eps), tuple(layers), fam.linear, scales)
 
 
 def _attention(fam, f: Mapping[str, Any], text: Mapping[str, Any], kind: str) -> Attention:

@@ -32,6 +32,7 @@ class Family:
     router_weights: str = "model"  # model | fp32 (Mixtral keeps its top-k weights in fp32)
     activation: str = "silu"  # silu | clamped_swiglu (gpt-oss)
     linear: str = ""  # the linear-attention layers' kind: gated_deltanet | "" (none)
+    multipliers: str = ""  # "" (none) | config: embedding_multiplier, residual_multiplier, logits_scaling (Granite)
     # rows: experts as [E, out, in], gate and up parts side by side | transposed: [E, in, out], gate|up interleaved
     # (gpt-oss): the disk tier re-lays them out in a store copy instead of reading the checkpoint in place
     expert_layout: str = "rows"
@@ -69,6 +70,10 @@ FAMILIES: dict[str, Family] = {
     # registered by one line each: their layers are a registered family's parts
     "mellum": QWEN3_MOE.but(window="layer_types", rotary_tables="per_layer_type"),
     "exaone_moe": GLM4_MOE.but(rotary="rotate_half", window="layer_types", rotary_on="sliding_layers"),
+    # Granite 3 MoE: Mixtral-like layers (the MoE block under block_sparse_moe, run as its module: top-k of the fp32
+    # logits, then softmax) with multipliers on the embedding, each residual branch and the logits
+    "granitemoe": QWEN3_MOE.but(router="module", multipliers="config"),
+    "granitemoeshared": QWEN3_MOE.but(router="module", multipliers="config"),
     # vision-language wrappers: their text decoders (model.language_model) are a registered family's layers; for
     # text the multimodal rotary's three position axes are one, so its table is the 1-D one
     "qwen3_vl_moe": QWEN3_MOE.but(renormalise="always"),

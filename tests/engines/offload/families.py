@@ -61,6 +61,11 @@ MAX_LAYERS = 8  # a family needing more layers than this to show every layer kin
 
 # What a family's defaults do not give. Keys are dotted paths into the config dict.
 OVERRIDES: dict[str, dict] = {
+    # Granite 3's multipliers (their defaults are 1: a block that left one out would pass unseen), its shared MLP
+    "granitemoe": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 6.0,
+                   "attention_multiplier": 0.0625},
+    "granitemoeshared": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 6.0,
+                         "attention_multiplier": 0.0625, "shared_intermediate_size": 32},
     # defaults that are dense: the MoE variant switches the experts on
     "gemma4": {"text_config.enable_moe_block": True, "text_config.num_experts": EXPERTS,
                "text_config.top_k_experts": TOP_K, "text_config.moe_intermediate_size": 32},
