@@ -69,7 +69,7 @@ class AttentionBlock:
     def __init__(self, attn, desc: Attention, idx: int, norm_kind: str):
         self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.desc, self.idx, self.hd, self.scaling = desc, idx, int(attn.head_dim), float(attn.scaling)
-        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.q_norm, self.k_norm = qk_norms(attn)
         self.norm_kind = norm_kind
         self.sinks = getattr(attn, "sinks", None) if desc.sinks else None
 
@@ -91,11 +91,20 @@ class AttentionBlock:
         if rot is not None:  # None: NoPE
             cos, sin = rot
             q, k = rotate(q, cos, sin, d.rotary.kind), rotate(k, cos, sin, d.rotary.kind)
+        if d.qk_norm == "head_after_rotary":  # Hunyuan
+            q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
         # [1, heads, N, D] as the cache and attention take them
         key, value = cache.update(k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), self.idx, step=step)
         out = kv.attend(step, q.transpose(0, 1).unsqueeze(0), key, value, self.scaling, d.window, self.sinks)
         out = out.reshape(N, -1)
         return self.o(out if gate is None else out * torch.sigmoid(gate))  # [N, H]
+
+
+def qk_norms(attn) -> tuple:
+    """An attention module's (q norm, k norm), or Nones: ``q_norm`` / ``k_norm``, Hunyuan's ``query_layernorm`` /
+    ``key_layernorm``."""
+    q = getattr(attn, "q_norm", None) or getattr(attn, "query_layernorm", None)
+    return q, getattr(attn, "k_norm", None) or getattr(attn, "key_layernorm", None)
 
 
 def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -161,6 +161,8 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
     if desc.scales != Scales():
         return "embedding, residual or logits multipliers: the fused call has none (the graph decodes)"
+    if any(getattr(lay.mixer, "qk_norm", "") == "head_after_rotary" for lay in desc.layers):
+        return "q/k norms after the rotary: the fused call norms before it (the graph decodes)"
     if desc.attention == "mla":
         if any(getattr(lay.mixer, "rotary", None) is not None and lay.mixer.rotary.kind == "complex_fp32"
                for lay in desc.layers):

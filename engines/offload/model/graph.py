@@ -162,7 +162,7 @@ def refuse(model, executor, desc: ModelDescription) -> str:
                 return f"layer {i}: an MLA attention of another kind (a sparse indexer, a window)"
             continue
         attn = layer.self_attn
-        if (getattr(attn, "q_norm", None) is not None) != bool(mixer.qk_norm) or (
+        if (blocks.qk_norms(attn)[0] is not None) != bool(mixer.qk_norm) or (
                 getattr(attn, "sinks", None) is not None) != mixer.sinks:
             return f"layer {i}: q/k norms or sinks the description does not name"
     return ""

@@ -56,7 +56,8 @@ class Attention:
     window: int | None = None  # sliding window in keys; None: every key
     sinks: bool = False  # a learned per-head logit beside the keys (gpt-oss)
     output_gate: bool = False  # q_proj also yields a sigmoid gate on the output (Qwen3-Next)
-    qk_norm: Literal["", "head", "full"] = ""  # RMSNorm of q and k per head or over the projection
+    # RMSNorm of q and k per head or over the projection, before the rotary; head_after_rotary: per head, after it
+    qk_norm: Literal["", "head", "full", "head_after_rotary"] = ""
     qkv_bias: bool = False
     o_bias: bool = False
 
@@ -183,7 +184,7 @@ def _attention(fam, f: Mapping[str, Any], text: Mapping[str, Any], kind: str) ->
     if fam.rotary_on == "sliding_layers" and window is None and f.get("sliding_window"):
         rotary = None  # global layers of a hybrid-window model carry no position encoding
     return Attention(fam.attention, rotary, window=window, sinks=bool(f.get("attention_sinks")),
-                     output_gate=bool(f.get("attention_output_gate")), qk_norm=f.get("qk_norm") or "",
+                     output_gate=bool(f.get("attention_output_gate")), qk_norm=fam.qk_norm or f.get("qk_norm") or "",
                      qkv_bias=bool(f.get("qkv_bias")), o_bias=bool(f.get("o_bias")))
 
 

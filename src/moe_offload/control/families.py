@@ -32,6 +32,7 @@ class Family:
     router_weights: str = "model"  # model | fp32 (Mixtral keeps its top-k weights in fp32)
     activation: str = "silu"  # silu | clamped_swiglu (gpt-oss)
     linear: str = ""  # the linear-attention layers' kind: gated_deltanet | "" (none)
+    qk_norm: str = ""  # "" (the config says: hf_config) | head_after_rotary (Hunyuan: per-head norms after the rotary)
     multipliers: str = ""  # "" (none) | config: embedding_multiplier, residual_multiplier, logits_scaling (Granite)
     # rows: experts as [E, out, in], gate and up parts side by side | transposed: [E, in, out], gate|up interleaved
     # (gpt-oss): the disk tier re-lays them out in a store copy instead of reading the checkpoint in place
@@ -70,6 +71,9 @@ FAMILIES: dict[str, Family] = {
     # registered by one line each: their layers are a registered family's parts
     "mellum": QWEN3_MOE.but(window="layer_types", rotary_tables="per_layer_type"),
     "exaone_moe": GLM4_MOE.but(rotary="rotate_half", window="layer_types", rotary_on="sliding_layers"),
+    # Hunyuan-A13B: per-head q/k norms after the rotary (query_layernorm, key_layernorm); its MoE block (an fp32
+    # router, a shared MLP inside) run as its module
+    "hunyuan_v1_moe": QWEN3_MOE.but(router="module", qk_norm="head_after_rotary"),
     # Granite 3 MoE: Mixtral-like layers (the MoE block under block_sparse_moe, run as its module: top-k of the fp32
     # logits, then softmax) with multipliers on the embedding, each residual branch and the logits
     "granitemoe": QWEN3_MOE.but(router="module", multipliers="config"),

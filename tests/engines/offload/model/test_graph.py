@@ -51,7 +51,6 @@ ON_THE_FALLBACK = {
     "glm_moe_dsa": SPARSE,
     "granitemoe_swa": "sinks applied as a scale after the softmax; a rotary theta per layer",
     "granitemoehybrid": "Mamba-2 layers",
-    "hunyuan_v1_moe": "q/k norms after the rotary",
     "hy_v4": SPARSE,
     "hy_v4_vl": SPARSE,
     "inkling": "hybrid layers (attention and a linear state in one layer)",
