@@ -89,7 +89,7 @@ class AttentionBlock:
         if d.qk_norm == "head":
             q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
         if rot is not None:  # None: NoPE
-            cos, sin = rot
+            cos, sin = rot[:2]
             q, k = rotate(q, cos, sin, d.rotary.kind), rotate(k, cos, sin, d.rotary.kind)
         if d.qk_norm == "head_after_rotary":  # Hunyuan
             q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
@@ -148,7 +148,7 @@ class MLABlock:
         q_pass, q_rot = torch.split(q.view(N, -1, self.nope + self.rope), [self.nope, self.rope], dim=-1)
         lat, k_rot = torch.split(a.kv_a_proj_with_mqa(x), [self.rank, self.rope], dim=-1)  # [N, R], [N, P]
         lat, k_rot = self._norm(a.kv_a_layernorm, lat), k_rot.view(N, 1, self.rope)
-        cos, sin = rot
+        cos, sin = rot[:2]
         if self.complex:
             q_rot, k_rot = _rotate_complex(q_rot, cos, sin), _rotate_complex(k_rot, cos, sin)
         elif self.interleave:
@@ -159,6 +159,8 @@ class MLABlock:
         lat_x, rot_x = cache.update(lat.view(1, 1, N, self.rank), k_rot.transpose(0, 1).unsqueeze(0), self.idx,
                                     step=step)
         query = torch.cat([q_pass, q_rot], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, H, N, N + P]
+        if len(rot) > 2:  # Llama 4's query scale per row (Mistral 4), rounded to the query's dtype as the module does
+            query = query * rot[2].view(1, 1, N, 1).to(query.dtype)
         if mla.latent_step(step):  # decode rows only: attention over the latents, kv_b_proj absorbed (mla.py)
             return a.o_proj(mla.attend(a, step, query, lat_x, rot_x, self.scaling).reshape(N, -1))
         X = lat_x.shape[2]

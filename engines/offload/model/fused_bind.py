@@ -161,6 +161,8 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
     if desc.scales != Scales():
         return "embedding, residual or logits multipliers: the fused call has none (the graph decodes)"
+    if any(getattr(lay.mixer, "query_scale", None) for lay in desc.layers):
+        return "a position-dependent query scale (Llama 4's): the fused MLA call has none (the graph decodes)"
     if any(getattr(lay.mixer, "qk_norm", "") == "head_after_rotary" for lay in desc.layers):
         return "q/k norms after the rotary: the fused call norms before it (the graph decodes)"
     if desc.attention == "mla":

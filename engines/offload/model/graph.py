@@ -67,6 +67,9 @@ class ModelGraph:
         self.executor, self.desc, self.layers, self.cache = executor, desc, layers, cache
         self.kind = desc.norm.kind
         self.rotaries = [r for r in dict.fromkeys(lay.rotary for lay in layers) if r is not None]
+        scales = {getattr(d.mixer, "query_scale", None) for d in desc.layers}
+        assert len(scales) == 1, scales  # one per model (refuse)
+        self.query_scale = scales.pop()
         self.steps = 0
 
     @classmethod
@@ -104,6 +107,9 @@ class ModelGraph:
         for r in self.rotaries:
             cos, sin = cos_sin(self.rotary_emb, h.unsqueeze(0), pos.unsqueeze(0), r, raw=True)  # [1, N, D']
             rot[r] = (cos[0].unsqueeze(1), sin[0].unsqueeze(1))  # [N, 1, D']: every head
+            if self.query_scale is not None:  # the position tables of a step: + Llama 4's query scale [N] (fp32)
+                beta, orig = self.query_scale
+                rot[r] += (1 + beta * torch.log(1 + torch.floor(pos / orig)),)
         kind, res = self.kind, sc.residual
         for lay in self.layers:
             n1, n2 = lay.norms
@@ -128,6 +134,8 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return desc.why
     if desc.attention not in ("gqa", "mla"):
         return "no softmax attention: the graph has no block for it yet"
+    if len({getattr(d.mixer, "query_scale", None) for d in desc.layers}) > 1:
+        return "a query scale on some layers only"
     if desc.linear and desc.linear != "gated_deltanet":
         return f"{desc.linear} layers: the graph has no block for them yet"
     if executor is None:
@@ -157,6 +165,8 @@ def refuse(model, executor, desc: ModelDescription) -> str:
             return f"layer {i}: parts {sorted(parts - want) or sorted(want - parts)} beyond a norm-mixer-norm-ffn layer"
         if not isinstance(mixer, Attention):
             continue  # a gated-DeltaNet layer: deltanet.DeltaNetBlock
+        if mixer.query_scale is not None and mixer.kind != "mla":
+            return f"layer {i}: a query scale on an attention other than MLA"
         if mixer.kind == "mla":
             if not mla.eligible(layer.self_attn):
                 return f"layer {i}: an MLA attention of another kind (a sparse indexer, a window)"

@@ -60,6 +60,8 @@ class Attention:
     qk_norm: Literal["", "head", "full", "head_after_rotary"] = ""
     qkv_bias: bool = False
     o_bias: bool = False
+    # Llama 4's query scale (Mistral 4): q times 1 + beta * log(1 + floor(position / original)), as (beta, original)
+    query_scale: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -183,9 +185,13 @@ def _attention(fam, f: Mapping[str, Any], text: Mapping[str, Any], kind: str) ->
     rotary = Rotary(fam.rotary, kind if fam.rotary_tables == "per_layer_type" else None)
     if fam.rotary_on == "sliding_layers" and window is None and f.get("sliding_window"):
         rotary = None  # global layers of a hybrid-window model carry no position encoding
+    query_scale = None
+    if fam.query_scale == "llama4":
+        rope = text.get("rope_parameters") or {}
+        query_scale = (float(rope["llama_4_scaling_beta"]), int(rope["original_max_position_embeddings"]))
     return Attention(fam.attention, rotary, window=window, sinks=bool(f.get("attention_sinks")),
                      output_gate=bool(f.get("attention_output_gate")), qk_norm=fam.qk_norm or f.get("qk_norm") or "",
-                     qkv_bias=bool(f.get("qkv_bias")), o_bias=bool(f.get("o_bias")))
+                     qkv_bias=bool(f.get("qkv_bias")), o_bias=bool(f.get("o_bias")), query_scale=query_scale)
 
 
 def _moe_block(fam, f: Mapping[str, Any], text: Mapping[str, Any]) -> MoEBlock:

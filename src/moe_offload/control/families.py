@@ -33,6 +33,7 @@ class Family:
     activation: str = "silu"  # silu | clamped_swiglu (gpt-oss)
     linear: str = ""  # the linear-attention layers' kind: gated_deltanet | "" (none)
     qk_norm: str = ""  # "" (the config says: hf_config) | head_after_rotary (Hunyuan: per-head norms after the rotary)
+    query_scale: str = ""  # "" | llama4 (q scaled by position: rope_parameters' llama_4_scaling_beta, Mistral 4)
     multipliers: str = ""  # "" (none) | config: embedding_multiplier, residual_multiplier, logits_scaling (Granite)
     # rows: experts as [E, out, in], gate and up parts side by side | transposed: [E, in, out], gate|up interleaved
     # (gpt-oss): the disk tier re-lays them out in a store copy instead of reading the checkpoint in place
@@ -66,6 +67,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3_next": QWEN3_NEXT,
     "deepseek_v3": DEEPSEEK_V3,
     "glm4_moe_lite": DEEPSEEK_V3,
+    # Mistral 4: DeepSeek-V3's MLA with Llama 4's position-dependent query scale, its grouped softmax MoE block run as
+    # its module
+    "mistral4": DEEPSEEK_V3.but(router="module", query_scale="llama4"),
     # DeepSeek-V2 (and -Lite, V2.5, Coder-V2): V3's MLA rotated by a complex table, its greedy router as its module
     "deepseek_v2": DEEPSEEK_V3.but(rotary="complex_fp32", router="module"),
     # registered by one line each: their layers are a registered family's parts

@@ -61,6 +61,8 @@ MAX_LAYERS = 8  # a family needing more layers than this to show every layer kin
 
 # What a family's defaults do not give. Keys are dotted paths into the config dict.
 OVERRIDES: dict[str, dict] = {
+    # Llama 4's query scale grows past original_max_position_embeddings (8192): 16, so the prompts reach it
+    "mistral4": {"rope_parameters.original_max_position_embeddings": 16},
     # Granite 3's multipliers (their defaults are 1: a block that left one out would pass unseen), its shared MLP
     "granitemoe": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 6.0,
                    "attention_multiplier": 0.0625},

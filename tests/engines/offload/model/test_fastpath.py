@@ -99,6 +99,7 @@ DECODE_ON_THE_GRAPH = {
     "granitemoe": "embedding, residual or logits multipliers: the fused call has none (the graph decodes)",
     "granitemoeshared": "embedding, residual or logits multipliers: the fused call has none (the graph decodes)",
     "hunyuan_v1_moe": "q/k norms after the rotary: the fused call norms before it (the graph decodes)",
+    "mistral4": "a position-dependent query scale (Llama 4's): the fused MLA call has none (the graph decodes)",
 }
 OTHER_FAMILIES = sorted(f for f, fam in FAMILIES.items() if fam.attention == "gqa" and not fam.linear
                         and f not in HELPER_FAMILIES and f not in DECODE_ON_THE_GRAPH)  # MLA: test_mla.py

@@ -65,7 +65,6 @@ ON_THE_FALLBACK = {
     "mimo_v2_flash": "value heads narrower than the keys; sinks on the sliding layers only",
     "minimax": "lightning (linear) attention",
     "minimax_m3_vl": f"{SPARSE}; clamped-SwiGLU dense and shared MLPs",
-    "mistral4": "MLA with a position-dependent query scale; a grouped softmax router",
     "mistral_large4": SPARSE,
     "muse_spark": "a norm after the embedding; sandwich norms and residual gates",
     "nemotron_h": "Mamba-2 layers; attention, MLP and MoE as layers of their own",
