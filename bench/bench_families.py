@@ -62,9 +62,10 @@ FAMILIES = {
     "ernie4_5_moe": dict(num_attention_heads=16, num_key_value_heads=4, moe_num_experts=64, moe_k=8,
                          moe_intermediate_size=512, intermediate_size=2048, moe_num_shared_experts=1,
                          moe_layer_start_index=1, moe_layer_end_index=11),
-    # families whose decode steps run the owned graph (the fused call lacks a part): DeepSeek-V2-Lite's layout (MLA
-    # without q low rank, complex rotary, greedy softmax router with two shared experts) and Granite 3's (multipliers)
-    "deepseek_v2": dict(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=512,
+    # families whose decode steps run the owned graph (the fused call lacks a part): DeepSeek-V2's layout (MLA with q
+    # low rank, which llama.cpp requires outside V2-Lite's 27 layers; complex rotary; greedy softmax router, two shared
+    # experts) and Granite 3's (multipliers)
+    "deepseek_v2": dict(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=512,
                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
                         num_experts_per_tok=6, moe_intermediate_size=512, intermediate_size=2816, n_shared_experts=2,
                         first_k_dense_replace=1, topk_method="greedy", routed_scaling_factor=1.0),
