@@ -56,6 +56,18 @@ def test_spec_says_why_an_unregistered_family_takes_the_module_path(capsys, tmp_
     assert data["decode_path"] == "module" and "not in the registry" in data["decode_path_reason"]
 
 
+def test_spec_says_which_families_decode_on_the_owned_graph(capsys, tmp_path):
+    # a part the fused call lacks, known from the config (Granite's multipliers): the graph decodes, and spec says why
+    d = tmp_path / "granitemoe"
+    d.mkdir()
+    cfg = {**moe_config(), "model_type": "granitemoe", "num_local_experts": 32, "embedding_multiplier": 12.0,
+           "residual_multiplier": 0.22, "logits_scaling": 6.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert main(["spec", "--model", str(d), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["decode_path"] == "graph" and "multipliers" in data["decode_path_reason"], data["decode_path_reason"]
+
+
 def test_budget_json(capsys, model_dir):
     assert main(["budget", "--model", str(model_dir), "--accelerator", "64MiB", "--accelerator", "64MiB",
                  "--context", "128", "--reserve", "1MiB", "--json"]) == 0

@@ -30,12 +30,12 @@ import time
 
 import torch
 
-from moe_offload.control.description import ModelDescription
+from moe_offload.control.description import ModelDescription, fused_refusal
 from moe_offload.engines.offload.kernels import ops
 from moe_offload.engines.offload.model import fused_bind, mla_plan
-from moe_offload.engines.offload.model.weights import decoder
 from moe_offload.engines.offload.model.decode_step import StepCall
 from moe_offload.engines.offload.model.moe_blocks import mlp_rows
+from moe_offload.engines.offload.model.weights import decoder
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -73,9 +73,11 @@ class DecodePlan:
         if isinstance(bound, str):
             why, bound = bound, None
         if bound is None:
-            # a family the registry puts on this path falls back: loud (a warning reaches every command's output)
-            log.warning("fused decode path off: decode steps take the slower per-op path", reason=why,
-                        model_type=desc.model_type)
+            # a family the registry puts on this path falls back: loud (a warning reaches every command's output),
+            # unless the description says so already (a part the call lacks: spec prints it, the graph decodes)
+            note = log.info if why and why == fused_refusal(desc) else log.warning
+            note("fused decode path off: decode steps take the slower per-op path", reason=why,
+                 model_type=desc.model_type)
             return None
         layers, eps = bound
         log.info("fused decode path on", model_type=desc.model_type, layers=len(layers), attention=desc.attention,

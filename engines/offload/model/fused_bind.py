@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_offload.control.description import Attention, LinearMixer, ModelDescription, MoEBlock, Rotary, Scales
+from moe_offload.control.description import (Attention, LinearMixer, ModelDescription, MoEBlock, Rotary,
+                                              fused_refusal, router_in_layer_call)
 from moe_offload.engines.offload.kernels import jit, ops
 from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear, RowsLinear
 from moe_offload.engines.offload.model import deltanet, mla_plan
@@ -104,7 +105,7 @@ def bind(model, desc: ModelDescription, pool) -> tuple[list[Layer], float] | str
             return f"layer {i}: the description and the modules disagree on a MoE layer"
         if experts is not None and state is None:
             return f"layer {i}: experts not served by the executor"
-        fused = isinstance(d.ffn, MoEBlock) and _router_in_layer_call(d.ffn)
+        fused = isinstance(d.ffn, MoEBlock) and router_in_layer_call(d.ffn)
         router = _router_module(mlp) if fused else None
         if fused and router is None:
             return f"layer {i}: no router weight"
@@ -159,16 +160,10 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return "unexpected module layout"
     if len(inner.layers) != len(desc.layers):
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
-    if desc.scales != Scales():
-        return "embedding, residual or logits multipliers: the fused call has none (the graph decodes)"
-    if any(getattr(lay.mixer, "query_scale", None) for lay in desc.layers):
-        return "a position-dependent query scale (Llama 4's): the fused MLA call has none (the graph decodes)"
-    if any(getattr(lay.mixer, "qk_norm", "") == "head_after_rotary" for lay in desc.layers):
-        return "q/k norms after the rotary: the fused call norms before it (the graph decodes)"
+    why = fused_refusal(desc)  # the parts the call lacks, known from the description (spec says so too)
+    if why:
+        return why
     if desc.attention == "mla":
-        if any(getattr(lay.mixer, "rotary", None) is not None and lay.mixer.rotary.kind == "complex_fp32"
-               for lay in desc.layers):
-            return "MLA rotated by a complex fp32 table: the fused MLA call rotates bf16 halves (the graph decodes)"
         return mla_plan.refuse(model)
     head = getattr(model, "lm_head", None)
     head = getattr(head, "part", head)  # a rank's rows of it (parallel.VocabShard): those are what it reads
@@ -217,13 +212,6 @@ def refuse(model, executor, desc: ModelDescription) -> str:
     if not jit.load():
         return "kernels unavailable"
     return ""
-
-
-def _router_in_layer_call(block: MoEBlock) -> bool:
-    """Layer.decode computes this block's router itself: softmax scores (over every expert, or over the top-k
-    logits) without a correction bias; other routers are a MoE block's selection (moe_blocks.block_for)."""
-    r = block.router
-    return not block.runs_as_module and r.scoring == "softmax" and not r.correction_bias and r.groups is None
 
 
 def _router_module(mlp):

@@ -94,13 +94,16 @@ def spec_cmd(model: str, expert_dtype: str | None, as_json: bool) -> None:
 
 def _decode_path(model: str) -> tuple[str, str]:
     """The decode path a bf16 CPU engine takes for this checkpoint, from the family registry (control/families.py):
-    ("fused" | "fused (MLA)" | "module", why in words)."""
-    from moe_offload.control.description import describe
+    ("fused" | "fused (MLA)" | "graph" | "module", why in words)."""
+    from moe_offload.control.description import describe, fused_refusal
     from moe_offload.control.hf_config import load_config
 
     d = describe(load_config(model))
     if d.path == "module":
         return "module", f"transformers' modules: {d.why}"
+    why = fused_refusal(d)
+    if why:
+        return "graph", f"the owned graph's blocks: {why}"
     return ("fused (MLA)" if d.attention == "mla" else "fused"), f"the registry's {d.model_type} entry, bf16 on the CPU"
 
 

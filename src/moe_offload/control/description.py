@@ -137,6 +137,36 @@ class ModelDescription:
         return len({lay.mixer.rotary for lay in self.layers if isinstance(lay.mixer, Attention)}) <= 1
 
 
+def fused_refusal(desc: ModelDescription) -> str:
+    """Why the fused decode call cannot take a model of this description ("" when it may): the parts it lacks, known
+    from the description alone (engines/offload/model/fused_bind.py checks the modules and dtypes besides). Such a
+    model's decode steps run the owned graph."""
+    if desc.path != "fused":
+        return desc.why
+    if desc.scales != Scales():
+        return "embedding, residual or logits multipliers: the fused call has none (the graph decodes)"
+    mixers = [lay.mixer for lay in desc.layers if isinstance(lay.mixer, Attention)]
+    if any(m.query_scale for m in mixers):
+        return "a position-dependent query scale (Llama 4's): the fused MLA call has none (the graph decodes)"
+    if any(m.qk_norm == "head_after_rotary" for m in mixers):
+        return "q/k norms after the rotary: the fused call norms before it (the graph decodes)"
+    if any(m.rotary is not None and m.rotary.kind == "complex_fp32" for m in mixers):
+        return "MLA rotated by a complex fp32 table: the fused MLA call rotates bf16 halves (the graph decodes)"
+    for lay in desc.layers:
+        f = lay.ffn
+        if (isinstance(f, MoEBlock) and router_in_layer_call(f) and f.shared_experts and not f.shared_gate):
+            return (f"layer {lay.index}: shared experts without a gate beside a router in the layer call "
+                    "(the graph decodes)")
+    return ""
+
+
+def router_in_layer_call(block: MoEBlock) -> bool:
+    """The fused layer call computes this block's router itself: softmax scores (over every expert, or over the top-k
+    logits) without a correction bias; other routers are a MoE block's selection (moe_blocks.block_for)."""
+    r = block.router
+    return not block.runs_as_module and r.scoring == "softmax" and not r.correction_bias and r.groups is None
+
+
 def describe(config: Mapping[str, Any] | Any, name: str | None = None) -> ModelDescription:
     """The description of a config (a config.json dict or a transformers config). A family the registry does not
     list, or one registered as module-only, describes as the module path with the reason."""
@@ -171,6 +201,10 @@ def describe(config: Mapping[str, Any] | Any, name: str | None = None) -> ModelD
             return ModelDescription(model_type, "module", f"layer {i}: a {kind} layer", None, (), fam.linear)
         ffn = _moe_block(fam, f, text) if i in moe else DenseMLP()
         layers.append(Layer(i, mixer, ffn))
+    if fam.query_scale == "llama4" and not all(
+            k in (text.get("rope_parameters") or {}) for k in ("llama_4_scaling_beta", "original_max_position_embeddings")):
+        return ModelDescription(model_type, "module", "rope_parameters lacks llama_4_scaling_beta or "
+                                "original_max_position_embeddings (the query scale)", None, ())
     scales = Scales()
     if fam.multipliers == "config":
         scales = Scales(*(float(text.get(k, 1.0) or 1.0) for k in ("embedding_multiplier", "residual_multiplier",

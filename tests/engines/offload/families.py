@@ -336,6 +336,19 @@ def _scale_experts(model, factor: float) -> None:
                         t.normal_(0, 0.5)
 
 
+# Norms whose unit weights would hide an order: an RMSNorm with weight 1 commutes with the rotary, so Hunyuan's q/k
+# norms after it would equal norms before it up to rounding
+RANDOM_NORMS = {"hunyuan_v1_moe": ("query_layernorm", "key_layernorm")}
+
+
+def _random_norms(model, names) -> None:
+    g = torch.Generator().manual_seed(1)
+    for name, m in model.named_modules():
+        if name.rsplit(".", 1)[-1] in names:
+            with torch.no_grad():
+                m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=g))
+
+
 def build(family: str, root: Path, factor: float = 3.0) -> str:
     """Write the family's tiny checkpoint under ``root/family``; returns the path."""
     from moe_offload.engines.offload.loading.architecture import model_class
@@ -348,6 +361,7 @@ def build(family: str, root: Path, factor: float = 3.0) -> str:
     torch.manual_seed(1234)
     model = model_class(config)._from_config(config, dtype=torch.float32)
     _scale_experts(model, factor)
+    _random_norms(model, RANDOM_NORMS.get(family, ()))
     path = Path(root) / family
     model.save_pretrained(path)
     return str(path)

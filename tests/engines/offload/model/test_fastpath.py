@@ -94,7 +94,7 @@ def _compare_steps(engine, steps: int) -> list[tuple[float, bool]]:
 HELPER_FAMILIES = ["gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 # registered families whose decode steps the owned graph runs (test_graph.py) because the fused call lacks a part
 DECODE_ON_THE_GRAPH = {
-    "aria": "layer 0: shared experts without a gate beside a router in the layer call",
+    "aria": "layer 0: shared experts without a gate beside a router in the layer call (the graph decodes)",
     "deepseek_v2": "MLA rotated by a complex fp32 table: the fused MLA call rotates bf16 halves (the graph decodes)",
     "granitemoe": "embedding, residual or logits multipliers: the fused call has none (the graph decodes)",
     "granitemoeshared": "embedding, residual or logits multipliers: the fused call has none (the graph decodes)",
@@ -159,6 +159,21 @@ def test_hybrid_linear_attention_layers_decode_on_the_fused_path(tmp_path, dense
         assert (len(lin[1]) == 2 and lin[-1] is not None) == (dense == "int8"), lin[1]
 
     _run_both_paths(build_qwen3_next(tmp_path / "q3n"), expect=expect, dense_dtype=dense)
+
+
+def test_qwen3_5_moe_text_decoder_decodes_on_the_fused_path(tmp_path):
+    # a vision-language wrapper: its text decoder (model.language_model) is Qwen3-Next's parts with split DeltaNet
+    # projections; every decode-only step compared with the module path, as for Qwen3-Next above
+    import families
+
+    ids = families.PROMPT_IDS
+
+    def expect(engine):
+        kinds = {lay.linear is not None for lay in engine.runner.fast.layers}
+        assert kinds == {True, False}, kinds  # gated-DeltaNet and full-attention layers, both in the fused call
+
+    _run_both_paths(families.build("qwen3_5_moe", tmp_path), [list(ids[:8]), list(ids[10:14]), list(ids[20:60])],
+                    expect)
 
 
 def test_gpt_oss_mxfp4_as_shipped_takes_the_fused_path(quantized_checkpoints):

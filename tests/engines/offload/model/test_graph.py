@@ -88,9 +88,9 @@ def test_every_other_family_is_on_the_fallback_with_the_part_the_blocks_lack():
     # the list is whole: a family transformers adds, or one registered since, fails here until it is listed or moved
     runnable = {f for f in families.experts_families() if f not in families.NOT_GENERATIVE}
     assert set(ON_THE_FALLBACK) == runnable - set(FAMILIES), sorted(set(ON_THE_FALLBACK) ^ (runnable - set(FAMILIES)))
-    for family in ON_THE_FALLBACK:
+    for family in ON_THE_FALLBACK:  # not registered (a module-path registry entry would need its own reason)
         desc = describe(families.tiny_config(family))
-        assert desc.path == "module" and graph.refuse(None, None, desc) == desc.why, family
+        assert desc.path == "module" and desc.why == "family not in the registry", (family, desc.why)
 
 
 def _compare(engine, max_steps: int = 80) -> list[tuple[float, bool]]:

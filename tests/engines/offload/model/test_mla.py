@@ -127,14 +127,18 @@ def test_fused_mla_decode_matches_the_module_path(checkpoints):
 
 
 def test_the_mla_plan_covers_the_registrys_mla_families_only(checkpoints, monkeypatch, tmp_path):
-    # GLM-4.7-Flash's layers are DeepSeek-V3's parts (one registry line); DeepSeek-V2 is not registered (its rotary and
-    # router differ): absorbed attention, module path around it
+    # GLM-4.7-Flash's layers are DeepSeek-V3's parts (one registry line); DeepSeek-V2's complex rotary is not the
+    # fused MLA call's: absorbed attention on the owned graph instead, the call refusing with that reason
     import families
+
+    from moe_offload.control.description import fused_refusal
 
     for family, plan in (("glm4_moe_lite", True), ("deepseek_v2", False)):
         engine = build_offload_engine(families.build(family, tmp_path), dtype="bfloat16")
         try:
             assert _mla_plan(engine) == plan and engine.runner.mla_layers > 0, family
+            assert bool(fused_refusal(engine.runner.desc)) == (not plan), family
+            assert engine.runner.graph is not None, family
         finally:
             engine.close()
     # a GQA family is not the MLA plan's; without absorbed attention there is no MLA plan
