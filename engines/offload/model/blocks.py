@@ -202,11 +202,6 @@ def chunked_mlp(m, x: torch.Tensor) -> torch.Tensor:
     return m.output_linear(F.silu(gate) * up)
 
 
-def silu(act) -> bool:
-    """``act`` is a SiLU module (torch's, or transformers' activation of that name)."""
-    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
-
-
 class MoEBlock:
     """Routed experts through the offload executor, + the shared expert (with Qwen2-MoE's sigmoid gate)."""
 

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_offload.control.description import Attention, ModelDescription, Scales
+from moe_offload.control.description import Attention, ModelDescription
 from moe_offload.control.description import MoEBlock as MoEDesc
 from moe_offload.engines.offload.loading.quant import RowsLinear
 from moe_offload.engines.offload.model import blocks, mla
 from moe_offload.engines.offload.model.deltanet import DeltaNetBlock
 from moe_offload.engines.offload.model.fused_bind import cos_sin
 from moe_offload.engines.offload.model.moe_blocks import block_for
-from moe_offload.engines.offload.model.weights import decoder
+from moe_offload.engines.offload.model.weights import decoder, is_silu
 from moe_offload.engines.offload.runtime import kv
 from moe_offload.log import get_logger
 
@@ -45,9 +45,8 @@ log = get_logger("moe_offload.graph")
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _LINEAR_PARTS = {"linear_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-# Granite's layers: the MoE block under another name, and a shared MLP beside it (GraniteMoeShared)
-_GRANITE_PARTS = ({"self_attn", "block_sparse_moe", "input_layernorm", "post_attention_layernorm"},
-                  {"self_attn", "block_sparse_moe", "shared_mlp", "input_layernorm", "post_attention_layernorm"})
+_FFN_NAMES = ("mlp", "block_sparse_moe")  # the feed-forward part under its names (Granite: block_sparse_moe)
+_BESIDE = "shared_mlp"  # a shared MLP beside the MoE block (GraniteMoeShared), checked against the description by _layer
 
 
 @dataclass
@@ -103,13 +102,13 @@ class ModelGraph:
         h = self.embed(ids)  # [N, H]
         if sc.embedding != 1.0:
             h = h * sc.embedding
-        rot = {}
+        rot, qs = {}, ()
+        if self.query_scale is not None:  # the step's position tables carry Llama 4's query scale [N] (fp32) too
+            beta, orig = self.query_scale
+            qs = (1 + beta * torch.log(1 + torch.floor(pos / orig)),)
         for r in self.rotaries:
             cos, sin = cos_sin(self.rotary_emb, h.unsqueeze(0), pos.unsqueeze(0), r, raw=True)  # [1, N, D']
-            rot[r] = (cos[0].unsqueeze(1), sin[0].unsqueeze(1))  # [N, 1, D']: every head
-            if self.query_scale is not None:  # the position tables of a step: + Llama 4's query scale [N] (fp32)
-                beta, orig = self.query_scale
-                rot[r] += (1 + beta * torch.log(1 + torch.floor(pos / orig)),)
+            rot[r] = (cos[0].unsqueeze(1), sin[0].unsqueeze(1), *qs)  # [N, 1, D']: every head
         kind, res = self.kind, sc.residual
         for lay in self.layers:
             n1, n2 = lay.norms
@@ -156,11 +155,10 @@ def refuse(model, executor, desc: ModelDescription) -> str:
     if len(inner.layers) != len(desc.layers):
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
     for i, layer in enumerate(inner.layers):
-        parts = {n for n, m in layer.named_children() if not isinstance(m, torch.nn.Dropout)}
+        parts = {"mlp" if n in _FFN_NAMES else n for n, m in layer.named_children()
+                 if not isinstance(m, torch.nn.Dropout) and n != _BESIDE}
         mixer = desc.layers[i].mixer
         want = _LAYER_PARTS if isinstance(mixer, Attention) else _LINEAR_PARTS
-        if parts in _GRANITE_PARTS and desc.scales != Scales():
-            want = parts
         if parts != want:
             return f"layer {i}: parts {sorted(parts - want) or sorted(want - parts)} beyond a norm-mixer-norm-ffn layer"
         if not isinstance(mixer, Attention):
@@ -188,7 +186,7 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
         attn = blocks.MLABlock(layer.self_attn, d.mixer, i, desc.norm.kind)
     else:
         attn = blocks.AttentionBlock(layer.self_attn, d.mixer, i, desc.norm.kind)
-    mlp = getattr(layer, "mlp", None) or layer.block_sparse_moe  # Granite's name for its MoE block
+    mlp = next(m for m in (getattr(layer, n, None) for n in _FFN_NAMES) if m is not None)
     if not isinstance(d.ffn, MoEDesc):
         ffn = lambda x, m=mlp: blocks.mlp(m, x)  # noqa: E731
     else:
@@ -196,14 +194,14 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
         if getattr(experts, "_moe_offload", None) is None:
             return f"layer {i}: experts not served by the executor"
         r = d.ffn.router
-        beside = getattr(layer, "shared_mlp", None)  # GraniteMoeShared: a shared MLP beside the block, the same input
+        beside = getattr(layer, _BESIDE, None)  # GraniteMoeShared: a shared MLP beside the block, the same input
         if (beside is not None) != (d.ffn.shared_experts > 0 and not hasattr(mlp, "shared_experts")
                                     and not hasattr(mlp, "shared_expert")):
             return f"layer {i}: the description and the modules disagree on a shared MLP beside the MoE block"
         if beside is not None and not d.ffn.runs_as_module:
             return f"layer {i}: a shared MLP beside a MoE block that does not run as its module"
         if beside is not None:
-            if not blocks.silu(beside.activation):
+            if not is_silu(beside.activation):
                 return f"layer {i}: a shared MLP of another activation"
             ffn = lambda x, m=mlp, s=beside: _module_rows(m, x) + blocks.chunked_mlp(s, x)  # noqa: E731
         elif d.ffn.runs_as_module:  # a router the description cannot express: the block's module (experts offloaded)

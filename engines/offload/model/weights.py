@@ -67,11 +67,15 @@ def fuse_quantized_rows(*linears) -> tuple[torch.Tensor, torch.Tensor] | None:
     return rows, scales
 
 
+def is_silu(act) -> bool:
+    """``act`` is a SiLU module (torch's, or transformers' activation of that name)."""
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
 def silu_mlp(mlp) -> bool:
     """silu(gate(x)) * up(x) -> down, three nn.Linears (down bias-free bf16: what moe_experts_bf16 computes) or three
     bias-free quantized rows linears (what moe_experts_q computes)."""
-    act = getattr(mlp, "act_fn", None)
-    if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+    if not is_silu(getattr(mlp, "act_fn", None)):
         return False
     ms = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if all(type(m) is torch.nn.Linear for m in ms):
