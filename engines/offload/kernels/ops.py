@@ -126,11 +126,22 @@ def _op(name: str):
     return getattr(torch.ops.moe_offload, name)
 
 
+def native(t: torch.Tensor) -> bool:
+    """Whether ``t``'s ops run the compiled kernels: a CPU tensor with the kernels on. Elsewhere (CUDA, the kernels
+    off) the ops below that say so compute in torch: the owned graph's ops per device."""
+    from moe_offload.engines.offload.kernels import jit
+
+    return t.is_cpu and jit.load()
+
+
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return _op("gemv_bf16")(x, w, bias)
 
 
 def gemm_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x . w^T (+ bias); off the kernels (``native``) torch's F.linear."""
+    if not native(x):
+        return torch.nn.functional.linear(x, w, bias)
     return _op("gemm_bf16")(x, w, bias)
 
 
@@ -172,7 +183,30 @@ def gated_delta_decode(qkvz, ba, conv_state, conv_w, conv_b, state, a_log, dt_bi
 
 
 def grouped_topk(scores, bias, n_group: int, topk_group: int, top_k: int, norm_topk: bool, scale: float):
+    """[ids [M, K] int64 best first, w [M, K] fp32] (router.cpp); off the kernels (``native``) the same selection in
+    torch ops, as DeepSeek-V3's router module computes it (an exact tie may pick another expert)."""
+    if not native(scores):
+        return _grouped_topk_torch(scores, bias, n_group, topk_group, top_k, norm_topk, scale)
     return _op("grouped_topk")(scores, bias, n_group, topk_group, top_k, norm_topk, scale)
+
+
+def _grouped_topk_torch(scores, bias, n_group, topk_group, top_k, norm_topk, scale):
+    M, E = scores.shape
+    if not (n_group >= 1 and E % n_group == 0 and 1 <= topk_group <= n_group
+            and 1 <= top_k <= (E // n_group) * topk_group):
+        raise ValueError(f"grouped_topk: {E} experts in {n_group} groups, {topk_group} groups kept, top-{top_k} "
+                         "is not a valid selection")
+    choice = scores if bias is None else scores + bias.to(scores.device)  # [M, E]: the bias only selects
+    if n_group > 1:  # a group's score: the sum of its two best choices; the other groups' experts masked
+        per = E // n_group
+        groups = choice.view(M, n_group, per).topk(min(2, per), dim=-1)[0].sum(dim=-1)  # [M, G]
+        keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(topk_group, dim=-1)[1], True)
+        choice = choice.masked_fill(~keep.repeat_interleave(per, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1)[1]  # [M, K] best first
+    w = scores.gather(1, ids)
+    if norm_topk:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return [ids, w * scale]
 
 
 def layer():

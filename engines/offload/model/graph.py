@@ -19,7 +19,12 @@ the executor sums each MoE layer's rows over the ranks, a rank's LM head (VocabS
 
 Gated-DeltaNet layers (Qwen3-Next) run as deltanet.DeltaNetBlock: the kernel for decode rows, the module's own
 chunked rule for prefill chunks. Not yet here (their models run transformers' modules, the reason logged once;
-test_graph.py lists them): MLA with a sparse indexer (DeepSeek-V3.2), ranks that split attention heads (dense_split.py), an accelerator other than the CPU.
+test_graph.py lists them): MLA with a sparse indexer (DeepSeek-V3.2), ranks that split attention heads (dense_split.py).
+
+On every device: the blocks are torch ops on the step's rows, and the few kernels they call (kernels/ops.py:
+grouped_topk, gemm_bf16, a shared expert's rows, the MLA and DeltaNet decode, the tiled prefill attention) compute in
+torch where the compiled CPU kernels do not run (ops.native: a CUDA tensor, or the kernels off), so a CUDA engine's
+steps run this graph, its executor's slot hits and fetches as on the module path.
 """
 
 from __future__ import annotations
@@ -139,8 +144,6 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         return f"{desc.linear} layers: the graph has no block for them yet"
     if executor is None:
         return "no offload executor"
-    if executor.device.type != "cpu":
-        return f"the graph has not yet run on {executor.device.type}"
     cfg = model.config.get_text_config()  # a wrapper's text decoder's
     if getattr(cfg, "clip_qkv", None) is not None:
         return "clip_qkv"

@@ -42,7 +42,8 @@ def mlp_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up
 def plus_shared(out: torch.Tensor, x: torch.Tensor, shared, shared_args: tuple | None) -> torch.Tensor:
     """``out`` + the shared experts' output for x: one mlp_rows call over their fused rows where it takes x (bf16 rows),
     else the module."""
-    if shared_args is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous():
+    if (shared_args is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous()
+            and ops.native(x)):
         return out + mlp_rows(x, *shared_args)
     return out + shared(x)
 

@@ -51,9 +51,9 @@ def decode_plan(model, executor, pool, desc: ModelDescription):
         log.info("decode steps run transformers' modules", model_type=desc.model_type, reason=desc.why)
         return None
     if executor is not None and executor.device.type != "cpu":  # the fused kernels are CPU kernels
-        log.warning("fused decode path off: decode steps run transformers' modules (slower)", model_type=desc.model_type,
-                    reason=f"the fused kernels are CPU kernels; on {executor.device.type} a layer's slot hits run "
-                           "gathered (experts/cuda.py)")
+        log.info("fused decode path off: decode steps run the owned graph", model_type=desc.model_type,
+                 reason=f"the fused kernels are CPU kernels; on {executor.device.type} the graph's torch ops run, a "
+                        "layer's slot hits gathered (experts/cuda.py)")
         return None
     return fastpath.DecodePlan.build(model, executor, pool, desc)
 

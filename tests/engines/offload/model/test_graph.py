@@ -152,3 +152,53 @@ def test_every_step_matches_the_modules(checkpoints, tmp_path, family, dtype):
         assert max(gaps) == 0.0, gaps
     else:
         assert sorted(gaps)[len(gaps) // 2] == 0.0 and max(gaps) < 2e-2, gaps
+
+
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """The compiled CPU kernels off for one test: every op of the graph takes its torch implementation
+    (kernels/ops.native), the ops a CUDA engine's graph runs. A compiled op still called fails the test: this process
+    has the library loaded, so a caller that skipped ops.native would otherwise pass unseen."""
+    from moe_offload.engines.offload.kernels import jit, ops
+
+    def compiled(name):
+        raise AssertionError(f"moe_offload::{name} called with the kernels off")
+
+    was = jit.load()
+    jit.set_enabled(False)
+    monkeypatch.setattr(ops, "_op", compiled)
+    try:
+        yield
+    finally:
+        jit.set_enabled(was)
+
+
+@pytest.mark.parametrize("family", GRAPH_FAMILIES)
+def test_the_graph_on_torch_ops_matches_the_modules(checkpoints, tmp_path, family, torch_ops):
+    # what runs on CUDA, here on the CPU: no compiled kernel in either path (the modules' linears unpatched), so the
+    # graph's torch ops (a grouped top-k of its own, the MLA and DeltaNet references) meet transformers' own modules
+    if family in HELPER_FAMILIES:
+        path, ids = checkpoints(family), list(range(3, 90))
+    else:
+        path, ids = families.build(family, tmp_path), list(families.PROMPT_IDS)
+    steps = _run(path, "bfloat16", [ids[:11], ids[11:15], ids[20:60]])
+    assert len(steps) >= 8 and any(decode for _, decode in steps), steps
+    gaps = [gap for gap, _ in steps]
+    assert sorted(gaps)[len(gaps) // 2] == 0.0 and max(gaps) < 2e-2, gaps
+
+
+def test_the_torch_grouped_topk_is_the_kernels():
+    # the two implementations of one op (kernels/ops.py): the same experts in the same order, weights to a rounding;
+    # the engine tests above hold the torch one against DeepSeek-V3's router module
+    from moe_offload.engines.offload.kernels import jit, ops
+
+    if not jit.load():
+        pytest.skip("the compiled kernels are not built here")
+    g = torch.Generator().manual_seed(0)
+    for E, groups, kept, k, norm in ((64, 8, 4, 8, True), (16, 1, 1, 4, False), (32, 4, 2, 6, True), (8, 8, 3, 2, True)):
+        scores = torch.rand(5, E, generator=g).sigmoid()
+        bias = torch.randn(E, generator=g) * 0.1
+        ids, w = ops.grouped_topk(scores, bias, groups, kept, k, norm, 2.5)
+        tids, tw = ops._grouped_topk_torch(scores, bias, groups, kept, k, norm, 2.5)
+        assert torch.equal(ids, tids), (E, groups, ids, tids)
+        torch.testing.assert_close(w, tw, rtol=1e-6, atol=0)
