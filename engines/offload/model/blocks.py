@@ -210,15 +210,22 @@ class MoEBlock:
         self.state = experts._moe_offload
         self.shared, self.shared_gate = shared, shared_gate
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.router(x)
-        out = self.executor.forward(self.state, self.experts, x, ids, weights)  # [N, H]
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's part: (ids [N, K], weights [N, K], the rows the experts take)."""
+        return (*self.router(x), x)
+
+    def finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' rows ``out`` [N, H] + the shared expert's (gated)."""
         if self.shared is None:
             return out
         s = mlp(self.shared, x)
         if self.shared_gate is not None:
             s = F.sigmoid(self.shared_gate(x)) * s
         return out + s
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights, x = self.route(x)
+        return self.finish(x, self.executor.forward(self.state, self.experts, x, ids, weights))
 
 
 def eps_of(norm) -> float:

@@ -60,6 +60,7 @@ class _Layer:
     attention: blocks.AttentionBlock | blocks.MLABlock | DeltaNetBlock
     rotary: object  # description.Rotary, or None (NoPE)
     ffn: object  # rows [N, H] -> [N, H]
+    moe: object = None  # the routed block in parts (route, the executor, finish): blocks.MoEBlock | RouterBlock
 
 
 class ModelGraph:
@@ -103,10 +104,25 @@ class ModelGraph:
         ex = self.executor
         t0 = time.perf_counter()
         ex.begin_forward()
-        sc = self.desc.scales
+        h, rot = self.embed_rows(ids, pos)
+        for lay in self.layers:
+            h, x2 = self.attention_half(lay, h, rot, step)
+            h = self.residual(h, lay.ffn(x2))
+        logits = self.head(h.index_select(0, keep))
+        ex.end_forward(t0)
+        self.steps += 1
+        return logits
+
+    # -- the parts of a step (forward above; capture.py runs them piece by piece) -----------------------------------
+    def embed_rows(self, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The rows' embeddings h [N, H] and the step's rotary tables {rotary: (cos, sin[, query scale])}."""
         h = self.embed(ids)  # [N, H]
-        if sc.embedding != 1.0:
-            h = h * sc.embedding
+        if self.desc.scales.embedding != 1.0:
+            h = h * self.desc.scales.embedding
+        return h, self.rotary_tables(h, pos)
+
+    def rotary_tables(self, h: torch.Tensor, pos: torch.Tensor) -> dict:
+        """{rotary: (cos, sin[, query scale])} at positions pos [N] (h: the rows, for their dtype and device)."""
         rot, qs = {}, ()
         if self.query_scale is not None:  # the step's position tables carry Llama 4's query scale [N] (fp32) too
             beta, orig = self.query_scale
@@ -114,21 +130,26 @@ class ModelGraph:
         for r in self.rotaries:
             cos, sin = cos_sin(self.rotary_emb, h.unsqueeze(0), pos.unsqueeze(0), r, raw=True)  # [1, N, D']
             rot[r] = (cos[0].unsqueeze(1), sin[0].unsqueeze(1), *qs)  # [N, 1, D']: every head
-        kind, res = self.kind, sc.residual
-        for lay in self.layers:
-            n1, n2 = lay.norms
-            a = lay.attention(blocks.rms_norm(h, n1.weight, blocks.eps_of(n1), kind), rot.get(lay.rotary), step,
-                              self.cache)
-            h = h + (a if res == 1.0 else a * res)
-            f = lay.ffn(blocks.rms_norm(h, n2.weight, blocks.eps_of(n2), kind))
-            h = h + (f if res == 1.0 else f * res)
-        x = blocks.rms_norm(h.index_select(0, keep), self.norm.weight, blocks.eps_of(self.norm), kind)
+        return rot
+
+    def attention_half(self, lay: _Layer, h: torch.Tensor, rot: dict, step: kv.StepContext
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer up to its feed-forward part: (h after the token mixer's residual, its second norm's rows)."""
+        n1, n2 = lay.norms
+        a = lay.attention(blocks.rms_norm(h, n1.weight, blocks.eps_of(n1), self.kind), rot.get(lay.rotary), step,
+                          self.cache)
+        h = self.residual(h, a)
+        return h, blocks.rms_norm(h, n2.weight, blocks.eps_of(n2), self.kind)
+
+    def residual(self, h: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        res = self.desc.scales.residual
+        return h + (branch if res == 1.0 else branch * res)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head of the kept rows h [R, H] -> logits [R, V]."""
+        x = blocks.rms_norm(h, self.norm.weight, blocks.eps_of(self.norm), self.kind)
         logits = self.model.lm_head(x)  # [R, V] (a rank's VocabShard gathers every rank's rows)
-        if sc.logits != 1.0:
-            logits = logits / sc.logits
-        ex.end_forward(t0)
-        self.steps += 1
-        return logits
+        return logits / self.desc.scales.logits if self.desc.scales.logits != 1.0 else logits
 
 
 def refuse(model, executor, desc: ModelDescription) -> str:
@@ -190,6 +211,7 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
     else:
         attn = blocks.AttentionBlock(layer.self_attn, d.mixer, i, desc.norm.kind)
     mlp = next(m for m in (getattr(layer, n, None) for n in _FFN_NAMES) if m is not None)
+    moe = None
     if not isinstance(d.ffn, MoEDesc):
         ffn = lambda x, m=mlp: blocks.mlp(m, x)  # noqa: E731
     else:
@@ -214,14 +236,15 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
             shared = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)
             if (shared is None) != (d.ffn.shared_experts == 0 and not d.ffn.shared_gate):
                 return f"layer {i}: the description and the modules disagree on a shared expert"
-            ffn = blocks.MoEBlock(executor, experts, blocks.SoftmaxRouter(gate, r), shared,
-                                  getattr(mlp, "shared_expert_gate", None) if d.ffn.shared_gate else None)
+            ffn = moe = blocks.MoEBlock(executor, experts, blocks.SoftmaxRouter(gate, r), shared,
+                                        getattr(mlp, "shared_expert_gate", None) if d.ffn.shared_gate else None)
         else:
-            block = block_for(mlp, d.ffn)
-            if block is None:
+            moe = block_for(mlp, d.ffn)
+            if moe is None:
                 return f"layer {i}: a router the selection call does not take"
-            ffn = lambda x, b=block: b(executor, x)  # noqa: E731
-    return _Layer((layer.input_layernorm, layer.post_attention_layernorm), attn, getattr(d.mixer, "rotary", None), ffn)
+            ffn = lambda x, b=moe: b(executor, x)  # noqa: E731
+    return _Layer((layer.input_layernorm, layer.post_attention_layernorm), attn, getattr(d.mixer, "rotary", None), ffn,
+                  moe)
 
 
 def _module_rows(module, x: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,8 @@ class RouterBlock:
         return (w.float().contiguous() if self.fp32_logits else w, self.bias, *self.args, self.scoring,
                 self.round_weights)
 
-    def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's part: (ids [M, K], weights [M, K], the rows the experts take)."""
         w = self.gate.weight
         if self.fp32_logits:
             logits = F.linear(x.float(), w.float())
@@ -89,8 +90,15 @@ class RouterBlock:
         else:
             scores = logits.float().sigmoid()
         ids, weights = ops.grouped_topk(scores, self.bias, *self.args)
-        out = ex.forward(self.state, self.experts, x, ids, weights.to(x.dtype) if self.round_weights else weights)
+        return ids, (weights.to(x.dtype) if self.round_weights else weights), x
+
+    def finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' rows ``out`` + the shared experts'."""
         return out if self.shared is None else plus_shared(out, x, self.shared, self.shared_args)
+
+    def __call__(self, ex, x: torch.Tensor) -> torch.Tensor:
+        ids, weights, x = self.route(x)
+        return self.finish(x, ex.forward(self.state, self.experts, x, ids, weights))
 
 
 def deepseek_block(mlp) -> RouterBlock | None:

@@ -30,6 +30,7 @@ import torch
 from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats
 from moe_offload.engines.offload.kernels import jit
 from moe_offload.engines.offload.model import deltanet
+from moe_offload.engines.offload.model.capture import DecodeCapture
 from moe_offload.engines.offload.runtime import kv_budget
 from moe_offload.engines.offload.runtime.accounting import Accounting
 from moe_offload.engines.offload.runtime.kv_budget import KVCacheConfig
@@ -148,6 +149,8 @@ class OffloadEngine(Engine):
         self.accounting = Accounting(getattr(self.executor, "tier_names", None))
         self.runner = ModelRunner(self.model, self.executor, self.pool, self.device, self.accounting, paged=self.paged,
                                   desc=self.description, split=split)
+        if self.paged and self.device.type == "cuda":  # decode steps as captured CUDA graphs over the owned graph
+            self.runner.capture = DecodeCapture.build(self.runner, sched.max_num_seqs, int(max_len))
         self.output = OutputProcessor(self.scheduler, self.accounting)
         self.speculative, self.proposer = speculative, None
         if speculative is not None:

@@ -107,6 +107,7 @@ class ModelRunner:
         # MLA layers decode over their latent cache with kv_b_proj absorbed (mla.py)
         self.mla_layers = mla.prepare(model) if paged else 0
         self.fast = decode_plan(model, executor, pool, self.desc) if paged and not split else None
+        self.capture = None  # decode steps as captured CUDA graphs over the graph (model/capture.py; the engine sets it)
         # every other paged step: the owned graph, or (None) transformers' modules
         self.graph = None
         if paged and not split and settings.get("MOE_OFFLOAD_GRAPH"):
@@ -128,9 +129,13 @@ class ModelRunner:
 
     def forward_paged(self, out: SchedulerOutput) -> torch.Tensor | None:
         sched = out.scheduled
-        if self.fast is not None and out.decode_only and not any(
-                seq.payload.wants_prompt_logprobs(seq) for seq, _ in sched):
+        plain = out.decode_only and not any(seq.payload.wants_prompt_logprobs(seq) for seq, _ in sched)
+        if self.fast is not None and plain:
             return self.forward_fast(out)
+        if self.capture is not None and plain and not any(seq.draft for seq, _ in sched):
+            logits = self.forward_captured(out)
+            if logits is not False:
+                return logits
         bs, dev = self.pool.block_size, self.device
         ids, pos, slots, keep = [], [], [], []
         for seq, n in sched:
@@ -181,6 +186,23 @@ class ModelRunner:
         ex.per_token = len(sched) > 1
         before = snapshot(ex)
         logits = self.fast.forward(ids, lens, blocks, seats)
+        self.accounting.book(ex, sched, before, ex.token_stats)
+        if len(keep) == len(ids):
+            return logits
+        return logits[keep] if keep else None
+
+    def forward_captured(self, out: SchedulerOutput) -> torch.Tensor | None | bool:
+        """A decode-only step through the captured graph (model/capture.py): logits of the rows that sample, or False
+        where the step is in no bucket (the graph runs it eagerly)."""
+        sched, ex = out.scheduled, self.executor
+        ids = [seq.tokens[seq.computed] for seq, _ in sched]
+        lens = [seq.computed + 1 for seq, _ in sched]
+        keep = [i for i, (seq, _) in enumerate(sched) if seq.computed + 1 == len(seq.tokens)]
+        ex.per_token = len(sched) > 1
+        before = snapshot(ex)
+        logits = self.capture.forward(ids, lens, [seq.blocks for seq, _ in sched])
+        if logits is None:
+            return False
         self.accounting.book(ex, sched, before, ex.token_stats)
         if len(keep) == len(ids):
             return logits
