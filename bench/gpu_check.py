@@ -5,8 +5,10 @@
 
 Exactness: the tiny-model policy x fraction runs, the family tests of tests/engines/offload/test_exactness.py and
 the quantized releases of tests/engines/offload/loading/test_quantized.py (MXFP4, FP8 against transformers' dequantized load;
-pytest -k cuda). Speed: a Qwen3-MoE-shaped random bf16 model (64 experts, hidden 1024, I 512, top-8; 16 layers
-by default) decoded greedily by stock transformers and by the executor at several fractions and policies.
+pytest -k cuda); the engine's decode paths (steps captured as CUDA graphs, model/capture.py; the owned graph run
+eagerly; transformers' modules) against the CPU engine. Speed: a Qwen3-MoE-shaped random bf16 model (64 experts,
+hidden 1024, I 512, top-8; 16 layers by default): the engine's three paths (ms/token, kernel launches a token), then
+stock transformers (its profile with --profile).
 With two GPUs (or the CPU dry run): --devices over both and --tensor-parallel 2 (NCCL ranks), each exact against
 one device, hits on each device and rank. Exit status 1 if
 any check failed.
@@ -146,42 +148,102 @@ def print_profile(model, device: str, steps: int = 8) -> None:
     print(ev.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40), flush=True)
 
 
+ENGINE_MODES = ("captured", "graph", "modules")  # decode steps replayed | the owned graph eagerly | transformers' modules
+
+
+def _engine(path: str, device: str, mode: str, dtype: str, **kw):
+    from moe_offload.engines.offload.runtime.build import build_offload_engine
+
+    e = build_offload_engine(path, device=device, dtype=dtype, **kw)
+    if mode != "captured":
+        e.runner.capture = None
+    if mode == "modules":
+        e.runner.graph = None
+    return e
+
+
+def check_engine_exactness(device: str) -> str:
+    """The engine's decode paths on ``device`` (captured pieces, the graph eagerly, the modules) against the CPU
+    engine: greedy tokens equal, fp32 tiny model, every policy at fractions 0.25 / 0.5 / 1.0, three sequences."""
+    from moe_offload.engines.offload.tools.selfcheck import tiny_checkpoint
+    from moe_offload.engines.params import SamplingParams
+
+    prompts = [list(range(3, 19)), list(range(30, 37)), list(range(50, 90))]
+
+    def run(dev, mode, policy, fraction):
+        e = _engine(path, dev, mode, "float32", policy=policy, fraction=fraction, max_num_seqs=4)
+        gens = [e.start(p, SamplingParams(max_tokens=16, ignore_eos=True)) for p in prompts]
+        while e.step():
+            pass
+        cap = e.runner.capture
+        out = ([g.drain() for g in gens], cap.steps if cap is not None else 0)
+        e.close()
+        return out
+
+    done = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = tiny_checkpoint(tmp)
+        for policy in ("static", "lru", "hybrid"):
+            for fraction in (0.25, 0.5, 1.0):
+                want, _ = run("cpu", "graph", policy, fraction)
+                for mode in ENGINE_MODES:
+                    got, steps = run(device, mode, policy, fraction)
+                    assert got == want, f"{mode} {policy} {fraction}: tokens differ from the CPU engine's"
+                    assert mode != "captured" or steps > 0 or not device.startswith("cuda"), "no step was captured"
+                done.append(f"{policy}@{fraction}")
+    return f"{len(done) * len(ENGINE_MODES)} runs = the CPU engine ({', '.join(done)})"
+
+
+@torch.no_grad()
+def engine_speed(path: str, device: str, tokens: int, failures: list) -> None:
+    """ms/token (GenerationStats, 64 tokens after a warm-up request) and kernel launches per decode token
+    (torch.profiler: kernel launches and CUDA graph launches) of the engine's decode paths, all resident and at
+    fraction 0.5 under lru."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_offload.engines.params import SamplingParams
+
+    keys = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
+    for policy, fraction in (("static", 1.0), ("lru", 0.5)):
+        for mode in ENGINE_MODES:
+            name = f"engine {mode} {policy}@{fraction}"
+            try:
+                e = _engine(path, device, mode, "bfloat16", policy=policy, fraction=fraction)
+                prompt = list(range(3, 35))
+                list(e.generate(prompt, SamplingParams(max_tokens=16, ignore_eos=True)))  # warm-up, captures
+                g = e.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
+                list(g)
+                ms = g.stats.decode_ms_per_token
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+                with profile(activities=acts) as prof:
+                    list(e.generate(prompt, SamplingParams(max_tokens=9, ignore_eos=True)))
+                ev = prof.key_averages()
+                launches = sum(x.count for x in ev if x.key in keys) / 8  # 8 decode steps (+ one prefill, included)
+                graphs = sum(x.count for x in ev if x.key == "cudaGraphLaunch") / 8
+                line("PASS", name, f"{ms:.2f} ms/token, {launches:.0f} launches/token ({graphs:.0f} graph replays)")
+                e.close()
+            except Exception as ex:  # noqa: BLE001 - one line per check
+                failures.append(name)
+                line("FAIL", name, f"{type(ex).__name__}: {ex}")
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+
 def speed_checks(device: str, layers: int, tokens: int, failures: list, model_dir: str | None = None,
                  profile: bool = False) -> None:
     from transformers import AutoModelForCausalLM
 
-    from moe_offload.engines.offload.loading.loader import load_model
-    from moe_offload.engines.offload.tools.selfcheck import fraction_placement
-
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir or bench_checkpoint(tmp, layers)
-        stock = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+        engine_speed(path, device, tokens, failures)  # the engine's paths: what a user runs
+        stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
         stock_ms = decode_ms(stock, device, tokens)
         line("PASS", "speed stock transformers", f"{stock_ms:.2f} ms/token ({layers} layers, bf16)")
+        if profile:
+            print_profile(stock, device)
         del stock
-        runs = [("static", 1.0, True), ("static", 1.0, False), ("static", 0.5, True), ("lru", 0.5, True),
-                ("hybrid", 0.5, True), ("static", 0.0, True)]
-        for policy, fraction, gather in runs:
-            name = f"speed {policy} fraction={fraction}" + ("" if gather else " per-expert loop")
-            try:
-                om = load_model(path, fraction_placement(path, fraction, policy), policy=policy, device=device)
-                om.executor.gather_hits = gather and device.startswith("cuda")  # experts/cuda.py gathered_hits
-                ms = decode_ms(om.model, device, tokens)
-                if profile and gather and fraction == 1.0:
-                    print_profile(om.model, device)
-                s = om.executor.stats.snapshot()
-                detail = (f"{ms:.2f} ms/token, x{stock_ms / ms:.2f} of stock, hit rate {s['hit_rate']:.2f}, "
-                          f"host tokens {s['host_expert_tokens']}, copied {s['bytes_copied'] / 2**20:.0f} MiB")
-                ok = not (policy == "static" and fraction == 1.0 and ms > stock_ms * 1.05)
-                line("PASS" if ok else "FAIL", name, detail + ("" if ok else " (all-resident slower than stock)"))
-                if not ok:
-                    failures.append(name)
-                del om
-            except Exception as e:  # noqa: BLE001 - one line per check
-                failures.append(name)
-                line("FAIL", name, f"{type(e).__name__}: {e}")
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
 
 
 def main() -> int:
@@ -197,7 +259,8 @@ def main() -> int:
 
     hf_logging.disable_progress_bar()
     failures: list[str] = []
-    checks = [("device", check_device), ("exactness tiny x policies", check_tiny_exactness)]
+    checks = [("device", check_device), ("exactness tiny x policies", check_tiny_exactness),
+              ("exactness engine paths", check_engine_exactness)]
     if not args.skip_family_tests:
         checks.append(("exactness families (pytest)", check_family_tests))
     if not args.device.startswith("cuda") or torch.cuda.device_count() >= 2:

@@ -1,5 +1,5 @@
 """The loader of the CPU kernels: the library built at install for this CPU's ISA, else a build at first use; its
-ops register as ``torch.ops.moe_offload.*``, with their fake kernels (ops.py).
+ops register as ``torch.ops.moe_offload.*``, with their fake kernels (fakes.py).
 
     pip install (setup.py): csrc/cpu/ --every variant of buildinfo.VARIANTS--> kernels/_cpu_<variant>.so + STAMP
     load(): CPUID --the variant's prebuilt library, when STAMP names this torch and these sources--> loaded
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from moe_offload import settings
-from moe_offload.engines.offload.kernels import ops
+from moe_offload.engines.offload.kernels import fakes
 from moe_offload.engines.offload.kernels.buildinfo import BASE_CFLAGS, STAMP, VARIANTS, prebuilt_name
 from moe_offload.engines.offload.kernels.buildinfo import source_hash as _hash_of
 from moe_offload.errors import BackendUnavailable
@@ -175,7 +175,7 @@ def _prebuilt() -> dict | None:
         get_logger("moe_offload.kernels").warning("prebuilt kernels do not load: building", library=str(libs[0]),
                                                   error=" ".join(str(e).split())[-300:])
         return None
-    ops.register_fakes()
+    fakes.register_fakes()
     return {"ok": True, "built": True, "variant": variant, "source": "prebuilt", "error": ""}
 
 
@@ -206,7 +206,7 @@ def _build() -> dict:
                 is_python_module=False,
                 verbose=False,
             )
-        ops.register_fakes()
+        fakes.register_fakes()
         return {"ok": True, "built": True, "variant": variant, "source": "jit", "error": ""}
     except Exception as e:  # noqa: BLE001 - any build or load failure means: keep the F.linear path
         msg = " ".join(str(e).split())[-400:]
