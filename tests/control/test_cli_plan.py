@@ -57,15 +57,20 @@ def test_spec_says_why_an_unregistered_family_takes_the_module_path(capsys, tmp_
 
 
 def test_spec_says_which_families_decode_on_the_owned_graph(capsys, tmp_path):
-    # a part the fused call lacks, known from the config (Granite's multipliers): the graph decodes, and spec says why
-    d = tmp_path / "granitemoe"
-    d.mkdir()
-    cfg = {**moe_config(), "model_type": "granitemoe", "num_local_experts": 32, "embedding_multiplier": 12.0,
-           "residual_multiplier": 0.22, "logits_scaling": 6.0}
-    (d / "config.json").write_text(json.dumps(cfg))
-    assert main(["spec", "--model", str(d), "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["decode_path"] == "graph" and "multipliers" in data["decode_path_reason"], data["decode_path_reason"]
+    # a part the fused call lacks, known from the config (GraniteMoeShared's ungated shared MLP beside a router the
+    # layer call computes): the graph decodes, and spec says why; Granite's multipliers alone are the fused call's
+    paths = {}
+    for model_type, extra in (("granitemoeshared", {"shared_intermediate_size": 64}), ("granitemoe", {})):
+        d = tmp_path / model_type
+        d.mkdir()
+        cfg = {**moe_config(), "model_type": model_type, "num_local_experts": 32, "embedding_multiplier": 12.0,
+               "residual_multiplier": 0.22, "logits_scaling": 6.0, **extra}
+        (d / "config.json").write_text(json.dumps(cfg))
+        assert main(["spec", "--model", str(d), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        paths[model_type] = (data["decode_path"], data["decode_path_reason"])
+    assert paths["granitemoeshared"][0] == "graph" and "shared experts" in paths["granitemoeshared"][1], paths
+    assert paths["granitemoe"][0] == "fused", paths
 
 
 def test_budget_json(capsys, model_dir):

@@ -218,7 +218,7 @@ class MoEBlock:
         """The routed experts' rows ``out`` [N, H] + the shared expert's (gated)."""
         if self.shared is None:
             return out
-        s = mlp(self.shared, x)
+        s = chunked_mlp(self.shared, x) if hasattr(self.shared, "input_linear") else mlp(self.shared, x)
         if self.shared_gate is not None:
             s = F.sigmoid(self.shared_gate(x)) * s
         return out + s

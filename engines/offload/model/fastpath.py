@@ -95,6 +95,8 @@ class DecodePlan:
         lens_t = torch.tensor(lens, dtype=torch.long)
         pos = lens_t.sub(1).unsqueeze(0)  # [1, M]
         h = self.embed(torch.tensor(ids, dtype=torch.long))  # [M, H]
+        if self.desc.scales.embedding != 1.0:  # Granite's embedding multiplier
+            h = h * self.desc.scales.embedding
         if self.mla:
             return self._forward_mla(h, pos, lens_t, lens, blocks)
         nb = max(len(b) for b in blocks)
@@ -158,11 +160,15 @@ class DecodePlan:
                 out = lay.mlp(x2.unsqueeze(0))
                 out = (out[0] if isinstance(out, tuple) else out)[0]
             add = out.contiguous()
+        if self.desc.scales.residual != 1.0:  # the last branch's multiplier (the layers apply the others)
+            add = add * self.desc.scales.residual
         return self._logits(ops.rmsnorm(h, add, self.norm.weight, self.eps, self.desc.norm.kind),
                             t0)
 
     def _logits(self, x: torch.Tensor, t0: float) -> torch.Tensor:
         logits = self.lm_head(x)  # [M, V]
+        if self.desc.scales.logits != 1.0:  # Granite's logits scaling
+            logits = logits / self.desc.scales.logits
         self.executor.end_forward(t0)
         self.steps += 1
         return logits

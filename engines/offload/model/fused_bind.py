@@ -24,7 +24,7 @@ from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear, 
 from moe_offload.engines.offload.model import deltanet, mla_plan
 from moe_offload.engines.offload.model.blocks import eps_of
 from moe_offload.engines.offload.model.moe_blocks import block_for
-from moe_offload.engines.offload.model.weights import decoder, mlp_args
+from moe_offload.engines.offload.model.weights import decoder, ffn_of, mlp_args
 
 
 def _shared_args(se, gate) -> tuple | None:
@@ -98,7 +98,7 @@ def bind(model, desc: ModelDescription, pool) -> tuple[list[Layer], float] | str
         norms = [layer.input_layernorm, layer.post_attention_layernorm] + [n for n in (qn, kn) if n is not None]
         if any(eps_of(n) != eps for n in norms):
             return "norms with different eps"
-        mlp = layer.mlp
+        mlp = ffn_of(layer)
         experts = getattr(mlp, "experts", None)
         state = getattr(experts, "_moe_offload", None) if experts is not None else None
         if isinstance(d.ffn, MoEBlock) != (experts is not None):
@@ -118,6 +118,8 @@ def bind(model, desc: ModelDescription, pool) -> tuple[list[Layer], float] | str
             return f"layer {i}: shared experts without a gate beside a router in the layer call"
         k = ops.layer()
         k.norms(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, eps, eps, desc.norm.kind)
+        if desc.scales.residual != 1.0:  # Granite's residual multiplier, on both branches
+            k.residual_scale(desc.scales.residual)
         lay = Layer(i, k, moe, experts, state, None if moe is not None else mlp, shared)
         if isinstance(d.mixer, LinearMixer):  # a gated-DeltaNet layer: one decode_linear call
             lay.linear = deltanet.LinearLayer.of(layer.linear_attn)
@@ -175,7 +177,7 @@ def refuse(model, executor, desc: ModelDescription) -> str:
         norms = [getattr(layer, a, None) for a in ("input_layernorm", "post_attention_layernorm")]
         if not all(hasattr(n, "weight") and (hasattr(n, "variance_epsilon") or hasattr(n, "eps")) for n in norms):
             return "not the two RMSNorms around the token mixer"
-        if not hasattr(layer, "mlp"):
+        if ffn_of(layer) is None:
             return "no mlp"
         attn = getattr(layer, "self_attn", None)
         if attn is None and hasattr(layer, "linear_attn"):  # gated DeltaNet: deltanet.LinearLayer decides (_build)

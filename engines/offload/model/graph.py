@@ -42,7 +42,7 @@ from moe_offload.engines.offload.model import blocks, mla
 from moe_offload.engines.offload.model.deltanet import DeltaNetBlock
 from moe_offload.engines.offload.model.fused_bind import cos_sin
 from moe_offload.engines.offload.model.moe_blocks import block_for
-from moe_offload.engines.offload.model.weights import decoder, is_silu
+from moe_offload.engines.offload.model.weights import FFN_NAMES, decoder, ffn_of, is_silu
 from moe_offload.engines.offload.runtime import kv
 from moe_offload.log import get_logger
 
@@ -50,7 +50,6 @@ log = get_logger("moe_offload.graph")
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _LINEAR_PARTS = {"linear_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-_FFN_NAMES = ("mlp", "block_sparse_moe")  # the feed-forward part under its names (Granite: block_sparse_moe)
 _BESIDE = "shared_mlp"  # a shared MLP beside the MoE block (GraniteMoeShared), checked against the description by _layer
 
 
@@ -179,7 +178,7 @@ def refuse(model, executor, desc: ModelDescription) -> str:
     if len(inner.layers) != len(desc.layers):
         return f"{len(inner.layers)} layers, the description has {len(desc.layers)}"
     for i, layer in enumerate(inner.layers):
-        parts = {"mlp" if n in _FFN_NAMES else n for n, m in layer.named_children()
+        parts = {"mlp" if n in FFN_NAMES else n for n, m in layer.named_children()
                  if not isinstance(m, torch.nn.Dropout) and n != _BESIDE}
         mixer = desc.layers[i].mixer
         want = _LAYER_PARTS if isinstance(mixer, Attention) else _LINEAR_PARTS
@@ -210,7 +209,7 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
         attn = blocks.MLABlock(layer.self_attn, d.mixer, i, desc.norm.kind)
     else:
         attn = blocks.AttentionBlock(layer.self_attn, d.mixer, i, desc.norm.kind)
-    mlp = next(m for m in (getattr(layer, n, None) for n in _FFN_NAMES) if m is not None)
+    mlp = ffn_of(layer)
     moe = None
     if not isinstance(d.ffn, MoEDesc):
         ffn = lambda x, m=mlp: blocks.mlp(m, x)  # noqa: E731
@@ -223,17 +222,15 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
         if (beside is not None) != (d.ffn.shared_experts > 0 and not hasattr(mlp, "shared_experts")
                                     and not hasattr(mlp, "shared_expert")):
             return f"layer {i}: the description and the modules disagree on a shared MLP beside the MoE block"
-        if beside is not None and not d.ffn.runs_as_module:
-            return f"layer {i}: a shared MLP beside a MoE block that does not run as its module"
-        if beside is not None:
-            if not is_silu(beside.activation):
-                return f"layer {i}: a shared MLP of another activation"
+        if beside is not None and not is_silu(beside.activation):
+            return f"layer {i}: a shared MLP of another activation"
+        if beside is not None and d.ffn.runs_as_module:
             ffn = lambda x, m=mlp, s=beside: _module_rows(m, x) + blocks.chunked_mlp(s, x)  # noqa: E731
         elif d.ffn.runs_as_module:  # a router the description cannot express: the block's module (experts offloaded)
             ffn = lambda x, m=mlp: _module_rows(m, x)  # noqa: E731
         elif r.scoring == "softmax" and not r.correction_bias and r.groups is None:
             gate = mlp.router if hasattr(mlp, "router") else mlp.gate
-            shared = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)
+            shared = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None) or beside
             if (shared is None) != (d.ffn.shared_experts == 0 and not d.ffn.shared_gate):
                 return f"layer {i}: the description and the modules disagree on a shared expert"
             ffn = moe = blocks.MoEBlock(executor, experts, blocks.SoftmaxRouter(gate, r), shared,

@@ -27,6 +27,14 @@ def decoder(model):
     return text if isinstance(text, torch.nn.Module) else inner
 
 
+FFN_NAMES = ("mlp", "block_sparse_moe")  # a decoder layer's feed-forward part under its names (Granite: block_sparse_moe)
+
+
+def ffn_of(layer):
+    """A decoder layer's feed-forward part (its MLP or MoE block), or None."""
+    return next((m for m in (getattr(layer, n, None) for n in FFN_NAMES) if m is not None), None)
+
+
 def fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor | None:
     """One [sum of out, in] weight whose row blocks become the linears' weights (views: no second copy), so that
     one GEMV reads what several did; each row's sum is the same dot product as before (bit-identical outputs).

@@ -143,8 +143,8 @@ def fused_refusal(desc: ModelDescription) -> str:
     model's decode steps run the owned graph."""
     if desc.path != "fused":
         return desc.why
-    if desc.scales != Scales():
-        return "embedding, residual or logits multipliers: the fused call has none (the graph decodes)"
+    if desc.scales != Scales() and desc.attention == "mla":
+        return "embedding, residual or logits multipliers on MLA layers: the fused MLA call has none (the graph decodes)"
     mixers = [lay.mixer for lay in desc.layers if isinstance(lay.mixer, Attention)]
     if any(m.query_scale for m in mixers):
         return "a position-dependent query scale (Llama 4's): the fused MLA call has none (the graph decodes)"

@@ -78,10 +78,11 @@ FAMILIES: dict[str, Family] = {
     # Hunyuan-A13B: per-head q/k norms after the rotary (query_layernorm, key_layernorm); its MoE block (an fp32
     # router, a shared MLP inside) run as its module
     "hunyuan_v1_moe": QWEN3_MOE.but(router="module", qk_norm="head_after_rotary"),
-    # Granite 3 MoE: Mixtral-like layers (the MoE block under block_sparse_moe, run as its module: top-k of the fp32
-    # logits, then softmax) with multipliers on the embedding, each residual branch and the logits
-    "granitemoe": QWEN3_MOE.but(router="module", multipliers="config"),
-    "granitemoeshared": QWEN3_MOE.but(router="module", multipliers="config"),
+    # Granite 3 MoE: Mixtral-like layers (the MoE block under block_sparse_moe; its router the top-k of the logits,
+    # then their softmax) with multipliers on the embedding, each residual branch and the logits; MoE-Shared: a
+    # shared MLP beside the block
+    "granitemoe": QWEN3_MOE.but(router="topk_softmax", multipliers="config"),
+    "granitemoeshared": QWEN3_MOE.but(router="topk_softmax", multipliers="config"),
     # vision-language wrappers: their text decoders (model.language_model) are a registered family's layers; for
     # text the multimodal rotary's three position axes are one, so its table is the 1-D one
     "qwen3_vl_moe": QWEN3_MOE.but(renormalise="always"),

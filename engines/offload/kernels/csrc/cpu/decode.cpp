@@ -171,13 +171,17 @@ void project_all(const std::vector<Proj>& ps, const std::vector<int64_t>& cut, c
   }
 }
 
-// rows t < M: h_out = bf16(h + add) (add null: h), x = its norm with ln (the fp32 sum, rounded once, is what the norm reads)
+// rows t < M: h_out = bf16(h + add) (add null: h), x = its norm with ln (the fp32 sum, rounded once, is what the norm
+// reads); scale != 1 (a residual multiplier): h + bf16(add * scale), the product rounded first as the module's op is
 static void add_norm_rows(const uint16_t* hp, const uint16_t* ap, int64_t M, int64_t H, const uint16_t* ln, double eps,
-                          int64_t norm_mode, uint16_t* h_out, uint16_t* x) {
+                          int64_t norm_mode, uint16_t* h_out, uint16_t* x, double scale) {
   std::vector<float> f(H);
+  const float s = static_cast<float>(scale);
+  const bool one = scale == 1.0;
   for (int64_t t = 0; t < M; ++t) {
     for (int64_t j = 0; j < H; ++j) {
-      const float v = ap ? rbf(bf2f(hp[t * H + j]) + bf2f(ap[t * H + j])) : bf2f(hp[t * H + j]);
+      const float a = ap ? (one ? bf2f(ap[t * H + j]) : rbf(bf2f(ap[t * H + j]) * s)) : 0.0f;
+      const float v = ap ? rbf(bf2f(hp[t * H + j]) + a) : bf2f(hp[t * H + j]);
       h_out[t * H + j] = f2bf(v);
       f[j] = v;
     }
@@ -186,7 +190,7 @@ static void add_norm_rows(const uint16_t* hp, const uint16_t* ap, int64_t M, int
 }
 
 at::Tensor residual_norm(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln, double eps,
-                         int64_t norm_mode, std::vector<uint16_t>& x) {
+                         int64_t norm_mode, std::vector<uint16_t>& x, double scale) {
   TORCH_CHECK(h.dim() == 2, "h: expected [M, H], got ", h.sizes());
   check_bf16(h, -1, "h");
   const int64_t M = h.size(0), H = h.size(1);
@@ -195,7 +199,7 @@ at::Tensor residual_norm(const at::Tensor& h, const std::optional<at::Tensor>& a
   at::Tensor h_in = at::empty({M, H}, h.options());
   x.resize(M * H);
   add_norm_rows(ptr(h), add.has_value() ? ptr(*add) : nullptr, M, H, ptr(ln), eps, norm_mode,
-                reinterpret_cast<uint16_t*>(h_in.data_ptr()), x.data());
+                reinterpret_cast<uint16_t*>(h_in.data_ptr()), x.data(), scale);
   return h_in;
 }
 
@@ -208,12 +212,12 @@ void check_router(const std::optional<at::Tensor>& wr, int64_t H, int64_t top_k)
 std::vector<at::Tensor> layer_tail(const at::Tensor& h_in, const uint16_t* o, const at::Tensor& ln2, double eps,
                                    int64_t norm_mode, const std::optional<at::Tensor>& wr,
                                    const std::optional<at::Tensor>& rb, int64_t top_k, bool norm_topk, bool w_bf16,
-                                   int64_t router_mode) {
+                                   int64_t router_mode, double scale) {
   const int64_t M = h_in.size(0), H = h_in.size(1), E = wr.has_value() ? wr->size(0) : 0;
   at::Tensor h2 = at::empty({M, H}, h_in.options());
   at::Tensor x2 = at::empty({M, H}, h_in.options());
   uint16_t* x2p = reinterpret_cast<uint16_t*>(x2.data_ptr());
-  add_norm_rows(ptr(h_in), o, M, H, ptr(ln2), eps, norm_mode, reinterpret_cast<uint16_t*>(h2.data_ptr()), x2p);
+  add_norm_rows(ptr(h_in), o, M, H, ptr(ln2), eps, norm_mode, reinterpret_cast<uint16_t*>(h2.data_ptr()), x2p, scale);
 
   // router: logits (bf16, as F.linear rounds) -> softmax in fp32 -> top-k -> renormalise -> bf16
   at::Tensor ids = at::empty({wr.has_value() ? M : 0, top_k}, h_in.options().dtype(at::kLong));
@@ -393,7 +397,7 @@ std::vector<at::Tensor> Layer::decode(const T& h, const OT& add, const T& cos, c
 
   // residual in, first norm
   std::vector<uint16_t> x1;
-  at::Tensor h_in = residual_norm(h, add, ln1, eps, norm_mode, x1);
+  at::Tensor h_in = residual_norm(h, add, ln1, eps, norm_mode, x1, res);
 
   // q (| gate), k, v in one pass over their rows; gated: each row's q heads then moved before its gate heads
   const int64_t N3 = Nqp + 2 * Nk;
@@ -549,13 +553,13 @@ std::vector<at::Tensor> Layer::decode(const T& h, const OT& add, const T& cos, c
   // o_proj, then residual, second norm, router
   std::vector<uint16_t> o(M * H);
   project_all({po}, {H}, attn.data(), M, Nq, o.data());
-  return layer_tail(h_in, o.data(), ln2, eps, norm_mode, wr, rb, top_k, norm_topk, w_bf16, router_mode);
+  return layer_tail(h_in, o.data(), ln2, eps, norm_mode, wr, rb, top_k, norm_topk, w_bf16, router_mode, res);
 }
 
 at::Tensor norm_rows(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
-                     int64_t norm_mode) {
+                     int64_t norm_mode, double scale) {
   std::vector<uint16_t> x;
-  residual_norm(h, add, w, eps, norm_mode, x);  // the layer's head without its residual
+  residual_norm(h, add, w, eps, norm_mode, x, scale);  // the layer's head without its residual
   at::Tensor y = at::empty({h.size(0), h.size(1)}, h.options());
   std::memcpy(y.data_ptr(), x.data(), x.size() * sizeof(uint16_t));
   return y;
@@ -563,7 +567,7 @@ at::Tensor norm_rows(const at::Tensor& h, const std::optional<at::Tensor>& add, 
 
 at::Tensor rmsnorm_bf16(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
                         const std::string& norm) {
-  return norm_rows(h, add, w, eps, norm_code(norm));
+  return norm_rows(h, add, w, eps, norm_code(norm), 1.0);
 }
 
 }  // namespace moe_cpu

@@ -223,7 +223,7 @@ std::vector<at::Tensor> Layer::decode_linear(const T& h, const OT& add, const T&
   Proj po = proj_of(wo, so, H, Hv * Dv, "wo");
 
   std::vector<uint16_t> x;
-  at::Tensor h_in = residual_norm(h, add, ln1, eps, norm_mode, x);
+  at::Tensor h_in = residual_norm(h, add, ln1, eps, norm_mode, x, res);
   std::vector<uint16_t> all(M * N);
   project_all(ps, cut, x.data(), M, H, all.data());
   at::Tensor qkvz = at::empty({M, n_qkvz}, h.options()), ba = at::empty({M, N - n_qkvz}, h.options());
@@ -236,7 +236,7 @@ std::vector<at::Tensor> Layer::decode_linear(const T& h, const OT& add, const T&
                                             d.norm_w, d.norm_eps, d.dims[0], Hv, d.dims[2], Dv, slots, d.plain);
   std::vector<uint16_t> o(M * H);
   project_all({po}, {H}, ptr(core), M, Hv * Dv, o.data());
-  return layer_tail(h_in, o.data(), ln2, eps, norm_mode, wr, std::nullopt, top_k, norm_topk, w_bf16, 0);
+  return layer_tail(h_in, o.data(), ln2, eps, norm_mode, wr, std::nullopt, top_k, norm_topk, w_bf16, 0, res);
 }
 
 }  // namespace moe_cpu

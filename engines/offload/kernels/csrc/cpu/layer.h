@@ -1,6 +1,6 @@
 // What a decoder layer's one-call kernels share (decode.cpp defines them; deltanet.cpp's layer uses them too):
 //
-//   residual_norm: h_in = bf16(h + add), x = the first norm of h_in                      (the layer's head)
+//   residual_norm: h_in = bf16(h + add) (a residual multiplier: + bf16(add * s)), x = its first norm  (the layer's head)
 //   project_all:   out[t, :] = [x[t] . P0^T | x[t] . P1^T | ...] in one parallel pass over the rows of all of them,
 //                  each P bf16 rows (gemm_range's dots) or int8 rows / ggml blocks (moe_quant's, as gemv_q computes)
 //   layer_tail:    h2 = bf16(h_in + o), x2 = the second norm of h2, the fused router's top-k    (the layer's tail)
@@ -43,13 +43,14 @@ int64_t norm_code(const std::string& kind);
 int64_t router_code(const std::string& order);
 int64_t rope_code(const std::string& kind);
 
-// h [M, H] (+ add): returns h_in [M, H]; x (resized to M * H) its norm with ln (norm_mode: rmsnorm_row's)
+// h [M, H] (+ add): returns h_in [M, H]; x (resized to M * H) its norm with ln (norm_mode: rmsnorm_row's); scale:
+// the residual multiplier (h + bf16(add * scale); 1: h + add)
 at::Tensor residual_norm(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& ln, double eps,
-                         int64_t norm_mode, std::vector<uint16_t>& x);
+                         int64_t norm_mode, std::vector<uint16_t>& x, double scale);
 
-// rmsnorm_bf16 with the norm's code: the final norm
+// rmsnorm_bf16 with the norm's code and a residual multiplier: the final norm
 at::Tensor norm_rows(const at::Tensor& h, const std::optional<at::Tensor>& add, const at::Tensor& w, double eps,
-                     int64_t norm_mode);
+                     int64_t norm_mode, double scale);
 
 // the fused router's weights: [E, H] bf16 rows, 1 <= top_k <= E
 void check_router(const std::optional<at::Tensor>& wr, int64_t H, int64_t top_k);
@@ -58,7 +59,7 @@ void check_router(const std::optional<at::Tensor>& wr, int64_t H, int64_t top_k)
 std::vector<at::Tensor> layer_tail(const at::Tensor& h_in, const uint16_t* o, const at::Tensor& ln2, double eps,
                                    int64_t norm_mode, const std::optional<at::Tensor>& wr,
                                    const std::optional<at::Tensor>& rb, int64_t top_k, bool norm_topk, bool w_bf16,
-                                   int64_t router_mode);
+                                   int64_t router_mode, double scale);
 
 struct Mla {  // .mla's
   std::optional<at::Tensor> qkv_a;
@@ -171,6 +172,9 @@ class Layer : public torch::CustomClassHolder {
     TORCH_CHECK(t >= 0, "Layer.rotary_table: expected t >= 0");
     rot = t;
   }
+  // every residual branch's multiplier (Granite's residual_multiplier): h + bf16(branch * s), as the module rounds;
+  // softmax-attention and gated-DeltaNet layers (decode_mla has none)
+  void residual_scale(double s) { res = s; }
   // decode.cpp: the attention half and the fused router for M tokens, one per sequence
   std::vector<at::Tensor> decode(const T& h, const OT& add, const T& cos, const T& sin, const T& blocks, const T& lens);
   // deltanet.cpp: the same for a gated-DeltaNet layer over its (conv, state) pools' seats
@@ -211,6 +215,7 @@ class Layer : public torch::CustomClassHolder {
   std::optional<Mla> mla;
   std::optional<Delta> delta;
   int64_t rot = 0;
+  double res = 1.0;
 };
 
 }  // namespace moe_cpu

@@ -174,7 +174,7 @@ class DecodeStep : public torch::CustomClassHolder {
       ids_all[m++].copy_(ids);
     }
     if (mla) return {rmsnorm_bf16(at::add(h, *add), std::nullopt, norm, eps, "rms"), ids_all, experts_s};  // as mla_plan.py
-    return {norm_rows(h, add, norm, eps, layers_[0]->norm_mode), ids_all, experts_s};
+    return {norm_rows(h, add, norm, eps, layers_[0]->norm_mode, layers_[0]->res), ids_all, experts_s};
   }
 
   // the step's routed pairs grouped by expert in ascending id (stable: pairs in (token, k) order within an expert),
@@ -280,6 +280,7 @@ TORCH_LIBRARY_FRAGMENT(moe_offload, m) {
       .def("shared", &Layer::shared)
       .def("mlp", &Layer::mlp)
       .def("rotary_table", &Layer::rotary_table)
+      .def("residual_scale", &Layer::residual_scale)
       .def("decode", &Layer::decode)
       .def("decode_linear", &Layer::decode_linear)
       .def("decode_mla", &Layer::decode_mla)
