@@ -124,7 +124,8 @@ class DecodePlan:
     def _forward_mla(self, h, pos, lens_t, lens: list[int], blocks: list[list[int]]) -> torch.Tensor:
         """forward() for MLA layers: each token's pool row (slots) and each sequence's rows (mla_plan.step_rows)."""
         slots, rows = mla_plan.step_rows(lens, blocks, self.pool.block_size)
-        cos, sin = self.rotary(h, pos)  # [1, M, P]
+        # [1, M, P] bf16; DeepSeek-V2's complex table: its real and imaginary parts, fp32 [1, M, P/2]
+        cos, sin = fused_bind.cos_sin(self.rotary, h, pos, self.desc.layers[0].mixer.rotary, raw=True)
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         t0 = self._begin()
         if self.step_call is not None and self.step_call.takes(len(lens)):  # every layer in one call

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_offload.control.description import Attention, ModelDescription
+from moe_offload.control.description import Attention, ModelDescription, router_in_layer_call
 from moe_offload.control.description import MoEBlock as MoEDesc
 from moe_offload.engines.offload.loading.quant import RowsLinear
 from moe_offload.engines.offload.model import blocks, mla
@@ -228,7 +228,7 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
             ffn = lambda x, m=mlp, s=beside: _module_rows(m, x) + blocks.chunked_mlp(s, x)  # noqa: E731
         elif d.ffn.runs_as_module:  # a router the description cannot express: the block's module (experts offloaded)
             ffn = lambda x, m=mlp: _module_rows(m, x)  # noqa: E731
-        elif r.scoring == "softmax" and not r.correction_bias and r.groups is None:
+        elif router_in_layer_call(d.ffn):  # a softmax router of model-dtype logits (the fused call's kind)
             gate = mlp.router if hasattr(mlp, "router") else mlp.gate
             shared = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None) or beside
             if (shared is None) != (d.ffn.shared_experts == 0 and not d.ffn.shared_gate):

@@ -84,7 +84,7 @@ def attention(k, layer, pool) -> None:
     k.mla(qkv_a_w, a.q_lora_rank or 0, a.q_a_layernorm.weight if lora else None,
           a.q_a_layernorm.variance_epsilon if lora else 0.0, wq_w, wq.bias, kv_a_w,
           kv_a.bias if kv_a is not None else None, a.kv_a_layernorm.weight, a.kv_a_layernorm.variance_epsilon, a.kv_b_proj.weight, a.num_heads,
-          a.qk_nope_head_dim, float(a.scaling), bool(a.config.rope_interleave))
+          a.qk_nope_head_dim, float(a.scaling), bool(getattr(a.config, "rope_interleave", False)))
     k.mla_scales(wq_s, qkv_a_s, kv_a_s)
     k.output(wo_w, a.o_proj.bias, wo_s)
 

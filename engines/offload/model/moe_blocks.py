@@ -9,6 +9,8 @@
             selection call with one group
         softmax_bias: Ernie 4.5's (fp32 softmax scores + correction bias to choose, weights rounded to bf16, shared
             experts)
+        softmax_greedy: DeepSeek-V2's (fp32 softmax scores, the top-k, times routed_scaling_factor, fp32 weights,
+            shared experts), the selection call with one group and no bias
         anything else, or experts the executor does not serve: None (the block runs as its module)
 
 Why: the module's router is ~15 small torch ops per layer; the selection is one call here. The logits and the
@@ -130,4 +132,8 @@ def block_for(mlp, block) -> RouterBlock | None:
     if r.scoring == "softmax" and r.correction_bias:
         return RouterBlock(mlp, experts._moe_offload, mlp.gate.moe_statics.e_score_correction_bias, one_group,
                            "softmax", round_weights=True)
+    if r.scoring == "softmax" and r.groups is None and r.logits_dtype == "fp32":  # DeepSeek-V2's greedy top-k
+        return RouterBlock(mlp, experts._moe_offload, torch.zeros(experts.num_experts),
+                           (1, 1, r.top_k, r.renormalise, r.scale), "softmax",
+                           round_weights=r.weights_dtype == "model")
     return None

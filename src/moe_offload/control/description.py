@@ -150,8 +150,6 @@ def fused_refusal(desc: ModelDescription) -> str:
         return "a position-dependent query scale (Llama 4's): the fused MLA call has none (the graph decodes)"
     if any(m.qk_norm == "head_after_rotary" for m in mixers):
         return "q/k norms after the rotary: the fused call norms before it (the graph decodes)"
-    if any(m.rotary is not None and m.rotary.kind == "complex_fp32" for m in mixers):
-        return "MLA rotated by a complex fp32 table: the fused MLA call rotates bf16 halves (the graph decodes)"
     for lay in desc.layers:
         f = lay.ffn
         if (isinstance(f, MoEBlock) and router_in_layer_call(f) and f.shared_experts and not f.shared_gate):
@@ -162,9 +160,11 @@ def fused_refusal(desc: ModelDescription) -> str:
 
 def router_in_layer_call(block: MoEBlock) -> bool:
     """The fused layer call computes this block's router itself: softmax scores (over every expert, or over the top-k
-    logits) without a correction bias; other routers are a MoE block's selection (moe_blocks.block_for)."""
+    logits) of model-dtype logits without a correction bias or a scale; other routers are a MoE block's selection
+    (moe_blocks.block_for)."""
     r = block.router
-    return not block.runs_as_module and r.scoring == "softmax" and not r.correction_bias and r.groups is None
+    return (not block.runs_as_module and r.scoring == "softmax" and not r.correction_bias and r.groups is None
+            and r.scale == 1.0 and r.logits_dtype == "model")
 
 
 def describe(config: Mapping[str, Any] | Any, name: str | None = None) -> ModelDescription:
@@ -236,14 +236,20 @@ def _moe_block(fam, f: Mapping[str, Any], text: Mapping[str, Any]) -> MoEBlock:
     renorm = fam.renormalise == "always" or (fam.renormalise == "config" and bool(text.get("norm_topk_prob")))
     if r in ("sigmoid_topk", "softmax_bias"):
         renorm = True
+    greedy = r == "softmax_greedy"
+    if greedy:
+        renorm = False
     router = Router(
         scoring="sigmoid" if r in ("grouped_sigmoid", "sigmoid_topk") else "softmax",
         order="topk_then_score" if r == "topk_softmax" else "score_then_topk",
         top_k=int(f["top_k"]), renormalise=renorm,
         correction_bias=r in ("grouped_sigmoid", "sigmoid_topk", "softmax_bias"), groups=groups,
-        scale=float(text.get("routed_scaling_factor") or 1.0) if r == "grouped_sigmoid" else 1.0,
+        scale=float(text.get("routed_scaling_factor") or 1.0) if r in ("grouped_sigmoid", "softmax_greedy") else 1.0,
         logits_bias=bool(f.get("router_bias")),
-        weights_dtype=fam.router_weights, logits_dtype="fp32" if r in ("grouped_sigmoid", "softmax_bias") else "model")
+        weights_dtype=fam.router_weights,
+        logits_dtype="fp32" if r in ("grouped_sigmoid", "softmax_bias", "softmax_greedy") else "model")
+    # DeepSeek-V2's group_limited_greedy (a group's score its best expert's) is not described: the block's module runs
+    limited = greedy and str(text.get("topk_method") or "greedy") != "greedy"
     return MoEBlock(router, int(f["num_experts"]), int(f.get("num_shared_experts") or 0),
                     bool(f.get("shared_expert_gate")), bool(f.get("expert_bias")), fam.activation,
-                    runs_as_module=r == "module")
+                    runs_as_module=r == "module" or limited)

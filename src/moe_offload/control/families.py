@@ -26,7 +26,8 @@ class Family:
     rotary_on: str = "every_layer"  # every_layer | sliding_layers (global layers NoPE when a window is set)
     window: str = "every_layer"  # every_layer (config.sliding_window) | layer_types (sliding_attention layers only)
     # grouped_sigmoid (DeepSeek-V3: sigmoid, correction bias, groups, scale) | sigmoid_topk (MiniMax-M2) |
-    # softmax_topk | topk_softmax (gpt-oss) | softmax_bias (Ernie 4.5: softmax + correction bias) | module
+    # softmax_topk | topk_softmax (gpt-oss) | softmax_bias (Ernie 4.5: softmax + correction bias) | softmax_greedy
+    # (DeepSeek-V2: fp32 softmax, top-k, scaled, never renormalised) | module
     router: str = "softmax_topk"
     renormalise: str = "config"  # config (norm_topk_prob) | always
     router_weights: str = "model"  # model | fp32 (Mixtral keeps its top-k weights in fp32)
@@ -70,8 +71,9 @@ FAMILIES: dict[str, Family] = {
     # Mistral 4: DeepSeek-V3's MLA with Llama 4's position-dependent query scale, its grouped softmax MoE block run as
     # its module
     "mistral4": DEEPSEEK_V3.but(router="module", query_scale="llama4"),
-    # DeepSeek-V2 (and -Lite, V2.5, Coder-V2): V3's MLA rotated by a complex table, its greedy router as its module
-    "deepseek_v2": DEEPSEEK_V3.but(rotary="complex_fp32", router="module"),
+    # DeepSeek-V2 (and -Lite, V2.5, Coder-V2): V3's MLA rotated by a complex table; its router the fp32 softmax over
+    # every expert, the top-k (greedy; group_limited_greedy runs as its module), times routed_scaling_factor, fp32
+    "deepseek_v2": DEEPSEEK_V3.but(rotary="complex_fp32", router="softmax_greedy", router_weights="fp32"),
     # registered by one line each: their layers are a registered family's parts
     "mellum": QWEN3_MOE.but(window="layer_types", rotary_tables="per_layer_type"),
     "exaone_moe": GLM4_MOE.but(rotary="rotate_half", window="layer_types", rotary_on="sliding_layers"),

@@ -287,3 +287,12 @@ def test_whole_step_equals_the_layer_loop_with_residual_multipliers(tmp_path):
     ids = families.PROMPT_IDS
     path = families.build("granitemoe", tmp_path)
     assert _both_paths(path, prompts=(list(ids[:8]), list(ids[10:14]), list(ids[20:60]))) >= 8
+
+
+def test_whole_step_equals_the_layer_loop_deepseek_v2(tmp_path):
+    # MLA rotated by the complex fp32 table, and the greedy softmax router (scaled, fp32 weights) in the call
+    import families
+
+    ids = families.PROMPT_IDS
+    path = families.build("deepseek_v2", tmp_path)
+    assert _both_paths(path, prompts=(list(ids[:8]), list(ids[10:14]), list(ids[20:60]))) >= 8

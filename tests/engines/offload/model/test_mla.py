@@ -126,14 +126,32 @@ def test_fused_mla_decode_matches_the_module_path(checkpoints):
     _run_both_paths(checkpoints("deepseek_v3"), expect=expect, policy="lru", fraction=0.5, dense_dtype="int8")
 
 
+@pytest.mark.skipif(not jit.load(), reason="the CPU kernels cannot be built here")
+def test_deepseek_v2_decodes_on_the_mla_plan(tmp_path):
+    # DeepSeek-V2: q's and k's rope slices times the complex fp32 table, left pair-interleaved (as the module's
+    # view_as_complex product leaves them, and as the cache rows of its other steps hold them), and its greedy router
+    # (fp32 softmax, the top-k, times routed_scaling_factor, fp32 weights) as a MoE block's selection
+    import families
+    from test_fastpath import _run_both_paths
+
+    def expect(engine):
+        assert _mla_plan(engine)
+        assert all(lay.block is not None for lay in engine.runner.fast.layers if lay.experts is not None)
+
+    ids = families.PROMPT_IDS
+    path = families.build("deepseek_v2", tmp_path)
+    _run_both_paths(path, [list(ids[:8]), list(ids[10:14]), list(ids[20:60])], expect, policy="static", fraction=0.5)
+
+
 def test_the_mla_plan_covers_the_registrys_mla_families_only(checkpoints, monkeypatch, tmp_path):
-    # GLM-4.7-Flash's layers are DeepSeek-V3's parts (one registry line); DeepSeek-V2's complex rotary is not the
-    # fused MLA call's: absorbed attention on the owned graph instead, the call refusing with that reason
+    # GLM-4.7-Flash's layers are DeepSeek-V3's parts (one registry line), DeepSeek-V2's too with its complex rotary;
+    # Mistral 4's query scale is not the fused MLA call's: absorbed attention on the owned graph instead, the call
+    # refusing with that reason
     import families
 
     from moe_offload.control.description import fused_refusal
 
-    for family, plan in (("glm4_moe_lite", True), ("deepseek_v2", False)):
+    for family, plan in (("glm4_moe_lite", True), ("deepseek_v2", True), ("mistral4", False)):
         engine = build_offload_engine(families.build(family, tmp_path), dtype="bfloat16")
         try:
             assert _mla_plan(engine) == plan and engine.runner.mla_layers > 0, family

@@ -30,18 +30,6 @@ namespace moe_cpu {
 
 namespace {
 
-// v[2j], v[2j + 1] rotated by pair j's angle as Ernie 4.5's rotary computes it: q.float() * cos + rotate_half(q).float()
-// * sin over interleaved pairs, each product and the sum rounded to fp32 (no FMA contraction), one rounding to bf16
-__attribute__((optimize("fp-contract=off"))) void rope_pairs_fp32(uint16_t* v, const float* c, const float* s,
-                                                                  int64_t pairs) {
-  for (int64_t j = 0; j < pairs; ++j) {
-    const float a = bf2f(v[2 * j]), b = bf2f(v[2 * j + 1]);
-    const float a1 = a * c[j], a2 = -b * s[j], b1 = b * c[j], b2 = a * s[j];
-    v[2 * j] = f2bf(a1 + a2);
-    v[2 * j + 1] = f2bf(b1 + b2);
-  }
-}
-
 void check_bf16(const at::Tensor& t, int64_t numel, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && (numel < 0 || t.numel() == numel),
               what, ": expected a contiguous bf16 CPU tensor", numel >= 0 ? " of the right size" : "", ", got ",

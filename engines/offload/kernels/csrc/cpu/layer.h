@@ -22,6 +22,20 @@
 
 namespace moe_cpu {
 
+// v[2j], v[2j + 1] rotated by pair j's angle in fp32, each product and the sum rounded to fp32 (no FMA contraction),
+// one rounding to bf16, the pairs left interleaved: Ernie 4.5's rotary (q.float() * cos + rotate_half(q).float() * sin
+// over interleaved pairs) and DeepSeek-V2's complex product (a + ib)(c + is) = (ac - bs) + i(as + bc), as torch's
+// vectorized complex multiply computes it (products, then one add each)
+__attribute__((optimize("fp-contract=off"))) inline void rope_pairs_fp32(uint16_t* v, const float* c, const float* s,
+                                                                         int64_t pairs) {
+  for (int64_t j = 0; j < pairs; ++j) {
+    const float a = bf2f(v[2 * j]), b = bf2f(v[2 * j + 1]);
+    const float a1 = a * c[j], a2 = -b * s[j], b1 = b * c[j], b2 = a * s[j];
+    v[2 * j] = f2bf(a1 + a2);
+    v[2 * j + 1] = f2bf(b1 + b2);
+  }
+}
+
 struct Proj {  // one projection as a layer kernel reads it
   const uint16_t* w = nullptr;  // bf16 rows (q false)
   int64_t ld = 0;

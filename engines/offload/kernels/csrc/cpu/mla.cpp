@@ -99,18 +99,26 @@ at::Tensor mla_decode_bf16(const at::Tensor& q, const at::Tensor& lat_in, const 
 //   lat = RMSNorm(ckv[t, :R]) (kv_a_layernorm, rounded as transformers' bf16 RMSNorm) -> kpool[slots[t]]
 //   k_rot = rotary(ckv[t, R:]) -> vpool[slots[t]];   q[t, h, N:] = rotary(q[t, h, N:]) in place
 // rotary as the model's own function rounds in bf16: interleaved (DeepSeek's rope_interleave: pairs (2i, 2i+1) rotated
-// by angle i, outputs [evens' | odds'] halves) or rotate_half. cos / sin [M, P] (the rotary module's, bf16).
+// by angle i, outputs [evens' | odds'] halves) or rotate_half, cos / sin [M, P] (the rotary module's, bf16); or, with
+// fp32 cos / sin [M, P/2] (DeepSeek-V2's complex table, its real and imaginary parts), the pairs times the table in
+// fp32, left interleaved and rounded once (rope_pairs_fp32).
 void mla_prologue_bf16(const at::Tensor& q, const at::Tensor& ckv, const at::Tensor& kv_norm, double eps,
                        const at::Tensor& cos, const at::Tensor& sin, bool interleave, const at::Tensor& kpool,
                        const at::Tensor& vpool, const at::Tensor& slots, int64_t nope) {
   check(q, 3, "q [M, H, N + P]");
-  check(cos, 2, "cos [M, P]");
-  check(sin, 2, "sin [M, P]");
+  const bool complex = cos.scalar_type() == at::kFloat;  // DeepSeek-V2's table: fp32 [M, P/2]
+  if (complex) {
+    TORCH_CHECK(cos.device().is_cpu() && cos.dim() == 2 && cos.is_contiguous() && sin.scalar_type() == at::kFloat &&
+                    sin.is_contiguous(), "mla_prologue_bf16: fp32 cos / sin: expected contiguous [M, P/2] CPU tensors");
+  } else {
+    check(cos, 2, "cos [M, P]");
+    check(sin, 2, "sin [M, P]");
+  }
   TORCH_CHECK(ckv.device().is_cpu() && ckv.scalar_type() == at::kBFloat16 && ckv.dim() == 2 && ckv.stride(1) == 1,
               "mla_prologue_bf16: ckv: expected bf16 CPU rows [M, R + P]");
   const int64_t M = q.size(0), H = q.size(1), P = q.size(2) - nope, R = ckv.size(1) - P;
-  TORCH_CHECK(ckv.size(0) == M && R > 0 && kv_norm.numel() == R && cos.size(0) == M && cos.size(1) == P &&
-                  sin.sizes() == cos.sizes() && P % 2 == 0,
+  TORCH_CHECK(ckv.size(0) == M && R > 0 && kv_norm.numel() == R && cos.size(0) == M &&
+                  cos.size(1) == (complex ? P / 2 : P) && sin.sizes() == cos.sizes() && P % 2 == 0,
               "mla_prologue_bf16: shapes do not match: q ", q.sizes(), ", ckv ", ckv.sizes(), ", cos ", cos.sizes());
   check(kv_norm, 1, "kv_norm [R]");
   TORCH_CHECK(kpool.is_contiguous() && vpool.is_contiguous() && kpool.scalar_type() == at::kBFloat16 &&
@@ -124,7 +132,8 @@ void mla_prologue_bf16(const at::Tensor& q, const at::Tensor& ckv, const at::Ten
   uint16_t* kp = reinterpret_cast<uint16_t*>(kpool.data_ptr());
   uint16_t* vp = reinterpret_cast<uint16_t*>(vpool.data_ptr());
   uint16_t* qp = reinterpret_cast<uint16_t*>(q.data_ptr());
-  const uint16_t *cp = ptr(cos), *sp = ptr(sin), *nw = ptr(kv_norm);
+  const uint16_t *cp = complex ? nullptr : ptr(cos), *sp = complex ? nullptr : ptr(sin), *nw = ptr(kv_norm);
+  const float *cf = complex ? cos.data_ptr<float>() : nullptr, *sf = complex ? sin.data_ptr<float>() : nullptr;
   const int64_t half = P / 2;
   std::vector<float> f(R);
   std::vector<uint16_t> tmp(P);
@@ -149,6 +158,12 @@ void mla_prologue_bf16(const at::Tensor& q, const at::Tensor& ckv, const at::Ten
     rmsnorm_row(f.data(), nw, R, eps, kp + sl[t] * R);
     uint16_t* kr = vp + sl[t] * P;
     std::memcpy(kr, row + R, P * sizeof(uint16_t));
+    if (complex) {
+      rope_pairs_fp32(kr, cf + t * half, sf + t * half, half);
+      for (int64_t h = 0; h < H; ++h)
+        rope_pairs_fp32(qp + (t * H + h) * (nope + P) + nope, cf + t * half, sf + t * half, half);
+      continue;
+    }
     rotate(kr, cp + t * P, sp + t * P);
     for (int64_t h = 0; h < H; ++h) rotate(qp + (t * H + h) * (nope + P) + nope, cp + t * P, sp + t * P);
   }
