@@ -57,10 +57,11 @@ def test_spec_says_why_an_unregistered_family_takes_the_module_path(capsys, tmp_
 
 
 def test_spec_says_which_families_decode_on_the_owned_graph(capsys, tmp_path):
-    # a part the fused call lacks, known from the config (GraniteMoeShared's ungated shared MLP beside a router the
-    # layer call computes): the graph decodes, and spec says why; Granite's multipliers alone are the fused call's
+    # a part the fused call lacks, known from the config (Hunyuan's q/k norms after the rotary): the graph decodes, and
+    # spec says why; Granite's multipliers and GraniteMoeShared's shared MLP beside the router are the fused call's
     paths = {}
-    for model_type, extra in (("granitemoeshared", {"shared_intermediate_size": 64}), ("granitemoe", {})):
+    for model_type, extra in (("hunyuan_v1_moe", {"moe_topk": 4}), ("granitemoeshared", {"shared_intermediate_size": 64}),
+                              ("granitemoe", {})):
         d = tmp_path / model_type
         d.mkdir()
         cfg = {**moe_config(), "model_type": model_type, "num_local_experts": 32, "embedding_multiplier": 12.0,
@@ -69,8 +70,8 @@ def test_spec_says_which_families_decode_on_the_owned_graph(capsys, tmp_path):
         assert main(["spec", "--model", str(d), "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         paths[model_type] = (data["decode_path"], data["decode_path_reason"])
-    assert paths["granitemoeshared"][0] == "graph" and "shared experts" in paths["granitemoeshared"][1], paths
-    assert paths["granitemoe"][0] == "fused", paths
+    assert paths["hunyuan_v1_moe"][0] == "graph" and "after the rotary" in paths["hunyuan_v1_moe"][1], paths
+    assert paths["granitemoeshared"][0] == paths["granitemoe"][0] == "fused", paths
 
 
 def test_budget_json(capsys, model_dir):

@@ -105,7 +105,7 @@ class StepCall:
                 lay.kernel.shared(*lay.shared_args)
             if lay.linear is None and not plan.mla:  # the index of its table in the step's list (plan.rotaries)
                 lay.kernel.rotary_table(plan.rotaries.index(lay.rotary))
-            _add_mlp(lay.kernel, lay.block, lay.dense)
+            _add_mlp(lay.kernel, lay.block, lay.dense if lay.beside is None else lay.beside)
             obj.add(lay.kernel)
         log.info("whole-step decode on", layers=len(plan.layers), attention=plan.desc.attention)
         return cls(obj, plan.executor, [lay.state for lay in plan.layers if lay.state is not None])
@@ -193,7 +193,8 @@ def _add_experts(k, state, experts, probe, idx: int) -> bool:
 
 
 def _add_mlp(k, block, dense) -> None:
-    """The kernel layer's DeepSeek-V3 router and shared experts (block), or its dense MLP."""
+    """The kernel layer's DeepSeek-V3 router and shared experts (block), or its dense MLP or the ungated shared expert
+    beside its fused router (``dense``: mlp_rows' args; the call adds it to the routed experts' rows)."""
     if block is not None:
         k.grouped_router(*block.router_args())
     mlp = dense if block is None else block.shared_args

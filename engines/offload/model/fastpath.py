@@ -153,6 +153,8 @@ class DecodePlan:
                 elif lay.shared is not None:
                     se, gate = lay.shared
                     out = out + torch.sigmoid(gate(x2)) * se(x2)
+                elif lay.beside is not None:  # an ungated shared expert: one kernel call, added as the module adds
+                    out = out + mlp_rows(x2, *lay.beside)
             elif lay.block is not None:
                 out = lay.block(ex, x2)
             elif lay.dense is not None:  # one kernel call for every row

@@ -5,7 +5,8 @@
     bind(model, desc, pool) -> ([Layer], eps) | why not: per layer a kernel layer (moe_offload.Layer, kernels/ops.py)
         holding its norms, attention (q/k/v/o, biases, q/k norms, window, rotary kind, KV pools; MLA's: mla_plan.py)
         or gated-DeltaNet mixer (deltanet.LinearLayer), and its router when the router runs in the layer call; else
-        the MoE block the description names (moe_blocks.block_for); a Qwen2-MoE shared expert's or a dense MLP's rows (weights.py)
+        the MoE block the description names (moe_blocks.block_for); a Qwen2-MoE shared expert's, an ungated shared
+        expert's (Aria, GraniteMoeShared) or a dense MLP's rows (weights.py)
     cos_sin(rotary module, h, pos, Rotary) -> cos, sin as Layer.decode reads them
 
 What each layer computes is the description's word (control/description.py); this file only finds the tensors.
@@ -24,7 +25,7 @@ from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear, 
 from moe_offload.engines.offload.model import deltanet, mla_plan
 from moe_offload.engines.offload.model.blocks import eps_of
 from moe_offload.engines.offload.model.moe_blocks import block_for
-from moe_offload.engines.offload.model.weights import decoder, ffn_of, mlp_args
+from moe_offload.engines.offload.model.weights import decoder, ffn_of, mlp_args, shared_mlp_args
 
 
 def _shared_args(se, gate) -> tuple | None:
@@ -78,6 +79,7 @@ class Layer:
     shared: object | None  # (shared_expert, shared_expert_gate) of a Qwen2-MoE block
     block: object | None = None  # a MoE block run without its module (moe_blocks.py), else None
     shared_args: tuple | None = None  # (gate_up [2I, H], down [H, I], gate [1, H], scales x 2) for shared_expert_bf16
+    beside: tuple | None = None  # an ungated shared expert beside the fused router: mlp_rows' (gate_up, down, scales)
     dense: tuple | None = None  # a dense layer's silu MLP as mlp_args gives it (gate_up, down, scales x 2), else None
     linear: object | None = None  # a gated-DeltaNet layer (deltanet.LinearLayer)
     rotary: Rotary | None = None  # an attention layer's rotary (None: NoPE)
@@ -110,17 +112,22 @@ def bind(model, desc: ModelDescription, pool) -> tuple[list[Layer], float] | str
         if fused and router is None:
             return f"layer {i}: no router weight"
         moe = mlp if fused else None
-        shared = None
+        shared = beside = None
         if moe is not None and d.ffn.shared_gate:
             shared = (mlp.shared_expert, mlp.shared_expert_gate)
         elif moe is not None and (d.ffn.shared_experts
                                   or any(hasattr(mlp, n) for n in ("shared_expert", "shared_experts"))):
-            return f"layer {i}: shared experts without a gate beside a router in the layer call"
+            # an ungated shared expert (Aria's), or a shared MLP beside the block (GraniteMoeShared's): one mlp_rows
+            module = next((m for m in (getattr(mlp, "shared_experts", None), getattr(mlp, "shared_expert", None),
+                                       getattr(layer, "shared_mlp", None)) if m is not None), None)
+            beside = shared_mlp_args(module) if module is not None else None
+            if beside is None:
+                return f"layer {i}: a shared expert beside the router that one mlp_rows call does not take"
         k = ops.layer()
         k.norms(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, eps, eps, desc.norm.kind)
         if desc.scales.residual != 1.0:  # Granite's residual multiplier, on both branches
             k.residual_scale(desc.scales.residual)
-        lay = Layer(i, k, moe, experts, state, None if moe is not None else mlp, shared)
+        lay = Layer(i, k, moe, experts, state, None if moe is not None else mlp, shared, beside=beside)
         if isinstance(d.mixer, LinearMixer):  # a gated-DeltaNet layer: one decode_linear call
             lay.linear = deltanet.LinearLayer.of(layer.linear_attn)
             if lay.linear is None:

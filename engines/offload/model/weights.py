@@ -105,6 +105,23 @@ def weight_and_scale(m) -> tuple:
     return (m.weight_q, m.weight_scale) if isinstance(m, RowsLinear) else (m.weight, None)
 
 
+def shared_mlp_args(m) -> tuple | None:
+    """mlp_args of a shared expert beside the routed ones: gate/up/down linears, or Granite's input_linear (gate|up
+    rows, chunked in that order) and output_linear around a silu; else None."""
+    if not hasattr(m, "input_linear"):
+        return mlp_args(m)
+    lin, out = m.input_linear, m.output_linear
+    if not is_silu(getattr(m, "activation", None)) or lin.bias is not None or out.bias is not None:
+        return None
+    if type(lin) is torch.nn.Linear and type(out) is torch.nn.Linear:
+        ok = lin.weight.dtype == out.weight.dtype == torch.bfloat16 and lin.weight.device.type == "cpu"
+        return (lin.weight, out.weight, None, None) if ok else None
+    if isinstance(lin, RowsLinear) and isinstance(out, RowsLinear):
+        (w, s), (d, ds) = weight_and_scale(lin), weight_and_scale(out)
+        return w, d, s, ds
+    return None
+
+
 def mlp_args(mlp) -> tuple | None:
     """(gate|up rows fused, down, gate|up scales, down scales) of a silu MLP that mlp_rows computes: bias-free bf16
     nn.Linears (scales None), or --dense-dtype int8 / GGUF rows (gate and up of one format); else None."""

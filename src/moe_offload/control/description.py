@@ -150,11 +150,6 @@ def fused_refusal(desc: ModelDescription) -> str:
         return "a position-dependent query scale (Llama 4's): the fused MLA call has none (the graph decodes)"
     if any(m.qk_norm == "head_after_rotary" for m in mixers):
         return "q/k norms after the rotary: the fused call norms before it (the graph decodes)"
-    for lay in desc.layers:
-        f = lay.ffn
-        if (isinstance(f, MoEBlock) and router_in_layer_call(f) and f.shared_experts and not f.shared_gate):
-            return (f"layer {lay.index}: shared experts without a gate beside a router in the layer call "
-                    "(the graph decodes)")
     return ""
 
 

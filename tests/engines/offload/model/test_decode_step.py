@@ -279,13 +279,15 @@ def test_a_layer_the_call_refuses_leaves_the_loop(checkpoints):
         engine.close()
 
 
-def test_whole_step_equals_the_layer_loop_with_residual_multipliers(tmp_path):
+@pytest.mark.parametrize("family", ["granitemoe", "granitemoeshared", "aria"])
+def test_whole_step_equals_the_layer_loop_with_residual_multipliers(tmp_path, family):
     # Granite 3 MoE: every residual branch scaled (residual_multiplier, bf16(branch * s) before the add) inside the
-    # call, and in the loop's layer calls and its last branch; the embedding and logits multipliers around both
+    # call, and in the loop's layer calls and its last branch; the embedding and logits multipliers around both.
+    # GraniteMoeShared's shared MLP beside the block and Aria's ungated shared experts: one mlp_rows added in the call
     import families
 
     ids = families.PROMPT_IDS
-    path = families.build("granitemoe", tmp_path)
+    path = families.build(family, tmp_path)
     assert _both_paths(path, prompts=(list(ids[:8]), list(ids[10:14]), list(ids[20:60]))) >= 8
 
 

@@ -94,8 +94,6 @@ def _compare_steps(engine, steps: int) -> list[tuple[float, bool]]:
 HELPER_FAMILIES = ["gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"]
 # registered families whose decode steps the owned graph runs (test_graph.py) because the fused call lacks a part
 DECODE_ON_THE_GRAPH = {
-    "aria": "layer 0: shared experts without a gate beside a router in the layer call (the graph decodes)",
-    "granitemoeshared": "layer 0: shared experts without a gate beside a router in the layer call (the graph decodes)",
     "hunyuan_v1_moe": "q/k norms after the rotary: the fused call norms before it (the graph decodes)",
     "mistral4": "a position-dependent query scale (Llama 4's): the fused MLA call has none (the graph decodes)",
 }
