@@ -55,7 +55,7 @@ def expert_forward(
         h = gemm.matmul(x, up) if module.is_transposed else gemm.linear(x, up)  # [N, 2I]
         if up_bias is not None:
             h = h + up_bias
-        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [N, I]
+        h = apply_gate(module, h)  # [N, I]
         y = gemm.matmul(h, down) if module.is_transposed else gemm.linear(h, down)  # [N, H]
         if down_bias is not None:
             y = y + down_bias
@@ -75,7 +75,7 @@ def experts_gathered(module, x: torch.Tensor, up: torch.Tensor, down: torch.Tens
     h = rows(up, x.to(up.dtype))  # [P, 2I]
     if up_bias is not None:
         h = h + up_bias
-    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)  # [P, I]
+    h = apply_gate(module, h)  # [P, I]
     y = rows(down, h)  # [P, H]
     if down_bias is not None:
         y = y + down_bias
@@ -160,7 +160,7 @@ def _quantized(module, x, up, down, up_bias, down_bias, up_scale, down_scale) ->
     # a tile per expert: the stored weights in x's dtype (fp32 products as transformers' dequantizing loaders make)
     w_up = quant.dequantize(up, up_scale, split, x.dtype)  # [2I, H]
     h = gemm.linear(x, w_up, up_bias.to(x.dtype) if up_bias is not None else None)
-    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    h = apply_gate(module, h)
     w_down = quant.dequantize(down, down_scale, 0, x.dtype)  # [H, I]
     return gemm.linear(h, w_down, down_bias.to(x.dtype) if down_bias is not None else None)
 
@@ -198,14 +198,32 @@ def _gate(module, h: torch.Tensor) -> torch.Tensor:
     (moe_offload::clamped_swiglu_bf16) where the module's gate is gpt-oss's, else the module's own ops."""
     if module.has_gate and h.dtype == torch.bfloat16 and h.is_cpu and _is_gpt_oss_gate(module):
         return ops.clamped_swiglu(h.contiguous(), float(module.alpha), float(module.limit))
-    return module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    return apply_gate(module, h)
+
+
+def apply_gate(module, h: torch.Tensor) -> torch.Tensor:
+    """The expert's activation on its gate|up rows h [N, 2I] -> [N, I] (an expert without a gate: act_fn on h), by
+    the family registry's word (set_activation): silu, act_fn(gate) * up over the concatenated halves (gate first);
+    clamped_swiglu, gpt-oss's over interleaved columns (its alpha and limit); an experts module of a family the
+    registry does not list: the fallback model's own gate."""
+    if not module.has_gate:
+        return module.act_fn(h)
+    kind = _ACTIVATIONS.get(type(module))
+    if kind == "silu" and getattr(module, "is_concatenated", True):
+        gate, up = h.chunk(2, dim=-1)
+        return module.act_fn(gate) * up
+    if kind == "clamped_swiglu":
+        gate, up = h[..., ::2].clamp(max=module.limit), h[..., 1::2].clamp(min=-module.limit, max=module.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * module.alpha))
+    return _fallback_gate(module, h)
 
 
 _ACTIVATIONS: dict[type, str] = {}  # experts module class -> its activation, as the family registry names it
 
 
 def set_activation(cls: type, activation: str) -> None:
-    """Record the activation of the experts modules of class ``cls`` (the loader, from control/families.py)."""
+    """Record the activation of the experts modules of class ``cls`` (the loader, from control/families.py; "module"
+    for a family the registry does not list: its experts' own gate)."""
     _ACTIVATIONS[cls] = activation
 
 
@@ -219,25 +237,28 @@ def _bias_ok(b: torch.Tensor | None) -> bool:
 
 
 def _is_silu_concat(module) -> bool:
-    """The module's gate is transformers' default (silu(gate) * up, gate rows first), which the fused op computes."""
+    """The expert's gate is silu(gate) * up over concatenated halves (gate rows first), which the fused op computes:
+    by the registry's word, or (the fallback model) the module keeping transformers' default gate."""
     if not module.has_gate or not getattr(module, "is_concatenated", True):
         return False
-    if getattr(module._apply_gate, "__func__", None) is not _default_gate():  # a family's own gate (or an instance's)
+    kind = _ACTIVATIONS.get(type(module))
+    if kind != "silu" and not (kind in ("module", None) and _fallback_default_gate(module)):
         return False
     act = getattr(module, "act_fn", None)
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
-def _default_gate():
-    global _DEFAULT_GATE
-    if _DEFAULT_GATE is None:
-        from transformers.integrations.moe import _default_apply_gate
-
-        _DEFAULT_GATE = _default_apply_gate
-    return _DEFAULT_GATE
+# -- the fallback model's experts (a family the registry does not list): the gate is the module's own. These two are
+# the only places the engine reads transformers' private gate names.
+def _fallback_gate(module, h: torch.Tensor) -> torch.Tensor:
+    return module._apply_gate(h)
 
 
-_DEFAULT_GATE = None
+def _fallback_default_gate(module) -> bool:
+    """The module keeps transformers' default gate (not a family's own, nor an instance's)."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    return getattr(module._apply_gate, "__func__", None) is _default_apply_gate
 
 
 def experts_one_token(module, x: torch.Tensor, weights: list[tuple], post_norm: bool = True) -> torch.Tensor | None:

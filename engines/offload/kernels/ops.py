@@ -14,7 +14,7 @@ Ops (namespace ``moe_offload``, CPU, bf16 unless said):
       or gate 1: gpt-oss's clamped SwiGLU over interleaved rows; a pair's row is the same in every call (a token
       alone, a token's K experts: token_experts below, a batched step)                                   moe.cpp
   clamped_swiglu_bf16(gate_up [.., 2I], alpha, limit) -> [.., I]   gpt-oss's gate over interleaved gate|up columns,
-      rounded op by op as torch's bf16 ops round (dispatch.py uses it where the module's _apply_gate is gpt-oss's)
+      rounded op by op as torch's bf16 ops round (dispatch.py uses it where the registry names gpt-oss's gate)
   shared_expert_bf16(x [M, H], gate_up [2I, H], down [H, I], gate [1, H], gate_up_scale?, down_scale?) -> [M, H]
       Qwen2-MoE's gated shared expert: bf16(sigmoid(gate . x) * expert(x)) rounded as the module's bf16 ops; the
       expert as moe_experts_bf16, or (int8 rows + scales, ggml blocks: --dense-dtype int8, a GGUF file) as

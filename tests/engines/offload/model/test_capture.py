@@ -168,7 +168,7 @@ def test_what_is_not_captured_says_why(checkpoints, tmp_path, monkeypatch):
 
     real = SlotCache
     monkeypatch.setattr(loader, "SlotCache", lambda *a, **k: real(*a, **{**k, "alias_pinned": False}))
-    for family, why in (("granitemoe", "a MoE block run as its module"), ("deepseek_v3", "MLA"),
+    for family, why in (("hunyuan_v1_moe", "a MoE block run as its module"), ("deepseek_v3", "MLA"),
                         ("qwen3_next", "gated-DeltaNet")):
         engine = _engine(families.build(family, tmp_path / family), policy="static", fraction=1.0)
         try:
@@ -177,14 +177,16 @@ def test_what_is_not_captured_says_why(checkpoints, tmp_path, monkeypatch):
             engine.close()
 
 
-CAPTURED_FAMILIES = ["gpt_oss", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "minimax_m2", "ernie4_5_moe"]
+CAPTURED_FAMILIES = ["gpt_oss", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "minimax_m2", "ernie4_5_moe",
+                     "granitemoeshared", "aria"]
 
 
 @pytest.mark.parametrize("family", CAPTURED_FAMILIES)
 def test_every_router_and_shared_expert_kind_is_captured(checkpoints, device_slots, tmp_path, family):
     # sinks and biased clamped-SwiGLU experts (gpt-oss), a gated shared expert (Qwen2-MoE), grouped sigmoid routers
     # with shared experts (GLM-4.5), a biased sigmoid top-k (MiniMax-M2), an fp32 softmax with a correction bias
-    # (Ernie 4.5): half the experts, fetched as the step routes
+    # (Ernie 4.5), multipliers and a shared MLP beside the block (Granite), ungated shared experts with transposed
+    # experts (Aria): half the experts, fetched as the step routes
     import families
 
     path = checkpoints(family) if family in ("gpt_oss", "mixtral", "olmoe", "qwen2_moe") else families.build(
