@@ -4,8 +4,9 @@
     forward(sched) -> logits [B, V] | None (the shape is in no bucket: the graph runs the step eagerly, as always)
       bucket: batch  B -> the smallest of BATCH_BUCKETS >= B (<= max_seqs)
               context    -> the smallest power of two of blocks >= the longest sequence's (<= max_len's blocks)
-      StaticStep (one per bucket): ids, pos [Bb], slots [Bb] (the new KV rows), gather [Bb * L] (each row's key rows,
-          padded with its own first row), mask [Bb, 1, 1, L]; rows past B write and read one scratch row of the pool
+      StaticStep (one per bucket): ids, pos, lens [Bb], slots [Bb] (the new KV rows), gather [Bb * L] (each row's key
+          rows, padded with its own first row), mask [Bb, 1, 1, L]; rows past B write and read one scratch row of the
+          pool (softmax attention and MLA's latent rows alike)
       pieces: the step cut at each split layer (split_layers: a MoE layer whose experts are not all pinned)
           piece 0      embed, rotary, layers up to the first split layer's router -> (h, x2, ids, w)
           host l       the router's ids read back once; lru: misses fetched into slots (the slot table synced),
@@ -22,7 +23,7 @@ table (experts/slot_table.py) is read on the device, routes go to the host only 
 bucket's. Every routed pair of a piece is computed from the stacked slot buffers (a pair whose expert is missing: the
 host's row), combined as the executor combines (sum over k of w * y, in (token, k) order).
 
-Not captured (the graph runs those steps eagerly; build() says why): prefill chunks, drafts, prompt logprobs, MLA and
+Not captured (the graph runs those steps eagerly; build() says why): prefill chunks, drafts, prompt logprobs,
 gated-DeltaNet layers (their decode reads host lists), a MoE block run as its module, slots that alias the host store
 (the CPU's) or hold quantized experts, several devices, ranks, the disk tier, approximate modes, dynamic rope scaling.
 Legend: B sequences of the step, Bb its bucket, L key rows per sequence (the context bucket's), K top-k, H hidden,
@@ -99,8 +100,8 @@ def refuse(runner) -> str:
     if getattr(g.rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
         return "a rope scaling chosen on the host per step"
     for i, lay in enumerate(g.layers):
-        if not isinstance(lay.attention, blocks.AttentionBlock):
-            return f"layer {i}: MLA or gated-DeltaNet layers (their decode reads host lists)"
+        if not isinstance(lay.attention, (blocks.AttentionBlock, blocks.MLABlock)):
+            return f"layer {i}: gated-DeltaNet layers (their decode reads host lists)"
         d = g.desc.layers[i].ffn
         if lay.moe is None and hasattr(d, "router"):
             return f"layer {i}: a MoE block run as its module"
@@ -128,10 +129,11 @@ class StaticStep:
         self.slots = torch.full((B,), scratch, dtype=torch.long, device=dev)
         self.gather = torch.full((B * L,), scratch, dtype=torch.long, device=dev)
         self.mask = torch.zeros(B, 1, 1, L, dtype=torch.bool, device=dev)
+        self.lens = torch.ones(B, dtype=torch.long, device=dev)
         self.keep = torch.arange(B, device=dev)
         self.step = kv.StepContext(self.slots, [kv.SeqSlice(b, 1, 1) for b in range(B)], pool=pool,
                                    gather=self.gather, decode=list(range(B)), lmax=L, decode_rows=self.keep,
-                                   decode_mask=self.mask, decode_pos=self.pos)
+                                   decode_mask=self.mask, decode_pos=self.pos, decode_lens=self.lens)
 
     def fill(self, ids: list[int], lens: list[int], blocks: list[list[int]]) -> None:
         """The step's B sequences into the first B rows (lens[b]: its context including the new token); the other
@@ -156,6 +158,7 @@ class StaticStep:
         self.slots.copy_(slots)
         self.gather.copy_(gather.reshape(-1))
         self.mask.copy_((ar.unsqueeze(0) < lens_t.unsqueeze(1))[:, None, None, :])
+        self.lens.copy_(lens_t)
 
 
 class _Piece:

@@ -85,7 +85,9 @@ def attend(module, step, query, lat, rope, scaling):
     q = query[0].index_select(1, step.decode_rows).transpose(0, 1).contiguous()  # [Bd, H, N + P]
     lat_r = lat[0, 0, : Bd * L]  # [Bd * L, R]
     rope_r = rope[0, 0, : Bd * L]
-    lens = torch.tensor([step.seqs[i].ctx_len for i in step.decode], dtype=torch.long)
+    lens = step.decode_lens  # the step's tensor (a captured step's static buffer), else built here
+    if lens is None:
+        lens = torch.tensor([step.seqs[i].ctx_len for i in step.decode], dtype=torch.long)
     w = module.kv_b_proj.weight
     scale = float(scaling if scaling is not None else (nope + rope.shape[-1]) ** -0.5)
     if q.is_cpu and q.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and jit.load():

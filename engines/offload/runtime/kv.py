@@ -62,6 +62,7 @@ class StepContext:
     decode_rows: torch.Tensor | None = None  # [Bd] query rows
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, lmax] bool: real (and in-window) key positions
     decode_pos: torch.Tensor | None = None  # [Bd] each query's position
+    decode_lens: torch.Tensor | None = None  # [Bd] each decode sequence's context length (MLA's latent attention)
     probe: bool = False  # shape probe: attend to the step's own rows, store nothing
 
 

@@ -232,7 +232,7 @@ class ModelRunner:
             step.decode, step.lmax = decode, lmax
             step.decode_rows = torch.tensor([seqs[i].q_start for i in decode], device=dev)  # [Bd]
             step.decode_pos = torch.tensor([seqs[i].ctx_len - 1 for i in decode], device=dev)  # [Bd]
-            lens = torch.tensor([seqs[i].ctx_len for i in decode], device=dev)
+            step.decode_lens = lens = torch.tensor([seqs[i].ctx_len for i in decode], device=dev)
             step.decode_mask = (torch.arange(lmax, device=dev).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
             for i in decode:
                 r = _rows(sched[i].seq.blocks, bs, seqs[i].ctx_len, dev)

@@ -168,8 +168,7 @@ def test_what_is_not_captured_says_why(checkpoints, tmp_path, monkeypatch):
 
     real = SlotCache
     monkeypatch.setattr(loader, "SlotCache", lambda *a, **k: real(*a, **{**k, "alias_pinned": False}))
-    for family, why in (("hunyuan_v1_moe", "a MoE block run as its module"), ("deepseek_v3", "MLA"),
-                        ("qwen3_next", "gated-DeltaNet")):
+    for family, why in (("hunyuan_v1_moe", "a MoE block run as its module"), ("qwen3_next", "gated-DeltaNet")):
         engine = _engine(families.build(family, tmp_path / family), policy="static", fraction=1.0)
         try:
             assert why in capture.refuse(engine.runner), (family, capture.refuse(engine.runner))
@@ -178,7 +177,7 @@ def test_what_is_not_captured_says_why(checkpoints, tmp_path, monkeypatch):
 
 
 CAPTURED_FAMILIES = ["gpt_oss", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "minimax_m2", "ernie4_5_moe",
-                     "granitemoeshared", "aria"]
+                     "granitemoeshared", "aria", "deepseek_v3", "deepseek_v2"]
 
 
 @pytest.mark.parametrize("family", CAPTURED_FAMILIES)
@@ -186,11 +185,12 @@ def test_every_router_and_shared_expert_kind_is_captured(checkpoints, device_slo
     # sinks and biased clamped-SwiGLU experts (gpt-oss), a gated shared expert (Qwen2-MoE), grouped sigmoid routers
     # with shared experts (GLM-4.5), a biased sigmoid top-k (MiniMax-M2), an fp32 softmax with a correction bias
     # (Ernie 4.5), multipliers and a shared MLP beside the block (Granite), ungated shared experts with transposed
-    # experts (Aria): half the experts, fetched as the step routes
+    # experts (Aria), MLA's latent rows with dense first layers (DeepSeek-V3) and the complex rotary (DeepSeek-V2): half
+    # the experts, fetched as the step routes
     import families
 
-    path = checkpoints(family) if family in ("gpt_oss", "mixtral", "olmoe", "qwen2_moe") else families.build(
-        family, tmp_path)
+    helpers = ("gpt_oss", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3")  # offload_helpers.py builds these
+    path = checkpoints(family) if family in helpers else families.build(family, tmp_path)
     ref = _engine(path, policy="lru", fraction=0.5)
     try:
         want, _ = _generate(ref, 6)
