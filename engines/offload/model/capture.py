@@ -2,7 +2,7 @@
 
     DecodeCapture.build(runner, max_seqs, max_len) -> None (the reason logged) | a capture
     forward(sched) -> logits [B, V] | None (the shape is in no bucket: the graph runs the step eagerly, as always)
-      bucket: batch  B -> the smallest of BATCH_BUCKETS >= B (<= max_seqs)
+      bucket: batch  B -> the smallest of BATCH_BUCKETS >= B (<= max_seqs, and its pairs' weights <= GATHER_MAX_BYTES)
               context    -> the smallest power of two of blocks >= the longest sequence's (<= max_len's blocks)
       StaticStep (one per bucket): ids, pos, lens [Bb], slots [Bb] (the new KV rows), gather [Bb * L] (each row's key
           rows, padded with its own first row), mask [Bb, 1, 1, L]; rows past B write and read one scratch row of the
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_offload.engines.offload.experts import policies
+from moe_offload.engines.offload.experts.cuda import GATHER_MAX_BYTES
 from moe_offload.engines.offload.kernels.dispatch import expert_forward, experts_gathered
 from moe_offload.engines.offload.loading import quant
 from moe_offload.engines.offload.model import blocks
@@ -84,6 +85,12 @@ def slot_experts(table, state, module, x: torch.Tensor, ids: torch.Tensor, w: to
     y = experts_gathered(module, x.repeat_interleave(K, dim=0), up, down, ub, db).to(state.store.compute_dtype)
     proj = torch.where((slots >= 0).unsqueeze(1), y, missed if missed is not None else torch.zeros_like(y))
     return (proj * w.reshape(-1, 1)).view(T, K, -1).sum(dim=1).to(x.dtype)
+
+
+def _top_k(moe) -> int:
+    """The routed experts per token of a MoE block (blocks.MoEBlock's router, or a RouterBlock's selection args)."""
+    r = getattr(getattr(moe, "router", None), "r", None)
+    return int(r.top_k) if r is not None else int(moe.args[2])
 
 
 def refuse(runner) -> str:
@@ -193,6 +200,11 @@ class DecodeCapture:
         self.pool, self.device = runner.pool, runner.device
         self.max_seqs, self.max_blocks = max_seqs, self.pool.blocks_for(max_len)
         self.splits = split_layers(self.graph.layers)
+        # a piece gathers every routed pair's weights (slot_experts): the largest batch whose pairs stay within what
+        # the executor's gathered path reads at once (experts/cuda.py); beyond it the graph runs the step eagerly
+        moe = [lay.moe for lay in self.graph.layers if lay.moe is not None]
+        pair = max((m.state.expert_bytes * _top_k(m) for m in moe), default=0)
+        self.max_batch = max_seqs if pair == 0 else min(max_seqs, GATHER_MAX_BYTES // pair)
         self.table = self.executor.slot_table()
         self.scratch = self.pool.allocate(1)[0] * self.pool.block_size  # padding rows' KV row, held for good
         self.mempool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
@@ -214,6 +226,8 @@ class DecodeCapture:
 
     def bucket(self, lens: list[int]) -> Bucket | None:
         b = batch_bucket(len(lens), self.max_seqs)
+        if b is not None and b > self.max_batch:  # the bucket's pairs would gather more weights than the cap
+            return None
         n = context_bucket(self.pool.blocks_for(max(lens)), self.max_blocks) if lens else None
         return None if b is None or n is None else Bucket(b, n)
 
@@ -237,7 +251,7 @@ class DecodeCapture:
         self._book(routes, B)
         if self.splits:  # per-token attribution of the split layers' pairs is not kept: the step's shares stand
             ex.token_stats = None
-        logits = carry["logits"][:B]
+        logits = carry["logits"][:B].clone()  # the next replay writes the static output again
         ex.end_forward(t0)
         self.steps += 1
         return logits

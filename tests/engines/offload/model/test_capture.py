@@ -204,3 +204,23 @@ def test_every_router_and_shared_expert_kind_is_captured(checkpoints, device_slo
     finally:
         engine.close()
     assert got == want
+
+
+def test_buckets_whose_pairs_gather_too_much_run_eagerly(checkpoints, device_slots, monkeypatch):
+    # a piece gathers each routed pair's weights: a bucket whose pairs would read more than the cap is not captured
+    engine = _engine(checkpoints("qwen3_moe"), policy="static", fraction=1.0)
+    try:
+        st = engine.executor.layers[0]
+        K = engine.runner.graph.layers[0].moe.router.r.top_k
+        monkeypatch.setattr(capture, "GATHER_MAX_BYTES", 2 * K * st.expert_bytes)  # two sequences' pairs
+        cap = _capture(engine)
+        assert cap.max_batch == 2
+        assert cap.bucket([5, 6]) == capture.Bucket(2, 2) and cap.bucket([5, 6, 7]) is None
+        # three short prompts prefilled in one step, then decoding together: every decode step has three sequences
+        gens = [engine.start(list(range(3 + 7 * i, 8 + 7 * i)), SamplingParams(max_tokens=4, ignore_eos=True))
+                for i in range(3)]
+        while engine.step():
+            pass
+        assert [len(g.drain()) for g in gens] == [4, 4, 4] and cap.steps == 0  # all of them eager
+    finally:
+        engine.close()
