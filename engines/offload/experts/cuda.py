@@ -80,6 +80,17 @@ def check_device(device: torch.device) -> None:
 GATHER_MAX_BYTES = 256 << 20
 
 
+def slot_rows(table, state, module, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every routed pair (ids [T, K]) of rows x [T, H] through the expert in its slot, without the host: the slot from
+    the device's slot table, the weights gathered from the layer's stacked slot buffers (dispatch.experts_gathered;
+    a miss reads slot 0). Returns (y [T * K, H] unweighted, hit [T * K] bool)."""
+    K = ids.shape[1]
+    slots = table.slots_of(state.pos, ids).reshape(-1)  # [T * K] on the device, -1: a miss
+    up, down, up_bias, down_bias = (t.index_select(0, slots.clamp(min=0)) if t is not None else None
+                                    for t in state.cache.stacked[:4])
+    return experts_gathered(module, x.repeat_interleave(K, dim=0), up, down, up_bias, down_bias), slots >= 0
+
+
 def gathered_hits(executor, state, module, x: torch.Tensor, top_k_index: torch.Tensor, ids: list[int],
                   proj) -> bool:
     """Compute a layer's slot hits in one gathered call (dispatch.experts_gathered) when its slots are one device's
@@ -96,12 +107,7 @@ def gathered_hits(executor, state, module, x: torch.Tensor, top_k_index: torch.T
         return False
     table = executor.slot_table()
     table.sync(state.pos)  # what this step's fetches and evictions so far changed
-    K = top_k_index.shape[1]
-    slots = table.slots_of(state.pos, top_k_index.to(x.device)).reshape(-1)  # [T * K] on the device, -1: a miss
-    hit = slots >= 0
-    up, down, up_bias, down_bias = (t.index_select(0, slots.clamp(min=0)) if t is not None else None
-                                    for t in stacked[:4])
-    y = experts_gathered(module, x.repeat_interleave(K, dim=0), up, down, up_bias, down_bias)  # [T * K, H]
+    y, hit = slot_rows(table, state, module, x, top_k_index.to(x.device))
     proj.copy_(torch.where(hit.unsqueeze(1), y.to(proj.dtype), proj))
     if executor._cuda:  # the slots' last use, before a fetch may overwrite one
         ev = executor._copiers[x.device].record()

@@ -314,8 +314,7 @@ class Executor:
         T, K = top_k_index.shape
         if self.ep is not None:  # every rank's rows: each one computed on exactly one rank (x + 0 = x)
             proj = devices.all_ranks(proj)
-        weighted = proj * top_k_weights.reshape(-1, 1)  # [S, H]
-        result = weighted.view(T, K, -1).sum(dim=1).to(hidden_states.dtype)  # [T, H]
+        result = weighted_sum(proj, top_k_weights, hidden_states.dtype)
         hit_pairs = sum(g[2] for g, _ in hits)
         if self.per_token and T > 1:
             devices.count_tokens(self, state.cache, top_k_index, hits, [g[0] for g in host])
@@ -347,6 +346,13 @@ class Executor:
         if self._cuda:
             return lambda slot, dst, src: self._copiers[dst[0].device].copy(dst, src, state.events.get(slot))
         return fused.copy_sync
+
+
+def weighted_sum(proj: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum over k of w[t, k] * y[t, k]: the pairs' rows proj [T * K, H] in (token, k) order, weights [T, K] -> [T, H]
+    in ``dtype`` (the order and roundings transformers' combine has)."""
+    T, K = weights.shape
+    return (proj * weights.reshape(-1, 1)).view(T, K, -1).sum(dim=1).to(dtype)
 
 
 class _Rows:

@@ -210,6 +210,10 @@ class MoEBlock:
         self.state = experts._moe_offload
         self.shared, self.shared_gate = shared, shared_gate
 
+    @property
+    def top_k(self) -> int:
+        return self.router.r.top_k
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The router's part: (ids [N, K], weights [N, K], the rows the experts take)."""
         return (*self.router(x), x)

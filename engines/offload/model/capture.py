@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from moe_offload.engines.offload.experts import policies
-from moe_offload.engines.offload.experts.cuda import GATHER_MAX_BYTES
-from moe_offload.engines.offload.kernels.dispatch import expert_forward, experts_gathered
+from moe_offload.engines.offload.experts.cuda import GATHER_MAX_BYTES, slot_rows
+from moe_offload.engines.offload.experts.executor import weighted_sum
+from moe_offload.engines.offload.kernels.dispatch import expert_forward
 from moe_offload.engines.offload.loading import quant
 from moe_offload.engines.offload.model import blocks
 from moe_offload.engines.offload.runtime import kv
@@ -78,19 +79,10 @@ def slot_experts(table, state, module, x: torch.Tensor, ids: torch.Tensor, w: to
     """A MoE layer's routed experts for rows x [T, H] without the host: each pair's slot from the device's slot table
     (ids [T, K]), its weights gathered from the stacked slot buffers (dispatch.experts_gathered), a missing pair's row
     from ``missed`` [T * K, H] (zeros: none); combined as Executor.combine, sum over k of w * y -> [T, H]."""
-    T, K = ids.shape
-    slots = table.slots_of(state.pos, ids).reshape(-1)  # [T * K], -1: not in a slot
-    up, down, ub, db = (t.index_select(0, slots.clamp(min=0)) if t is not None else None
-                        for t in state.cache.stacked[:4])
-    y = experts_gathered(module, x.repeat_interleave(K, dim=0), up, down, ub, db).to(state.store.compute_dtype)
-    proj = torch.where((slots >= 0).unsqueeze(1), y, missed if missed is not None else torch.zeros_like(y))
-    return (proj * w.reshape(-1, 1)).view(T, K, -1).sum(dim=1).to(x.dtype)
-
-
-def _top_k(moe) -> int:
-    """The routed experts per token of a MoE block (blocks.MoEBlock's router, or a RouterBlock's selection args)."""
-    r = getattr(getattr(moe, "router", None), "r", None)
-    return int(r.top_k) if r is not None else int(moe.args[2])
+    y, hit = slot_rows(table, state, module, x, ids)
+    y = y.to(state.store.compute_dtype)
+    proj = torch.where(hit.unsqueeze(1), y, missed if missed is not None else torch.zeros_like(y))
+    return weighted_sum(proj, w, x.dtype)
 
 
 def refuse(runner) -> str:
@@ -203,7 +195,7 @@ class DecodeCapture:
         # a piece gathers every routed pair's weights (slot_experts): the largest batch whose pairs stay within what
         # the executor's gathered path reads at once (experts/cuda.py); beyond it the graph runs the step eagerly
         moe = [lay.moe for lay in self.graph.layers if lay.moe is not None]
-        pair = max((m.state.expert_bytes * _top_k(m) for m in moe), default=0)
+        pair = max((m.state.expert_bytes * m.top_k for m in moe), default=0)
         self.max_batch = max_seqs if pair == 0 else min(max_seqs, GATHER_MAX_BYTES // pair)
         self.table = self.executor.slot_table()
         self.scratch = self.pool.allocate(1)[0] * self.pool.block_size  # padding rows' KV row, held for good
@@ -276,11 +268,9 @@ class DecodeCapture:
         def fn() -> dict:
             if after < 0:
                 h, rot = g.embed_rows(st.ids, st.pos)
-            else:
+            else:  # the split layer's experts: the slots', the host's rows where a pair missed
                 rot = g.rotary_tables(carry["h"], st.pos)
-            if after >= 0:  # the split layer's experts: the slots', the host's rows where a pair missed
-                lay = g.layers[after]
-                moe = lay.moe
+                moe = g.layers[after].moe
                 out = slot_experts(table, moe.state, moe.experts, carry["xe"], carry["ids"], carry["w"],
                                    carry["missed"])
                 h = g.residual(carry["h"], moe.finish(carry["x2"], out))

@@ -25,7 +25,7 @@ from moe_offload.engines.offload.loading.quant import BlockLinear, QuantLinear, 
 from moe_offload.engines.offload.model import deltanet, mla_plan
 from moe_offload.engines.offload.model.blocks import eps_of
 from moe_offload.engines.offload.model.moe_blocks import block_for
-from moe_offload.engines.offload.model.weights import decoder, ffn_of, mlp_args, shared_mlp_args
+from moe_offload.engines.offload.model.weights import decoder, ffn_of, mlp_args, shared_expert_of, shared_mlp_args
 
 
 def _shared_args(se, gate) -> tuple | None:
@@ -118,8 +118,7 @@ def bind(model, desc: ModelDescription, pool) -> tuple[list[Layer], float] | str
         elif moe is not None and (d.ffn.shared_experts
                                   or any(hasattr(mlp, n) for n in ("shared_expert", "shared_experts"))):
             # an ungated shared expert (Aria's), or a shared MLP beside the block (GraniteMoeShared's): one mlp_rows
-            module = next((m for m in (getattr(mlp, "shared_experts", None), getattr(mlp, "shared_expert", None),
-                                       getattr(layer, "shared_mlp", None)) if m is not None), None)
+            module = shared_expert_of(layer, mlp)
             beside = shared_mlp_args(module) if module is not None else None
             if beside is None:
                 return f"layer {i}: a shared expert beside the router that one mlp_rows call does not take"

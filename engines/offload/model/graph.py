@@ -42,7 +42,7 @@ from moe_offload.engines.offload.model import blocks, mla
 from moe_offload.engines.offload.model.deltanet import DeltaNetBlock
 from moe_offload.engines.offload.model.fused_bind import cos_sin
 from moe_offload.engines.offload.model.moe_blocks import block_for
-from moe_offload.engines.offload.model.weights import FFN_NAMES, decoder, ffn_of, is_silu
+from moe_offload.engines.offload.model.weights import FFN_NAMES, decoder, ffn_of, is_silu, shared_expert_of
 from moe_offload.engines.offload.runtime import kv
 from moe_offload.log import get_logger
 
@@ -230,7 +230,7 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
             ffn = lambda x, m=mlp: _module_rows(m, x)  # noqa: E731
         elif router_in_layer_call(d.ffn):  # a softmax router of model-dtype logits (the fused call's kind)
             gate = mlp.router if hasattr(mlp, "router") else mlp.gate
-            shared = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None) or beside
+            shared = shared_expert_of(layer, mlp)
             if (shared is None) != (d.ffn.shared_experts == 0 and not d.ffn.shared_gate):
                 return f"layer {i}: the description and the modules disagree on a shared expert"
             ffn = moe = blocks.MoEBlock(executor, experts, blocks.SoftmaxRouter(gate, r), shared,

@@ -69,7 +69,9 @@ class RouterBlock:
         self.gate, self.experts, self.state = mlp.gate, mlp.experts, state
         self.shared = getattr(mlp, "shared_experts", None)
         self.shared_args = None if self.shared is None else mlp_args(self.shared)  # (gate_up, down), or the module
-        self.bias, self.args, self.scoring = bias.detach().float().reshape(-1), args, scoring
+        self.bias = None if bias is None else bias.detach().float().reshape(-1)  # None: the scores alone choose
+        self.args, self.scoring = args, scoring
+        self.top_k = int(args[2])
         self.fp32_logits, self.round_weights = fp32_logits, round_weights
 
     def router_args(self) -> tuple:
@@ -133,7 +135,6 @@ def block_for(mlp, block) -> RouterBlock | None:
         return RouterBlock(mlp, experts._moe_offload, mlp.gate.moe_statics.e_score_correction_bias, one_group,
                            "softmax", round_weights=True)
     if r.scoring == "softmax" and r.groups is None and r.logits_dtype == "fp32":  # DeepSeek-V2's greedy top-k
-        return RouterBlock(mlp, experts._moe_offload, torch.zeros(experts.num_experts),
-                           (1, 1, r.top_k, r.renormalise, r.scale), "softmax",
+        return RouterBlock(mlp, experts._moe_offload, None, (1, 1, r.top_k, r.renormalise, r.scale), "softmax",
                            round_weights=r.weights_dtype == "model")
     return None

@@ -35,6 +35,13 @@ def ffn_of(layer):
     return next((m for m in (getattr(layer, n, None) for n in FFN_NAMES) if m is not None), None)
 
 
+def shared_expert_of(layer, block):
+    """The shared expert of a MoE ``block`` (``shared_expert`` / ``shared_experts``), or the shared MLP beside it in
+    ``layer`` (GraniteMoeShared's ``shared_mlp``, the same input); None."""
+    return next((m for m in (getattr(block, "shared_expert", None), getattr(block, "shared_experts", None),
+                             getattr(layer, "shared_mlp", None)) if m is not None), None)
+
+
 def fuse_rows(*linears: torch.nn.Linear) -> torch.Tensor | None:
     """One [sum of out, in] weight whose row blocks become the linears' weights (views: no second copy), so that
     one GEMV reads what several did; each row's sum is the same dot product as before (bit-identical outputs).

@@ -7,8 +7,7 @@ function that reads them. Memory grows with the sequences, never with the model'
          (causal from its offset), sliding window and attention sinks as the layer asks
       -> [1, N, Hq, Dv]
 
-Legend: N tokens in the step, B sequences, L a sequence's context length, Hq/Hkv query/KV heads,
-D head dim (Dv for values), bs block size.
+Legend: N tokens in the step, B sequences, L a context's length, Hq/Hkv query/KV heads, D (Dv) head dim, bs block size.
 
 A quantized cache (``--kv-cache-dtype int8 | fp8``, kv_quant.py): PagedCache.update quantizes the step's new rows and
 hands back the dequantized context; the fused decode kernel (decode.cpp) does the same with the same roundings.
@@ -234,7 +233,8 @@ class PagedCache:
             out.append(rows.transpose(0, 1).unsqueeze(0))
         return out[0], out[1]
 
-    get_seq_length = staticmethod(lambda layer_idx=0: 0)  # positions are always given explicitly
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always given explicitly
 
 
 def current() -> StepContext | None:

@@ -187,9 +187,7 @@ class ModelRunner:
         before = snapshot(ex)
         logits = self.fast.forward(ids, lens, blocks, seats)
         self.accounting.book(ex, sched, before, ex.token_stats)
-        if len(keep) == len(ids):
-            return logits
-        return logits[keep] if keep else None
+        return _kept(logits, keep)
 
     def forward_captured(self, out: SchedulerOutput) -> torch.Tensor | None | bool:
         """A decode-only step through the captured graph (model/capture.py): logits of the rows that sample, or False
@@ -204,9 +202,7 @@ class ModelRunner:
         if logits is None:
             return False
         self.accounting.book(ex, sched, before, ex.token_stats)
-        if len(keep) == len(ids):
-            return logits
-        return logits[keep] if keep else None
+        return _kept(logits, keep)
 
     def layout(self, out: SchedulerOutput) -> kv.StepContext:
         """The step's key layout: decode sequences first, each padded to the longest; then each prefill chunk's
@@ -266,6 +262,13 @@ class ModelRunner:
             elif c + n == len(seq.tokens):
                 rows.append(res.logits[0, -1:])  # [1, V]
         return torch.cat(rows) if rows else None
+
+
+def _kept(logits: torch.Tensor, keep: list[int]) -> torch.Tensor | None:
+    """The rows of a one-row-per-token step's logits [M, V] that sample (all of them: no copy), or None."""
+    if len(keep) == logits.shape[0]:
+        return logits
+    return logits[keep] if keep else None
 
 
 def _rows(blocks: list[int], bs: int, n: int, device) -> torch.Tensor:

@@ -138,14 +138,19 @@ def _run(path: str, dtype: str, prompts) -> list[tuple[float, bool]]:
     return gaps
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", GRAPH_FAMILIES)
-def test_every_step_matches_the_modules(checkpoints, tmp_path, family, dtype):
+def _family_steps(checkpoints, tmp_path, family: str, dtype: str) -> list[tuple[float, bool]]:
+    """_run over three prompts of ``family``'s tiny checkpoint (the helpers' or families.py's)."""
     if family in HELPER_FAMILIES:
         path, ids = checkpoints(family), list(range(3, 90))
     else:
         path, ids = families.build(family, tmp_path), list(families.PROMPT_IDS)
-    steps = _run(path, dtype, [ids[:11], ids[11:15], ids[20:60]])
+    return _run(path, dtype, [ids[:11], ids[11:15], ids[20:60]])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", GRAPH_FAMILIES)
+def test_every_step_matches_the_modules(checkpoints, tmp_path, family, dtype):
+    steps = _family_steps(checkpoints, tmp_path, family, dtype)
     assert len(steps) >= 8, steps  # prefill chunks, mixed steps and decode steps were compared
     gaps = [gap for gap, _ in steps]
     if dtype == "float32":
@@ -177,11 +182,7 @@ def torch_ops(monkeypatch):
 def test_the_graph_on_torch_ops_matches_the_modules(checkpoints, tmp_path, family, torch_ops):
     # what runs on CUDA, here on the CPU: no compiled kernel in either path (the modules' linears unpatched), so the
     # graph's torch ops (a grouped top-k of its own, the MLA and DeltaNet references) meet transformers' own modules
-    if family in HELPER_FAMILIES:
-        path, ids = checkpoints(family), list(range(3, 90))
-    else:
-        path, ids = families.build(family, tmp_path), list(families.PROMPT_IDS)
-    steps = _run(path, "bfloat16", [ids[:11], ids[11:15], ids[20:60]])
+    steps = _family_steps(checkpoints, tmp_path, family, "bfloat16")
     assert len(steps) >= 8 and any(decode for _, decode in steps), steps
     gaps = [gap for gap, _ in steps]
     assert sorted(gaps)[len(gaps) // 2] == 0.0 and max(gaps) < 2e-2, gaps
