@@ -24,6 +24,7 @@ Legend: N tokens routed to this expert, H hidden, I intermediate (2I gate+up).
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 
@@ -208,7 +209,7 @@ def apply_gate(module, h: torch.Tensor) -> torch.Tensor:
     registry does not list: the fallback model's own gate."""
     if not module.has_gate:
         return module.act_fn(h)
-    kind = _ACTIVATIONS.get(type(module))
+    kind = _ACTIVATIONS.get(module)
     if kind == "silu" and getattr(module, "is_concatenated", True):
         gate, up = h.chunk(2, dim=-1)
         return module.act_fn(gate) * up
@@ -218,18 +219,20 @@ def apply_gate(module, h: torch.Tensor) -> torch.Tensor:
     return _fallback_gate(module, h)
 
 
-_ACTIVATIONS: dict[type, str] = {}  # experts module class -> its activation, as the family registry names it
+# experts module -> its activation, as the family registry names it: per module the loader served, not per class (an
+# engine's word for its modules must not reach another model's modules of the same class, nor an instance's own gate)
+_ACTIVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def set_activation(cls: type, activation: str) -> None:
-    """Record the activation of the experts modules of class ``cls`` (the loader, from control/families.py; "module"
-    for a family the registry does not list: its experts' own gate)."""
-    _ACTIVATIONS[cls] = activation
+def set_activation(module, activation: str) -> None:
+    """Record the activation of the experts ``module`` (the loader, from control/families.py; "module" for a family
+    the registry does not list: its experts' own gate)."""
+    _ACTIVATIONS[module] = activation
 
 
 def _is_gpt_oss_gate(module) -> bool:
     """The module's gate is gpt-oss's clamped SwiGLU by the registry (its alpha and limit read from the module)."""
-    return _ACTIVATIONS.get(type(module)) == "clamped_swiglu" and hasattr(module, "alpha") and hasattr(module, "limit")
+    return _ACTIVATIONS.get(module) == "clamped_swiglu" and hasattr(module, "alpha") and hasattr(module, "limit")
 
 
 def _bias_ok(b: torch.Tensor | None) -> bool:
@@ -241,7 +244,7 @@ def _is_silu_concat(module) -> bool:
     by the registry's word, or (the fallback model) the module keeping transformers' default gate."""
     if not module.has_gate or not getattr(module, "is_concatenated", True):
         return False
-    kind = _ACTIVATIONS.get(type(module))
+    kind = _ACTIVATIONS.get(module)
     if kind != "silu" and not (kind in ("module", None) and _fallback_default_gate(module)):
         return False
     act = getattr(module, "act_fn", None)

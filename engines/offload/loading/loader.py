@@ -237,7 +237,7 @@ def load_model(
     executor.finish_setup()
     family = families.family_of(getattr(model.config, "model_type", ""))
     for _, module, _ in stores:  # the experts' gate as the registry names it (dispatch.py fuses clamped_swiglu)
-        dispatch.set_activation(type(module), family.activation if family is not None else "module")
+        dispatch.set_activation(module, family.activation if family is not None else "module")
     routers = _install_hooks(model, executor, [m for _, m, _ in stores], modules)
     if host_cache is not None and prefetch:
         executor.prefetcher = Prefetcher(routers)

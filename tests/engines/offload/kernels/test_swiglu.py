@@ -27,7 +27,7 @@ def test_matches_the_module_gate_in_bf16():
     ulp = (got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-3)
     assert (got == ref).float().mean() > 0.99 and ulp.max() <= 2 ** -7  # an exp's last bit, now and then
     # the gate is recognised as the family registry names it (the loader records it, as here)
-    dispatch.set_activation(GptOssExperts, families.family_of("gpt_oss").activation)
+    dispatch.set_activation(experts, families.family_of("gpt_oss").activation)
     assert dispatch._is_gpt_oss_gate(experts)
 
 
