@@ -163,14 +163,15 @@ ENGINE_FEATURES = ("min_p", "presence_penalty", "frequency_penalty", "repetition
                    "logprobs", "prompt_logprobs", "structured")
 
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 DISABLE_BY_BATCH_SIZE = 2  # measured on the trained demo: from 2 streams on drafts cost more than they save
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's --speculative-config: ``method`` ngram | draft_model, ``num_speculative_tokens`` k drafted per step,
+    """vLLM's --speculative-config: ``method`` ngram | draft_model | mtp (the checkpoint's own next-token prediction
+    layer, model/mtp.py; one draft a step), ``num_speculative_tokens`` k drafted per step,
     ``prompt_lookup_min/max`` the n-gram lengths tried (ngram), ``model`` the draft checkpoint (draft_model),
     ``disable_by_batch_size``: no drafts while this many sequences or more decode together (a batched step already
     reads each expert once for many tokens; docs/benchmarks/speculative.md measures where drafts stop paying)."""
@@ -195,7 +196,10 @@ class SpeculativeConfig:
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ConfigError(f"disable_by_batch_size: expected an integer >= 1 or null, got {b!r}")
         if (self.method == "draft_model") != bool(self.model):
-            raise ConfigError("speculative: method draft_model takes a 'model' (the draft checkpoint), ngram none")
+            raise ConfigError("speculative: method draft_model takes a 'model' (the draft checkpoint), the others none")
+        if self.method == "mtp" and k != 1:
+            raise ConfigError(f"speculative method mtp: one draft a step (num_speculative_tokens 1, the checkpoint's "
+                              f"first MTP layer), got {k}")
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
@@ -211,6 +215,8 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative config: expected a JSON object, got {value!r}")
         if "model" in value and "method" not in value:
             value = {**value, "method": "draft_model"}
+        if value.get("method") == "mtp" and "num_speculative_tokens" not in value:
+            value = {**value, "num_speculative_tokens": 1}  # the checkpoints ship one layer: one draft a step
         unknown = set(value) - set(cls.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"speculative config: unknown key(s) {', '.join(sorted(unknown))}; valid: "
@@ -222,6 +228,6 @@ class SpeculativeConfig:
              "disable_by_batch_size": self.disable_by_batch_size}
         if self.method == "ngram":
             d |= {"prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
-        else:
+        elif self.method == "draft_model":
             d["model"] = self.model
         return d

@@ -56,6 +56,7 @@ class OffloadedModel:
     placement: Placement | None
     device: torch.device
     policy: str
+    mtp: Any = None  # the checkpoint's MTP layer (model/mtp.py) when speculative method mtp asked for it
 
 
 def load_model(

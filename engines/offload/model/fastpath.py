@@ -58,6 +58,7 @@ class DecodePlan:
         self.rotaries = list(dict.fromkeys(lay.rotary for lay in layers if lay.linear is None))
         self.mla = desc.attention == "mla"  # MLA layers (mla_plan.py): decode_mla over the step's pool rows
         self.steps = 0
+        self.keep_hidden, self.hidden = False, None  # MTP drafts read the final norm's rows of each step
         self.step_call = False  # decode_step.StepCall, None (the per-layer loop), False: (re)build at the next step
 
     # -- binding the description to the model's weights ------------------------------------------------------------
@@ -169,6 +170,8 @@ class DecodePlan:
                             t0)
 
     def _logits(self, x: torch.Tensor, t0: float) -> torch.Tensor:
+        if self.keep_hidden:  # the final norm's rows [M, H], for MTP drafts (mtp.py)
+            self.hidden = x
         logits = self.lm_head(x)  # [M, V]
         if self.desc.scales.logits != 1.0:  # Granite's logits scaling
             logits = logits / self.desc.scales.logits

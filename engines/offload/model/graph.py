@@ -75,6 +75,8 @@ class ModelGraph:
         assert len(scales) == 1, scales  # one per model (refuse)
         self.query_scale = scales.pop()
         self.steps = 0
+        self.keep_hidden = False  # MTP drafts (mtp.py) read every row's final-normed hidden state: ``hidden``
+        self.hidden: torch.Tensor | None = None  # [N, H] of the last forward, when keep_hidden
 
     @classmethod
     def build(cls, model, executor, desc: ModelDescription, cache: kv.PagedCache) -> "ModelGraph | None":
@@ -107,7 +109,11 @@ class ModelGraph:
         for lay in self.layers:
             h, x2 = self.attention_half(lay, h, rot, step)
             h = self.residual(h, lay.ffn(x2))
-        logits = self.head(h.index_select(0, keep))
+        if self.keep_hidden:  # every row's final norm (row-wise: the kept rows' values as head computes them)
+            self.hidden = self.final_norm(h)
+            logits = self.logits(self.hidden.index_select(0, keep))
+        else:
+            logits = self.head(h.index_select(0, keep))
         ex.end_forward(t0)
         self.steps += 1
         return logits
@@ -146,7 +152,13 @@ class ModelGraph:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head of the kept rows h [R, H] -> logits [R, V]."""
-        x = blocks.rms_norm(h, self.norm.weight, blocks.eps_of(self.norm), self.kind)
+        return self.logits(self.final_norm(h))
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return blocks.rms_norm(h, self.norm.weight, blocks.eps_of(self.norm), self.kind)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head of final-normed rows x [R, H] -> logits [R, V]."""
         logits = self.model.lm_head(x)  # [R, V] (a rank's VocabShard gathers every rank's rows)
         return logits / self.desc.scales.logits if self.desc.scales.logits != 1.0 else logits
 

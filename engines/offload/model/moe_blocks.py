@@ -109,12 +109,16 @@ def deepseek_block(mlp) -> RouterBlock | None:
     """DeepSeek-V3's block for ``mlp`` (a grouped_sigmoid router) with its experts on the executor, else None: experts
     not served, or groups the selection call does not take."""
     experts = _served(mlp)
-    if experts is None or not hasattr(mlp, "shared_experts"):
+    return None if experts is None else _grouped(mlp, experts._moe_offload)
+
+
+def _grouped(mlp, state) -> RouterBlock | None:
+    if not hasattr(mlp, "shared_experts"):
         return None
     g = mlp.gate
     if g.num_experts % g.num_group or g.top_k > (g.num_experts // g.num_group) * g.topk_group:
         return None
-    return RouterBlock(mlp, experts._moe_offload, g.e_score_correction_bias, (
+    return RouterBlock(mlp, state, g.e_score_correction_bias, (
         int(g.num_group), int(g.topk_group), int(g.top_k), bool(g.norm_topk_prob), float(g.routed_scaling_factor)),
         "sigmoid")
 
@@ -123,18 +127,26 @@ def block_for(mlp, block) -> RouterBlock | None:
     """The block that runs ``mlp`` for decode rows, by the description's router kind (``block``: a
     description.MoEBlock); None where its module must run."""
     experts = _served(mlp)
-    if experts is None or block.runs_as_module:
+    if experts is None:
+        return None
+    return selection(mlp, block, experts._moe_offload)
+
+
+def selection(mlp, block, state) -> RouterBlock | None:
+    """``mlp``'s router as a RouterBlock by the description's router kind, its routed rows for ``state`` (the
+    executor's layer, or what an MTP layer computes its own experts with: mtp.py uses route and finish alone);
+    None where the selection call does not take it."""
+    if block.runs_as_module:
         return None
     r, one_group = block.router, (1, 1, int(mlp.gate.top_k), True, 1.0)
     if r.scoring == "sigmoid" and r.groups is not None:
-        return deepseek_block(mlp)
+        return _grouped(mlp, state)
     if r.scoring == "sigmoid" and r.correction_bias and hasattr(mlp, "e_score_correction_bias"):
-        return RouterBlock(mlp, experts._moe_offload, mlp.e_score_correction_bias, one_group, "sigmoid",
-                           fp32_logits=False)
+        return RouterBlock(mlp, state, mlp.e_score_correction_bias, one_group, "sigmoid", fp32_logits=False)
     if r.scoring == "softmax" and r.correction_bias:
-        return RouterBlock(mlp, experts._moe_offload, mlp.gate.moe_statics.e_score_correction_bias, one_group,
-                           "softmax", round_weights=True)
+        return RouterBlock(mlp, state, mlp.gate.moe_statics.e_score_correction_bias, one_group, "softmax",
+                           round_weights=True)
     if r.scoring == "softmax" and r.groups is None and r.logits_dtype == "fp32":  # DeepSeek-V2's greedy top-k
-        return RouterBlock(mlp, experts._moe_offload, None, (1, 1, r.top_k, r.renormalise, r.scale), "softmax",
+        return RouterBlock(mlp, state, None, (1, 1, r.top_k, r.renormalise, r.scale), "softmax",
                            round_weights=r.weights_dtype == "model")
     return None

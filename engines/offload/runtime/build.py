@@ -278,6 +278,10 @@ def build_offload_engine(
         offloaded.executor.ep = tuple(expert_parallel)
         shard_head(offloaded.model, *expert_parallel, rehome=torch.device(device).type == "cpu"
                    and plan.host_cache is None)  # as load_model rehomed the dense weights
+    if speculative is not None and speculative.method == "mtp":  # the checkpoint's MTP layer (transformers skips it)
+        from moe_offload.engines.offload.model import mtp
+
+        offloaded.mtp = mtp.load(str(path), offloaded.model, offloaded.device)
     engine = OffloadEngine(offloaded, load_tokenizer(path), model_name=str(path), backend=backend, cache=cache,
                            kv_config=kv_config, scheduler=sched, speculative=speculative,
                            prefix_caching=enable_prefix_caching, kv_events=kv_events)

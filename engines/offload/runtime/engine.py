@@ -29,7 +29,7 @@ import torch
 
 from moe_offload.engines.base import Engine, EngineInfo, Generation, GenerationStats
 from moe_offload.engines.offload.kernels import jit
-from moe_offload.engines.offload.model import deltanet
+from moe_offload.engines.offload.model import deltanet, mtp
 from moe_offload.engines.offload.model.capture import DecodeCapture
 from moe_offload.engines.offload.runtime import kv_budget
 from moe_offload.engines.offload.runtime.accounting import Accounting
@@ -127,6 +127,9 @@ class OffloadEngine(Engine):
         # bytes of KV per token, and of fixed-size per-sequence state (linear attention) per sequence
         self.kv_bytes_per_token, self.state_bytes_per_seq = probed if probed is not None else (None, 0)
         self.paged = self.kv_bytes_per_token is not None
+        mtp_weights = mtp.weights_for(speculative, offloaded)
+        if mtp_weights is not None and self.paged:  # its KV rows in the pool too: one layer more
+            self.kv_bytes_per_token += mtp.kv_bytes(self.kv_bytes_per_token, self.description)
         if cache == "paged" and not self.paged:
             log.info("model keeps per-layer state beyond attention KV: each sequence runs in its own forward",
                      model_type=self.model.config.model_type)
@@ -152,13 +155,14 @@ class OffloadEngine(Engine):
         if self.paged and self.device.type == "cuda":  # decode steps as captured CUDA graphs over the owned graph
             self.runner.capture = DecodeCapture.build(self.runner, sched.max_num_seqs, int(max_len))
         self.output = OutputProcessor(self.scheduler, self.accounting)
-        self.speculative, self.proposer = speculative, None
+        self.speculative, self.proposer, self.mtp = speculative, None, None
         if speculative is not None:
             if not self.paged or self.state_bytes_per_seq:
                 raise ConfigError(f"speculative decoding: {self.model.config.model_type} keeps per-sequence state beyond "
                                   "attention KV (linear attention or Mamba layers), which a rejected draft cannot be "
                                   "rolled out of; run it without --speculative-config")
-            self.proposer = make_proposer(speculative, int(text_config.vocab_size))
+            self.proposer = self.mtp = mtp.attach(self.runner, mtp_weights, self.description) if mtp_weights else None
+            self.proposer = self.proposer or make_proposer(speculative, int(text_config.vocab_size))
             self.output.released = self.proposer.release
             log.info("speculative decoding on", **speculative.to_dict())
         placement = getattr(offloaded, "placement", None)
@@ -350,9 +354,12 @@ class OffloadEngine(Engine):
                 seq.payload.stats.cached_tokens = seq.cached_tokens or 0
         try:
             with torch.inference_mode():
+                self.runner.last = None
                 logits = self.runner.forward(out)
                 self.scheduler.commit(out)
                 self.output.emit(out, logits)
+                if self.mtp is not None and self.runner.last is not None:
+                    self.mtp.after(self.runner.last)  # the next step's drafts, once this step's tokens are known
         except (RuntimeError, ModelError) as e:  # torch failures (out of memory, a kernel error), an expert store that
             # vanished or was cut short under the disk tier: these requests fail, not the server
             if self.ranks is not None:

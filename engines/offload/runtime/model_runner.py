@@ -108,6 +108,9 @@ class ModelRunner:
         self.mla_layers = mla.prepare(model) if paged else 0
         self.fast = decode_plan(model, executor, pool, self.desc) if paged and not split else None
         self.capture = None  # decode steps as captured CUDA graphs over the graph (model/capture.py; the engine sets it)
+        # the last step's rows for MTP drafts (mtp.py): (ids, pos, StepContext, [(seq, first row, rows, computed)],
+        # the final norm's rows [N, H]); set by the graph's steps and, when it keeps them, the fused call's
+        self.last = None
         # every other paged step: the owned graph, or (None) transformers' modules
         self.graph = None
         if paged and not split and settings.get("MOE_OFFLOAD_GRAPH"):
@@ -137,9 +140,10 @@ class ModelRunner:
             if logits is not False:
                 return logits
         bs, dev = self.pool.block_size, self.device
-        ids, pos, slots, keep = [], [], [], []
+        ids, pos, slots, keep, rows = [], [], [], [], []
         for seq, n in sched:
             c = seq.computed
+            rows.append((seq, len(ids), n, c))
             ids += seq.window(n)
             pos += range(c, c + n)
             b = seq.blocks
@@ -155,7 +159,9 @@ class ModelRunner:
         before = snapshot(self.executor)
         kept = torch.tensor(keep or [len(ids) - 1], device=dev)  # [R]
         if self.graph is not None:
-            logits = self.graph.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), step, kept)
+            ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
+            logits = self.graph.forward(ids_t, pos_t, step, kept)
+            self.last = (ids_t, pos_t, step, rows, self.graph.hidden)
             self.accounting.book(self.executor, sched, before, getattr(self.executor, "token_stats", None))
             return logits if keep else None
         with kv.active(step):
@@ -187,7 +193,20 @@ class ModelRunner:
         before = snapshot(ex)
         logits = self.fast.forward(ids, lens, blocks, seats)
         self.accounting.book(ex, sched, before, ex.token_stats)
+        if self.fast.keep_hidden:  # MTP drafts: the step's rows as forward_paged records them, its KV layout
+            self._record(out, ids, [n - 1 for n in lens], self.fast.hidden)
         return _kept(logits, keep)
+
+    def _record(self, out: SchedulerOutput, ids: list[int], pos: list[int], hidden: torch.Tensor) -> None:
+        bs, dev, rows, slots, q = self.pool.block_size, self.device, [], [], 0
+        for seq, n in out.scheduled:
+            c, b = seq.computed, seq.blocks
+            rows.append((seq, q, n, c))
+            slots += [b[p // bs] * bs + p % bs for p in range(c, c + n)]
+            q += n
+        step = self.layout(out)
+        step.slot_mapping = torch.tensor(slots, device=dev)
+        self.last = (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), step, rows, hidden)
 
     def forward_captured(self, out: SchedulerOutput) -> torch.Tensor | None | bool:
         """A decode-only step through the captured graph (model/capture.py): logits of the rows that sample, or False

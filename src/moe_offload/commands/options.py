@@ -91,5 +91,6 @@ def ranks_share_cores(tensor_parallel: int | None) -> None:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 SPECULATIVE_HELP = ("Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
                     "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (prompt lookup) or {\"model\": DIR, "
-                    "\"num_speculative_tokens\": 3} (a draft model sharing the tokenizer). Exact: greedy output is "
+                    "\"num_speculative_tokens\": 3} (a draft model sharing the tokenizer) or {\"method\": \"mtp\"} (the "
+                    "checkpoint's own MTP layer: DeepSeek-V3, GLM-4.5). Exact: greedy output is "
                     "unchanged, sampling keeps its distribution.")

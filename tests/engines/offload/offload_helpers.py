@@ -211,3 +211,42 @@ def references(path: str, prompts, lengths) -> list[list[int]]:
         model = stock(path)
         _REFERENCES[key] = [greedy(model, p, n)[0] for p, n in zip(prompts, lengths)]
     return _REFERENCES[key]
+
+
+def build_with_mtp(config, path) -> str:
+    """A tiny checkpoint of ``config`` (its num_hidden_layers N) that ships one MTP layer as DeepSeek-V3 and GLM-4.5
+    releases do: a decoder layer's tensors under ``model.layers.N.`` (per-expert linears, as save_pretrained writes
+    them) and the layer's enorm, hnorm, eh_proj and shared_head beside them, in the one safetensors file;
+    ``num_nextn_predict_layers`` 1. The decoder layer is the N+1-layer model's last one, so transformers itself loads
+    it from ``path/full`` (the tests' oracle)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    n = int(config.num_hidden_layers)
+    config.num_hidden_layers, config.num_nextn_predict_layers = n + 1, 1
+    torch.manual_seed(4321)
+    full = AutoModelForCausalLM.from_config(config)
+    full.save_pretrained(path / "full")
+    sd = load_file(str(path / "full" / "model.safetensors"))
+    H, V = int(config.hidden_size), int(config.vocab_size)
+    g = torch.Generator().manual_seed(99)
+    pre = f"model.layers.{n}."
+    sd[pre + "enorm.weight"] = 1.0 + 0.2 * torch.randn(H, generator=g)
+    sd[pre + "hnorm.weight"] = 1.0 + 0.2 * torch.randn(H, generator=g)
+    sd[pre + "eh_proj.weight"] = 0.2 * torch.randn(H, 2 * H, generator=g)
+    sd[pre + "shared_head.norm.weight"] = 1.0 + 0.2 * torch.randn(H, generator=g)
+    sd[pre + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    sd[pre + "embed_tokens.weight"] = sd["model.embed_tokens.weight"].clone()
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((path / "full" / "config.json").read_text())
+    cfg["num_hidden_layers"] = n
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    gen = path / "full" / "generation_config.json"
+    if gen.exists():
+        (path / "generation_config.json").write_text(gen.read_text())
+    return str(path)
