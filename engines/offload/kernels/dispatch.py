@@ -15,14 +15,17 @@ bit-identical and greedy output does not depend on the resident fraction.
                                                               in fp32 tiles for bf16 on CPUs without bf16 dot)
 
 The custom ops (csrc/cpu/) stream each weight once at memory bandwidth; F.linear is what
-transformers' experts implementations compute. ``patch_linears`` sends the model's one-token bf16
-nn.Linear calls (attention projections, LM head) to the same GEMV. MOE_OFFLOAD_KERNELS=0 turns both off.
+transformers' experts implementations compute. The owned graph's blocks call the model's bf16 nn.Linear layers
+(attention projections, dense MLPs, LM head) through ``bound`` / ``call`` (one token: the same GEMV, a few: the GEMM
+kernel); the fallback that runs transformers' modules patches them instead (``patch_linears``).
+MOE_OFFLOAD_KERNELS=0 turns both off.
 
 Legend: N tokens routed to this expert, H hidden, I intermediate (2I gate+up).
 """
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 
@@ -296,18 +299,40 @@ def experts_one_token(module, x: torch.Tensor, weights: list[tuple], post_norm: 
 
 
 # -- the model's own one-token linear layers ----------------------------------------------------------------
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [.., in] @ w [out, in].T (+ b): one token on the GEMV kernel, a few on the GEMM kernel (bf16 CPU weights,
+    kernels on), prefill on gemm.linear (F.linear over rows padded to a multiple of 8)."""
+    if x.dtype == torch.bfloat16 and _fast(x, w, False):
+        if x.numel() == w.shape[1]:
+            return ops.gemv_bf16(x, w, b)
+        if x.numel() <= GEMM_MAX_TOKENS * w.shape[1]:  # a batched decode step
+            return ops.gemm_bf16(x, w, b)
+    return gemm.linear(x, w, b)  # prefill
+
+
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    # x [.., in] -> [.., out]; one token goes to the GEMV kernel, a few to the GEMM kernel, prefill to gemm.linear.
-    if x.dtype == torch.bfloat16 and _fast(x, self.weight, False):
-        if x.numel() == self.in_features:
-            return ops.gemv_bf16(x, self.weight, self.bias)
-        if x.numel() <= GEMM_MAX_TOKENS * self.in_features:  # a batched decode step
-            return ops.gemm_bf16(x, self.weight, self.bias)
-    return gemm.linear(x, self.weight, self.bias)  # prefill
+    return linear(x, self.weight, self.bias)
+
+
+def on_kernels(m: torch.nn.Module) -> bool:
+    """``m`` is a bf16 CPU nn.Linear whose rows the kernels compute (bound, called or patched), kernels on."""
+    return type(m) is torch.nn.Linear and _linear_ok(m) and jit.load()
+
+
+def bound(m: torch.nn.Module):
+    """What the owned graph's blocks call for the linear ``m``: its rows on the kernels (``linear``) where
+    ``on_kernels``, else the module itself (int8 rows, ggml blocks, fp32, CUDA, kernels off). Nothing is patched."""
+    return functools.partial(_linear_forward, m) if on_kernels(m) else m
+
+
+def call(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``bound(m)(x)`` for a call site that does not keep the binding."""
+    return linear(x, m.weight, m.bias) if on_kernels(m) else m(x)
 
 
 def patch_linears(model: torch.nn.Module) -> int:
-    """Route one-token calls of ``model``'s bf16 CPU nn.Linear layers to ``moe_offload::gemv_bf16``.
+    """Route one-token calls of ``model``'s bf16 CPU nn.Linear layers to ``moe_offload::gemv_bf16``: for the
+    fallback that runs transformers' modules (the owned graph binds instead: ``bound``), and head-split ranks.
 
     Returns how many layers were patched (0 when the kernels are off or unavailable). The swap is an
     instance-level ``forward``, so state dicts, hooks and prefill are unchanged.
@@ -330,14 +355,13 @@ def _linear_ok(m: torch.nn.Linear) -> bool:
     return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.stride(-1) == 1 and _bias_ok(b)
 
 
-def prepare(model: torch.nn.Module, expert_dtype: torch.dtype | None) -> int:
+def prepare(model: torch.nn.Module, expert_dtype: torch.dtype | None) -> None:
     """At load time: build the kernels now (not inside the first decode step) when the experts are bf16 or
-    quantized, patch the model's one-token bf16 CPU linears, widen its gated-DeltaNet convolutions. Returns how many
-    linears were patched."""
+    quantized, widen the model's gated-DeltaNet convolutions. Its linears are left as they are: the owned graph binds
+    them (``bound``), the fallback patches them (``patch_linears``, model_runner.py)."""
     if expert_dtype == torch.bfloat16 or expert_dtype in quant.FORMAT_OF_DTYPE:
         jit.load()
     widen_delta_convs(model)
-    return patch_linears(model)
 
 
 def widen_delta_convs(model: torch.nn.Module) -> int:

@@ -7,7 +7,10 @@ the rows of a step, each block holding the weights it reads, bound by name once.
       --rms_norm(kind)--> MoEBlock: SoftmaxRouter (softmax over experts then top-k, or top-k logits then softmax;
         renormalise, weights' dtype) or a MoE block's selection (moe_blocks.RouterBlock: sigmoid, correction bias,
         groups, scale) -> the offload executor (tiers, fetches, statistics) (+ a shared expert, gated or not)
-      | MLPBlock: silu(x . gate) * (x . up) -> down
+      | MLP: silu(x . gate) * (x . up) -> down
+
+The linears are the modules' weights on the kernels (dispatch.bound: bf16 CPU rows through the GEMV / GEMM kernels,
+else the module): no module is patched.
 
 N rows of the step (any mix of prefill chunks, decode rows and draft rows), H hidden, Hq/Hkv query/KV heads,
 D head dim, E experts, K top-k. Every op is the one the family's own module computes, in the same order and dtype,
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_offload.control.description import Attention, Router
+from moe_offload.engines.offload.kernels.dispatch import bound
 from moe_offload.engines.offload.model import mla
 from moe_offload.engines.offload.runtime import kv
 
@@ -67,7 +71,7 @@ class AttentionBlock:
     """Softmax attention over the paged KV cache for the rows of a step (description.Attention)."""
 
     def __init__(self, attn, desc: Attention, idx: int, norm_kind: str):
-        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q, self.k, self.v, self.o = (bound(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
         self.desc, self.idx, self.hd, self.scaling = desc, idx, int(attn.head_dim), float(attn.scaling)
         self.q_norm, self.k_norm = qk_norms(attn)
         self.norm_kind = norm_kind
@@ -134,6 +138,8 @@ class MLABlock:
 
     def __init__(self, attn, desc: Attention, idx: int, norm_kind: str):
         self.a, self.idx, self.norm_kind = attn, idx, norm_kind
+        self.lin = {n: bound(getattr(attn, n)) for n in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                          "kv_b_proj", "o_proj") if getattr(attn, n, None) is not None}
         self.nope, self.rope, self.vd = int(attn.qk_nope_head_dim), int(attn.qk_rope_head_dim), int(attn.v_head_dim)
         self.rank, self.scaling = int(attn.kv_lora_rank), float(attn.scaling)
         self.complex = desc.rotary is not None and desc.rotary.kind == "complex_fp32"  # DeepSeek-V2
@@ -143,10 +149,11 @@ class MLABlock:
         return rms_norm(t, norm.weight, eps_of(norm), self.norm_kind)
 
     def __call__(self, x: torch.Tensor, rot: tuple, step: kv.StepContext, cache: kv.PagedCache) -> torch.Tensor:
-        a, N = self.a, x.shape[0]
-        q = a.q_proj(x) if a.q_lora_rank is None else a.q_b_proj(self._norm(a.q_a_layernorm, a.q_a_proj(x)))
+        a, N, lin = self.a, x.shape[0], self.lin
+        q = lin["q_proj"](x) if a.q_lora_rank is None else lin["q_b_proj"](self._norm(a.q_a_layernorm,
+                                                                                      lin["q_a_proj"](x)))
         q_pass, q_rot = torch.split(q.view(N, -1, self.nope + self.rope), [self.nope, self.rope], dim=-1)
-        lat, k_rot = torch.split(a.kv_a_proj_with_mqa(x), [self.rank, self.rope], dim=-1)  # [N, R], [N, P]
+        lat, k_rot = torch.split(lin["kv_a_proj_with_mqa"](x), [self.rank, self.rope], dim=-1)  # [N, R], [N, P]
         lat, k_rot = self._norm(a.kv_a_layernorm, lat), k_rot.view(N, 1, self.rope)
         cos, sin = rot[:2]
         if self.complex:
@@ -162,14 +169,14 @@ class MLABlock:
         if len(rot) > 2:  # Llama 4's query scale per row (Mistral 4), rounded to the query's dtype as the module does
             query = query * rot[2].view(1, 1, N, 1).to(query.dtype)
         if mla.latent_step(step):  # decode rows only: attention over the latents, kv_b_proj absorbed (mla.py)
-            return a.o_proj(mla.attend(a, step, query, lat_x, rot_x, self.scaling).reshape(N, -1))
+            return lin["o_proj"](mla.attend(a, step, query, lat_x, rot_x, self.scaling).reshape(N, -1))
         X = lat_x.shape[2]
-        kvx = a.kv_b_proj(lat_x[0, 0]).view(X, -1, self.nope + self.vd)  # [X, H, N + V]
+        kvx = lin["kv_b_proj"](lat_x[0, 0]).view(X, -1, self.nope + self.vd)  # [X, H, N + V]
         k_nope, value = torch.split(kvx, [self.nope, self.vd], dim=-1)
         key = torch.cat([k_nope, rot_x[0, 0].unsqueeze(1).expand(-1, k_nope.shape[1], -1)], dim=-1)  # [X, H, N + P]
         out = kv.attend(step, query, key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0),
                         self.scaling)
-        return a.o_proj(out.reshape(N, -1))  # [N, H]
+        return lin["o_proj"](out.reshape(N, -1))  # [N, H]
 
 
 class SoftmaxRouter:
@@ -191,15 +198,29 @@ class SoftmaxRouter:
         return ids, (top.to(logits.dtype) if r.weights_dtype == "model" else top)
 
 
-def mlp(m, x: torch.Tensor) -> torch.Tensor:
+class MLP:
     """A silu MLP's (gate_proj, up_proj, down_proj) on the rows x [N, H]."""
-    return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+
+    def __init__(self, m):
+        self.gate, self.up, self.down = bound(m.gate_proj), bound(m.up_proj), bound(m.down_proj)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-def chunked_mlp(m, x: torch.Tensor) -> torch.Tensor:
+class ChunkedMLP:
     """A silu MLP with gate|up in one linear (Granite's shared MLP: input_linear [2I, H], output_linear [H, I])."""
-    gate, up = m.input_linear(x).chunk(2, dim=-1)
-    return m.output_linear(F.silu(gate) * up)
+
+    def __init__(self, m):
+        self.input, self.output = bound(m.input_linear), bound(m.output_linear)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.input(x).chunk(2, dim=-1)
+        return self.output(F.silu(gate) * up)
+
+
+def mlp_of(m) -> MLP | ChunkedMLP:
+    return ChunkedMLP(m) if hasattr(m, "input_linear") else MLP(m)
 
 
 class MoEBlock:
@@ -208,7 +229,8 @@ class MoEBlock:
     def __init__(self, executor, experts, router: SoftmaxRouter, shared=None, shared_gate=None):
         self.executor, self.experts, self.router = executor, experts, router
         self.state = experts._moe_offload
-        self.shared, self.shared_gate = shared, shared_gate
+        self.shared = None if shared is None else mlp_of(shared)
+        self.shared_gate = None if shared_gate is None else bound(shared_gate)
 
     @property
     def top_k(self) -> int:
@@ -222,7 +244,7 @@ class MoEBlock:
         """The routed experts' rows ``out`` [N, H] + the shared expert's (gated)."""
         if self.shared is None:
             return out
-        s = chunked_mlp(self.shared, x) if hasattr(self.shared, "input_linear") else mlp(self.shared, x)
+        s = self.shared(x)
         if self.shared_gate is not None:
             s = F.sigmoid(self.shared_gate(x)) * s
         return out + s

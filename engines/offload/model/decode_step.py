@@ -207,4 +207,4 @@ def _mla_linears_ok(a) -> bool:
     q_lora: q_a|kv_a run fused, not as modules) kv_a_proj_with_mqa, each a bf16 nn.Linear patched to the kernels or
     (--dense-dtype int8, a GGUF file) int8 rows / ggml blocks, which call gemv_q."""
     ms = (a.q_b_proj, a.o_proj) if a.q_lora_rank is not None else (a.q_proj, a.o_proj, a.kv_a_proj_with_mqa)
-    return all(dispatch.patched(m) or isinstance(m, RowsLinear) for m in ms)
+    return all(dispatch.on_kernels(m) or isinstance(m, RowsLinear) for m in ms)

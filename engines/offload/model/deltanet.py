@@ -36,7 +36,7 @@ import sys
 
 import torch
 
-from moe_offload.engines.offload.kernels import ops
+from moe_offload.engines.offload.kernels import dispatch, ops
 from moe_offload.engines.offload.runtime import kv
 
 
@@ -70,18 +70,19 @@ def _kernel_takes(layer, x: torch.Tensor) -> bool:
 def _kernel(layer, x: torch.Tensor, conv_state, state, slots=None) -> torch.Tensor:
     """The kernel's step for rows x [B, H]: the out_proj's output [B, H]; conv_state / state updated in place."""
     B, conv, plain = x.shape[0], layer.conv1d, layer._moe_offload_plain
+    c = dispatch.call  # the projections' rows on the kernels (the module path patched them alike)
     if plain:  # Qwen3.5: [q | k | v | z], [b | a]
-        qkvz = torch.cat([layer.in_proj_qkv(x), layer.in_proj_z(x)], dim=-1)
-        ba = torch.cat([layer.in_proj_b(x), layer.in_proj_a(x)], dim=-1)
+        qkvz = torch.cat([c(layer.in_proj_qkv, x), c(layer.in_proj_z, x)], dim=-1)
+        ba = torch.cat([c(layer.in_proj_b, x), c(layer.in_proj_a, x)], dim=-1)
     else:
-        qkvz = layer.in_proj_qkvz(x).reshape(B, -1).contiguous()
-        ba = layer.in_proj_ba(x).reshape(B, -1).contiguous()
+        qkvz = c(layer.in_proj_qkvz, x).reshape(B, -1).contiguous()
+        ba = c(layer.in_proj_ba, x).reshape(B, -1).contiguous()
     a_log, dt_bias, conv_bias = layer._moe_offload_fp32
     out = ops.gated_delta_decode(
         qkvz, ba, conv_state, conv.weight.squeeze(1), conv_bias, state,
         a_log, dt_bias, layer.norm.weight, float(layer.norm.variance_epsilon),
         layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, slots, plain)
-    return layer.out_proj(out)
+    return c(layer.out_proj, out)
 
 
 def _forward(layer, module_forward, hidden_states, cache=None, attention_mask=None, **kwargs):

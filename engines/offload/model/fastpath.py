@@ -31,11 +31,11 @@ import time
 import torch
 
 from moe_offload.control.description import ModelDescription, fused_refusal
-from moe_offload.engines.offload.kernels import ops
+from moe_offload.engines.offload.kernels import dispatch, ops
 from moe_offload.engines.offload.model import fused_bind, mla_plan
 from moe_offload.engines.offload.model.decode_step import StepCall
 from moe_offload.engines.offload.model.moe_blocks import mlp_rows
-from moe_offload.engines.offload.model.weights import decoder
+from moe_offload.engines.offload.model.weights import decoder, silu_mlp
 from moe_offload.log import get_logger
 
 log = get_logger("moe_offload.fastpath")
@@ -49,7 +49,7 @@ class DecodePlan:
         self.layers, self.eps, self.pool = layers, eps, pool
         inner = decoder(model)
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
-        self.lm_head = model.lm_head
+        self.lm_head = dispatch.bound(model.lm_head)  # its rows on the GEMV kernel
         self.head_dim = fused_bind.head_dim(inner)
         self.linear = [lay for lay in layers if lay.linear is not None]  # gated-DeltaNet layers, in order
         # the step's rotary tables: one serves every layer, or one per rotary (a table per layer type, or none: NoPE
@@ -153,14 +153,16 @@ class DecodePlan:
                     out = out + ops.shared_expert(x2, *lay.shared_args)
                 elif lay.shared is not None:
                     se, gate = lay.shared
-                    out = out + torch.sigmoid(gate(x2)) * se(x2)
+                    out = out + torch.sigmoid(dispatch.call(gate, x2)) * _mlp(se, x2)
                 elif lay.beside is not None:  # an ungated shared expert: one kernel call, added as the module adds
                     out = out + mlp_rows(x2, *lay.beside)
             elif lay.block is not None:
                 out = lay.block(ex, x2)
             elif lay.dense is not None:  # one kernel call for every row
                 out = mlp_rows(x2, *lay.dense)
-            else:  # a dense layer's MLP, or a MoE block run as its module (its experts still go to the executor)
+            elif silu_mlp(lay.mlp):  # a dense layer's MLP the kernel call does not take: its linears bound
+                out = _mlp(lay.mlp, x2)
+            else:  # a MoE block run as its module (its experts still go to the executor)
                 out = lay.mlp(x2.unsqueeze(0))
                 out = (out[0] if isinstance(out, tuple) else out)[0]
             add = out.contiguous()
@@ -178,3 +180,9 @@ class DecodePlan:
         self.executor.end_forward(t0)
         self.steps += 1
         return logits
+
+
+def _mlp(m, x: torch.Tensor) -> torch.Tensor:
+    """A silu MLP module's rows, its linears on the kernels (dispatch.call)."""
+    c = dispatch.call
+    return c(m.down_proj, torch.nn.functional.silu(c(m.gate_proj, x)) * c(m.up_proj, x))

@@ -37,6 +37,7 @@ import torch
 
 from moe_offload.control.description import Attention, ModelDescription, router_in_layer_call
 from moe_offload.control.description import MoEBlock as MoEDesc
+from moe_offload.engines.offload.kernels.dispatch import bound
 from moe_offload.engines.offload.loading.quant import RowsLinear
 from moe_offload.engines.offload.model import blocks, mla
 from moe_offload.engines.offload.model.deltanet import DeltaNetBlock
@@ -68,6 +69,7 @@ class ModelGraph:
     def __init__(self, model, executor, desc: ModelDescription, layers: list[_Layer], cache: kv.PagedCache):
         inner = decoder(model)
         self.model, self.embed, self.rotary_emb, self.norm = model, inner.embed_tokens, inner.rotary_emb, inner.norm
+        self.lm_head = bound(model.lm_head)  # a rank's VocabShard: itself
         self.executor, self.desc, self.layers, self.cache = executor, desc, layers, cache
         self.kind = desc.norm.kind
         self.rotaries = [r for r in dict.fromkeys(lay.rotary for lay in layers) if r is not None]
@@ -159,7 +161,7 @@ class ModelGraph:
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head of final-normed rows x [R, H] -> logits [R, V]."""
-        logits = self.model.lm_head(x)  # [R, V] (a rank's VocabShard gathers every rank's rows)
+        logits = self.lm_head(x)  # [R, V] (a rank's VocabShard gathers every rank's rows)
         return logits / self.desc.scales.logits if self.desc.scales.logits != 1.0 else logits
 
 
@@ -224,7 +226,7 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
     mlp = ffn_of(layer)
     moe = None
     if not isinstance(d.ffn, MoEDesc):
-        ffn = lambda x, m=mlp: blocks.mlp(m, x)  # noqa: E731
+        ffn = blocks.MLP(mlp)
     else:
         experts = getattr(mlp, "experts", None)
         if getattr(experts, "_moe_offload", None) is None:
@@ -237,7 +239,7 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
         if beside is not None and not is_silu(beside.activation):
             return f"layer {i}: a shared MLP of another activation"
         if beside is not None and d.ffn.runs_as_module:
-            ffn = lambda x, m=mlp, s=beside: _module_rows(m, x) + blocks.chunked_mlp(s, x)  # noqa: E731
+            ffn = lambda x, m=mlp, s=blocks.ChunkedMLP(beside): _module_rows(m, x) + s(x)  # noqa: E731
         elif d.ffn.runs_as_module:  # a router the description cannot express: the block's module (experts offloaded)
             ffn = lambda x, m=mlp: _module_rows(m, x)  # noqa: E731
         elif router_in_layer_call(d.ffn):  # a softmax router of model-dtype logits (the fused call's kind)

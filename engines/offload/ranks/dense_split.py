@@ -24,6 +24,7 @@ import gc
 import torch
 import torch.distributed as dist
 
+from moe_offload.engines.offload.kernels import dispatch
 from moe_offload.engines.offload.ranks.parallel import exchange, over_ranks
 
 
@@ -48,7 +49,7 @@ class VocabShard(torch.nn.Module):
         return self.part.weight_q if hasattr(self.part, "weight_q") else self.part.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.part(x)
+        y = dispatch.call(self.part, x)  # its rows on the kernels (bf16 CPU), else the module
         if y.device.type == "cpu":
             return torch.cat(exchange(y, None, lambda r: self.sizes[r]), dim=-1)
         width = self.sizes[0]  # NCCL's all_gather: equal parts, the shorter padded
@@ -60,11 +61,10 @@ class VocabShard(torch.nn.Module):
 
 def shard_head(model, rank: int, world: int, rehome: bool) -> None:
     """``model.lm_head`` replaced by this rank's VocabShard: its rows of the weight (a copy, so the full head is
-    freed, unless tied to the embeddings: then a view), bias and scales; an nn.Linear's one-token calls on the
-    kernels as load_model left them; ``rehome``: the rows in huge pages as load_model puts the dense weights."""
+    freed, unless tied to the embeddings: then a view), bias and scales (an nn.Linear's rows on the kernels:
+    dispatch.call); ``rehome``: the rows in huge pages as load_model puts the dense weights."""
     import copy
 
-    from moe_offload.engines.offload.kernels import dispatch
     from moe_offload.engines.offload.loading import hugepages
     from moe_offload.engines.offload.loading.quant import RowsLinear
 
@@ -93,9 +93,8 @@ def shard_head(model, rank: int, world: int, rehome: bool) -> None:
         part.weight = torch.nn.Parameter(rows(head.weight.data), requires_grad=False)
     if head.bias is not None:
         part.bias = torch.nn.Parameter(rows(head.bias.data), requires_grad=False)
-    if "forward" in head.__dict__:  # patched onto the head's instance (dispatch.patch_linears)
+    if "forward" in head.__dict__:  # patched onto the head's instance (dispatch.patch_linears): not the part's
         del part.__dict__["forward"]
-        dispatch.patch_linears(part)
     _let_go(head)
     if rehome and not tied:
         hugepages.rehome_module(part)
@@ -169,7 +168,6 @@ def split_dense(model, rank: int, world: int) -> dict[str, int]:
     """Every text layer's softmax attention heads and every MLP outside the experts (dense layers, shared experts) cut
     to this rank's part, where it splits (else whole: MLA and gated-DeltaNet mixers, a vision tower's attention, int8
     or ggml rows, sizes that do not divide). Returns {"attention": layers split, "mlp": MLPs split}."""
-    from moe_offload.engines.offload.kernels import dispatch
     from moe_offload.engines.offload.loading.architecture import decoder_layers
     from moe_offload.engines.offload.loading.quant import MLP_NAMES, dense_linears
 

@@ -22,6 +22,7 @@ import torch
 
 from moe_offload import settings
 from moe_offload.control.description import ModelDescription, describe
+from moe_offload.engines.offload.kernels import dispatch
 from moe_offload.engines.offload.model import fastpath, mla
 from moe_offload.engines.offload.model.graph import ModelGraph
 from moe_offload.engines.offload.runtime import kv
@@ -122,6 +123,8 @@ class ModelRunner:
         if not split and _ranks(executor) and _split_unless(self.fast is not None, model, executor,
                                                             kv="sized for whole heads"):
             self.fast = self.graph = None
+        if self.graph is None and not split:  # the fallback runs transformers' modules: their bf16 linears' rows on
+            dispatch.patch_linears(model)  # the kernels (the graph binds them instead: dispatch.bound)
         if paged:  # the paths, once: decode-only steps, and every other step (prefill chunks, mixed, verification)
             log.info("step paths", model_type=self.desc.model_type, other="graph" if self.graph else "modules",
                      decode="fused" if self.fast else ("graph" if self.graph else "modules"))

@@ -338,7 +338,7 @@ def test_bf16_model_is_exact_across_fractions(ops, checkpoints):
     for policy, fraction in (("static", 1.0), ("static", 0.0), ("lru", 0.5), ("hybrid", 0.5)):
         om = load_model(path, placement(layers, num_experts, fraction, policy), policy=policy, dtype="bfloat16",
                         hybrid_threshold=2 if policy == "hybrid" else None)
-        assert getattr(om.model.lm_head.forward, "__func__", None) is dispatch._linear_forward
+        assert "forward" not in om.model.lm_head.__dict__  # loading patches nothing (the engine's fallback would)
         runs[(policy, fraction)] = greedy(om.model, prompt, 8)
     first = runs[("static", 1.0)]
     for key, (tokens, logits) in runs.items():
