@@ -30,8 +30,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moe_offload.control.description import Attention, ModelDescription
+from moe_offload.control.description import Attention, ModelDescription, router_in_layer_call
 from moe_offload.control.description import MoEBlock as MoEDesc
+from moe_offload.engines.offload.experts.executor import weighted_sum
+from moe_offload.engines.offload.kernels import dispatch, ops
 from moe_offload.engines.offload.model import blocks
 from moe_offload.engines.offload.model.moe_blocks import selection
 from moe_offload.engines.offload.model.weights import decoder
@@ -152,15 +154,38 @@ def kv_bytes(total: int, desc: ModelDescription) -> int:
 
 def routed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
            down: torch.Tensor) -> torch.Tensor:
-    """The routed experts' rows for x [N, H], ids / weights [N, K]: per expert hit (in order) silu(gate) * up ->
-    down, times the pair's weight, summed into the rows in x's dtype."""
+    """The routed experts' rows for x [N, H], ids / weights [N, K]: per expert hit silu(gate) * up -> down, times
+    the pair's weight, summed into the rows in x's dtype: bf16 on the CPU in one moe_experts_bf16 call and the
+    executor's combine, else per expert hit (in order) as transformers' experts loop computes."""
+    if x.dtype == gate_up.dtype == torch.bfloat16 and ops.native(x):  # one fused-experts call, pairs by expert
+        T, K = ids.shape
+        perm = torch.argsort(ids.reshape(-1), stable=True)  # [T * K] pairs in expert order
+        es, counts = torch.unique_consecutive(ids.reshape(-1)[perm], return_counts=True)
+        es, counts = es.tolist(), counts.tolist()
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        proj = ops.experts(x.contiguous(), [gate_up[e] for e in es], [down[e] for e in es], perm // K, perm, starts,
+                           counts, x.new_empty((T * K, x.shape[1])))
+        return weighted_sum(proj, weights, x.dtype)
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         rows, k = torch.where(ids == e)
-        gate, up = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, down[e]) * weights[rows, k, None]
+        gate, up = dispatch.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
+        h = dispatch.linear(F.silu(gate) * up, down[e]) * weights[rows, k, None]
         out.index_add_(0, rows, h.to(out.dtype))
     return out
+
+
+class _Softmax:
+    """A softmax router without a shared expert (Qwen3-MoE's) in RouterBlock's route / finish form."""
+
+    def __init__(self, router: blocks.SoftmaxRouter):
+        self.router = router
+
+    def route(self, x: torch.Tensor):
+        return (*self.router(x), x)
+
+    def finish(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out
 
 
 class Drafter:
@@ -180,11 +205,16 @@ class Drafter:
         mixer = d.mixer
         attn = (blocks.MLABlock if mixer.kind == "mla" else blocks.AttentionBlock)(
             layer.self_attn, mixer, weights.index, desc.norm.kind)
-        self.router = selection(layer.mlp, d.ffn, None)
+        mlp = layer.mlp
+        if router_in_layer_call(d.ffn) and not hasattr(mlp, "shared_experts") and not hasattr(mlp, "shared_expert"):
+            gate = mlp.router if hasattr(mlp, "router") else mlp.gate
+            self.router = _Softmax(blocks.SoftmaxRouter(gate, d.ffn.router))
+        else:
+            self.router = selection(mlp, d.ffn, None)
         if self.router is None:
             raise ConfigError(f"speculative method mtp: a router the selection call does not take ({desc.model_type})")
-        self.layer = _Layer((layer.input_layernorm, layer.post_attention_layernorm), attn, getattr(mixer, "rotary", None),
-                            self._moe)
+        self.layer = _Layer((layer.input_layernorm, layer.post_attention_layernorm), attn,
+                            getattr(mixer, "rotary", None), self._moe)
         self.graph, self.weights, self.kind = graph, weights, desc.norm.kind
         w = weights.extra
         self.embed = w.get("embed_tokens.weight", graph.embed.weight)
@@ -206,16 +236,17 @@ class Drafter:
         final-normed rows, ``step`` the target step's KV layout; the logits [R, V] of ``rows`` [R]."""
         g = self.graph
         e = F.embedding(ids, self.embed).masked_fill((pos == 0).unsqueeze(1), 0.0)
-        x = F.linear(torch.cat([self._norm("enorm.weight", e), self._norm("hnorm.weight", hidden)], dim=-1),
-                     self.weights.extra["eh_proj.weight"])
+        x = dispatch.linear(torch.cat([self._norm("enorm.weight", e), self._norm("hnorm.weight", hidden)], dim=-1),
+                            self.weights.extra["eh_proj.weight"])
         h, x2 = g.attention_half(self.layer, x, g.rotary_tables(x, pos), step)
         h = g.residual(h, self._moe(x2)).index_select(0, rows)
-        return F.linear(self._norm("shared_head.norm.weight", h), self.head)
+        return dispatch.linear(self._norm("shared_head.norm.weight", h), self.head)
 
     def after(self, last) -> None:
         """A step's MTP rows once its tokens are known: ``last`` the runner's record of the step (ids, pos tensors,
-        its StepContext, [(seq, first row, rows, computed before)], the final norm's rows). Every row runs (its KV is the MTP layer's past
-        for later positions); each sequence whose last computed position lies in the step gets its next draft."""
+        its StepContext, [(seq, first row, rows, computed before)], the final norm's rows). Every row runs (its KV is
+        the MTP layer's past for later positions); each sequence whose last computed position lies in the step gets
+        its next draft."""
         pos, step, seqs = last[1], last[2], last[3]
         nxt, want, sids = [], [], []
         for seq, q0, n, c in seqs:

@@ -25,7 +25,8 @@ LENGTHS = (12, 9, 14)
 MTP = {"method": "mtp", "disable_by_batch_size": None}
 
 
-FAMILIES = ("deepseek_v3", "glm4_moe")  # MLA with grouped routing; GQA with partial rotary (families.py's config)
+# MLA with grouped routing; GQA with partial rotary (families.py's config); a softmax router (the trained demo's kind)
+FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def mtp_checkpoints(tmp_path_factory):
 
     def get(family: str) -> str:
         if family not in cache:
-            config = _configs()[family]() if family == "deepseek_v3" else tiny_config(family)
+            config = _configs()[family]() if family != "glm4_moe" else tiny_config(family)
             cache[family] = build_with_mtp(config, root / family)
         return cache[family]
 
@@ -132,7 +133,7 @@ class Every:
 
 
 @pytest.mark.parametrize("family,policy,fraction", [("deepseek_v3", "static", 1.0), ("deepseek_v3", "lru", 0.5),
-                                                     ("glm4_moe", "hybrid", 0.5)])
+                                                     ("glm4_moe", "hybrid", 0.5), ("qwen3_moe", "static", 0.5)])
 def test_mtp_drafts_are_the_layer_transformers_computes(mtp_checkpoints, family, policy, fraction):
     """fp32, three sequences staggered (prefill chunks beside decode rows); the first run drafts itself, the second
     verifies drafts that are right and wrong in turn while the MTP layer keeps up: every draft's MTP logits are the
@@ -262,3 +263,23 @@ def test_bf16_drafts_from_the_fused_call_are_the_graphs(mtp_checkpoint):
         assert ta == tb
         torch.testing.assert_close(la.float(), lb.float(), rtol=0.02, atol=0.02)
     assert sum(da == db for (_, da, _), (_, db, _) in zip(a, b)) >= 0.9 * len(a)
+
+
+def test_the_mtp_layers_routed_experts_in_one_kernel_call_are_the_loops():
+    """bf16 on the CPU: the pairs in expert order through one fused-experts call and the executor's combine, against
+    the per-expert loop in fp32 (the same weights): within bf16 rounding, every row."""
+    from moe_offload.engines.offload.kernels import ops
+
+    torch.manual_seed(0)
+    E, H, I, T, K = 8, 64, 32, 6, 3
+    gate_up, down = 0.1 * torch.randn(E, 2 * I, H), 0.1 * torch.randn(E, H, I)
+    x, w = torch.randn(T, H), torch.rand(T, K)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    ref = mtp.routed(x, ids, w, gate_up, down)  # fp32: the loop
+    bf = torch.bfloat16
+    if not ops.native(x.to(bf)):
+        pytest.skip("no compiled CPU kernels here")
+    got = mtp.routed(x.to(bf), ids, w, gate_up.to(bf), down.to(bf))
+    torch.testing.assert_close(got.float(), ref, rtol=0.02, atol=0.01)
+    ids[0, 0] = ids[0, 1]  # a pair routed to the wrong expert changes its row
+    assert not torch.allclose(mtp.routed(x.to(bf), ids, w, gate_up.to(bf), down.to(bf)).float()[0], ref[0], atol=0.01)
