@@ -37,6 +37,7 @@ import torch
 
 from moe_offload.control.description import Attention, ModelDescription, router_in_layer_call
 from moe_offload.control.description import MoEBlock as MoEDesc
+from moe_offload.engines.offload.kernels import dispatch
 from moe_offload.engines.offload.kernels.dispatch import bound
 from moe_offload.engines.offload.loading.quant import RowsLinear
 from moe_offload.engines.offload.model import blocks, mla
@@ -219,6 +220,7 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
         if not isinstance(layer.linear_attn.__dict__.get("forward"), functools.partial):
             return f"layer {i}: a gated-DeltaNet layer without the engine's forward (deltanet.install)"
         attn = DeltaNetBlock(layer.linear_attn)
+        dispatch.patch_linears(layer.linear_attn)  # its prefill chunks run the module: its linears as the fallback's
     elif d.mixer.kind == "mla":
         attn = blocks.MLABlock(layer.self_attn, d.mixer, i, desc.norm.kind)
     else:
@@ -238,6 +240,8 @@ def _layer(model, executor, desc: ModelDescription, i: int) -> _Layer | str:
             return f"layer {i}: the description and the modules disagree on a shared MLP beside the MoE block"
         if beside is not None and not is_silu(beside.activation):
             return f"layer {i}: a shared MLP of another activation"
+        if d.ffn.runs_as_module:  # the block runs as its module: its linears on the kernels as the fallback's
+            dispatch.patch_linears(mlp)
         if beside is not None and d.ffn.runs_as_module:
             ffn = lambda x, m=mlp, s=blocks.ChunkedMLP(beside): _module_rows(m, x) + s(x)  # noqa: E731
         elif d.ffn.runs_as_module:  # a router the description cannot express: the block's module (experts offloaded)

@@ -283,3 +283,35 @@ def test_the_mtp_layers_routed_experts_in_one_kernel_call_are_the_loops():
     torch.testing.assert_close(got.float(), ref, rtol=0.02, atol=0.01)
     ids[0, 0] = ids[0, 1]  # a pair routed to the wrong expert changes its row
     assert not torch.allclose(mtp.routed(x.to(bf), ids, w, gate_up.to(bf), down.to(bf)).float()[0], ref[0], atol=0.01)
+
+
+def test_mtp_kv_lives_in_the_cached_blocks(mtp_checkpoint):
+    """Prefix caching: a second request with the same prompt reuses its full blocks, the MTP layer's KV rows with
+    them (one pool layer more), and its drafts are the oracle's though it never ran the layer over those positions."""
+    engine = build_offload_engine(mtp_checkpoint, speculative=MTP, enable_prefix_caching=True, block_size=4)
+    try:
+        seen = _record(engine)
+        runs, outs = [], []
+        for _ in range(2):  # one after the other: the second finds the first's blocks
+            runs.append(engine.generate(PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True)))
+            outs.append(list(runs[-1]))
+        assert runs[0].stats.cached_tokens == 0 and runs[1].stats.cached_tokens == 16
+    finally:
+        engine.close()
+    assert outs[0] == outs[1]
+    second = seen[len(seen) // 2:]
+    assert len(second) == 5 and second[0][0][: len(PROMPTS[0])] == tuple(PROMPTS[0])
+    for (tokens, draft, logits), ref in zip(second, _oracle_logits(mtp_checkpoint, second)):
+        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_the_kv_budget_counts_the_mtp_layer(mtp_checkpoint):
+    sizes = []
+    for spec in (None, MTP):
+        engine = build_offload_engine(mtp_checkpoint, speculative=spec)
+        try:
+            sizes.append((engine.kv_bytes_per_token, len(engine.description.layers)))
+        finally:
+            engine.close()
+    (plain, n), (with_mtp, _) = sizes
+    assert with_mtp == plain + plain // n
