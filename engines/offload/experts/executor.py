@@ -183,12 +183,7 @@ class Executor:
             groups = [(e, k, 1) for e, k in sorted(zip(ids, range(K)))]  # top-k ids are distinct
             perm = None
         else:
-            sorted_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)  # [S]
-            uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-            groups, start = [], 0
-            for e, c in zip(uniq.tolist(), counts.tolist()):
-                groups.append((e, start, c))
-                start += c
+            groups, perm = by_expert(top_k_index)
         slot_of = cache.slot_of
         hits, fetch, host = [], [], []
         if self.ep is not None:  # only this rank's experts; the rows of the others' stay zero
@@ -346,6 +341,18 @@ class Executor:
         if self._cuda:
             return lambda slot, dst, src: self._copiers[dst[0].device].copy(dst, src, state.events.get(slot))
         return fused.copy_sync
+
+
+def by_expert(top_k_index: torch.Tensor) -> tuple[list[tuple[int, int, int]], torch.Tensor]:
+    """The routed pairs of top_k_index [T, K] grouped by expert, in ascending expert order (fixed): groups
+    (expert, start, count) into perm [S], the pairs' flat (token, k) indices sorted by expert (stable)."""
+    sorted_ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)  # [S]
+    uniq, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    groups, start = [], 0
+    for e, c in zip(uniq.tolist(), counts.tolist()):
+        groups.append((e, start, c))
+        start += c
+    return groups, perm
 
 
 def weighted_sum(proj: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 
 from moe_offload.control.description import ModelDescription, fused_refusal
 from moe_offload.engines.offload.kernels import dispatch, ops
-from moe_offload.engines.offload.model import fused_bind, mla_plan
+from moe_offload.engines.offload.model import blocks, fused_bind, mla_plan
 from moe_offload.engines.offload.model.decode_step import StepCall
 from moe_offload.engines.offload.model.moe_blocks import mlp_rows
 from moe_offload.engines.offload.model.weights import decoder, silu_mlp
@@ -153,7 +153,7 @@ class DecodePlan:
                     out = out + ops.shared_expert(x2, *lay.shared_args)
                 elif lay.shared is not None:
                     se, gate = lay.shared
-                    out = out + torch.sigmoid(dispatch.call(gate, x2)) * _mlp(se, x2)
+                    out = out + torch.sigmoid(dispatch.call(gate, x2)) * blocks.MLP(se)(x2)
                 elif lay.beside is not None:  # an ungated shared expert: one kernel call, added as the module adds
                     out = out + mlp_rows(x2, *lay.beside)
             elif lay.block is not None:
@@ -161,7 +161,7 @@ class DecodePlan:
             elif lay.dense is not None:  # one kernel call for every row
                 out = mlp_rows(x2, *lay.dense)
             elif silu_mlp(lay.mlp):  # a dense layer's MLP the kernel call does not take: its linears bound
-                out = _mlp(lay.mlp, x2)
+                out = blocks.MLP(lay.mlp)(x2)
             else:  # a MoE block run as its module (its experts still go to the executor)
                 out = lay.mlp(x2.unsqueeze(0))
                 out = (out[0] if isinstance(out, tuple) else out)[0]
@@ -181,8 +181,3 @@ class DecodePlan:
         self.steps += 1
         return logits
 
-
-def _mlp(m, x: torch.Tensor) -> torch.Tensor:
-    """A silu MLP module's rows, its linears on the kernels (dispatch.call)."""
-    c = dispatch.call
-    return c(m.down_proj, torch.nn.functional.silu(c(m.gate_proj, x)) * c(m.up_proj, x))

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from moe_offload.control.description import Attention, ModelDescription, router_in_layer_call
 from moe_offload.control.description import MoEBlock as MoEDesc
-from moe_offload.engines.offload.experts.executor import weighted_sum
+from moe_offload.engines.offload.experts.executor import by_expert, weighted_sum
 from moe_offload.engines.offload.kernels import dispatch, ops
 from moe_offload.engines.offload.model import blocks
 from moe_offload.engines.offload.model.moe_blocks import selection
@@ -157,18 +157,17 @@ def routed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: t
     """The routed experts' rows for x [N, H], ids / weights [N, K]: per expert hit silu(gate) * up -> down, times
     the pair's weight, summed into the rows in x's dtype: bf16 on the CPU in one moe_experts_bf16 call and the
     executor's combine, else per expert hit (in order) as transformers' experts loop computes."""
-    if x.dtype == gate_up.dtype == torch.bfloat16 and ops.native(x):  # one fused-experts call, pairs by expert
-        T, K = ids.shape
-        perm = torch.argsort(ids.reshape(-1), stable=True)  # [T * K] pairs in expert order
-        es, counts = torch.unique_consecutive(ids.reshape(-1)[perm], return_counts=True)
-        es, counts = es.tolist(), counts.tolist()
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        proj = ops.experts(x.contiguous(), [gate_up[e] for e in es], [down[e] for e in es], perm // K, perm, starts,
-                           counts, x.new_empty((T * K, x.shape[1])))
+    K = ids.shape[1]
+    groups, perm = by_expert(ids)  # the executor's grouping: (expert, start, count) into perm
+    if x.dtype == gate_up.dtype == torch.bfloat16 and ops.native(x):  # one fused-experts call
+        proj = ops.experts(x.contiguous(), [gate_up[e] for e, _, _ in groups], [down[e] for e, _, _ in groups],
+                           perm // K, perm, [s for _, s, _ in groups], [n for _, _, n in groups],
+                           x.new_empty((perm.numel(), x.shape[1])))
         return weighted_sum(proj, weights, x.dtype)
     out = torch.zeros_like(x)
-    for e in torch.unique(ids).tolist():
-        rows, k = torch.where(ids == e)
+    for e, start, n in groups:
+        pairs = perm[start : start + n]
+        rows, k = pairs // K, pairs % K
         gate, up = dispatch.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
         h = dispatch.linear(F.silu(gate) * up, down[e]) * weights[rows, k, None]
         out.index_add_(0, rows, h.to(out.dtype))

@@ -161,8 +161,8 @@ class OffloadEngine(Engine):
                 raise ConfigError(f"speculative decoding: {self.model.config.model_type} keeps per-sequence state beyond "
                                   "attention KV (linear attention or Mamba layers), which a rejected draft cannot be "
                                   "rolled out of; run it without --speculative-config")
-            self.proposer = self.mtp = mtp.attach(self.runner, mtp_weights, self.description) if mtp_weights else None
-            self.proposer = self.proposer or make_proposer(speculative, int(text_config.vocab_size))
+            self.mtp = mtp.attach(self.runner, mtp_weights, self.description) if mtp_weights is not None else None
+            self.proposer = self.mtp or make_proposer(speculative, int(text_config.vocab_size))
             self.output.released = self.proposer.release
             log.info("speculative decoding on", **speculative.to_dict())
         placement = getattr(offloaded, "placement", None)

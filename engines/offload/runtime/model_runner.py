@@ -142,15 +142,13 @@ class ModelRunner:
             logits = self.forward_captured(out)
             if logits is not False:
                 return logits
-        bs, dev = self.pool.block_size, self.device
-        ids, pos, slots, keep, rows = [], [], [], [], []
+        dev = self.device
+        rows, slots = _placed(sched, self.pool.block_size)
+        ids, pos, keep = [], [], []
         for seq, n in sched:
             c = seq.computed
-            rows.append((seq, len(ids), n, c))
             ids += seq.window(n)
             pos += range(c, c + n)
-            b = seq.blocks
-            slots += [b[p // bs] * bs + p % bs for p in range(c, c + n)]
             if seq.payload.wants_prompt_logprobs(seq) or seq.draft:
                 keep += range(len(ids) - n, len(ids))  # every position: prompt logprobs, or a draft to verify
             elif c + n == len(seq.tokens):
@@ -201,12 +199,8 @@ class ModelRunner:
         return _kept(logits, keep)
 
     def _record(self, out: SchedulerOutput, ids: list[int], pos: list[int], hidden: torch.Tensor) -> None:
-        bs, dev, rows, slots, q = self.pool.block_size, self.device, [], [], 0
-        for seq, n in out.scheduled:
-            c, b = seq.computed, seq.blocks
-            rows.append((seq, q, n, c))
-            slots += [b[p // bs] * bs + p % bs for p in range(c, c + n)]
-            q += n
+        dev = self.device
+        rows, slots = _placed(out.scheduled, self.pool.block_size)
         step = self.layout(out)
         step.slot_mapping = torch.tensor(slots, device=dev)
         self.last = (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), step, rows, hidden)
@@ -284,6 +278,17 @@ class ModelRunner:
             elif c + n == len(seq.tokens):
                 rows.append(res.logits[0, -1:])  # [1, V]
         return torch.cat(rows) if rows else None
+
+
+def _placed(sched, bs: int) -> tuple[list, list[int]]:
+    """Each scheduled sequence's (seq, first row, rows, computed), and the pool row of each of the step's tokens."""
+    rows, slots, q = [], [], 0
+    for seq, n in sched:
+        c, b = seq.computed, seq.blocks
+        rows.append((seq, q, n, c))
+        slots += [b[p // bs] * bs + p % bs for p in range(c, c + n)]
+        q += n
+    return rows, slots
 
 
 def _kept(logits: torch.Tensor, keep: list[int]) -> torch.Tensor | None:
